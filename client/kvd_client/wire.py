@@ -1,0 +1,687 @@
+"""kvd's wire protocol: every message, local (client <-> daemon) and peer (daemon <-> daemon).
+
+Rules:
+- Every message is a frozen, typed record registered here with a stable numeric type id.
+- Encoding is msgpack, never pickle: ``[PROTOCOL_VERSION, type_id, corr, field...]``.
+  ``corr`` correlates a request with its reply (0 for events and notifications). Nested
+  records are encoded as the list of their fields. Block-id lists travel as packed
+  little-endian int32 bytes (``BlockIds``), so a million ids cost one memcpy.
+- Decoding is total: any byte string either yields a record or raises exactly
+  ``RemoteProtocolError`` (``VersionMismatch`` for a foreign version). Sizes are bounded
+  before anything is allocated (msgpack limits) and every field is type-checked.
+- Pure functions only: no sockets, no clocks. The daemon and the thin client both import
+  this module; it depends on msgpack alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from array import array
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Final, TypeVar, Union, get_args, get_origin
+
+import msgpack
+
+from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
+
+PROTOCOL_VERSION: Final = 1
+DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
+MAX_ID_LEN: Final = 512
+MAX_STR_LEN: Final = 4096
+MAX_LIST_LEN: Final = 1 << 20
+MAX_BLOCK_IDS: Final = 1 << 22
+
+
+@dataclasses.dataclass(frozen=True)
+class Len:
+    """Bounds on the length of a str, bytes or list field (inclusive)."""
+
+    min: int = 0
+    max: int = MAX_STR_LEN
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Bounds on an int or float field (inclusive)."""
+
+    min: float
+    max: float
+
+
+class _Packed:
+    """Marker: a tuple of int32 ids sent as packed little-endian bytes."""
+
+
+PACKED: Final = _Packed()
+
+Id = Annotated[str, Len(1, MAX_ID_LEN)]
+"""A request or engine id: 1..512 characters."""
+OptId = Annotated[str, Len(0, MAX_ID_LEN)]
+"""An id that may be empty ("" = not given)."""
+Text = Annotated[str, Len(0, MAX_STR_LEN)]
+U16 = Annotated[int, Range(0, 0xFFFF)]
+U32 = Annotated[int, Range(0, 0xFFFFFFFF)]
+U64 = Annotated[int, Range(0, 0xFFFFFFFFFFFFFFFF)]
+I64 = Annotated[int, Range(-(1 << 63), (1 << 63) - 1)]
+Count = Annotated[int, Range(0, 1 << 40)]
+NonNegFloat = Annotated[float, Range(0.0, 1e12)]
+BlockIds = Annotated[tuple[int, ...], PACKED, Len(0, MAX_BLOCK_IDS)]
+"""Block ids, each a signed int32 on the wire (range checks against regions come later)."""
+Blob = Annotated[bytes, Len(0, 8 * 1024 * 1024)]
+Info = Annotated[dict[str, Any], Len(0, 1 << 16)]
+"""A free-form map (status reports), only from the daemon to its CLI."""
+
+T = TypeVar("T", bound="Record")
+
+
+class Record:
+    """Base of every wire record. Subclasses are frozen dataclasses with a TYPE id."""
+
+    TYPE: ClassVar[int] = 0
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+_REGISTRY: dict[int, type[Record]] = {}
+_Codec = tuple[Callable[[Any], Any], Callable[[Any, str], Any]]
+_CODECS: dict[type[Record], list[tuple[str, _Codec]]] = {}
+
+
+def message(type_id: int) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as a top-level wire message with a stable id."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        if type_id in _REGISTRY:
+            raise RuntimeError(f"duplicate wire type id {type_id}")
+        cls.TYPE = type_id
+        _REGISTRY[type_id] = cls
+        return cls
+
+    return wrap
+
+
+def _fail(where: str, what: str) -> typing.NoReturn:
+    raise RemoteProtocolError(f"{where}: {what}")
+
+
+def _codec_for(tp: Any) -> _Codec:
+    """Build (encode, decode) functions for one annotated field type."""
+    meta: tuple[Any, ...] = ()
+    if get_origin(tp) is Annotated:
+        tp, *rest = get_args(tp)
+        meta = tuple(rest)
+    length = next((m for m in meta if isinstance(m, Len)), None)
+    rng = next((m for m in meta if isinstance(m, Range)), None)
+    packed = any(isinstance(m, _Packed) for m in meta)
+    origin = get_origin(tp)
+
+    if packed:
+        max_n = length.max if length else MAX_BLOCK_IDS
+
+        def enc_packed(v: Any) -> Any:
+            a = array("i", v)
+            if sys.byteorder != "little":
+                a.byteswap()
+            return a.tobytes()
+
+        def dec_packed(v: Any, where: str) -> Any:
+            if not isinstance(v, bytes) or len(v) % 4:
+                _fail(where, "expected packed int32 bytes")
+            if len(v) // 4 > max_n:
+                _fail(where, f"too many ids ({len(v) // 4} > {max_n})")
+            a = array("i")
+            a.frombytes(v)
+            if sys.byteorder != "little":
+                a.byteswap()
+            return tuple(a)
+
+        return enc_packed, dec_packed
+
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported union {tp}")
+        inner_enc, inner_dec = _codec_for(args[0])
+
+        def dec_opt(v: Any, where: str) -> Any:
+            return None if v is None else inner_dec(v, where)
+
+        return (lambda v: None if v is None else inner_enc(v)), dec_opt
+
+    if tp is bool:
+
+        def dec_bool(v: Any, where: str) -> Any:
+            if not isinstance(v, bool):
+                _fail(where, f"expected bool, got {type(v).__name__}")
+            return v
+
+        return (lambda v: v), dec_bool
+
+    if tp is int:
+        lo, hi = (rng.min, rng.max) if rng else (-(1 << 63), (1 << 64) - 1)
+
+        def dec_int(v: Any, where: str) -> Any:
+            if not isinstance(v, int) or isinstance(v, bool):
+                _fail(where, f"expected int, got {type(v).__name__}")
+            if not lo <= v <= hi:
+                _fail(where, f"{v} out of range [{lo}, {hi}]")
+            return v
+
+        return (lambda v: v), dec_int
+
+    if tp is float:
+        flo, fhi = (rng.min, rng.max) if rng else (float("-inf"), float("inf"))
+
+        def dec_float(v: Any, where: str) -> Any:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                _fail(where, f"expected float, got {type(v).__name__}")
+            f = float(v)
+            if f != f or not flo <= f <= fhi:
+                _fail(where, f"{v} out of range [{flo}, {fhi}]")
+            return f
+
+        return (lambda v: v), dec_float
+
+    if tp in (str, bytes):
+        lmin, lmax = (length.min, length.max) if length else (0, MAX_STR_LEN)
+
+        def dec_sb(v: Any, where: str) -> Any:
+            if not isinstance(v, tp):
+                _fail(where, f"expected {tp.__name__}, got {type(v).__name__}")
+            if not lmin <= len(v) <= lmax:
+                _fail(where, f"length {len(v)} outside [{lmin}, {lmax}]")
+            return v
+
+        return (lambda v: v), dec_sb
+
+    if origin in (list, tuple):
+        args = get_args(tp)
+        item = args[0]
+        if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+            raise TypeError(f"only tuple[T, ...] is supported, not {tp}")
+        item_enc, item_dec = _codec_for(item)
+        lmax = length.max if length else MAX_LIST_LEN
+        lmin = length.min if length else 0
+
+        def dec_seq(v: Any, where: str) -> Any:
+            if not isinstance(v, list):
+                _fail(where, f"expected list, got {type(v).__name__}")
+            if not lmin <= len(v) <= lmax:
+                _fail(where, f"length {len(v)} outside [{lmin}, {lmax}]")
+            return tuple(item_dec(x, f"{where}[{i}]") for i, x in enumerate(v))
+
+        return (lambda v: [item_enc(x) for x in v]), dec_seq
+
+    if origin is dict:
+        lmax = length.max if length else MAX_LIST_LEN
+
+        def dec_map(v: Any, where: str) -> Any:
+            if not isinstance(v, dict):
+                _fail(where, f"expected map, got {type(v).__name__}")
+            if len(v) > lmax or not all(isinstance(k, str) for k in v):
+                _fail(where, "bad map")
+            return v
+
+        return (lambda v: dict(v)), dec_map
+
+    if isinstance(tp, type) and issubclass(tp, Record):
+        sub = tp
+
+        def dec_rec(v: Any, where: str) -> Any:
+            return _decode_fields(sub, v, where)
+
+        return (lambda v: _encode_fields(v)), dec_rec
+
+    raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def _codecs(cls: type[Record]) -> list[tuple[str, _Codec]]:
+    got = _CODECS.get(cls)
+    if got is None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        got = [(f.name, _codec_for(hints[f.name])) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        _CODECS[cls] = got
+    return got
+
+
+def _encode_fields(rec: Record) -> list[Any]:
+    return [enc(getattr(rec, name)) for name, (enc, _) in _codecs(type(rec))]
+
+
+def _decode_fields(cls: type[T], raw: Any, where: str) -> T:
+    if not isinstance(raw, list):
+        _fail(where, f"expected a {cls.__name__} record (list)")
+    codecs = _codecs(cls)
+    if len(raw) != len(codecs):
+        _fail(where, f"{cls.__name__} has {len(codecs)} fields, got {len(raw)}")
+    values = {name: dec(v, f"{cls.__name__}.{name}") for (name, (_, dec)), v in zip(codecs, raw, strict=True)}
+    return cls(**values)
+
+
+def encode(msg: Record, corr: int = 0) -> bytes:
+    """Encode a registered message. Raises TypeError for unregistered records (our bug)."""
+    cls = type(msg)
+    if _REGISTRY.get(cls.TYPE) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered wire message")
+    out = msgpack.packb([PROTOCOL_VERSION, cls.TYPE, corr, *_encode_fields(msg)], use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def decode(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[int, Record]:
+    """Decode one frame into (corr, message). Raises RemoteProtocolError, nothing else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise RemoteProtocolError("frame is not bytes")
+    if len(data) > max_frame:
+        raise RemoteProtocolError(f"frame of {len(data)} bytes exceeds the {max_frame}-byte limit")
+    try:
+        raw = msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=max_frame,
+            max_bin_len=max_frame,
+            max_array_len=MAX_LIST_LEN,
+            max_map_len=1 << 16,
+            max_ext_len=0,
+        )
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many unrelated types on garbage
+        raise RemoteProtocolError(f"malformed msgpack: {type(exc).__name__}") from None
+    if not isinstance(raw, list) or len(raw) < 3:
+        raise RemoteProtocolError("frame is not a [version, type, corr, ...] array")
+    version, type_id, corr = raw[0], raw[1], raw[2]
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise RemoteProtocolError("protocol version is not an int")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(f"protocol version {version} is not {PROTOCOL_VERSION}")
+    if not isinstance(type_id, int) or isinstance(type_id, bool) or type_id not in _REGISTRY:
+        raise RemoteProtocolError(f"unknown message type {type_id!r}")
+    if not isinstance(corr, int) or isinstance(corr, bool) or not 0 <= corr < (1 << 64):
+        raise RemoteProtocolError("bad correlation id")
+    cls = _REGISTRY[type_id]
+    try:
+        return corr, _decode_fields(cls, raw[3:], cls.__name__)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # a validator bug must still surface as one error type
+        raise RemoteProtocolError(f"invalid {cls.__name__}: {exc}") from None
+
+
+def registry() -> Mapping[int, type[Record]]:
+    """Every registered message type, by id (for tests and docs)."""
+    return dict(_REGISTRY)
+
+
+# --------------------------------------------------------------------------------------
+# Shared nested records
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionLayout(Record):
+    """How a KV region is laid out. Address of (block b, layer l, part k) =
+    base + b*block_stride + l*layer_stride + k*kv_stride; each chunk is chunk_bytes."""
+
+    num_blocks: Annotated[int, Range(1, 1 << 31)]
+    num_layers: Annotated[int, Range(1, 1 << 16)]
+    kv_parts: Annotated[int, Range(1, 2)]
+    chunk_bytes: Annotated[int, Range(1, 1 << 40)]
+    block_stride: Annotated[int, Range(0, 1 << 48)]
+    layer_stride: Annotated[int, Range(0, 1 << 48)]
+    kv_stride: Annotated[int, Range(0, 1 << 48)]
+    tokens_per_block: Annotated[int, Range(1, 1 << 20)]
+    physical_per_logical: Annotated[int, Range(1, 1 << 10)]
+    kv_layout: Annotated[str, Len(1, 16)]
+    """Token layout inside a chunk: "NHD" or "HND" (part of compatibility)."""
+    dtype: Annotated[str, Len(1, 32)]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionInfo(Record):
+    """A region as a peer sees it after a handshake."""
+
+    region_id: U32
+    generation: U32
+    engine_id: Id
+    tp_rank: U16
+    tp_size: U16
+    base_addr: U64
+    nbytes: U64
+    layout: RegionLayout
+    compat: Annotated[str, Len(0, 128)]
+    nixl_md: Blob
+    """Partial NIXL metadata for this region (loaded incrementally by the peer)."""
+
+
+# --------------------------------------------------------------------------------------
+# Client <-> daemon (local control plane, ZMQ ipc://)
+# --------------------------------------------------------------------------------------
+
+
+@message(1)
+@dataclasses.dataclass(frozen=True)
+class Hello(Record):
+    """First message of a session. `role`: scheduler, worker or cli."""
+
+    session: Id
+    role: Annotated[str, Len(1, 16)]
+    engine_id: OptId
+    tp_rank: Annotated[int, Range(-1, 0xFFFF)]
+    pid: U32
+    client_version: Annotated[str, Len(0, 64)]
+
+
+@message(2)
+@dataclasses.dataclass(frozen=True)
+class Welcome(Record):
+    daemon_version: Annotated[str, Len(0, 64)]
+    agent_name: Id
+    side_host: Text
+    side_port: U16
+    kv_lease_duration: NonNegFloat
+    ec_host: Text
+    ec_port: U16
+
+
+@message(3)
+@dataclasses.dataclass(frozen=True)
+class KeepAlive(Record):
+    """Sent by the client's keep-alive thread; no reply."""
+
+    session: Id
+
+
+@message(4)
+@dataclasses.dataclass(frozen=True)
+class Goodbye(Record):
+    """A clean close: the daemon releases the session's regions and requests."""
+
+    session: Id
+
+
+@message(5)
+@dataclasses.dataclass(frozen=True)
+class Ok(Record):
+    """Generic success reply."""
+
+
+@message(6)
+@dataclasses.dataclass(frozen=True)
+class ErrorReply(Record):
+    code: U16
+    message: Text
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str) -> ErrorReply:
+        return cls(int(code), message[:MAX_STR_LEN])
+
+
+@message(10)
+@dataclasses.dataclass(frozen=True)
+class RegisterRegion(Record):
+    """Register a worker's KV region. kind "shm": `name` is a POSIX shm name
+    (mapped read-write by the daemon). kind "cuda-ipc": `ipc_handle` is a CUDA IPC handle."""
+
+    kind: Annotated[str, Len(1, 16)]
+    name: Annotated[str, Len(0, 255)]
+    nbytes: Annotated[int, Range(1, 1 << 44)]
+    engine_id: Id
+    tp_rank: U16
+    tp_size: Annotated[int, Range(1, 0xFFFF)]
+    layout: RegionLayout
+    compat: Annotated[str, Len(0, 128)]
+    ipc_handle: Annotated[bytes, Len(0, 4096)]
+    device: Annotated[int, Range(-1, 1 << 10)]
+
+
+@message(11)
+@dataclasses.dataclass(frozen=True)
+class RegionRegistered(Record):
+    region_id: U32
+    generation: U32
+
+
+@message(12)
+@dataclasses.dataclass(frozen=True)
+class DeregisterRegion(Record):
+    region_id: U32
+
+
+@message(20)
+@dataclasses.dataclass(frozen=True)
+class Track(Record):
+    """D: a request that will load remote KV arrived; heartbeat P from now on."""
+
+    request_id: Id
+    engine_id: Id
+    peer_host: Text
+    peer_port: U16
+    remote_engine_id: OptId
+    remote_request_id: OptId
+
+
+@message(21)
+@dataclasses.dataclass(frozen=True)
+class RegisterPush(Record):
+    """D (push mode): these preallocated logical blocks await P's WRITE."""
+
+    request_id: Id
+    engine_id: Id
+    block_ids: BlockIds
+    peer_host: Text
+    peer_port: U16
+    remote_engine_id: OptId
+    remote_request_id: OptId
+
+
+@message(22)
+@dataclasses.dataclass(frozen=True)
+class Pull(Record):
+    """D (pull mode): READ P's logical `remote_block_ids` into local `block_ids`.
+    Empty lists mean a full local hit: only tell P to free."""
+
+    request_id: Id
+    engine_id: Id
+    block_ids: BlockIds
+    peer_host: Text
+    peer_port: U16
+    remote_engine_id: OptId
+    remote_request_id: Id
+    remote_block_ids: BlockIds
+
+
+@message(23)
+@dataclasses.dataclass(frozen=True)
+class Finish(Record):
+    """P: prefill finished; hold these logical blocks under a lease until sent."""
+
+    request_id: Id
+    engine_id: Id
+    block_ids: BlockIds
+
+
+@message(24)
+@dataclasses.dataclass(frozen=True)
+class Abort(Record):
+    request_id: Id
+    engine_id: Id
+
+
+@message(30)
+@dataclasses.dataclass(frozen=True)
+class GetStatus(Record):
+    """section: status, peers, leases, transfers or ec."""
+
+    section: Annotated[str, Len(1, 32)]
+
+
+@message(31)
+@dataclasses.dataclass(frozen=True)
+class StatusReply(Record):
+    data: Info
+
+
+@message(32)
+@dataclasses.dataclass(frozen=True)
+class PingPeer(Record):
+    host: Text
+    port: U16
+    timeout: Annotated[float, Range(0.001, 3600.0)]
+
+
+# Events: daemon -> client, corr = 0. Past tense.
+
+
+@message(40)
+@dataclasses.dataclass(frozen=True)
+class SendFinished(Record):
+    """P: the request's blocks were delivered (or needed no transfer); free them."""
+
+    request_id: Id
+
+
+@message(41)
+@dataclasses.dataclass(frozen=True)
+class RecvFinished(Record):
+    """D: every byte of the request's blocks arrived."""
+
+    request_id: Id
+
+
+@message(42)
+@dataclasses.dataclass(frozen=True)
+class RecvFailed(Record):
+    """D: the transfer failed; `block_ids` (logical) must be recomputed."""
+
+    request_id: Id
+    code: U16
+    reason: Text
+    block_ids: BlockIds
+
+
+@message(43)
+@dataclasses.dataclass(frozen=True)
+class SendFailed(Record):
+    """P: the request ended without a completed transfer (aborted, peer died); free."""
+
+    request_id: Id
+    code: U16
+    reason: Text
+
+
+@message(44)
+@dataclasses.dataclass(frozen=True)
+class SendExpired(Record):
+    """P: the request's lease expired without a transfer; its blocks may be freed."""
+
+    request_id: Id
+
+
+# --------------------------------------------------------------------------------------
+# Daemon <-> daemon: side channel (ZMQ tcp) and NIXL notifications
+# --------------------------------------------------------------------------------------
+
+
+@message(60)
+@dataclasses.dataclass(frozen=True)
+class Handshake(Record):
+    """Side channel request and reply: who I am and what I expose."""
+
+    agent_name: Id
+    nixl_md: Blob
+    side_host: Text
+    side_port: U16
+    kv_lease_duration: NonNegFloat
+    regions: Annotated[tuple[RegionInfo, ...], Len(0, 4096)]
+    canary_addr: U64
+    canary_bytes: U32
+    nonce: Annotated[bytes, Len(16, 64)]
+    timestamp: NonNegFloat
+    mac: Annotated[bytes, Len(0, 64)]
+    """HMAC-SHA256 over the fields above when a shared secret is configured."""
+
+
+@message(61)
+@dataclasses.dataclass(frozen=True)
+class PushRegistration(Record):
+    """PUSH_REG (notification D -> P): D's blocks for one request."""
+
+    request_id: Id
+    remote_request_id: OptId
+    engine_id: Id
+    remote_engine_id: OptId
+    tp_size: Annotated[int, Range(1, 0xFFFF)]
+    block_ids: BlockIds
+    side_host: Text
+    side_port: U16
+
+
+@message(62)
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(Record):
+    """HB (notification D -> P): extend the leases of these requests."""
+
+    request_ids: Annotated[tuple[Id, ...], Len(0, 1 << 16)]
+
+
+@message(63)
+@dataclasses.dataclass(frozen=True)
+class PushDone(Record):
+    """P -> D: rank `tp_rank`'s WRITE into D's blocks finished (ok) or failed."""
+
+    request_id: Id
+    tp_rank: U16
+    ok: bool
+    code: U16
+    reason: Text
+
+
+@message(64)
+@dataclasses.dataclass(frozen=True)
+class PullDone(Record):
+    """D -> P: D finished READing P's blocks of `request_id` (P's id)."""
+
+    request_id: Id
+    d_request_id: Id
+
+
+@message(65)
+@dataclasses.dataclass(frozen=True)
+class PullAck(Record):
+    """P -> D: were the blocks still leased when D's READ finished (fail closed)?"""
+
+    d_request_id: Id
+    ok: bool
+    code: U16
+    reason: Text
+
+
+@message(66)
+@dataclasses.dataclass(frozen=True)
+class CancelRegistration(Record):
+    """D -> P: D aborted the request; drop its registration."""
+
+    request_id: Id
+
+
+@message(67)
+@dataclasses.dataclass(frozen=True)
+class RegionDropped(Record):
+    """Peer notice: a region is going away; never address this generation again."""
+
+    region_id: U32
+    generation: U32
+
+
+@message(68)
+@dataclasses.dataclass(frozen=True)
+class Probe(Record):
+    """Notification round trip (liveness, `kvd ping`). reply=False asks for an echo."""
+
+    nonce: U64
+    reply: bool
