@@ -1,0 +1,377 @@
+"""The NIXL agent, owned by one dedicated thread (the only module that imports nixl).
+
+Why a thread of our own:
+- NIXL's default progress thread busy-spins a whole core (pthrDelay=0), which ruins
+  latency on small machines. We create the agent without it and drive progress here: the
+  loop polls `get_new_notifs` and in-flight transfer states, spinning only while
+  transfers are in flight and backing off (up to `poll_max_idle_us`) when idle. The
+  passive side of a transfer thus keeps making progress.
+- `transfer()` may do the whole copy inside the call (same-host cma) and releases the
+  GIL: it must never run on the event loop.
+- Every call into the agent happens on this one thread, so the agent needs no locks.
+
+The event loop talks to the thread with `await engine.call(fn)`; notifications and
+transfer completions come back through `loop.call_soon_threadsafe`. NIXL's exceptions are
+translated here into kvd's error types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final, TypeVar
+
+import numpy as np
+import structlog
+
+from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
+
+log = structlog.get_logger("kvd.nixl")
+
+T = TypeVar("T")
+NotifSink = Callable[[str, list[bytes]], None]
+"""Called on the event loop with (peer agent name, messages) for each batch."""
+
+_SPIN_BUDGET_S: Final = 0.002
+"""After activity, keep polling without sleeping this long before backing off."""
+
+
+class PeerDisconnected(TransferError):
+    """NIXL reports the remote agent gone (dead process, EFAULT on its memory)."""
+
+
+def translate(exc: BaseException) -> KvdError:
+    """Map a NIXL exception to a kvd error (keeps the NIXL name in the message)."""
+    if isinstance(exc, KvdError):
+        return exc
+    name = type(exc).__name__
+    text = f"{name}: {exc}"
+    if "RemoteDisconnect" in name:
+        return PeerDisconnected(text)
+    if "NotFound" in name:
+        return NotFound(text)
+    return TransferError(text)
+
+
+@dataclass
+class _Xfer:
+    handle: Any
+    future: asyncio.Future[float]
+    deadline: float
+    started: float
+
+
+@dataclass
+class NixlStats:
+    transfers_posted: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    bytes_moved: int = 0
+    notifs_sent: int = 0
+    notifs_received: int = 0
+    polls: int = 0
+    inflight: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+class NixlEngine:
+    """One NIXL agent and the thread that owns it."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        backend: str = "UCX",
+        error_handling_mode: str = "peer",
+        num_threads: int = 0,
+        poll_max_idle_us: int = 1000,
+        ucx_tls: str = "",
+    ) -> None:
+        self.name: Final = name
+        self._backend = backend
+        self._err_mode = error_handling_mode
+        self._num_threads = num_threads
+        self._max_idle = poll_max_idle_us / 1e6
+        self._ucx_tls = ucx_tls
+        self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._inflight: list[_Xfer] = []
+        self._thread: threading.Thread | None = None
+        self._agent: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sink: NotifSink | None = None
+        self._stop = threading.Event()
+        self.stats = NixlStats()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self, sink: NotifSink) -> None:
+        """Create the agent on its thread; returns once it is ready (or raises)."""
+        self._loop = asyncio.get_running_loop()
+        self._sink = sink
+        ready: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="kvd-nixl", daemon=True)
+        self._thread.start()
+        await ready
+
+    async def close(self) -> None:
+        """Stop the thread; in-flight transfers fail, the agent is destroyed."""
+        if self._thread is None:
+            return
+        self._cmds.put(None)
+        thread = self._thread
+        await asyncio.get_running_loop().run_in_executor(None, thread.join, 5.0)
+        self._thread = None
+
+    def _create_agent(self) -> Any:
+        if self._ucx_tls:
+            os.environ["UCX_TLS"] = self._ucx_tls
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        conf = nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            num_threads=self._num_threads,
+            backends=[],
+        )
+        agent = nixl_agent(self.name, conf)
+        agent.create_backend(self._backend, {"ucx_error_handling_mode": self._err_mode})
+        return agent
+
+    # ---------------------------------------------------------------- the thread
+
+    def _run(self, ready: asyncio.Future[None]) -> None:
+        loop = self._loop
+        assert loop is not None
+        try:
+            self._agent = self._create_agent()
+        except BaseException as exc:  # report any failure to the awaiting start()
+            err = translate(exc)
+            loop.call_soon_threadsafe(_set_exc, ready, err)
+            return
+        loop.call_soon_threadsafe(_set_result, ready, None)
+        idle = 0.0
+        last_activity = time.monotonic()
+        try:
+            while True:
+                wait = 0.0 if (self._inflight or time.monotonic() - last_activity < _SPIN_BUDGET_S) else idle
+                try:
+                    cmd = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = _NOTHING
+                active = False
+                while cmd is not _NOTHING:
+                    if cmd is None:
+                        return
+                    cmd()
+                    active = True
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        cmd = _NOTHING
+                if self._poll_notifs():
+                    active = True
+                if self._inflight and self._poll_xfers():
+                    active = True
+                self.stats.polls += 1
+                if active:
+                    last_activity = time.monotonic()
+                    idle = 10e-6
+                else:
+                    idle = min(self._max_idle, max(10e-6, idle * 2))
+        finally:
+            self._shutdown_agent()
+
+    def _poll_notifs(self) -> bool:
+        try:
+            notifs = self._agent.get_new_notifs()
+        except Exception as exc:  # progress errors must not kill the thread
+            self._count_error(exc)
+            return False
+        if not notifs:
+            return False
+        loop, sink = self._loop, self._sink
+        assert loop is not None and sink is not None
+        for peer, msgs in notifs.items():
+            self.stats.notifs_received += len(msgs)
+            loop.call_soon_threadsafe(sink, peer if isinstance(peer, str) else peer.decode(), list(msgs))
+        return True
+
+    def _poll_xfers(self) -> bool:
+        now = time.monotonic()
+        keep: list[_Xfer] = []
+        changed = False
+        for x in self._inflight:
+            try:
+                state = self._agent.check_xfer_state(x.handle)
+            except Exception as exc:
+                self._finish(x, exc)
+                changed = True
+                continue
+            if state == "DONE":
+                self._finish(x, None)
+                changed = True
+            elif state == "PROC" and now < x.deadline:
+                keep.append(x)
+            elif state == "PROC":
+                self._finish(x, Timeout(f"transfer still in flight after {now - x.started:.3f}s"))
+                changed = True
+            else:
+                self._finish(x, TransferError(f"transfer state {state!r}"))
+                changed = True
+        self._inflight = keep
+        self.stats.inflight = len(keep)
+        return changed
+
+    def _finish(self, x: _Xfer, exc: BaseException | None) -> None:
+        try:
+            self._agent.release_xfer_handle(x.handle)
+        except Exception as rel_exc:
+            self._count_error(rel_exc)
+        loop = self._loop
+        assert loop is not None
+        if exc is None:
+            self.stats.transfers_done += 1
+            loop.call_soon_threadsafe(_set_result, x.future, time.monotonic() - x.started)
+        else:
+            self.stats.transfers_failed += 1
+            self._count_error(exc)
+            loop.call_soon_threadsafe(_set_exc, x.future, translate(exc))
+
+    def _count_error(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
+
+    def _shutdown_agent(self) -> None:
+        for x in self._inflight:
+            self._finish(x, TransferError("NIXL engine shut down"))
+        self._inflight = []
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not None:
+                cmd()  # commands fail fast: the agent is still there
+        self._agent = None
+
+    # ---------------------------------------------------------------- calls from the loop
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run fn(agent) on the NIXL thread and return its result (errors translated)."""
+        loop = self._loop
+        if loop is None or self._thread is None:
+            raise TransferError("NIXL engine is not running")
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                value = fn(self._agent)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(_set_exc, fut, translate(exc))
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, value)
+
+        self._cmds.put(run)
+        return await fut
+
+    async def transfer(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes,
+        timeout: float,
+        nbytes: int,
+    ) -> float:
+        """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
+
+        Returns the seconds from post to completion. The notification is delivered to the
+        peer by NIXL when the transfer completes. Raises TransferError (PeerDisconnected
+        when the peer is gone, Timeout past `timeout`).
+        """
+        loop = self._loop
+        if loop is None or self._thread is None:
+            raise TransferError("NIXL engine is not running")
+        fut: asyncio.Future[float] = loop.create_future()
+
+        def run() -> None:
+            agent = self._agent
+            started = time.monotonic()
+            try:
+                ldesc = agent.get_xfer_descs(local, "DRAM")
+                rdesc = agent.get_xfer_descs(remote, "DRAM")
+                handle = agent.initialize_xfer(op, ldesc, rdesc, peer, notif)
+            except BaseException as exc:
+                self.stats.transfers_failed += 1
+                self._count_error(exc)
+                loop.call_soon_threadsafe(_set_exc, fut, translate(exc))
+                return
+            self.stats.transfers_posted += 1
+            self.stats.bytes_moved += nbytes
+            x = _Xfer(handle, fut, started + timeout, started)
+            try:
+                state = agent.transfer(handle)
+            except BaseException as exc:
+                self._finish(x, exc)
+                return
+            if state == "DONE":
+                self._finish(x, None)
+            else:
+                self._inflight.append(x)
+
+        self._cmds.put(run)
+        return await fut
+
+    async def send_notif(self, peer: str, msg: bytes) -> None:
+        def send(agent: Any) -> None:
+            agent.send_notif(peer, msg)
+            self.stats.notifs_sent += 1
+
+        await self.call(send)
+
+    async def register(self, addr: int, nbytes: int) -> Any:
+        return await self.call(lambda a: a.register_memory([(addr, nbytes, 0, "")], "DRAM"))
+
+    async def deregister(self, reg: Any) -> None:
+        await self.call(lambda a: a.deregister_memory(reg))
+
+    async def metadata(self) -> bytes:
+        md = await self.call(lambda a: a.get_agent_metadata())
+        return bytes(md)
+
+    async def partial_metadata(self, addr: int, nbytes: int) -> bytes:
+        def get(a: Any) -> bytes:
+            descs = a.get_reg_descs([(addr, nbytes, 0, "")], "DRAM")
+            return bytes(a.get_partial_agent_metadata(descs, False, []))
+
+        return await self.call(get)
+
+    async def add_remote(self, md: bytes) -> str:
+        name = await self.call(lambda a: a.add_remote_agent(md))
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    async def remove_remote(self, name: str) -> None:
+        await self.call(lambda a: a.remove_remote_agent(name))
+
+
+class _Nothing:
+    pass
+
+
+_NOTHING: Final = _Nothing()
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exc(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
