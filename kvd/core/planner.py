@@ -1,0 +1,480 @@
+"""Descriptor planning: which byte ranges NIXL copies for a KV transfer.
+
+A registered KV region is described by a `Geometry`: the address of the chunk holding
+(block b, layer l, K/V part k) is ``base_addr + b*block_stride + l*layer_stride +
+k*kv_stride`` and the chunk is ``chunk_bytes`` long. `plan_transfer` pairs the chunks
+of a local and a remote block list and coalesces neighbours that are contiguous on both
+sides, so a contiguous run of blocks costs one descriptor (block-major) or one per
+(layer, part) (layer-major) instead of one per chunk.
+
+This module is the safety boundary of the data plane: NIXL writes wherever a
+descriptor points. Rules:
+
+* Every geometry is validated before use (`Geometry.validate`): counts positive,
+  strides non-negative, no two chunks overlapping, every chunk inside
+  ``[base_addr, base_addr + nbytes)``, nothing beyond int64. Block ids are validated
+  (`check_blocks`): strictly ints, in range, no duplicates; nothing is coerced.
+* Given those, every address computed below fits int64 and lies inside its region;
+  the finished plan is checked against both regions once more anyway.
+* All work is vectorised with numpy: no Python loop per block or per chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+from kvd_client.errors import Incompatible, InvalidRequest, KvdError
+
+Int64Array = npt.NDArray[np.int64]
+
+INT64_MAX: Final = 2**63 - 1
+INT64_MIN: Final = -(2**63)
+
+_GEOMETRY_FIELDS: Final = (
+    "base_addr",
+    "nbytes",
+    "num_blocks",
+    "num_layers",
+    "kv_parts",
+    "chunk_bytes",
+    "block_stride",
+    "layer_stride",
+    "kv_stride",
+    "physical_per_logical",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """Where every (block, layer, K/V part) chunk of one registered region lives."""
+
+    base_addr: int
+    nbytes: int
+    """Size of the registered region; every chunk lies in [base_addr, base_addr + nbytes)."""
+    num_blocks: int
+    """Physical blocks in the region."""
+    num_layers: int
+    kv_parts: int
+    """2 when K and V are stored apart, 1 when one chunk holds both."""
+    chunk_bytes: int
+    """Bytes of one block of one layer of one K/V part."""
+    block_stride: int
+    layer_stride: int
+    kv_stride: int
+    physical_per_logical: int = 1
+    """Physical blocks per logical (scheduler) block; see `expand_logical`."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers and K/V parts."""
+        return self.num_layers * self.kv_parts * self.chunk_bytes
+
+    @classmethod
+    def block_major(
+        cls,
+        base_addr: int,
+        num_blocks: int,
+        num_layers: int,
+        kv_parts: int,
+        chunk_bytes: int,
+        physical_per_logical: int = 1,
+    ) -> Geometry:
+        """A region where each block's layers and K/V parts are contiguous."""
+        kv_stride = chunk_bytes
+        layer_stride = kv_parts * chunk_bytes
+        block_stride = num_layers * layer_stride
+        geometry = cls(
+            base_addr=base_addr,
+            nbytes=num_blocks * block_stride,
+            num_blocks=num_blocks,
+            num_layers=num_layers,
+            kv_parts=kv_parts,
+            chunk_bytes=chunk_bytes,
+            block_stride=block_stride,
+            layer_stride=layer_stride,
+            kv_stride=kv_stride,
+            physical_per_logical=physical_per_logical,
+        )
+        geometry.validate()
+        return geometry
+
+    @classmethod
+    def layer_major(
+        cls,
+        base_addr: int,
+        num_blocks: int,
+        num_layers: int,
+        kv_parts: int,
+        chunk_bytes: int,
+        physical_per_logical: int = 1,
+    ) -> Geometry:
+        """A region laid out [layer][K/V part][block] (vLLM's per-layer KV tensors)."""
+        block_stride = chunk_bytes
+        kv_stride = num_blocks * chunk_bytes
+        layer_stride = kv_parts * kv_stride
+        geometry = cls(
+            base_addr=base_addr,
+            nbytes=num_layers * layer_stride,
+            num_blocks=num_blocks,
+            num_layers=num_layers,
+            kv_parts=kv_parts,
+            chunk_bytes=chunk_bytes,
+            block_stride=block_stride,
+            layer_stride=layer_stride,
+            kv_stride=kv_stride,
+            physical_per_logical=physical_per_logical,
+        )
+        geometry.validate()
+        return geometry
+
+    def validate(self) -> None:
+        """Raise InvalidRequest, naming the field, unless this layout is safe to plan on.
+
+        Safe means: every field a plain int within int64; counts and chunk size
+        positive; strides non-negative; every chunk inside the region; no two chunks
+        overlapping. Overlap is ruled out by sorting the dimensions that have more
+        than one entry by stride and requiring each stride to be at least the extent
+        of the dimensions inside it (which also makes address order equal to the
+        lexicographic order of (outer, ..., inner) indices).
+        """
+        for name in _GEOMETRY_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidRequest(f"geometry.{name} must be an int, got {type(value).__name__}")
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise InvalidRequest(f"geometry.{name}={value} overflows int64")
+        if self.base_addr < 0:
+            raise InvalidRequest(f"geometry.base_addr={self.base_addr} is negative")
+        for name in ("nbytes", "num_blocks", "num_layers", "chunk_bytes", "physical_per_logical"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise InvalidRequest(f"geometry.{name}={value} must be > 0")
+        if self.kv_parts not in (1, 2):
+            raise InvalidRequest(f"geometry.kv_parts={self.kv_parts} must be 1 or 2")
+        for name in ("block_stride", "layer_stride", "kv_stride"):
+            value = getattr(self, name)
+            if value < 0:
+                raise InvalidRequest(f"geometry.{name}={value} is negative")
+        if self.base_addr + self.nbytes > INT64_MAX:
+            raise InvalidRequest(
+                f"geometry.base_addr + geometry.nbytes = {self.base_addr + self.nbytes} "
+                "overflows int64"
+            )
+        end = (
+            (self.num_blocks - 1) * self.block_stride
+            + (self.num_layers - 1) * self.layer_stride
+            + (self.kv_parts - 1) * self.kv_stride
+            + self.chunk_bytes
+        )
+        if end > self.nbytes:
+            raise InvalidRequest(
+                f"geometry.nbytes={self.nbytes} is too small: the last chunk ends at "
+                f"offset {end} (check num_blocks, strides and chunk_bytes)"
+            )
+        dims = sorted(
+            (stride, count, name)
+            for stride, count, name in (
+                (self.kv_stride, self.kv_parts, "kv_stride"),
+                (self.layer_stride, self.num_layers, "layer_stride"),
+                (self.block_stride, self.num_blocks, "block_stride"),
+            )
+            if count > 1
+        )
+        extent = self.chunk_bytes
+        for stride, count, name in dims:
+            if stride < extent:
+                raise InvalidRequest(
+                    f"geometry.{name}={stride} is smaller than the {extent} bytes spanned by "
+                    "the dimensions inside it: chunks would overlap"
+                )
+            extent += stride * (count - 1)
+
+    def check_compatible(self, other: Geometry) -> None:
+        """Raise Incompatible unless chunks of `self` and `other` correspond one to one."""
+        for name in ("num_layers", "kv_parts", "chunk_bytes"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise Incompatible(f"geometries differ: {name} is {mine} here, {theirs} remotely")
+
+
+def _as_int64_array(values: object, what: str) -> Int64Array:
+    """A fresh 1-D int64 array of `values`, which must be ints; nothing is coerced."""
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise InvalidRequest(f"{what} must be one-dimensional, got shape {values.shape}")
+        kind = values.dtype.kind
+        if kind == "u" and values.size and int(values.max()) > INT64_MAX:
+            first = int(np.argmax(values > INT64_MAX))
+            raise InvalidRequest(f"{what}[{first}]={int(values[first])} overflows int64")
+        if kind not in "iu":
+            raise InvalidRequest(f"{what} must hold integers, got dtype {values.dtype}")
+        return np.array(values, dtype=np.int64)
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not isinstance(values, Sequence):
+        raise InvalidRequest(f"{what} must be a sequence of ints, got {type(values).__name__}")
+    # One C-level pass over the element types: bools (Python's and numpy's), floats,
+    # strings and nested lists are refused rather than silently converted.
+    for kind_seen in set(map(type, values)):
+        if kind_seen is not int and not issubclass(kind_seen, np.integer):
+            first = next(i for i, v in enumerate(values) if type(v) is kind_seen)
+            raise InvalidRequest(
+                f"{what}[{first}]={values[first]!r} is a {kind_seen.__name__}, not an int"
+            )
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        first = next(i for i, v in enumerate(values) if not INT64_MIN <= int(v) <= INT64_MAX)
+        raise InvalidRequest(f"{what}[{first}]={values[first]} overflows int64") from None
+
+
+def expand_logical(block_ids: Sequence[int] | npt.NDArray[np.integer], ratio: int) -> Int64Array:
+    """Physical block ids of logical blocks: L becomes L*ratio, ..., L*ratio + ratio - 1.
+
+    Logical ids must be non-negative ints small enough that no physical id overflows.
+    """
+    if not isinstance(ratio, int) or isinstance(ratio, bool) or ratio <= 0:
+        raise InvalidRequest(f"physical_per_logical={ratio!r} must be a positive int")
+    logical = _as_int64_array(block_ids, "logical block ids")
+    limit = (INT64_MAX - (ratio - 1)) // ratio
+    bad = (logical < 0) | (logical > limit)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise InvalidRequest(
+            f"logical block id {int(logical[first])} (position {first}) is out of range"
+        )
+    if ratio == 1:
+        return logical
+    offsets = np.arange(ratio, dtype=np.int64)
+    expanded: Int64Array = (logical[:, None] * ratio + offsets[None, :]).reshape(-1)
+    return expanded
+
+
+def check_blocks(
+    geometry: Geometry, block_ids: Sequence[int] | npt.NDArray[np.integer]
+) -> Int64Array:
+    """Validated physical block ids as a fresh int64 array.
+
+    Raises InvalidRequest, naming the first offender, for anything that is not a 1-D
+    sequence of ints, for ids outside [0, num_blocks), and for duplicates.
+    """
+    blocks = _as_int64_array(block_ids, "block ids")
+    bad = (blocks < 0) | (blocks >= geometry.num_blocks)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise InvalidRequest(
+            f"block id {int(blocks[first])} (position {first}) is outside "
+            f"[0, {geometry.num_blocks})"
+        )
+    if blocks.size > 1:
+        ordered = np.sort(blocks)
+        if (ordered[1:] == ordered[:-1]).any():
+            _, first_seen, counts = np.unique(blocks, return_index=True, return_counts=True)
+            dup_value = int(blocks[int(first_seen[counts > 1].min())])
+            second = int(np.flatnonzero(blocks == dup_value)[1])
+            raise InvalidRequest(
+                f"block id {dup_value} appears more than once (again at position {second})"
+            )
+    return blocks
+
+
+def _frozen(array: Int64Array) -> Int64Array:
+    array.setflags(write=False)
+    return array
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Plan:
+    """Paired descriptors: copy lengths[i] bytes between local_addrs[i] and remote_addrs[i].
+
+    The arrays are int64, equally long and read-only.
+    """
+
+    local_addrs: Int64Array
+    remote_addrs: Int64Array
+    lengths: Int64Array
+
+    @property
+    def descriptors(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.lengths.sum(dtype=np.int64))
+
+    def as_tuples_local(self, dev: int = 0) -> Int64Array:
+        """An Nx3 int64 array of (addr, len, dev), as NIXL's descriptor lists take."""
+        return _tuples(self.local_addrs, self.lengths, dev)
+
+    def as_tuples_remote(self, dev: int = 0) -> Int64Array:
+        """An Nx3 int64 array of (addr, len, dev) on the remote side."""
+        return _tuples(self.remote_addrs, self.lengths, dev)
+
+
+def _tuples(addrs: Int64Array, lengths: Int64Array, dev: int) -> Int64Array:
+    out = np.empty((addrs.shape[0], 3), dtype=np.int64)
+    out[:, 0] = addrs
+    out[:, 1] = lengths
+    out[:, 2] = dev
+    return out
+
+
+def _prepare(
+    local: Geometry,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote: Geometry,
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+) -> tuple[Int64Array, Int64Array]:
+    local.validate()
+    remote.validate()
+    local.check_compatible(remote)
+    lb = check_blocks(local, local_blocks)
+    rb = check_blocks(remote, remote_blocks)
+    if lb.shape[0] != rb.shape[0]:
+        raise InvalidRequest(
+            f"{lb.shape[0]} local blocks but {rb.shape[0]} remote blocks: counts must match"
+        )
+    return lb, rb
+
+
+_Dim = tuple[Int64Array, Int64Array]
+"""One dimension of the chunk grid: its local and its remote address offsets."""
+
+
+def _grid_dims(
+    local: Geometry, lb: Int64Array, remote: Geometry, rb: Int64Array, by_local_address: bool
+) -> list[_Dim]:
+    """The (block, layer, part) dimensions of the chunk grid, outermost first.
+
+    With `by_local_address`, block pairs are sorted by local id and the dimensions by
+    local stride, largest first; validation guarantees that the flattened grid is then
+    in ascending local address order. Otherwise the order is the request's: block
+    position, then layer, then part.
+    """
+    if by_local_address:
+        order = np.argsort(lb, kind="stable")
+        lb, rb = lb[order], rb[order]
+    layers = np.arange(local.num_layers, dtype=np.int64)
+    parts = np.arange(local.kv_parts, dtype=np.int64)
+    dims = [
+        (local.block_stride, lb * local.block_stride, rb * remote.block_stride),
+        (local.layer_stride, layers * local.layer_stride, layers * remote.layer_stride),
+        (local.kv_stride, parts * local.kv_stride, parts * remote.kv_stride),
+    ]
+    if by_local_address:
+        # A dimension with one entry adds a constant: its stride has no say in the order.
+        dims.sort(key=lambda dim: -dim[0] if dim[1].shape[0] > 1 else 0)
+    return [(lo, ro) for _, lo, ro in dims]
+
+
+def _outer_sum(base: int, offsets: list[Int64Array]) -> Int64Array:
+    """``base + o0[i] + o1[j] + ...`` for every index tuple, flattened in C order."""
+    out = np.full(1, base, dtype=np.int64)
+    for off in offsets:
+        out = (out[:, None] + off[None, :]).reshape(-1)
+    return out
+
+
+def _coalesced(
+    base_local: int, base_remote: int, dims: list[_Dim], chunk: int
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """Maximal runs of chunks contiguous on both sides, in local address order.
+
+    Equivalent to laying out every chunk pair and merging neighbours, but works from
+    the inside out so the cost follows the number of descriptors, not of chunks:
+    an inner dimension whose every step continues the previous unit on both sides
+    folds into a larger unit; the first one that does not is cut into runs; the
+    remaining outer dimensions are laid out over those runs and merged once more
+    where a run happens to continue across an outer step.
+    """
+    dims = list(dims)
+    unit = chunk
+    while dims:
+        lo, ro = dims[-1]
+        if lo.shape[0] > 1 and not ((np.diff(lo) == unit).all() and (np.diff(ro) == unit).all()):
+            break
+        dims.pop()
+        base_local += int(lo[0])
+        base_remote += int(ro[0])
+        unit *= lo.shape[0]
+    if not dims:
+        one = np.ones(1, dtype=np.int64)
+        return one * base_local, one * base_remote, one * unit
+    lo, ro = dims.pop()
+    joins = (np.diff(lo) == unit) & (np.diff(ro) == unit)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    run_lengths = np.diff(np.append(starts, lo.shape[0])) * unit
+    la = _outer_sum(base_local, [lo for lo, _ in dims] + [lo[starts]])
+    ra = _outer_sum(base_remote, [ro for _, ro in dims] + [ro[starts]])
+    outer = la.shape[0] // starts.shape[0]
+    lengths = np.tile(run_lengths, outer)
+    if outer > 1:
+        ends_l = la[:-1] + lengths[:-1]
+        ends_r = ra[:-1] + lengths[:-1]
+        joins = (la[1:] == ends_l) & (ra[1:] == ends_r)
+        if joins.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            lengths = np.add.reduceat(lengths, starts)
+            la, ra = la[starts], ra[starts]
+    return la, ra, lengths.astype(np.int64, copy=False)
+
+
+def _check_inside(addrs: Int64Array, lengths: Int64Array, geometry: Geometry, side: str) -> None:
+    if addrs.shape[0] == 0:
+        return
+    low = int(addrs.min())
+    high = int((addrs + lengths).max())
+    if low < geometry.base_addr or high > geometry.base_addr + geometry.nbytes:
+        # Unreachable for validated inputs; refuse rather than hand NIXL a wild address.
+        raise KvdError(
+            f"planner bug: {side} descriptors span [{low:#x}, {high:#x}) outside the region "
+            f"[{geometry.base_addr:#x}, {geometry.base_addr + geometry.nbytes:#x})"
+        )
+
+
+def _finish(local: Geometry, remote: Geometry, plan: Plan) -> Plan:
+    _check_inside(plan.local_addrs, plan.lengths, local, "local")
+    _check_inside(plan.remote_addrs, plan.lengths, remote, "remote")
+    return plan
+
+
+def plan_transfer(
+    local: Geometry,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote: Geometry,
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+) -> Plan:
+    """Descriptors copying local block ``local_blocks[i]`` to/from remote ``remote_blocks[i]``.
+
+    Block ids are physical (see `expand_logical`). Chunk pairs are ordered by local
+    address and merged while both sides continue exactly where the previous chunk
+    ended. Raises Incompatible if the geometries' chunks do not correspond, and
+    InvalidRequest for an invalid geometry or block list.
+    """
+    lb, rb = _prepare(local, local_blocks, remote, remote_blocks)
+    if lb.shape[0] == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return Plan(_frozen(empty), _frozen(empty.copy()), _frozen(empty.copy()))
+    dims = _grid_dims(local, lb, remote, rb, by_local_address=True)
+    la, ra, lengths = _coalesced(local.base_addr, remote.base_addr, dims, local.chunk_bytes)
+    return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
+
+
+def plan_per_chunk(
+    local: Geometry,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote: Geometry,
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+) -> Plan:
+    """Like `plan_transfer` but one descriptor per (block, layer, part), never merged.
+
+    Order: block position, layer, part. For benchmarks against the coalesced plan.
+    """
+    lb, rb = _prepare(local, local_blocks, remote, remote_blocks)
+    dims = _grid_dims(local, lb, remote, rb, by_local_address=False)
+    la = _outer_sum(local.base_addr, [lo for lo, _ in dims])
+    ra = _outer_sum(remote.base_addr, [ro for _, ro in dims])
+    lengths = np.full(la.shape[0], local.chunk_bytes, dtype=np.int64)
+    return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
