@@ -593,6 +593,8 @@ class Handshake(Record):
     """Side channel request and reply: who I am and what I expose."""
 
     agent_name: Id
+    incarnation: U64
+    """Random per daemon start: a restarted peer with the same name is a new peer."""
     nixl_md: Blob
     side_host: Text
     side_port: U16
@@ -672,8 +674,9 @@ class CancelRegistration(Record):
 @message(67)
 @dataclasses.dataclass(frozen=True)
 class RegionDropped(Record):
-    """Peer notice: a region is going away; never address this generation again."""
+    """Side-channel notice: a region is going away; never address this generation again."""
 
+    agent_name: Id
     region_id: U32
     generation: U32
 

@@ -130,6 +130,7 @@ class NixlEngine:
     def _create_agent(self) -> Any:
         if self._ucx_tls:
             os.environ["UCX_TLS"] = self._ucx_tls
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config
 
         conf = nixl_agent_config(

@@ -156,7 +156,7 @@ class BlockPool:
         while len(free) < nblocks:
             top = self._evictable.peek()
             assert top is not None, "evictable block count out of sync"
-            victim = top[1]
+            victim = top[0]
             self._remove(victim)
             evicted.append(victim)
         self._evicted += len(evicted)

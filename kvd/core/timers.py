@@ -20,7 +20,10 @@ _COMPACT_SLACK: Final = 64
 
 
 class TimerHeap(Generic[K]):
-    """Keys with one scheduled time each; pops them in time order (ties: set order)."""
+    """Keys with one scheduled time each; pops them in time order (ties: set order).
+
+    Results are always (key, time) pairs.
+    """
 
     __slots__ = ("_heap", "_live", "_seq")
 
@@ -56,25 +59,25 @@ class TimerHeap(Generic[K]):
         if self._live.pop(key, None) is not None:
             self._maybe_compact()
 
-    def peek(self) -> tuple[float, K] | None:
-        """The earliest live (time, key), or None; drops stale entries it passes."""
+    def peek(self) -> tuple[K, float] | None:
+        """The earliest live (key, time), or None; drops stale entries it passes."""
         heap = self._heap
         live = self._live
         while heap:
             when, seq, key = heap[0]
             entry = live.get(key)
             if entry is not None and entry[1] == seq:
-                return when, key
+                return key, when
             heapq.heappop(heap)
         return None
 
     def next_time(self) -> float | None:
         """The earliest live time, or None."""
         top = self.peek()
-        return None if top is None else top[0]
+        return None if top is None else top[1]
 
     def pop_due(self, now: float) -> list[tuple[K, float]]:
-        """Unschedule and return every key whose time is <= `now`, earliest first."""
+        """Unschedule and return (key, time) for every key due at `now`, earliest first."""
         heap = self._heap
         live = self._live
         out: list[tuple[K, float]] = []

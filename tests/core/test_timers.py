@@ -10,7 +10,7 @@ def test_set_replaces_and_discard() -> None:
     heap.set("a", 5.0)
     heap.set("b", 3.0)
     heap.set("a", 1.0)
-    assert heap.peek() == (1.0, "a")
+    assert heap.peek() == ("a", 1.0)
     assert heap.get("a") == 1.0 and "a" in heap and len(heap) == 2
     heap.discard("a")
     heap.discard("zzz")

@@ -1,0 +1,316 @@
+"""Gateway: the ZMQ ROUTER on ipc:// that local clients (engines, workers, the CLI) talk to.
+
+Rules:
+- Every frame is decoded and validated before anything acts on it. A malformed frame gets
+  an ErrorReply (PROTOCOL) and is counted; the gateway keeps serving everyone else.
+- A session starts with Hello; requests from an unknown identity are refused.
+- Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
+  a BUSY reply. Replies are sent when the actor resolves the request's future.
+- Events go to the session that announced the request and to the engine's workers.
+- A session that neither sends nor pings for `client_timeout` is closed: its regions,
+  leases and requests are released by their owners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
+from kvd_client import wire
+from kvd_client.errors import ErrorCode, KvdError, NotFound, RemoteProtocolError
+
+log = structlog.get_logger("kvd.gateway", actor="gateway")
+
+ROLES = ("scheduler", "worker", "cli")
+
+
+@dataclass
+class _Session:
+    session: str
+    ident: bytes
+    role: str
+    engine_id: str
+    tp_rank: int
+    pid: int
+    last_seen: float
+    requests: int = 0
+
+
+class Gateway:
+    def __init__(
+        self,
+        *,
+        socket_path: str,
+        socket_mode: int,
+        registrar: Mailbox[Any],
+        writer: Mailbox[Any],
+        reaper: Mailbox[Any],
+        events: Mailbox[EventOut],
+        client_timeout: float,
+        max_frame: int,
+        counters: dict[str, int],
+        status: Callable[[str], Awaitable[dict[str, Any]]],
+        welcome: Callable[[], wire.Welcome],
+    ) -> None:
+        self.socket_path = socket_path
+        self.socket_mode = socket_mode
+        self.registrar = registrar
+        self.writer = writer
+        self.reaper = reaper
+        self.events = events
+        self.client_timeout = client_timeout
+        self.max_frame = max_frame
+        self.counters = counters
+        self._status = status
+        self._welcome = welcome
+        self.sessions: dict[str, _Session] = {}
+        self.by_ident: dict[bytes, str] = {}
+        self._sock: zmq.asyncio.Socket | None = None
+        self._routes: dict[type[wire.Record], Mailbox[Any]] = {
+            wire.RegisterRegion: registrar,
+            wire.DeregisterRegion: registrar,
+            wire.RegisterPush: writer,
+            wire.Pull: writer,
+            wire.Finish: reaper,
+            wire.Track: reaper,
+            wire.Abort: reaper,
+        }
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def bind(self) -> None:
+        path = self.socket_path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            if _socket_alive(path):
+                raise RuntimeError(f"another daemon is serving {path}")
+            os.unlink(path)  # stale file from a crashed daemon
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, self.socket_mode)
+        self._sock = sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self._sock is not None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_events)
+            tg.start_soon(self._sweep)
+            self._tg = tg
+            task_status.started()
+            sock = self._sock
+            while True:
+                frames = await sock.recv_multipart(copy=True)
+                if len(frames) != 2:
+                    self._count("ipc_malformed")
+                    continue
+                self._handle(frames[0], frames[1])
+
+    # ---------------------------------------------------------------- requests
+
+    def _send(self, ident: bytes, msg: wire.Record, corr: int) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.send_multipart([ident, wire.encode(msg, corr)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._count("ipc_send_dropped")
+            log.debug("ipc_send_dropped", error=str(exc))
+
+    def _error(self, ident: bytes, corr: int, exc: KvdError) -> None:
+        code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.INTERNAL
+        self._send(ident, wire.ErrorReply.of(code, exc.message), corr)
+
+    def _handle(self, ident: bytes, frame: bytes) -> None:
+        self._count("ipc_frames")
+        try:
+            corr, msg = wire.decode(frame, self.max_frame)
+        except RemoteProtocolError as exc:
+            self._count("ipc_rejected")
+            log.warning("ipc_frame_rejected", error=exc.message)
+            self._error(ident, 0, exc)
+            return
+        now = time.monotonic()
+        if isinstance(msg, wire.KeepAlive):
+            s = self.sessions.get(msg.session)
+            if s is not None:
+                s.last_seen = now
+            else:  # e.g. we restarted: tell the client to reconnect
+                self._error(ident, corr, NotFound(f"unknown session {msg.session!r}"))
+            return
+        if isinstance(msg, wire.Hello):
+            self._hello(ident, corr, msg, now)
+            return
+        sid = self.by_ident.get(ident)
+        s = self.sessions.get(sid) if sid is not None else None
+        if s is None:
+            self._count("ipc_rejected")
+            self._error(ident, corr, RemoteProtocolError(f"{type(msg).__name__} before Hello"))
+            return
+        s.last_seen = now
+        s.requests += 1
+        if isinstance(msg, wire.Goodbye):
+            self._close(s, "goodbye")
+            self._send(ident, wire.Ok(), corr)
+            return
+        if isinstance(msg, (wire.GetStatus, wire.PingPeer)):
+            self._tg.start_soon(self._status_request, ident, corr, msg)
+            return
+        box = self._routes.get(type(msg))
+        if box is None:
+            self._count("ipc_rejected")
+            self._error(ident, corr, RemoteProtocolError(f"{type(msg).__name__} is not a client request"))
+            return
+        req = ClientRequest(s.session, msg)
+        try:
+            box.post(req)
+        except KvdError as exc:  # Busy
+            self._count("ipc_busy")
+            self._error(ident, corr, exc)
+            return
+        req.reply.add_done_callback(lambda f: self._reply_done(ident, corr, f))
+
+    def _reply_done(self, ident: bytes, corr: int, fut: asyncio.Future[wire.Record]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self._send(ident, fut.result(), corr)
+        elif isinstance(exc, KvdError):
+            self._error(ident, corr, exc)
+        else:
+            log.error("request_crashed", error=repr(exc))
+            self._error(ident, corr, KvdError(f"internal error: {type(exc).__name__}"))
+
+    def _hello(self, ident: bytes, corr: int, msg: wire.Hello, now: float) -> None:
+        if msg.role not in ROLES:
+            self._count("ipc_rejected")
+            self._error(ident, corr, RemoteProtocolError(f"unknown role {msg.role!r}"))
+            return
+        old = self.sessions.get(msg.session)
+        if old is not None and old.ident != ident:
+            self.by_ident.pop(old.ident, None)
+        s = _Session(msg.session, ident, msg.role, msg.engine_id, msg.tp_rank, msg.pid, now)
+        self.sessions[msg.session] = s
+        self.by_ident[ident] = msg.session
+        self._count("sessions_opened")
+        log.info("session_opened", session=msg.session, role=msg.role, engine_id=msg.engine_id,
+                 tp_rank=msg.tp_rank, pid=msg.pid)
+        self._send(ident, self._welcome(), corr)
+
+    async def _status_request(self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer) -> None:
+        try:
+            if isinstance(msg, wire.GetStatus):
+                data = await self._status(msg.section)
+            else:
+                data = await self.registrar.call(PingPeerCmd(msg.host, msg.port, msg.timeout))
+            self._send(ident, wire.StatusReply(_plain(data)), corr)
+        except KvdError as exc:
+            self._error(ident, corr, exc)
+
+    # ---------------------------------------------------------------- sessions and events
+
+    def _close(self, s: _Session, why: str) -> None:
+        self.sessions.pop(s.session, None)
+        if self.by_ident.get(s.ident) == s.session:
+            del self.by_ident[s.ident]
+        self._count("sessions_closed")
+        log.info("session_closed", session=s.session, reason=why)
+        if s.role == "cli":
+            return
+        closed = SessionClosed(s.session)
+        for box in (self.registrar, self.writer, self.reaper):
+            try:
+                box.post(closed)
+            except KvdError:
+                self._tg.start_soon(_post_later, box, closed)
+
+    async def _sweep(self) -> None:
+        while True:
+            await anyio.sleep(min(1.0, self.client_timeout / 4))
+            cutoff = time.monotonic() - self.client_timeout
+            for s in [s for s in self.sessions.values() if s.last_seen < cutoff]:
+                log.warning("session_timed_out", session=s.session, role=s.role, pid=s.pid)
+                self._close(s, "timeout")
+
+    async def _send_events(self) -> None:
+        async for ev in self.events:
+            sent = False
+            owner = self.sessions.get(ev.session)
+            if owner is not None:
+                self._send(owner.ident, ev.record, 0)
+                sent = True
+            for s in self.sessions.values():
+                if s.role == "worker" and s.engine_id == ev.engine_id and s.session != ev.session:
+                    self._send(s.ident, ev.record, 0)
+            self._count("events_sent" if sent else "events_orphaned")
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "sessions": [
+                {"session": s.session, "role": s.role, "engine_id": s.engine_id, "tp_rank": s.tp_rank,
+                 "pid": s.pid, "idle_s": round(now - s.last_seen, 3), "requests": s.requests}
+                for s in self.sessions.values()
+            ]
+        }
+
+
+async def _post_later(box: Mailbox[Any], msg: Any) -> None:
+    for _ in range(100):
+        try:
+            box.post(msg)
+            return
+        except KvdError:
+            await anyio.sleep(0.05)
+    log.error("session_close_lost", mailbox=box.name)
+
+
+def _socket_alive(path: str) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _plain(data: Any) -> Any:
+    """Status data as msgpack-safe plain values."""
+    if isinstance(data, dict):
+        return {str(k): _plain(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple, set)):
+        return [_plain(v) for v in data]
+    if isinstance(data, (str, int, float, bool)) or data is None:
+        return data
+    return str(data)

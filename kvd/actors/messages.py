@@ -1,0 +1,251 @@
+"""Messages between kvd's actors (in-process only; the wire format is kvd_client.wire).
+
+Commands are imperative, notices past tense. A message that expects an answer is a
+`Call` and carries its own reply future. Region and peer views handed across actors are
+frozen snapshots: the registrar owns the live state and publishes copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.actors.base import Call
+from kvd.core.planner import Geometry
+from kvd_client import wire
+
+# ------------------------------------------------------------------ shared views
+
+
+@dataclass(frozen=True)
+class LocalRegion:
+    """A region this daemon registered with NIXL, as other actors may see it."""
+
+    region_id: int
+    generation: int
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    geometry: Geometry
+    layout: wire.RegionLayout
+    compat: str
+    session: str
+    name: str
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    region_id: int
+    generation: int
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    geometry: Geometry
+    compat: str
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a handshake taught us about a peer daemon."""
+
+    agent: str
+    host: str
+    port: int
+    lease_duration: float
+    regions: dict[tuple[str, int], RemoteRegion]
+    canary_addr: int
+    canary_bytes: int
+    handshaked_at: float
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def ranks(self, engine_id: str) -> list[RemoteRegion]:
+        """The engine's regions ordered by rank (only complete sets are usable)."""
+        regs = sorted((r for (e, _), r in self.regions.items() if e == engine_id), key=lambda r: r.tp_rank)
+        return regs
+
+
+# ------------------------------------------------------------------ from the gateway
+
+
+@dataclass
+class ClientRequest(Call[wire.Record]):
+    """A decoded, validated client request routed to the actor that owns it."""
+
+    session: str
+    msg: wire.Record
+
+
+@dataclass(frozen=True)
+class SessionClosed:
+    """A client said goodbye or stopped pinging: release what it owned."""
+
+    session: str
+
+
+@dataclass
+class Snapshot(Call[dict[str, Any]]):
+    section: str
+
+
+@dataclass(frozen=True)
+class EventOut:
+    """An event for the client session that announced the request (and the engine's workers)."""
+
+    session: str
+    engine_id: str
+    record: wire.Record
+
+
+# ------------------------------------------------------------------ registrar
+
+
+@dataclass
+class EnsurePeer(Call[PeerInfo]):
+    """Handshake with the daemon at host:port unless cached (refresh=True forces one)."""
+
+    host: str
+    port: int
+    refresh: bool = False
+
+
+@dataclass
+class AcceptHandshake(Call[wire.Record]):
+    """A handshake request that arrived on the side channel."""
+
+    request: wire.Handshake
+
+
+@dataclass
+class PeerRegionDropped(Call[None]):
+    """A peer says one of its regions is going away."""
+
+    agent: str
+    region_id: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class ProbeReceived:
+    agent: str
+    probe: wire.Probe
+
+
+@dataclass
+class PingPeerCmd(Call[dict[str, Any]]):
+    host: str
+    port: int
+    timeout: float
+
+
+@dataclass(frozen=True)
+class PeerUpdated:
+    """Registrar -> writer/reaper: a peer's view changed (None = forgotten)."""
+
+    agent: str
+    info: PeerInfo | None
+
+
+@dataclass(frozen=True)
+class LocalRegionsChanged:
+    """Registrar -> writer: the current set of local regions."""
+
+    regions: dict[tuple[str, int], LocalRegion]
+
+
+# ------------------------------------------------------------------ writer
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Reaper -> writer: P finished these blocks (lease granted); push may match them."""
+
+    request_id: str
+    engine_id: str
+    block_ids: tuple[int, ...]
+    session: str
+
+
+@dataclass(frozen=True)
+class Unstage:
+    """Reaper -> writer: the lease ended; forget the staged blocks."""
+
+    request_id: str
+    expired: bool
+
+
+@dataclass(frozen=True)
+class NotifReceived:
+    """Notifier -> owner: one decoded notification from a peer agent."""
+
+    agent: str
+    msg: wire.Record
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """A peer agent is unreachable: fail what waits on it."""
+
+    agent: str
+    reason: str
+
+
+@dataclass
+class DrainRemoteRegion(Call[None]):
+    """Before a peer frees a region, finish or fail every transfer that touches it."""
+
+    agent: str
+    region_id: int
+
+
+@dataclass
+class DrainLocalRegion(Call[None]):
+    """Before we free a local region, finish or fail every transfer that touches it."""
+
+    region_id: int
+
+
+# ------------------------------------------------------------------ reaper
+
+
+@dataclass
+class Claim(Call[bool]):
+    """Writer -> reaper: take P's lease for a WRITE (False if expired or unknown)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """Writer -> reaper: a claimed lease's WRITE ended."""
+
+    request_id: str
+    ok: bool
+    code: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class TrackRequest:
+    """Writer -> reaper: heartbeat P for this D request."""
+
+    request_id: str
+    remote_request_id: str
+    host: str
+    port: int
+    session: str
+    engine_id: str
+
+
+@dataclass(frozen=True)
+class Untrack:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Wakes an actor (used by tests and timers)."""
+
+    reason: str = field(default="")

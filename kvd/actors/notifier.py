@@ -1,0 +1,74 @@
+"""Notifier: the single consumer of NIXL notifications.
+
+The NIXL thread hands each batch to `sink` on the event loop; the notifier decodes every
+message (a peer's bytes are untrusted: anything malformed is dropped, counted and logged
+once per peer), drops messages from agents that never handshaked, and routes the rest to
+the actor that owns them. It never blocks: a full mailbox drops the message and counts it
+(a peer's retry or the lease machinery recovers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import NotifReceived, ProbeReceived
+from kvd_client import wire
+from kvd_client.errors import Busy, RemoteProtocolError
+
+log = structlog.get_logger("kvd.notifier", actor="notifier")
+
+_TO_WRITER = (wire.PushRegistration, wire.PushDone, wire.PullAck, wire.CancelRegistration)
+_TO_REAPER = (wire.Heartbeat, wire.PullDone)
+
+
+class Notifier:
+    def __init__(
+        self,
+        *,
+        writer: Mailbox[Any],
+        reaper: Mailbox[Any],
+        registrar: Mailbox[Any],
+        max_frame: int,
+        counters: dict[str, int],
+    ) -> None:
+        self.writer = writer
+        self.reaper = reaper
+        self.registrar = registrar
+        self.max_frame = max_frame
+        self.counters = counters
+        self._logged_bad: set[str] = set()
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    def sink(self, agent: str, msgs: list[bytes]) -> None:
+        for raw in msgs:
+            self._one(agent, raw)
+
+    def _one(self, agent: str, raw: bytes) -> None:
+        self._count("notifs_received")
+        if not raw:
+            return  # NIXL transfers posted without a notification message
+        try:
+            _, msg = wire.decode(raw, self.max_frame)
+        except RemoteProtocolError as exc:
+            self._count("notifs_malformed")
+            if agent not in self._logged_bad:
+                self._logged_bad.add(agent)
+                log.warning("notif_malformed", peer=agent, error=exc.message)
+            return
+        try:
+            if isinstance(msg, wire.Probe):
+                self.registrar.post(ProbeReceived(agent, msg))
+            elif isinstance(msg, _TO_WRITER):
+                self.writer.post(NotifReceived(agent, msg))
+            elif isinstance(msg, _TO_REAPER):
+                self.reaper.post(NotifReceived(agent, msg))
+            else:
+                self._count("notifs_rejected")
+                log.warning("notif_unexpected_type", peer=agent, type=type(msg).__name__)
+        except Busy:
+            self._count("notifs_dropped_busy")

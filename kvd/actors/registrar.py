@@ -1,0 +1,620 @@
+"""Registrar: owns every memory registration and every peer handshake.
+
+- Regions: maps a worker's shared-memory segment read-write, validates its layout
+  (no descriptor can ever leave it), registers it with NIXL as DRAM and gives it an id
+  and a generation. Before a region is unmapped, peers are told to drop it (side
+  channel, with a reply) and transfers touching it drain; only then is it deregistered.
+- Peers: one handshake per peer daemon (not per rank), cached; concurrent requests for
+  the same peer wait on one handshake and all get its result; a failure is reported to
+  every waiter and not cached. Optional HMAC authentication with a shared secret.
+- The canary: a small buffer with a pattern derived from the agent name, which
+  `kvd ping` READs to prove the data path end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    AcceptHandshake,
+    ClientRequest,
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EnsurePeer,
+    LocalRegion,
+    LocalRegionsChanged,
+    PeerInfo,
+    PeerLost,
+    PeerRegionDropped,
+    PeerUpdated,
+    PingPeerCmd,
+    ProbeReceived,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.shm import AnonRegion, MappedRegion
+from kvd.core.planner import Geometry
+from kvd_client import wire
+from kvd_client.errors import (
+    AuthError,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+    Timeout,
+    TransferError,
+)
+
+log = structlog.get_logger("kvd.registrar", actor="registrar")
+
+CANARY_BYTES: Final = 64 * 1024
+AUTH_WINDOW_S: Final = 120.0
+
+
+def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
+    """The bytes a daemon's canary holds: derived from its agent name, so a reader can check."""
+    return random.Random(f"kvd-canary:{agent_name}").randbytes(nbytes)
+
+
+def geometry_of(base_addr: int, nbytes: int, layout: wire.RegionLayout) -> Geometry:
+    """A validated Geometry for a layout at an address (raises InvalidRequest)."""
+    geo = Geometry(
+        base_addr=base_addr,
+        nbytes=nbytes,
+        num_blocks=layout.num_blocks,
+        num_layers=layout.num_layers,
+        kv_parts=layout.kv_parts,
+        chunk_bytes=layout.chunk_bytes,
+        block_stride=layout.block_stride,
+        layer_stride=layout.layer_stride,
+        kv_stride=layout.kv_stride,
+        physical_per_logical=layout.physical_per_logical,
+    )
+    geo.validate()
+    return geo
+
+
+def handshake_mac(secret: bytes, hs: wire.Handshake, context: bytes) -> bytes:
+    """HMAC-SHA256 over the handshake with an empty mac field, bound to `context`."""
+    body = wire.encode(replace(hs, mac=b""))
+    return hmac.new(secret, context + body, hashlib.sha256).digest()
+
+
+@dataclass
+class _Region:
+    view: LocalRegion
+    mapping: MappedRegion
+    reg: Any
+    nixl_md: bytes
+    base_addr: int
+    nbytes: int
+
+
+@dataclass
+class _Peer:
+    info: PeerInfo
+    incarnation: int
+    loaded_regions: set[tuple[int, int]] = field(default_factory=set)
+
+
+class Registrar:
+    """The registrar actor. Other actors reach it only through `mailbox`."""
+
+    def __init__(
+        self,
+        *,
+        engine: NixlEngine,
+        mailbox: Mailbox[Any],
+        side_host: str,
+        side_port_ref: Callable[[], int],
+        lease_duration: float,
+        handshake_timeout: float,
+        secret: bytes | None,
+        publish: Callable[[Any], None],
+        drain_writer: Callable[[Any], Awaitable[None]],
+        counters: dict[str, int],
+    ) -> None:
+        self.engine = engine
+        self.mailbox = mailbox
+        self.side_host = side_host
+        self._side_port_ref = side_port_ref
+        self.lease_duration = lease_duration
+        self.handshake_timeout = handshake_timeout
+        self.secret = secret
+        self._publish = publish
+        self._drain_writer = drain_writer
+        self.counters = counters
+        self.regions: dict[int, _Region] = {}
+        self._next_region_id = 1
+        self._generation = int(time.time()) & 0xFFFF  # survives restarts as a different range
+        self.peers: dict[str, _Peer] = {}  # by agent name
+        self.peer_by_addr: dict[str, str] = {}  # "host:port" -> agent
+        self._pending: dict[str, asyncio.Future[PeerInfo]] = {}
+        self._probes: dict[int, asyncio.Future[float]] = {}
+        self.canary: AnonRegion | None = None
+        self._canary_reg: Any = None
+        self.scratch: AnonRegion | None = None
+        self._scratch_reg: Any = None
+        self._zctx = zmq.asyncio.Context.instance()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.incarnation: Final = int.from_bytes(os.urandom(8), "little")
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self.canary = AnonRegion(CANARY_BYTES)
+        self.canary.view()[:] = canary_pattern(self.engine.name)
+        self._canary_reg = await self.engine.register(self.canary.addr, CANARY_BYTES)
+        self.scratch = AnonRegion(CANARY_BYTES)
+        self._scratch_reg = await self.engine.register(self.scratch.addr, CANARY_BYTES)
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            async for msg in self.mailbox:
+                await self._dispatch(msg)
+
+    async def cleanup(self) -> None:
+        """Shielded shutdown: tell peers, deregister everything, unmap."""
+        for rid in list(self.regions):
+            try:
+                await self._drop_region(rid, notify_peers=True, drain=False)
+            except Exception as exc:
+                log.warning("region_cleanup_failed", region_id=rid, error=str(exc))
+        for reg, mem in ((self._canary_reg, self.canary), (self._scratch_reg, self.scratch)):
+            if reg is not None:
+                try:
+                    await self.engine.deregister(reg)
+                except Exception as exc:
+                    log.warning("canary_deregister_failed", error=str(exc))
+            if mem is not None:
+                mem.close()
+        self._canary_reg = self._scratch_reg = None
+
+    # ---------------------------------------------------------------- dispatch
+
+    async def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, ClientRequest):
+            await self._client(msg)
+        elif isinstance(msg, EnsurePeer):
+            self._ensure_peer(msg)
+        elif isinstance(msg, AcceptHandshake):
+            await self._accept(msg)
+        elif isinstance(msg, PeerRegionDropped):
+            self._peer_region_dropped(msg)
+        elif isinstance(msg, ProbeReceived):
+            await self._probe(msg)
+        elif isinstance(msg, PingPeerCmd):
+            assert self._tg is not None
+            self._tg.start_soon(self._ping, msg)
+        elif isinstance(msg, SessionClosed):
+            for rid, r in list(self.regions.items()):
+                if r.view.session == msg.session:
+                    log.info("region_released_with_session", region_id=rid, session=msg.session)
+                    await self._drop_region(rid, notify_peers=True, drain=True)
+        elif isinstance(msg, PeerLost):
+            await self._forget(msg.agent)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot(msg.section))
+        else:
+            raise TypeError(f"registrar got {type(msg).__name__}")
+
+    async def _client(self, req: ClientRequest) -> None:
+        m = req.msg
+        try:
+            if isinstance(m, wire.RegisterRegion):
+                req.resolve(await self._register(req.session, m))
+            elif isinstance(m, wire.DeregisterRegion):
+                r = self.regions.get(m.region_id)
+                if r is None or r.view.session != req.session:
+                    raise NotFound(f"no region {m.region_id} owned by this session")
+                await self._drop_region(m.region_id, notify_peers=True, drain=True)
+                req.resolve(wire.Ok())
+            else:
+                raise TypeError(f"registrar got {type(m).__name__}")
+        except KvdError as exc:
+            self.counters["region_rejected"] = self.counters.get("region_rejected", 0) + 1
+            log.warning("region_request_rejected", session=req.session, error=exc.message)
+            req.fail(exc)
+
+    # ---------------------------------------------------------------- regions
+
+    async def _register(self, session: str, m: wire.RegisterRegion) -> wire.RegionRegistered:
+        if m.kind == "cuda-ipc":
+            from kvd.adapters.cuda_ipc import open_ipc_region
+
+            raise InvalidRequest(open_ipc_region(m))
+        if m.kind != "shm":
+            raise InvalidRequest(f"unknown region kind {m.kind!r} (shm or cuda-ipc)")
+        if m.tp_rank >= m.tp_size:
+            raise InvalidRequest(f"tp_rank {m.tp_rank} must be < tp_size {m.tp_size}")
+        for r in self.regions.values():
+            if r.view.engine_id == m.engine_id and r.view.tp_rank == m.tp_rank:
+                raise InvalidRequest(f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}")
+        geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
+        mapping = MappedRegion(m.name, m.nbytes)
+        try:
+            geo = geometry_of(mapping.addr, m.nbytes, m.layout)
+            reg = await self.engine.register(mapping.addr, m.nbytes)
+            try:
+                md = await self.engine.partial_metadata(mapping.addr, m.nbytes)
+            except BaseException:
+                await self.engine.deregister(reg)
+                raise
+        except BaseException:
+            mapping.close()
+            raise
+        rid = self._next_region_id
+        self._next_region_id += 1
+        self._generation += 1
+        view = LocalRegion(
+            region_id=rid,
+            generation=self._generation & 0xFFFFFFFF,
+            engine_id=m.engine_id,
+            tp_rank=m.tp_rank,
+            tp_size=m.tp_size,
+            geometry=geo,
+            layout=m.layout,
+            compat=m.compat,
+            session=session,
+            name=m.name,
+        )
+        self.regions[rid] = _Region(view, mapping, reg, md, mapping.addr, m.nbytes)
+        self.counters["regions_registered"] = self.counters.get("regions_registered", 0) + 1
+        log.info(
+            "region_registered",
+            region_id=rid,
+            engine_id=m.engine_id,
+            tp_rank=m.tp_rank,
+            nbytes=m.nbytes,
+            blocks=m.layout.num_blocks,
+            session=session,
+        )
+        self._publish_regions()
+        return wire.RegionRegistered(rid, view.generation)
+
+    async def _drop_region(self, rid: int, *, notify_peers: bool, drain: bool) -> None:
+        r = self.regions.get(rid)
+        if r is None:
+            return
+        # 1. peers first: they must never address this generation again.
+        if notify_peers and self.peers:
+            notice = wire.RegionDropped(self.engine.name, rid, r.view.generation)
+            with anyio.move_on_after(self.handshake_timeout):
+                async with anyio.create_task_group() as tg:
+                    for p in list(self.peers.values()):
+                        tg.start_soon(self._notify_drop, p.info, notice)
+        # 2. local transfers touching it finish or fail.
+        if drain:
+            with anyio.move_on_after(self.handshake_timeout):
+                await self._drain_writer(DrainLocalRegion(rid))
+        del self.regions[rid]
+        self._publish_regions()
+        # 3. only now deregister and unmap.
+        try:
+            await self.engine.deregister(r.reg)
+        finally:
+            r.mapping.close()
+        self.counters["regions_dropped"] = self.counters.get("regions_dropped", 0) + 1
+        log.info("region_dropped", region_id=rid, generation=r.view.generation)
+
+    async def _notify_drop(self, peer: PeerInfo, notice: wire.RegionDropped) -> None:
+        try:
+            reply = await self._side_request(peer.host, peer.port, notice)
+            if not isinstance(reply, wire.Ok):
+                log.warning("region_drop_not_acked", peer=peer.agent, reply=type(reply).__name__)
+        except Exception as exc:
+            log.warning("region_drop_notice_failed", peer=peer.agent, error=str(exc))
+
+    def _publish_regions(self) -> None:
+        snap = {(r.view.engine_id, r.view.tp_rank): r.view for r in self.regions.values()}
+        self._publish(LocalRegionsChanged(snap))
+
+    def _region_infos(self) -> tuple[wire.RegionInfo, ...]:
+        return tuple(
+            wire.RegionInfo(
+                region_id=r.view.region_id,
+                generation=r.view.generation,
+                engine_id=r.view.engine_id,
+                tp_rank=r.view.tp_rank,
+                tp_size=r.view.tp_size,
+                base_addr=r.base_addr,
+                nbytes=r.nbytes,
+                layout=r.view.layout,
+                compat=r.view.compat,
+                nixl_md=r.nixl_md,
+            )
+            for r in self.regions.values()
+        )
+
+    # ---------------------------------------------------------------- handshakes
+
+    async def _our_handshake(self, context: bytes) -> wire.Handshake:
+        assert self.canary is not None
+        hs = wire.Handshake(
+            agent_name=self.engine.name,
+            incarnation=self.incarnation,
+            nixl_md=await self.engine.metadata(),
+            side_host=self.side_host,
+            side_port=self._side_port_ref(),
+            kv_lease_duration=self.lease_duration,
+            regions=self._region_infos(),
+            canary_addr=self.canary.addr,
+            canary_bytes=CANARY_BYTES,
+            nonce=os.urandom(16),
+            timestamp=time.time(),
+            mac=b"",
+        )
+        if self.secret is not None:
+            hs = replace(hs, mac=handshake_mac(self.secret, hs, context))
+        return hs
+
+    def _check_mac(self, hs: wire.Handshake, context: bytes) -> None:
+        if self.secret is None:
+            return
+        good = handshake_mac(self.secret, hs, context)
+        if not hs.mac or not hmac.compare_digest(good, hs.mac):
+            raise AuthError(f"peer {hs.agent_name!r} failed authentication")
+        if abs(time.time() - hs.timestamp) > AUTH_WINDOW_S:
+            raise AuthError(f"peer {hs.agent_name!r} handshake timestamp outside the window")
+
+    async def _learn(self, hs: wire.Handshake, host: str, port: int) -> PeerInfo:
+        """Load a peer's NIXL metadata (full first, then per-region) and cache its view."""
+        if hs.agent_name == self.engine.name:
+            raise InvalidRequest(f"peer uses our own agent name {hs.agent_name!r}")
+        known = self.peers.get(hs.agent_name)
+        if known is not None and known.incarnation != hs.incarnation:
+            log.info("peer_restarted", peer=hs.agent_name)
+            await self._forget(hs.agent_name)
+            known = None
+        regions: dict[tuple[str, int], RemoteRegion] = {}
+        for ri in hs.regions:
+            try:
+                geo = geometry_of(ri.base_addr, ri.nbytes, ri.layout)
+            except InvalidRequest as exc:
+                raise RemoteProtocolError(f"peer region {ri.region_id}: {exc.message}") from None
+            regions[(ri.engine_id, ri.tp_rank)] = RemoteRegion(
+                ri.region_id, ri.generation, ri.engine_id, ri.tp_rank, ri.tp_size, geo, ri.compat
+            )
+        if known is None:
+            name = await self.engine.add_remote(hs.nixl_md)
+            if name != hs.agent_name:
+                await self.engine.remove_remote(name)
+                raise RemoteProtocolError(f"metadata names agent {name!r}, handshake says {hs.agent_name!r}")
+            loaded = {(ri.region_id, ri.generation) for ri in hs.regions}
+            known = _Peer(info=None, incarnation=hs.incarnation, loaded_regions=loaded)  # type: ignore[arg-type]
+        else:
+            for ri in hs.regions:
+                key = (ri.region_id, ri.generation)
+                if key not in known.loaded_regions:
+                    await self.engine.add_remote(ri.nixl_md)
+                    known.loaded_regions.add(key)
+        info = PeerInfo(
+            agent=hs.agent_name,
+            host=host,
+            port=port,
+            lease_duration=hs.kv_lease_duration,
+            regions=regions,
+            canary_addr=hs.canary_addr,
+            canary_bytes=hs.canary_bytes,
+            handshaked_at=time.monotonic(),
+        )
+        known.info = info
+        self.peers[hs.agent_name] = known
+        self.peer_by_addr[info.addr] = hs.agent_name
+        self._publish(PeerUpdated(hs.agent_name, info))
+        return info
+
+    def _ensure_peer(self, msg: EnsurePeer) -> None:
+        addr = f"{msg.host}:{msg.port}"
+        agent = self.peer_by_addr.get(addr)
+        if agent is not None and not msg.refresh:
+            msg.resolve(self.peers[agent].info)
+            return
+        fut = self._pending.get(addr)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[addr] = fut
+            assert self._tg is not None
+            self._tg.start_soon(self._handshake, msg.host, msg.port, fut)
+        fut.add_done_callback(lambda f: msg.fail(f.exception()) if f.exception() else msg.resolve(f.result()))  # type: ignore[arg-type]
+
+    async def _handshake(self, host: str, port: int, fut: asyncio.Future[PeerInfo]) -> None:
+        addr = f"{host}:{port}"
+        try:
+            ours = await self._our_handshake(b"req")
+            reply = await self._side_request(host, port, ours)
+            if isinstance(reply, wire.ErrorReply):
+                raise wire_error(reply)
+            if not isinstance(reply, wire.Handshake):
+                raise RemoteProtocolError(f"handshake reply is a {type(reply).__name__}")
+            self._check_mac(reply, b"rep" + ours.nonce)
+            info = await self._learn(reply, host, port)
+            self.counters["handshakes_ok"] = self.counters.get("handshakes_ok", 0) + 1
+            log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
+            fut.set_result(info)
+        except Exception as exc:
+            err = exc if isinstance(exc, KvdError) else TransferError(f"handshake with {addr} failed: {exc}")
+            self.counters["handshakes_failed"] = self.counters.get("handshakes_failed", 0) + 1
+            log.warning("peer_handshake_failed", addr=addr, error=str(err))
+            fut.set_exception(err)
+            fut.exception()  # mark retrieved: waiters got it through callbacks
+        finally:
+            self._pending.pop(addr, None)
+
+    async def _side_request(self, host: str, port: int, msg: wire.Record) -> wire.Record:
+        """One request/reply on a peer's side channel (fresh DEALER, bounded by the timeout)."""
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{host}:{port}")
+            corr = int.from_bytes(os.urandom(6), "little")
+            await sock.send(wire.encode(msg, corr))
+            with anyio.fail_after(self.handshake_timeout):
+                while True:
+                    frame = await sock.recv()
+                    rcorr, reply = wire.decode(frame)
+                    if rcorr == corr:
+                        return reply
+        except TimeoutError:
+            raise Timeout(f"no answer from {host}:{port} within {self.handshake_timeout}s") from None
+        finally:
+            sock.close(0)
+
+    async def _accept(self, msg: AcceptHandshake) -> None:
+        hs = msg.request
+        assert isinstance(hs, wire.Handshake)
+        try:
+            self._check_mac(hs, b"req")
+            await self._learn(hs, hs.side_host, hs.side_port)
+            reply = await self._our_handshake(b"rep" + hs.nonce)
+            self.counters["handshakes_accepted"] = self.counters.get("handshakes_accepted", 0) + 1
+            log.info("peer_handshake_accepted", peer=hs.agent_name)
+            msg.resolve(reply)
+        except KvdError as exc:
+            key = "auth_rejected" if isinstance(exc, AuthError) else "handshakes_rejected"
+            self.counters[key] = self.counters.get(key, 0) + 1
+            log.warning("peer_handshake_rejected", peer=hs.agent_name, error=exc.message)
+            msg.resolve(wire.ErrorReply.of(exc.code, exc.message))
+
+    def _peer_region_dropped(self, msg: PeerRegionDropped) -> None:
+        p = self.peers.get(msg.agent)
+        if p is None:
+            msg.resolve(None)
+            return
+        regions = {k: r for k, r in p.info.regions.items() if r.region_id != msg.region_id}
+        p.info = replace(p.info, regions=regions)
+        self._publish(PeerUpdated(msg.agent, p.info))
+        log.info("peer_region_dropped", peer=msg.agent, region_id=msg.region_id, generation=msg.generation)
+        msg.resolve(None)
+
+    async def _forget(self, agent: str) -> None:
+        """Drop a peer: its NIXL entry goes, the next use handshakes afresh."""
+        p = self.peers.pop(agent, None)
+        if p is None:
+            return
+        if self.peer_by_addr.get(p.info.addr) == agent:
+            del self.peer_by_addr[p.info.addr]
+        try:
+            await self.engine.remove_remote(agent)
+        except KvdError as exc:
+            log.warning("remove_remote_failed", peer=agent, error=exc.message)
+        self._publish(PeerUpdated(agent, None))
+        log.info("peer_forgotten", peer=agent)
+
+    # ---------------------------------------------------------------- ping
+
+    async def _probe(self, msg: ProbeReceived) -> None:
+        if msg.probe.reply:
+            fut = self._probes.pop(msg.probe.nonce, None)
+            if fut is not None and not fut.done():
+                fut.set_result(time.perf_counter())
+            return
+        try:
+            await self.engine.send_notif(msg.agent, wire.encode(wire.Probe(msg.probe.nonce, True)))
+        except KvdError as exc:
+            log.warning("probe_echo_failed", peer=msg.agent, error=exc.message)
+
+    async def _ping(self, cmd: PingPeerCmd) -> None:
+        result: dict[str, Any] = {"peer": f"{cmd.host}:{cmd.port}", "ok": False}
+        try:
+            with anyio.fail_after(cmd.timeout):
+                t0 = time.perf_counter()
+                info = await self._ensure_peer_now(cmd.host, cmd.port)
+                result["agent"] = info.agent
+                result["handshake_ms"] = (time.perf_counter() - t0) * 1e3
+                nonce = int.from_bytes(os.urandom(8), "little")
+                fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+                self._probes[nonce] = fut
+                t1 = time.perf_counter()
+                await self.engine.send_notif(info.agent, wire.encode(wire.Probe(nonce, False)))
+                t2 = await fut
+                result["notif_rtt_ms"] = (t2 - t1) * 1e3
+                n = min(info.canary_bytes, CANARY_BYTES)
+                assert self.scratch is not None
+                self.scratch.view()[:n] = b"\0" * n
+                local = _descs(self.scratch.addr, n)
+                remote = _descs(info.canary_addr, n)
+                t3 = time.perf_counter()
+                await self.engine.transfer("READ", local, remote, info.agent, b"", cmd.timeout, n)
+                result["read_ms"] = (time.perf_counter() - t3) * 1e3
+                result["read_bytes"] = n
+                got = bytes(self.scratch.view()[:n])
+                result["canary_match"] = got == canary_pattern(info.agent, n)
+                result["ok"] = bool(result["canary_match"])
+        except TimeoutError:
+            result["error"] = f"timed out after {cmd.timeout}s"
+        except KvdError as exc:
+            result["error"] = exc.message
+        cmd.resolve(result)
+
+    async def _ensure_peer_now(self, host: str, port: int) -> PeerInfo:
+        call = EnsurePeer(host, port, refresh=True)
+        self._ensure_peer(call)
+        return await call.reply
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self, section: str) -> dict[str, Any]:
+        if section == "peers":
+            return {
+                "peers": [
+                    {
+                        "agent": p.info.agent,
+                        "addr": p.info.addr,
+                        "lease_duration": p.info.lease_duration,
+                        "regions": [
+                            {"engine_id": r.engine_id, "tp_rank": r.tp_rank, "region_id": r.region_id,
+                             "generation": r.generation, "blocks": r.geometry.num_blocks}
+                            for r in p.info.regions.values()
+                        ],
+                        "age_s": round(time.monotonic() - p.info.handshaked_at, 3),
+                    }
+                    for p in self.peers.values()
+                ]
+            }
+        return {
+            "regions": [
+                {
+                    "region_id": r.view.region_id,
+                    "generation": r.view.generation,
+                    "engine_id": r.view.engine_id,
+                    "tp_rank": r.view.tp_rank,
+                    "tp_size": r.view.tp_size,
+                    "name": r.view.name,
+                    "nbytes": r.nbytes,
+                    "blocks": r.view.layout.num_blocks,
+                    "session": r.view.session,
+                }
+                for r in self.regions.values()
+            ],
+            "peers": len(self.peers),
+        }
+
+
+def _descs(addr: int, n: int) -> Any:
+    import numpy as np
+
+    return np.array([[addr, n, 0]], dtype=np.int64)
+
+
+def wire_error(reply: wire.ErrorReply) -> KvdError:
+    from kvd_client.errors import error_from_code
+
+    return error_from_code(reply.code, reply.message)

@@ -1,0 +1,632 @@
+"""Writer: every KV transfer, push (P WRITEs) and pull (D READs), and D's request states.
+
+Rules:
+- Push: D's registration (`PushRegistration`, a NIXL notification) and P's finished
+  blocks (`Stage`, from the reaper once the lease is granted) match in either order,
+  exact id first, then the id without its per-engine random suffix.
+- Before P reads its own blocks for a WRITE it claims the lease from the reaper: a lease
+  that expired fails the request closed (D is told, never left waiting), and a claimed
+  lease cannot expire under a WRITE.
+- Pull: D READs P's blocks, then tells P (`PullDone`) and reports done only when P
+  acknowledges that the lease was still held (fail closed).
+- Every descriptor comes from the planner, from a validated (region, block id) pair.
+- Each D request ends in exactly one event: RecvFinished or RecvFailed (with its blocks).
+- The writer sleeps on its mailbox; the only timers are registration watchdogs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    Claim,
+    ClientRequest,
+    Delivered,
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EnsurePeer,
+    EventOut,
+    LocalRegion,
+    LocalRegionsChanged,
+    NotifReceived,
+    PeerInfo,
+    PeerLost,
+    PeerUpdated,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+    Stage,
+    TrackRequest,
+    Unstage,
+    Untrack,
+)
+from kvd.adapters.nixl import NixlEngine, PeerDisconnected
+from kvd.core.ids import base_request_id
+from kvd.core.matching import Match, PushMatcher
+from kvd.core.planner import Plan, expand_logical, plan_transfer
+from kvd.core.timers import TimerHeap
+from kvd_client import wire
+from kvd_client.errors import (
+    ErrorCode,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    LeaseExpired,
+    NotFound,
+    Timeout,
+    TransferError,
+)
+
+log = structlog.get_logger("kvd.writer", actor="writer")
+
+RECENT_TRANSFERS: Final = 256
+
+
+@dataclass(frozen=True)
+class _PushReg:
+    agent: str
+    msg: wire.PushRegistration
+
+
+@dataclass
+class _Recv:
+    """A D-side request waiting for KV."""
+
+    request_id: str
+    engine_id: str
+    session: str
+    mode: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    remote_request_id: str
+    started: float
+    agent: str = ""
+    expected_ranks: int = 0
+    done_ranks: set[int] = field(default_factory=set)
+    state: str = "handshake"
+    aborted: bool = False
+    ack: asyncio.Future[wire.PullAck] | None = None
+    bytes: int = 0
+    descriptors: int = 0
+
+
+class Writer:
+    def __init__(
+        self,
+        *,
+        engine: NixlEngine,
+        mailbox: Mailbox[Any],
+        registrar: Mailbox[Any],
+        reaper: Mailbox[Any],
+        emit: Callable[[EventOut], None],
+        push_registration_timeout: float,
+        transfer_timeout: float,
+        tombstones: int,
+        counters: dict[str, int],
+    ) -> None:
+        self.engine = engine
+        self.mailbox = mailbox
+        self.registrar = registrar
+        self.reaper = reaper
+        self.emit = emit
+        self.push_registration_timeout = push_registration_timeout
+        self.transfer_timeout = transfer_timeout
+        self.counters = counters
+        self.local: dict[tuple[str, int], LocalRegion] = {}
+        self.peers: dict[str, PeerInfo] = {}
+        self.matcher: PushMatcher[_PushReg, Stage] = PushMatcher()
+        self.expired: OrderedDict[str, None] = OrderedDict()
+        self._max_tombstones = tombstones
+        self.recvs: dict[str, _Recv] = {}
+        self.watchdogs: TimerHeap[str] = TimerHeap()
+        self.sending: dict[str, dict[str, Any]] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_TRANSFERS)
+        self.inflight_local: dict[int, int] = {}
+        self.inflight_remote: dict[tuple[str, int], int] = {}
+        self.draining_local: set[int] = set()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- loop
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                deadline = self.watchdogs.next_time()
+                msg: Any = None
+                if deadline is None:
+                    msg = await self.mailbox.receive()
+                else:
+                    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                        msg = await self.mailbox.receive()
+                if msg is not None:
+                    await self._dispatch(msg)
+                for rid, _ in self.watchdogs.pop_due(time.monotonic()):
+                    r = self.recvs.get(rid)
+                    if r is not None:
+                        log.warning("push_registration_timed_out", request_id=rid, peer=r.agent)
+                        self._count("registration_timeouts")
+                        self._end_recv(r, Timeout(f"no push completion within {self.push_registration_timeout}s"))
+
+    async def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, ClientRequest):
+            self._client(msg)
+        elif isinstance(msg, NotifReceived):
+            self._notif(msg.agent, msg.msg)
+        elif isinstance(msg, Stage):
+            m = self.matcher.add_finished(msg.request_id, msg, time.monotonic())
+            if m is not None:
+                self._start_push(m)
+        elif isinstance(msg, Unstage):
+            self.matcher.remove_finished(msg.request_id)
+            if msg.expired:
+                self._tombstone(msg.request_id)
+        elif isinstance(msg, LocalRegionsChanged):
+            self.local = msg.regions
+        elif isinstance(msg, PeerUpdated):
+            if msg.info is None:
+                self.peers.pop(msg.agent, None)
+            else:
+                self.peers[msg.agent] = msg.info
+        elif isinstance(msg, PeerLost):
+            for r in [r for r in self.recvs.values() if r.agent == msg.agent]:
+                self._end_recv(r, TransferError(f"peer {msg.agent} lost: {msg.reason}"))
+        elif isinstance(msg, (DrainLocalRegion, DrainRemoteRegion)):
+            assert self._tg is not None
+            self._tg.start_soon(self._drain, msg)
+        elif isinstance(msg, SessionClosed):
+            for r in [r for r in self.recvs.values() if r.session == msg.session]:
+                self._abort_recv(r)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot(msg.section))
+        else:
+            raise TypeError(f"writer got {type(msg).__name__}")
+
+    # ---------------------------------------------------------------- client requests (D side)
+
+    def _client(self, req: ClientRequest) -> None:
+        m = req.msg
+        try:
+            if isinstance(m, wire.RegisterPush):
+                self._check_local(m.engine_id, m.block_ids)
+                r = self._new_recv(req.session, m.request_id, m.engine_id, "push", m.block_ids, m.peer_host,
+                                   m.peer_port, m.remote_request_id)
+                req.resolve(wire.Ok())
+                assert self._tg is not None
+                self._tg.start_soon(self._register_push, r, m)
+            elif isinstance(m, wire.Pull):
+                self._check_local(m.engine_id, m.block_ids)
+                if len(m.block_ids) > len(m.remote_block_ids):
+                    raise InvalidRequest(
+                        f"{len(m.block_ids)} local blocks but P offers only {len(m.remote_block_ids)}"
+                    )
+                r = self._new_recv(req.session, m.request_id, m.engine_id, "pull", m.block_ids, m.peer_host,
+                                   m.peer_port, m.remote_request_id)
+                req.resolve(wire.Ok())
+                assert self._tg is not None
+                self._tg.start_soon(self._pull, r, m)
+            elif isinstance(m, wire.Abort):
+                r = self.recvs.get(m.request_id)
+                if r is not None and r.session == req.session:
+                    self._abort_recv(r)
+                req.resolve(wire.Ok())
+            else:
+                raise TypeError(f"writer got {type(m).__name__}")
+        except KvdError as exc:
+            self._count("requests_rejected")
+            log.warning("request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message)
+            req.fail(exc)
+
+    def _check_local(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
+        ranks = self._local_ranks(engine_id)
+        for reg in ranks:
+            _physical(reg.geometry, block_ids, reg.layout.physical_per_logical)  # bounds check
+
+    def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
+        regs = sorted((r for (e, _), r in self.local.items() if e == engine_id), key=lambda r: r.tp_rank)
+        if not regs:
+            raise NotFound(f"engine {engine_id!r} has no registered region on this daemon")
+        tp = regs[0].tp_size
+        if len(regs) != tp or [r.tp_rank for r in regs] != list(range(tp)):
+            raise InvalidRequest(f"engine {engine_id!r} registered {len(regs)} of {tp} ranks")
+        return regs
+
+    def _new_recv(
+        self, session: str, rid: str, engine_id: str, mode: str, blocks: tuple[int, ...], host: str, port: int,
+        remote_rid: str,
+    ) -> _Recv:
+        if rid in self.recvs:
+            raise InvalidRequest(f"request {rid!r} is already receiving")
+        r = _Recv(rid, engine_id, session, mode, blocks, host, port, remote_rid, time.monotonic())
+        self.recvs[rid] = r
+        self._count(f"{mode}_requests")
+        self.reaper.post(TrackRequest(rid, remote_rid, host, port, session, engine_id))
+        return r
+
+    async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
+        return await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
+
+    async def _peer_ranks(self, r: _Recv, engine_id: str, tp: int) -> tuple[PeerInfo, list[RemoteRegion]]:
+        """The peer's regions for `engine_id`, re-handshaking once if they are not (yet) known."""
+        info = await self._peer(r.host, r.port)
+        for attempt in range(2):
+            if engine_id:
+                ranks = info.ranks(engine_id)
+            else:
+                engines = {e for (e, _) in info.regions}
+                ranks = info.ranks(next(iter(engines))) if len(engines) == 1 else []
+            if len(ranks) == tp and [x.tp_rank for x in ranks] == list(range(tp)):
+                return info, ranks
+            if attempt == 0:
+                info = await self._peer(r.host, r.port, refresh=True)
+        raise Incompatible(f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, need {tp} (equal TP)")
+
+    async def _register_push(self, r: _Recv, m: wire.RegisterPush) -> None:
+        try:
+            local = self._local_ranks(m.engine_id)
+            info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local))
+            _check_compat(local, remote)
+            r.agent = info.agent
+            r.expected_ranks = len(remote)
+            if r.aborted:
+                self._end_recv(r, _aborted())
+                return
+            reg = wire.PushRegistration(
+                request_id=m.request_id,
+                remote_request_id=m.remote_request_id,
+                engine_id=m.engine_id,
+                remote_engine_id=remote[0].engine_id,
+                tp_size=len(local),
+                block_ids=m.block_ids,
+                side_host="",
+                side_port=0,
+            )
+            await self.engine.send_notif(info.agent, wire.encode(reg))
+            r.state = "registered"
+            self.watchdogs.set(r.request_id, time.monotonic() + self.push_registration_timeout)
+        except KvdError as exc:
+            self._end_recv(r, exc)
+
+    async def _pull(self, r: _Recv, m: wire.Pull) -> None:
+        try:
+            local = self._local_ranks(m.engine_id)
+            info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local))
+            _check_compat(local, remote)
+            r.agent = info.agent
+            r.expected_ranks = len(remote)
+            r.state = "reading"
+            n = len(m.block_ids)
+            p_blocks = m.remote_block_ids[len(m.remote_block_ids) - n :] if n else ()
+            if n and not r.aborted:
+                plans = [
+                    plan_transfer(
+                        loc.geometry,
+                        _physical(loc.geometry, m.block_ids, loc.layout.physical_per_logical),
+                        rem.geometry,
+                        _physical(rem.geometry, p_blocks, rem.geometry.physical_per_logical),
+                    )
+                    for loc, rem in zip(local, remote, strict=True)
+                ]
+                await self._run_plans("READ", r.request_id, info.agent, local, remote, plans, [b""] * len(plans), r)
+            r.state = "acking"
+            loop = asyncio.get_running_loop()
+            r.ack = loop.create_future()
+            await self.engine.send_notif(info.agent, wire.encode(wire.PullDone(m.remote_request_id, m.request_id)))
+            with anyio.fail_after(self.transfer_timeout):
+                ack = await r.ack
+            if r.aborted:
+                self._end_recv(r, _aborted())
+            elif ack.ok:
+                self._end_recv(r, None)
+            else:
+                self._end_recv(r, _error(ack.code, ack.reason))
+        except TimeoutError:
+            self._end_recv(r, Timeout("P did not acknowledge the pull in time"))
+        except KvdError as exc:
+            self._end_recv(r, exc)
+
+    async def _run_plans(
+        self,
+        op: str,
+        rid: str,
+        agent: str,
+        local: list[LocalRegion],
+        remote: list[RemoteRegion],
+        plans: list[Plan],
+        notifs: list[bytes],
+        r: _Recv | None,
+    ) -> None:
+        """Post one transfer per rank concurrently; raise the first failure."""
+        for loc in local:
+            if loc.region_id in self.draining_local:
+                raise TransferError(f"local region {loc.region_id} is being released")
+        total = sum(p.total_bytes for p in plans)
+        descs = sum(p.descriptors for p in plans)
+        rec = {"request_id": rid, "op": op, "peer": agent, "bytes": total, "descriptors": descs,
+               "ranks": len(plans), "state": "in_flight", "started": time.time()}
+        self.sending[rid + ":" + op] = rec
+        for loc, rem in zip(local, remote, strict=True):
+            self.inflight_local[loc.region_id] = self.inflight_local.get(loc.region_id, 0) + 1
+            key = (agent, rem.region_id)
+            self.inflight_remote[key] = self.inflight_remote.get(key, 0) + 1
+        t0 = time.perf_counter()
+        errors: list[BaseException] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                for plan, notif in zip(plans, notifs, strict=True):
+                    tg.start_soon(self._one, op, agent, plan, notif, errors)
+        finally:
+            for loc, rem in zip(local, remote, strict=True):
+                self.inflight_local[loc.region_id] -= 1
+                self.inflight_remote[(agent, rem.region_id)] -= 1
+            self.sending.pop(rid + ":" + op, None)
+            rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+            rec["state"] = "failed" if errors else "done"
+            self.recent.append(rec)
+        if errors:
+            err = errors[0]
+            if isinstance(err, PeerDisconnected):
+                self.registrar.post(PeerLost(agent, str(err)))
+            raise err if isinstance(err, KvdError) else TransferError(str(err))
+        self._count("transfers_ok")
+        self._count("bytes_transferred", total)
+        self._count("descriptors", descs)
+        if r is not None:
+            r.bytes, r.descriptors = total, descs
+
+    async def _one(self, op: str, agent: str, plan: Plan, notif: bytes, errors: list[BaseException]) -> None:
+        try:
+            if plan.descriptors:
+                await self.engine.transfer(
+                    op, plan.as_tuples_local(), plan.as_tuples_remote(), agent, notif, self.transfer_timeout,
+                    plan.total_bytes,
+                )
+            elif notif:
+                await self.engine.send_notif(agent, notif)
+        except KvdError as exc:
+            errors.append(exc)
+
+    # ---------------------------------------------------------------- P side push
+
+    def _start_push(self, m: Match[_PushReg, Stage]) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._push, m)
+
+    async def _push(self, m: Match[_PushReg, Stage]) -> None:
+        reg, fin = m.registration, m.finished
+        d_rid = reg.msg.request_id
+        claimed = False
+        try:
+            claimed = await self.reaper.call(Claim(m.finished_id))
+            if not claimed:
+                raise LeaseExpired(f"the lease of {m.finished_id!r} expired before the WRITE")
+            info = self.peers.get(reg.agent)
+            if info is None:
+                raise NotFound(f"peer {reg.agent} is unknown (no handshake)")
+            local = self._local_ranks(fin.engine_id)
+            remote = info.ranks(reg.msg.engine_id)
+            if len(remote) != len(local) or reg.msg.tp_size != len(local):
+                raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
+            _check_compat(local, remote)
+            d_blocks = reg.msg.block_ids
+            if len(d_blocks) > len(fin.block_ids):
+                raise InvalidRequest(f"D registered {len(d_blocks)} blocks, P has {len(fin.block_ids)}")
+            p_blocks = fin.block_ids[len(fin.block_ids) - len(d_blocks) :] if d_blocks else ()
+            plans = [
+                plan_transfer(
+                    loc.geometry,
+                    _physical(loc.geometry, p_blocks, loc.layout.physical_per_logical),
+                    rem.geometry,
+                    _physical(rem.geometry, d_blocks, rem.geometry.physical_per_logical),
+                )
+                for loc, rem in zip(local, remote, strict=True)
+            ]
+            notifs = [wire.encode(wire.PushDone(d_rid, rank, True, 0, "")) for rank in range(len(local))]
+            await self._run_plans("WRITE", m.finished_id, reg.agent, local, remote, plans, notifs, None)
+            self.reaper.post(Delivered(m.finished_id, True))
+            log.debug("push_done", request_id=m.finished_id, peer=reg.agent)
+        except KvdError as exc:
+            self._count("push_failed")
+            log.warning("push_failed", request_id=m.finished_id, peer=reg.agent, error=exc.message)
+            await self._tell_push_failed(reg.agent, d_rid, exc)
+            if claimed or not isinstance(exc, LeaseExpired):
+                self.reaper.post(Delivered(m.finished_id, False, int(exc.code), exc.message))
+
+    async def _tell_push_failed(self, agent: str, d_rid: str, exc: KvdError) -> None:
+        try:
+            await self.engine.send_notif(agent, wire.encode(wire.PushDone(d_rid, 0, False, int(exc.code), exc.message)))
+        except KvdError as send_exc:
+            log.warning("push_failure_notice_failed", request_id=d_rid, peer=agent, error=send_exc.message)
+
+    def _tombstone(self, rid: str) -> None:
+        if self._max_tombstones <= 0:
+            return
+        self.expired[base_request_id(rid)] = None
+        while len(self.expired) > self._max_tombstones:
+            self.expired.popitem(last=False)
+
+    # ---------------------------------------------------------------- notifications
+
+    def _notif(self, agent: str, msg: wire.Record) -> None:
+        if isinstance(msg, wire.PushRegistration):
+            if agent not in self.peers:
+                self._reject(agent, "push registration from an agent that never handshaked")
+                return
+            if base_request_id(msg.request_id) in self.expired or base_request_id(msg.remote_request_id or
+                                                                                  msg.request_id) in self.expired:
+                assert self._tg is not None
+                self._tg.start_soon(self._tell_push_failed, agent, msg.request_id,
+                                    LeaseExpired("the lease expired before D registered"))
+                self._count("late_registrations")
+                return
+            key = msg.remote_request_id or msg.request_id
+            try:
+                match = self.matcher.add_registration(key, _PushReg(agent, msg), time.monotonic())
+            except KvdError as exc:
+                self._reject(agent, exc.message)
+                return
+            self._count("push_registrations")
+            if match is not None:
+                self._start_push(match)
+        elif isinstance(msg, wire.PushDone):
+            r = self.recvs.get(msg.request_id)
+            if r is None or r.agent != agent or r.mode != "push":
+                self._reject(agent, f"push completion for unknown request {msg.request_id!r}")
+                return
+            if not msg.ok:
+                self._end_recv(r, _aborted() if r.aborted else _error(msg.code, msg.reason))
+            elif msg.tp_rank >= r.expected_ranks:
+                self._reject(agent, f"push completion for rank {msg.tp_rank} of {r.expected_ranks}")
+            else:
+                r.done_ranks.add(msg.tp_rank)
+                if len(r.done_ranks) == r.expected_ranks:
+                    self._end_recv(r, _aborted() if r.aborted else None)
+        elif isinstance(msg, wire.PullAck):
+            r = self.recvs.get(msg.d_request_id)
+            if r is None or r.agent != agent or r.ack is None or r.ack.done():
+                self._reject(agent, f"pull ack for unknown request {msg.d_request_id!r}")
+                return
+            r.ack.set_result(msg)
+        elif isinstance(msg, wire.CancelRegistration):
+            got = self.matcher.remove_registration(msg.request_id)
+            if got is not None and got.agent != agent:
+                self.matcher.add_registration(msg.request_id, got, time.monotonic())
+                self._reject(agent, "cancel for another peer's registration")
+                return
+            assert self._tg is not None
+            self._tg.start_soon(self._tell_push_failed, agent, msg.request_id,
+                                TransferError("cancelled by D"))
+            if got is not None:
+                self.reaper.post(Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D"))
+        else:
+            self._reject(agent, f"unexpected {type(msg).__name__}")
+
+    def _reject(self, agent: str, why: str) -> None:
+        self._count("notifs_rejected")
+        log.warning("notif_rejected", peer=agent, reason=why)
+
+    # ---------------------------------------------------------------- D request ends
+
+    def _abort_recv(self, r: _Recv) -> None:
+        """Abort: the terminal event waits until nothing can still write into D's blocks."""
+        if r.aborted:
+            return
+        r.aborted = True
+        self._count("aborted")
+        if r.mode == "push" and r.state == "registered":
+            assert self._tg is not None
+            self._tg.start_soon(self._cancel_push, r)
+        elif r.state == "handshake" and r.mode == "push":
+            pass  # _register_push sees the flag and ends it
+        # pull: the READ in flight (ours) finishes first; _pull then ends it as aborted.
+
+    async def _cancel_push(self, r: _Recv) -> None:
+        try:
+            await self.engine.send_notif(r.agent, wire.encode(wire.CancelRegistration(r.remote_request_id or r.request_id)))
+        except KvdError as exc:
+            self._end_recv(r, _aborted(f"aborted; cancel not delivered: {exc.message}"))
+            return
+        # P answers with PushDone (failed, or ok if its WRITE already ran); bound the wait.
+        self.watchdogs.set(r.request_id, min(self.watchdogs.get(r.request_id) or float("inf"),
+                                              time.monotonic() + min(self.transfer_timeout, 10.0)))
+
+    def _end_recv(self, r: _Recv, exc: KvdError | None) -> None:
+        if self.recvs.pop(r.request_id, None) is None:
+            return
+        self.watchdogs.discard(r.request_id)
+        if r.ack is not None and not r.ack.done():
+            r.ack.cancel()
+        self.reaper.post(Untrack(r.request_id))
+        dur = time.monotonic() - r.started
+        if exc is None:
+            self._count("recv_ok")
+            self.emit(EventOut(r.session, r.engine_id, wire.RecvFinished(r.request_id)))
+            log.debug("recv_finished", request_id=r.request_id, peer=r.agent, seconds=round(dur, 6))
+        else:
+            self._count("recv_failed")
+            self.emit(
+                EventOut(r.session, r.engine_id,
+                         wire.RecvFailed(r.request_id, int(exc.code), exc.message[:1000], r.block_ids))
+            )
+            log.info("recv_failed", request_id=r.request_id, peer=r.agent, error=exc.message)
+
+    # ---------------------------------------------------------------- drains and status
+
+    async def _drain(self, msg: DrainLocalRegion | DrainRemoteRegion) -> None:
+        if isinstance(msg, DrainLocalRegion):
+            self.draining_local.add(msg.region_id)
+            try:
+                while self.inflight_local.get(msg.region_id, 0) > 0:
+                    await anyio.sleep(0.002)
+            finally:
+                self.draining_local.discard(msg.region_id)
+                self.inflight_local.pop(msg.region_id, None)
+        else:
+            info = self.peers.get(msg.agent)
+            if info is not None:
+                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
+                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
+            key = (msg.agent, msg.region_id)
+            while self.inflight_remote.get(key, 0) > 0:
+                await anyio.sleep(0.002)
+            self.inflight_remote.pop(key, None)
+        msg.resolve(None)
+
+    def snapshot(self, section: str) -> dict[str, Any]:
+        if section == "transfers":
+            return {
+                "in_flight": list(self.sending.values()),
+                "recent": list(self.recent),
+                "receiving": [
+                    {"request_id": r.request_id, "mode": r.mode, "peer": r.agent, "state": r.state,
+                     "ranks_done": len(r.done_ranks), "ranks": r.expected_ranks, "blocks": len(r.block_ids),
+                     "age_s": round(time.monotonic() - r.started, 3)}
+                    for r in self.recvs.values()
+                ],
+            }
+        return {
+            "receiving": len(self.recvs),
+            "sending": len(self.sending),
+            "pending_registrations": self.matcher.pending_registrations(),
+            "staged_blocks": self.matcher.pending_finished(),
+            "tombstones": len(self.expired),
+        }
+
+
+def _physical(geo: Any, logical: tuple[int, ...], ratio: int) -> Any:
+    from kvd.core.planner import check_blocks
+
+    return check_blocks(geo, expand_logical(logical, ratio))
+
+
+def _check_compat(local: list[LocalRegion], remote: list[RemoteRegion]) -> None:
+    for loc, rem in zip(local, remote, strict=True):
+        if loc.compat and rem.compat and loc.compat != rem.compat:
+            raise Incompatible(
+                f"compatibility hash differs (rank {loc.tp_rank}: {loc.compat[:12]} vs {rem.compat[:12]})"
+            )
+
+
+def _aborted(reason: str = "aborted by the client") -> KvdError:
+    return TransferError(reason)
+
+
+def _error(code: int, reason: str) -> KvdError:
+    from kvd_client.errors import error_from_code
+
+    return error_from_code(code, reason)

@@ -1,0 +1,242 @@
+"""The supervisor: one task group runs every actor; one signal ends them all.
+
+Start order follows dependencies: the NIXL engine, then the registrar (canary
+registered), the side channel (bound), writer and reaper, and last the gateway (IPC
+socket bound). Only then is the daemon ready (logged, and READY=1 to systemd). SIGTERM
+or SIGINT cancels the group; cleanup (peers told, regions deregistered and unmapped,
+socket removed) runs shielded and bounded by `daemon.shutdown_timeout`. An actor that
+crashes takes the whole daemon down with the reason logged: no half-alive daemon.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+from kvd import __version__
+from kvd.actors.base import Mailbox
+from kvd.actors.gateway import Gateway
+from kvd.actors.messages import EventOut, Snapshot
+from kvd.actors.notifier import Notifier
+from kvd.actors.reaper import Reaper
+from kvd.actors.registrar import Registrar
+from kvd.actors.sidechannel import SideChannel
+from kvd.actors.writer import Writer
+from kvd.adapters import systemd
+from kvd.adapters.nixl import NixlEngine
+from kvd.config import Config, resolve_agent_name, resolve_socket_path
+from kvd_client import wire
+
+log = structlog.get_logger("kvd.daemon")
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.started = time.time()
+        self.counters: dict[str, int] = {}
+        self.socket_path = str(resolve_socket_path(cfg))
+        self.agent_name = resolve_agent_name(cfg)
+        size = cfg.daemon.mailbox_size
+        self.registrar_box: Mailbox[Any] = Mailbox("registrar", size)
+        self.writer_box: Mailbox[Any] = Mailbox("writer", size)
+        self.reaper_box: Mailbox[Any] = Mailbox("reaper", size)
+        self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536))
+        self.engine = NixlEngine(
+            self.agent_name,
+            backend=cfg.nixl.backend,
+            error_handling_mode=cfg.nixl.ucx_error_handling_mode,
+            num_threads=cfg.nixl.num_threads,
+            poll_max_idle_us=cfg.nixl.poll_max_idle_us,
+            ucx_tls=cfg.nixl.ucx_tls,
+        )
+        self.side = SideChannel(
+            host=cfg.side_channel.host,
+            port=cfg.side_channel.port,
+            registrar=self.registrar_box,
+            writer=self.writer_box,
+            max_frame=cfg.daemon.max_frame_bytes,
+            counters=self.counters,
+        )
+        self.registrar = Registrar(
+            engine=self.engine,
+            mailbox=self.registrar_box,
+            side_host=cfg.side_channel.advertised_host,
+            side_port_ref=lambda: self.side.port,
+            lease_duration=cfg.transfer.kv_lease_duration,
+            handshake_timeout=cfg.side_channel.handshake_timeout,
+            secret=cfg.auth.load_secret(),
+            publish=self._publish,
+            drain_writer=self.writer_box.call,
+            counters=self.counters,
+        )
+        self.writer = Writer(
+            engine=self.engine,
+            mailbox=self.writer_box,
+            registrar=self.registrar_box,
+            reaper=self.reaper_box,
+            emit=self._emit,
+            push_registration_timeout=cfg.transfer.push_registration_timeout,
+            transfer_timeout=cfg.transfer.transfer_timeout,
+            tombstones=cfg.transfer.expired_tombstones,
+            counters=self.counters,
+        )
+        self.reaper = Reaper(
+            engine=self.engine,
+            mailbox=self.reaper_box,
+            writer=self.writer_box,
+            registrar=self.registrar_box,
+            emit=self._emit,
+            lease_duration=cfg.transfer.kv_lease_duration,
+            probe_interval=cfg.transfer.peer_probe_interval,
+            tombstones=cfg.transfer.expired_tombstones,
+            counters=self.counters,
+        )
+        self.notifier = Notifier(
+            writer=self.writer_box,
+            reaper=self.reaper_box,
+            registrar=self.registrar_box,
+            max_frame=cfg.daemon.max_frame_bytes,
+            counters=self.counters,
+        )
+        self.gateway = Gateway(
+            socket_path=self.socket_path,
+            socket_mode=cfg.daemon.socket_mode,
+            registrar=self.registrar_box,
+            writer=self.writer_box,
+            reaper=self.reaper_box,
+            events=self.events,
+            client_timeout=cfg.daemon.client_timeout,
+            max_frame=cfg.daemon.max_frame_bytes,
+            counters=self.counters,
+            status=self.status,
+            welcome=self._welcome,
+        )
+
+    # ---------------------------------------------------------------- wiring
+
+    def _publish(self, msg: Any) -> None:
+        """Registrar views go to the writer and the reaper; never dropped (mailbox bound aside)."""
+        for box in (self.writer_box, self.reaper_box):
+            try:
+                box.post(msg)
+            except Exception:
+                log.error("view_update_dropped", mailbox=box.name, type=type(msg).__name__)
+                self.counters["view_updates_dropped"] = self.counters.get("view_updates_dropped", 0) + 1
+
+    def _emit(self, ev: EventOut) -> None:
+        try:
+            self.events.post(ev)
+        except Exception:
+            self.counters["events_dropped"] = self.counters.get("events_dropped", 0) + 1
+            log.error("event_dropped", request_id=getattr(ev.record, "request_id", ""))
+
+    def _welcome(self) -> wire.Welcome:
+        return wire.Welcome(
+            daemon_version=__version__,
+            agent_name=self.agent_name,
+            side_host=self.cfg.side_channel.advertised_host,
+            side_port=self.side.port,
+            kv_lease_duration=self.cfg.transfer.kv_lease_duration,
+            ec_host="",
+            ec_port=0,
+        )
+
+    async def status(self, section: str) -> dict[str, Any]:
+        boxes = {"registrar": self.registrar_box, "writer": self.writer_box, "reaper": self.reaper_box}
+        if section in ("peers",):
+            return await self.registrar_box.call(Snapshot(section))
+        if section == "leases":
+            return await self.reaper_box.call(Snapshot(section))
+        if section == "transfers":
+            return await self.writer_box.call(Snapshot(section))
+        out: dict[str, Any] = {
+            "version": __version__,
+            "agent_name": self.agent_name,
+            "uptime_s": round(time.time() - self.started, 3),
+            "socket": self.socket_path,
+            "side_channel": f"{self.cfg.side_channel.advertised_host}:{self.side.port}",
+            "mailboxes": {name: box.stats() for name, box in boxes.items()}
+            | {"events": self.events.stats()},
+            "counters": dict(sorted(self.counters.items())),
+            "nixl": dict(self.engine.stats.__dict__),
+        }
+        for name, box in boxes.items():
+            out[name] = await box.call(Snapshot("status"))
+        out["regions"] = out["registrar"].pop("regions")
+        out["peers"] = (await self.registrar_box.call(Snapshot("peers")))["peers"]
+        out["sessions"] = self.gateway.snapshot()["sessions"]
+        return out
+
+    # ---------------------------------------------------------------- run
+
+    async def run(self) -> None:
+        ok = False
+        try:
+            async with anyio.create_task_group() as tg:
+                await self.engine.start(self.notifier.sink)
+                await tg.start(self.registrar.run)
+                self.side.bind()
+                await tg.start(self.side.run)
+                await tg.start(self.writer.run)
+                await tg.start(self.reaper.run)
+                self.gateway.bind()
+                await tg.start(self.gateway.run)
+                tg.start_soon(self._watchdog)
+                log.info(
+                    "daemon_ready",
+                    version=__version__,
+                    agent=self.agent_name,
+                    socket=self.socket_path,
+                    side_channel=f"{self.cfg.side_channel.host}:{self.side.port}",
+                )
+                systemd.ready(f"serving {self.socket_path}")
+                await self._wait_for_signal()
+                ok = True
+                tg.cancel_scope.cancel()
+        finally:
+            systemd.stopping()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.cfg.daemon.shutdown_timeout) as scope:
+                await self._cleanup()
+            if scope.cancelled_caught:
+                log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)
+            log.info("daemon_stopped", clean=ok)
+
+    async def _cleanup(self) -> None:
+        self.gateway.close()
+        try:
+            await self.registrar.cleanup()
+        except Exception as exc:
+            log.error("registrar_cleanup_failed", error=repr(exc))
+        await self.engine.close()
+
+    async def _wait_for_signal(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal_received", signal=signal.Signals(signum).name)
+                return
+
+    async def _watchdog(self) -> None:
+        interval = systemd.watchdog_interval()
+        if interval is None:
+            return
+        while True:
+            systemd.watchdog_ping()
+            await anyio.sleep(interval)
+
+
+def serve(cfg: Config) -> int:
+    """Run the daemon until a signal; returns the process exit code."""
+    daemon = Daemon(cfg)
+    try:
+        anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as exc:
+        log.error("daemon_crashed", error=repr(exc), exc_info=True)
+        return 1
+    return 0

@@ -1,0 +1,268 @@
+"""Golden wire fixtures: one representative instance of every registered message.
+
+`GOLDEN` is the single source of the instances; `test_golden.py` compares their encoding
+against the committed `tests/fixtures/wire/<TypeName>.bin` files and never rewrites them.
+After an intentional wire change, regenerate and review the diff:
+
+    python tests/wire/make_golden.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Final
+
+from kvd_client import wire
+from kvd_client.errors import ErrorCode
+
+FIXTURE_DIR: Final = Path(__file__).resolve().parents[1] / "fixtures" / "wire"
+
+# Unicode on purpose: ids are counted in code points but travel as UTF-8.
+REQ: Final = "cmpl-réq-漢字-😀-0-1a2b3c4d"
+REMOTE_REQ: Final = "cmpl-ünï-Ω-0"
+ENGINE: Final = "engine-δ-prefill"
+REMOTE_ENGINE: Final = "engine-ж-decode"
+# int32 edge values pin the packed little-endian encoding and its sign handling.
+BLOCKS: Final = (0, 1, 2, 255, 256, 65535, 65536, 1 << 24, (1 << 31) - 1, -1, -(1 << 31))
+REMOTE_BLOCKS: Final = (7, 3, 1000, 123456, 42)
+
+LAYOUT: Final = wire.RegionLayout(
+    num_blocks=4096,
+    num_layers=61,
+    kv_parts=2,
+    chunk_bytes=32768,
+    block_stride=61 * 2 * 32768,
+    layer_stride=2 * 32768,
+    kv_stride=32768,
+    tokens_per_block=16,
+    physical_per_logical=2,
+    kv_layout="HND",
+    dtype="bfloat16",
+)
+LAYOUT_MLA: Final = wire.RegionLayout(
+    num_blocks=1 << 31,
+    num_layers=1 << 16,
+    kv_parts=1,
+    chunk_bytes=1 << 40,
+    block_stride=1 << 48,
+    layer_stride=0,
+    kv_stride=0,
+    tokens_per_block=1 << 20,
+    physical_per_logical=1 << 10,
+    kv_layout="NHD",
+    dtype="float8_e4m3fn",
+)
+
+
+def _region(region_id: int, rank: int, layout: wire.RegionLayout) -> wire.RegionInfo:
+    return wire.RegionInfo(
+        region_id=region_id,
+        generation=0xFFFFFFFF - region_id,
+        engine_id=ENGINE,
+        tp_rank=rank,
+        tp_size=2,
+        base_addr=0x7F00_0000_0000 + rank * 0x1_0000_0000,
+        nbytes=min(layout.num_blocks * layout.block_stride, (1 << 64) - 1),
+        layout=layout,
+        compat="sha256:0f1e2d3c",
+        nixl_md=bytes(range(256)) + b"\x00nixl-md\xff",
+    )
+
+
+GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
+    "Hello": (
+        1,
+        wire.Hello(
+            session="sess-é-1",
+            role="worker",
+            engine_id=ENGINE,
+            tp_rank=-1,
+            pid=4242,
+            client_version="0.1.0",
+        ),
+    ),
+    "Welcome": (
+        1,
+        wire.Welcome(
+            daemon_version="0.1.0",
+            agent_name="kvd-host-ø-1234",
+            side_host="10.0.0.7",
+            side_port=5600,
+            kv_lease_duration=30.5,
+            ec_host="::1",
+            ec_port=0xFFFF,
+        ),
+    ),
+    "KeepAlive": (0, wire.KeepAlive(session="sess-é-1")),
+    "Goodbye": (2, wire.Goodbye(session="sess-é-1")),
+    "Ok": (3, wire.Ok()),
+    "ErrorReply": (
+        4,
+        wire.ErrorReply.of(ErrorCode.LEASE_EXPIRED, f"lease of {REQ} expired — blocks freed"),
+    ),
+    "RegisterRegion": (
+        5,
+        wire.RegisterRegion(
+            kind="cuda-ipc",
+            name="/kvd-region-ü",
+            nbytes=1 << 44,
+            engine_id=ENGINE,
+            tp_rank=1,
+            tp_size=2,
+            layout=LAYOUT,
+            compat="sha256:0f1e2d3c",
+            ipc_handle=bytes(range(64)),
+            device=-1,
+        ),
+    ),
+    "RegionRegistered": (5, wire.RegionRegistered(region_id=3, generation=0xFFFFFFFF)),
+    "DeregisterRegion": (6, wire.DeregisterRegion(region_id=3)),
+    "Track": (
+        7,
+        wire.Track(
+            request_id=REQ,
+            engine_id=REMOTE_ENGINE,
+            peer_host="prefill-0.example",
+            peer_port=5600,
+            remote_engine_id=ENGINE,
+            remote_request_id="",
+        ),
+    ),
+    "RegisterPush": (
+        8,
+        wire.RegisterPush(
+            request_id=REQ,
+            engine_id=REMOTE_ENGINE,
+            block_ids=BLOCKS,
+            peer_host="prefill-0.example",
+            peer_port=5600,
+            remote_engine_id="",
+            remote_request_id=REMOTE_REQ,
+        ),
+    ),
+    "Pull": (
+        9,
+        wire.Pull(
+            request_id=REQ,
+            engine_id=REMOTE_ENGINE,
+            block_ids=BLOCKS[:5],
+            peer_host="prefill-0.example",
+            peer_port=5600,
+            remote_engine_id=ENGINE,
+            remote_request_id=REMOTE_REQ,
+            remote_block_ids=REMOTE_BLOCKS,
+        ),
+    ),
+    "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
+    "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE)),
+    "GetStatus": (12, wire.GetStatus(section="transfers")),
+    "StatusReply": (
+        12,
+        wire.StatusReply(
+            data={
+                "version": "0.1.0",
+                "uptime_s": 12.25,
+                "ready": True,
+                "draining": False,
+                "ec": None,
+                "queues": {"gateway": 0, "transfers": 3, "peers": -1},
+                "peers": [
+                    {"agent": "kvd-β", "rtt_ms": 0.5, "regions": [1, 2]},
+                    {"agent": "kvd-ж", "rtt_ms": 1e-3, "regions": []},
+                ],
+                "bytes": (1 << 64) - 1,
+                "raw": b"\x00\x01\xfe\xff",
+            }
+        ),
+    ),
+    "PingPeer": (13, wire.PingPeer(host="decode-1.example", port=5601, timeout=2.5)),
+    "SendFinished": (0, wire.SendFinished(request_id=REQ)),
+    "RecvFinished": (0, wire.RecvFinished(request_id=REQ)),
+    "RecvFailed": (
+        0,
+        wire.RecvFailed(
+            request_id=REQ,
+            code=int(ErrorCode.TRANSFER),
+            reason="NIXL_ERR_REMOTE_DISCONNECT: péér gone",
+            block_ids=BLOCKS[::2],
+        ),
+    ),
+    "SendFailed": (
+        0,
+        wire.SendFailed(request_id=REQ, code=int(ErrorCode.NOT_FOUND), reason="aborted"),
+    ),
+    "SendExpired": (0, wire.SendExpired(request_id=REQ)),
+    "Handshake": (
+        (1 << 64) - 1,
+        wire.Handshake(
+            agent_name="kvd-host-ø-1234",
+            incarnation=0x0123_4567_89AB_CDEF,
+            nixl_md=b"\x89NIXL\r\n" + bytes(range(255, -1, -1)),
+            side_host="10.0.0.7",
+            side_port=5600,
+            kv_lease_duration=30.0,
+            regions=(_region(1, 0, LAYOUT), _region(2, 1, LAYOUT_MLA)),
+            canary_addr=0x7F00_DEAD_BEEF,
+            canary_bytes=64,
+            nonce=bytes(range(16, 48)),
+            timestamp=1_795_000_000.125,
+            mac=bytes(32),
+        ),
+    ),
+    "PushRegistration": (
+        0,
+        wire.PushRegistration(
+            request_id=REQ,
+            remote_request_id=REMOTE_REQ,
+            engine_id=REMOTE_ENGINE,
+            remote_engine_id=ENGINE,
+            tp_size=4,
+            block_ids=BLOCKS,
+            side_host="decode-1.example",
+            side_port=5601,
+        ),
+    ),
+    "Heartbeat": (0, wire.Heartbeat(request_ids=(REQ, REMOTE_REQ, "r-3"))),
+    "PushDone": (
+        0,
+        wire.PushDone(request_id=REQ, tp_rank=3, ok=False, code=8, reason="write failed: ✗"),
+    ),
+    "PullDone": (0, wire.PullDone(request_id=REMOTE_REQ, d_request_id=REQ)),
+    "PullAck": (0, wire.PullAck(d_request_id=REQ, ok=True, code=0, reason="")),
+    "CancelRegistration": (0, wire.CancelRegistration(request_id=REQ)),
+    "RegionDropped": (
+        0,
+        wire.RegionDropped(agent_name="kvd-host-ø-1234", region_id=2, generation=7),
+    ),
+    "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
+}
+"""Type name -> (corr, instance); corr is 0 for events and notifications."""
+
+
+def fixture_path(name: str) -> Path:
+    return FIXTURE_DIR / f"{name}.bin"
+
+
+def main() -> int:
+    names = {cls.__name__ for cls in wire.registry().values()}
+    missing = sorted(names - GOLDEN.keys())
+    if missing:
+        print(f"no GOLDEN instance for: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    FIXTURE_DIR.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(FIXTURE_DIR.glob("*.bin")):
+        if stale.stem not in names:
+            print(f"removing {stale} (no such message)")
+            stale.unlink()
+    for name, (corr, msg) in sorted(GOLDEN.items()):
+        data = wire.encode(msg, corr)
+        path = fixture_path(name)
+        if not path.exists() or path.read_bytes() != data:
+            print(f"writing {path} ({len(data)} bytes)")
+            path.write_bytes(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
