@@ -20,7 +20,7 @@ import structlog
 from kvd import __version__
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import Gateway
-from kvd.actors.messages import EventOut, Snapshot
+from kvd.actors.messages import EventOut, LocalRegionsChanged, Snapshot
 from kvd.actors.notifier import Notifier
 from kvd.actors.reaper import Reaper
 from kvd.actors.registrar import Registrar
@@ -120,8 +120,9 @@ class Daemon:
     # ---------------------------------------------------------------- wiring
 
     def _publish(self, msg: Any) -> None:
-        """Registrar views go to the writer and the reaper; never dropped (mailbox bound aside)."""
-        for box in (self.writer_box, self.reaper_box):
+        """Registrar views: local regions to the writer, peer views to the writer and the reaper."""
+        boxes = (self.writer_box,) if isinstance(msg, LocalRegionsChanged) else (self.writer_box, self.reaper_box)
+        for box in boxes:
             try:
                 box.post(msg)
             except Exception:

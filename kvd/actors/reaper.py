@@ -142,7 +142,7 @@ class Reaper:
         for peer, ids in self.heartbeats.due(now).items():
             assert self._tg is not None
             self._tg.start_soon(self._beat, peer, ids)
-        for _, peer in self.probes.pop_due(now):
+        for peer, _ in self.probes.pop_due(now):
             if self.heartbeats.requests_of(peer):
                 assert self._tg is not None
                 self._tg.start_soon(self._probe, peer)

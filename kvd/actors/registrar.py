@@ -174,7 +174,7 @@ class Registrar:
         """Shielded shutdown: tell peers, deregister everything, unmap."""
         for rid in list(self.regions):
             try:
-                await self._drop_region(rid, notify_peers=True, drain=False)
+                await self._drop_region(rid, notify_peers=True, drain=False, notify_timeout=1.0)
             except Exception as exc:
                 log.warning("region_cleanup_failed", region_id=rid, error=str(exc))
         for reg, mem in ((self._canary_reg, self.canary), (self._scratch_reg, self.scratch)):
@@ -289,14 +289,16 @@ class Registrar:
         self._publish_regions()
         return wire.RegionRegistered(rid, view.generation)
 
-    async def _drop_region(self, rid: int, *, notify_peers: bool, drain: bool) -> None:
+    async def _drop_region(
+        self, rid: int, *, notify_peers: bool, drain: bool, notify_timeout: float | None = None
+    ) -> None:
         r = self.regions.get(rid)
         if r is None:
             return
         # 1. peers first: they must never address this generation again.
         if notify_peers and self.peers:
             notice = wire.RegionDropped(self.engine.name, rid, r.view.generation)
-            with anyio.move_on_after(self.handshake_timeout):
+            with anyio.move_on_after(notify_timeout or self.handshake_timeout):
                 async with anyio.create_task_group() as tg:
                     for p in list(self.peers.values()):
                         tg.start_soon(self._notify_drop, p.info, notice)

@@ -1,0 +1,407 @@
+"""`kvd demo`: a full local P/D pipeline with real daemons, real NIXL and real shared memory.
+
+Two `kvd serve` processes (P and D) start with built-in configs in a temporary
+directory. Two simulated engines use the real thin client: each owns a shared-memory
+KV region; P fills each request's blocks with a deterministic per-request pattern. N
+requests run in push mode and/or pull mode with random block counts, fragmented block
+allocations and a random order of P-finish vs D-register; every byte is checked at D.
+The same harness (`Cluster`, `Engine`, `run_mode`) drives the integration tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvd_client import layout as kvlayout
+from kvd_client import wire
+from kvd_client.client import KvdClient
+from kvd_client.errors import KvdError
+from kvd_client.shm import SharedRegion, unique_name
+
+# ------------------------------------------------------------------ daemons
+
+
+@dataclass
+class DaemonProc:
+    name: str
+    socket: str
+    config: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+    side_port: int = 0
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_daemon(workdir: Path, name: str, extra: str = "", env: dict[str, str] | None = None) -> DaemonProc:
+    """Start `kvd serve` with a small config; returns once its socket answers."""
+    sock = str(workdir / f"{name}.sock")
+    cfg = workdir / f"{name}.toml"
+    cfg.write_text(
+        f'[daemon]\nname = "{name}"\nsocket = "{sock}"\nclient_timeout = 5.0\n'
+        f'[side_channel]\nport = 0\n[log]\nformat = "json"\nlevel = "info"\n{extra}'
+    )
+    log = workdir / f"{name}.log"
+    penv = dict(os.environ)
+    penv.update(env or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--config", str(cfg)], stdout=out,
+                                stderr=subprocess.STDOUT, env=penv)
+    d = DaemonProc(name, sock, cfg, proc, log)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon {name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if os.path.exists(sock):
+            c = KvdClient(sock, role="cli", timeout=1.0, keepalive_interval=0)
+            try:
+                w = c.connect()
+                d.side_port = w.side_port
+                return d
+            except KvdError:
+                pass
+            finally:
+                c.close()
+        time.sleep(0.05)
+    d.kill()
+    raise RuntimeError(f"daemon {name} did not become ready:\n{log.read_text()[-3000:]}")
+
+
+# ------------------------------------------------------------------ engines
+
+
+def pattern(request_key: str, block_index: int, nbytes: int) -> np.ndarray:
+    """The deterministic bytes P writes into the request's block `block_index`."""
+    seed = int.from_bytes(request_key.encode()[-16:].ljust(16, b"\0"), "little") ^ (block_index * 0x9E3779B97F4A7C15)
+    rng = np.random.default_rng(seed & ((1 << 64) - 1))
+    return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
+
+
+@dataclass
+class Engine:
+    """A simulated engine: a KV region per TP rank in shared memory, a scheduler client,
+    and (when `workers`) one worker client per rank that registers the rank's region."""
+
+    name: str
+    client: KvdClient
+    regions: list[SharedRegion]
+    layout: wire.RegionLayout
+    free: list[int]
+    workers: list[KvdClient] = field(default_factory=list)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.block_stride
+
+    def block(self, rank: int, b: int) -> np.ndarray:
+        buf = np.frombuffer(self.regions[rank].buf, dtype=np.uint8)
+        return buf[b * self.block_bytes : (b + 1) * self.block_bytes]
+
+    def alloc(self, rng: random.Random, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"{self.name}: out of KV blocks")
+        # fragmented on purpose: pick a random run start, take a run, then scatter
+        rng.shuffle(self.free) if rng.random() < 0.5 else self.free.sort()
+        got, self.free = self.free[:n], self.free[n:]
+        return got
+
+    def release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.client.close()
+        for r in self.regions:
+            r.close()
+
+
+def make_engine(socket: str, name: str, *, num_blocks: int, num_layers: int, chunk_bytes: int, tp: int = 1,
+                workers: bool = False, compat: str = "demo") -> Engine:
+    lay = kvlayout.block_major(num_blocks, num_layers, chunk_bytes)
+    nbytes = kvlayout.region_bytes(lay)
+    client = KvdClient(socket, role="scheduler", engine_id=name)
+    client.connect()
+    regions = [SharedRegion(unique_name(f"kvd-demo-{name}-r{r}"), nbytes) for r in range(tp)]
+    eng = Engine(name, client, regions, lay, list(range(num_blocks)))
+    for rank, reg in enumerate(regions):
+        owner = client
+        if workers:
+            owner = KvdClient(socket, role="worker", engine_id=name, tp_rank=rank)
+            owner.connect()
+            eng.workers.append(owner)
+        owner.register_region(reg, layout=lay, tp_rank=rank, tp_size=tp, compat=compat)
+    return eng
+
+
+# ------------------------------------------------------------------ one mode
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    requests: int = 0
+    verified: int = 0
+    mismatched: int = 0
+    failed: int = 0
+    expired: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    p_events: dict[str, int] = field(default_factory=dict)
+    d_events: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies_ms)
+        return {
+            "mode": self.mode,
+            "requests": self.requests,
+            "verified": self.verified,
+            "mismatched": self.mismatched,
+            "failed": self.failed,
+            "expired": self.expired,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 4),
+            "gbps": round(self.bytes / self.seconds / 1e9, 3) if self.seconds else 0.0,
+            "p50_ms": round(_pct(lat, 0.50), 3),
+            "p99_ms": round(_pct(lat, 0.99), 3),
+            "p_events": self.p_events,
+            "d_events": self.d_events,
+            "failures": self.failures[:10],
+        }
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+@dataclass
+class _Req:
+    key: str
+    p_id: str
+    d_id: str
+    p_blocks: list[int]
+    d_blocks: list[int]
+    p_finished: bool = False
+    d_started: float = 0.0
+    d_done: bool = False
+    p_done: bool = False
+
+
+def run_mode(
+    mode: str,
+    p: Engine,
+    d: Engine,
+    p_port: int,
+    n: int,
+    rng: random.Random,
+    *,
+    max_blocks: int = 24,
+    window: int = 16,
+    timeout: float = 120.0,
+    progress: Any = None,
+) -> ModeResult:
+    """Send n requests P -> D in `mode`; verify every byte at D; every request must end once per side."""
+    res = ModeResult(mode, requests=n)
+    todo: list[_Req] = []
+    for i in range(n):
+        key = f"cmpl-{secrets.token_hex(8)}-{i}-0"
+        nb = rng.randint(1, max_blocks)
+        todo.append(_Req(key, f"{key}-{secrets.token_hex(4)}", f"{key}-{secrets.token_hex(4)}", [], [],))
+        todo[-1].p_blocks = [nb]  # block count for now; allocated when the request starts
+    live: dict[str, _Req] = {}
+    by_p: dict[str, _Req] = {}
+    by_d: dict[str, _Req] = {}
+    pending_d: list[_Req] = []
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    done = 0
+    queue = list(todo)
+    while done < n:
+        if time.monotonic() > deadline:
+            res.failures.append(f"timed out with {n - done} requests unfinished")
+            break
+        # start new requests up to the window
+        while queue and len(live) < window:
+            r = queue.pop(0)
+            nb = r.p_blocks[0]
+            r.p_blocks = p.alloc(rng, nb)
+            r.d_blocks = d.alloc(rng, nb)
+            for rank in range(len(p.regions)):
+                for j, b in enumerate(r.p_blocks):
+                    p.block(rank, b)[:] = pattern(f"{r.key}/{rank}", j, p.block_bytes)
+            live[r.key] = r
+            by_p[r.p_id] = r
+            by_d[r.d_id] = r
+            d.client.track(r.d_id, "127.0.0.1", p_port, remote_request_id=r.p_id if mode == "pull" else "")
+            if mode == "push" and rng.random() < 0.5:
+                _d_start(mode, d, r, p_port)
+                p.client.finished(r.p_id, r.p_blocks)
+                r.p_finished = True
+            else:
+                p.client.finished(r.p_id, r.p_blocks)
+                r.p_finished = True
+                pending_d.append(r)
+        # D side of the others arrives a little later, in random order
+        rng.shuffle(pending_d)
+        while pending_d:
+            _d_start(mode, d, pending_d.pop(), p_port)
+        for ev in p.client.drain_events():
+            r2 = by_p.get(ev.request_id)
+            name = type(ev).__name__
+            res.p_events[name] = res.p_events.get(name, 0) + 1
+            if r2 is None or r2.p_done:
+                res.failures.append(f"P event {name} for unknown or finished {ev.request_id}")
+                continue
+            r2.p_done = True
+            if isinstance(ev, wire.SendExpired):
+                res.expired += 1
+            p.release(r2.p_blocks)
+            done += _maybe_done(r2, live)
+        for ev in d.client.drain_events():
+            r3 = by_d.get(ev.request_id)
+            name = type(ev).__name__
+            res.d_events[name] = res.d_events.get(name, 0) + 1
+            if r3 is None or r3.d_done:
+                res.failures.append(f"D event {name} for unknown or finished {ev.request_id}")
+                continue
+            r3.d_done = True
+            if isinstance(ev, wire.RecvFinished):
+                res.latencies_ms.append((time.perf_counter() - r3.d_started) * 1e3)
+                ok = all(
+                    np.array_equal(d.block(rank, b), pattern(f"{r3.key}/{rank}", j, d.block_bytes))
+                    for rank in range(len(d.regions))
+                    for j, b in enumerate(r3.d_blocks)
+                )
+                if ok:
+                    res.verified += 1
+                    res.bytes += len(r3.d_blocks) * d.block_bytes * len(d.regions)
+                else:
+                    res.mismatched += 1
+                    res.failures.append(f"bytes differ for {r3.d_id}")
+            else:
+                res.failed += 1
+                res.failures.append(f"{r3.d_id}: {getattr(ev, 'reason', name)}")
+            d.release(r3.d_blocks)
+            done += _maybe_done(r3, live)
+            if progress is not None:
+                progress()
+        if live:
+            time.sleep(0.0002)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _d_start(mode: str, d: Engine, r: _Req, p_port: int) -> None:
+    r.d_started = time.perf_counter()
+    if mode == "push":
+        d.client.register_push(r.d_id, r.d_blocks, "127.0.0.1", p_port)
+    else:
+        d.client.pull(r.d_id, r.d_blocks, "127.0.0.1", p_port, remote_request_id=r.p_id, remote_block_ids=r.p_blocks)
+
+
+def _maybe_done(r: _Req, live: dict[str, _Req]) -> int:
+    if r.p_done and r.d_done and r.key in live:
+        del live[r.key]
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------ the demo
+
+
+@contextlib.contextmanager
+def cluster(workdir: Path | None = None, p_extra: str = "", d_extra: str = "") -> Iterator[tuple[DaemonProc, DaemonProc]]:
+    """A P daemon and a D daemon; both stopped (SIGTERM) on exit."""
+    tmp = workdir or Path(tempfile.mkdtemp(prefix="kvd-demo-"))
+    p = start_daemon(tmp, "kvd-demo-p", p_extra)
+    try:
+        d = start_daemon(tmp, "kvd-demo-d", d_extra)
+    except BaseException:
+        p.stop()
+        raise
+    try:
+        yield p, d
+    finally:
+        d.stop()
+        p.stop()
+        if workdir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    console = Console(stderr=as_json)
+    rng = random.Random(seed)
+    results: list[ModeResult] = []
+    with cluster() as (pd, dd):
+        p = make_engine(pd.socket, "prefill", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024)
+        d = make_engine(dd.socket, "decode", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024)
+        try:
+            with Progress(console=console, transient=as_json) as bar:
+                for mode in modes:
+                    task = bar.add_task(f"{mode:>4}", total=requests)
+                    results.append(run_mode(mode, p, d, pd.side_port, requests, rng,
+                                            progress=lambda t=task: bar.advance(t)))
+            p_status = p.client.status()
+        finally:
+            p.close()
+            d.close()
+    ok = all(r.verified == r.requests and not r.mismatched and not r.failed for r in results)
+    if as_json:
+        print(json.dumps({"ok": ok, "modes": {r.mode: r.summary() for r in results},
+                          "p_counters": p_status["counters"]}, indent=2))
+    else:
+        t = Table(title="kvd demo: P -> D over two daemons, every byte verified")
+        for col in ("mode", "requests", "verified", "mismatched", "failed", "expired", "MiB", "GB/s",
+                    "p50 ms", "p99 ms"):
+            t.add_column(col, justify="right")
+        for r in results:
+            s = r.summary()
+            t.add_row(r.mode, str(s["requests"]), str(s["verified"]), str(s["mismatched"]), str(s["failed"]),
+                      str(s["expired"]), f"{s['bytes'] / 2**20:.1f}", f"{s['gbps']:.2f}", f"{s['p50_ms']:.2f}",
+                      f"{s['p99_ms']:.2f}")
+        console.print(t)
+        c = p_status["counters"]
+        console.print(f"P daemon: leases granted {c.get('leases_granted', 0)}, expired {c.get('leases_expired', 0)}, "
+                      f"descriptors {c.get('descriptors', 0)}")
+        for r in results:
+            for f in r.failures[:5]:
+                console.print(f"[red]{r.mode}: {f}[/red]")
+        console.print("[green]all bytes verified[/green]" if ok else "[red]FAILED[/red]")
+    return 0 if ok else 1
