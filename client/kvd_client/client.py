@@ -81,7 +81,7 @@ class KvdClient:
         self.keepalive_interval = keepalive_interval
         self.session = f"{role}-{os.getpid()}-{secrets.token_hex(6)}"
         self.welcome: wire.Welcome | None = None
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
         self._corr = itertools.count(1)
         self._pending: dict[int, _Pending] = {}

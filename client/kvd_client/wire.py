@@ -197,9 +197,9 @@ def _codec_for(tp: Any) -> _Codec:
         return (lambda v: v), dec_sb
 
     if origin in (list, tuple):
-        args = get_args(tp)
-        item = args[0]
-        if origin is tuple and (len(args) != 2 or args[1] is not Ellipsis):
+        seq_args = get_args(tp)
+        item = seq_args[0]
+        if origin is tuple and (len(seq_args) != 2 or seq_args[1] is not Ellipsis):
             raise TypeError(f"only tuple[T, ...] is supported, not {tp}")
         item_enc, item_dec = _codec_for(item)
         lmax = length.max if length else MAX_LIST_LEN
@@ -241,7 +241,7 @@ def _codecs(cls: type[Record]) -> list[tuple[str, _Codec]]:
     got = _CODECS.get(cls)
     if got is None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        got = [(f.name, _codec_for(hints[f.name])) for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        got = [(f.name, _codec_for(hints[f.name])) for f in dataclasses.fields(cls)]  # type: ignore[arg-type,unused-ignore]
         _CODECS[cls] = got
     return got
 
@@ -352,6 +352,9 @@ class RegionInfo(Record):
     tp_size: U16
     base_addr: U64
     nbytes: U64
+    mem_type: Annotated[str, Len(1, 8)]
+    """NIXL memory type: "DRAM" (host staging) or "VRAM" (GPU memory)."""
+    device: Annotated[int, Range(0, 1 << 10)]
     layout: RegionLayout
     compat: Annotated[str, Len(0, 128)]
     nixl_md: Blob

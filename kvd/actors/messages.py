@@ -31,6 +31,8 @@ class LocalRegion:
     compat: str
     session: str
     name: str
+    mem_type: str = "DRAM"
+    device: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,8 @@ class RemoteRegion:
     tp_size: int
     geometry: Geometry
     compat: str
+    mem_type: str = "DRAM"
+    device: int = 0
 
 
 @dataclass(frozen=True)

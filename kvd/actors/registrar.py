@@ -49,6 +49,7 @@ from kvd.actors.messages import (
     Snapshot,
 )
 from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.shm import AnonRegion, MappedRegion
 from kvd.core.planner import Geometry
 from kvd_client import wire
@@ -100,7 +101,7 @@ def handshake_mac(secret: bytes, hs: wire.Handshake, context: bytes) -> bytes:
 @dataclass
 class _Region:
     view: LocalRegion
-    mapping: MappedRegion
+    mapping: MappedRegion | CudaIpcRegion
     reg: Any
     nixl_md: bytes
     base_addr: int
@@ -236,11 +237,7 @@ class Registrar:
     # ---------------------------------------------------------------- regions
 
     async def _register(self, session: str, m: wire.RegisterRegion) -> wire.RegionRegistered:
-        if m.kind == "cuda-ipc":
-            from kvd.adapters.cuda_ipc import open_ipc_region
-
-            raise InvalidRequest(open_ipc_region(m))
-        if m.kind != "shm":
+        if m.kind not in ("shm", "cuda-ipc"):
             raise InvalidRequest(f"unknown region kind {m.kind!r} (shm or cuda-ipc)")
         if m.tp_rank >= m.tp_size:
             raise InvalidRequest(f"tp_rank {m.tp_rank} must be < tp_size {m.tp_size}")
@@ -248,12 +245,16 @@ class Registrar:
             if r.view.engine_id == m.engine_id and r.view.tp_rank == m.tp_rank:
                 raise InvalidRequest(f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}")
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
-        mapping = MappedRegion(m.name, m.nbytes)
+        mapping: MappedRegion | CudaIpcRegion
+        if m.kind == "shm":
+            mapping, mem, dev = MappedRegion(m.name, m.nbytes), "DRAM", 0
+        else:
+            mapping, mem, dev = CudaIpcRegion(m.ipc_handle, m.nbytes, m.device), "VRAM", max(m.device, 0)
         try:
             geo = geometry_of(mapping.addr, m.nbytes, m.layout)
-            reg = await self.engine.register(mapping.addr, m.nbytes)
+            reg = await self.engine.register(mapping.addr, m.nbytes, mem, dev)
             try:
-                md = await self.engine.partial_metadata(mapping.addr, m.nbytes)
+                md = await self.engine.partial_metadata(mapping.addr, m.nbytes, mem, dev)
             except BaseException:
                 await self.engine.deregister(reg)
                 raise
@@ -274,6 +275,8 @@ class Registrar:
             compat=m.compat,
             session=session,
             name=m.name,
+            mem_type=mem,
+            device=dev,
         )
         self.regions[rid] = _Region(view, mapping, reg, md, mapping.addr, m.nbytes)
         self.counters["regions_registered"] = self.counters.get("regions_registered", 0) + 1
@@ -338,6 +341,8 @@ class Registrar:
                 tp_size=r.view.tp_size,
                 base_addr=r.base_addr,
                 nbytes=r.nbytes,
+                mem_type=r.view.mem_type,
+                device=r.view.device,
                 layout=r.view.layout,
                 compat=r.view.compat,
                 nixl_md=r.nixl_md,
@@ -392,8 +397,11 @@ class Registrar:
             except InvalidRequest as exc:
                 raise RemoteProtocolError(f"peer region {ri.region_id}: {exc.message}") from None
             regions[(ri.engine_id, ri.tp_rank)] = RemoteRegion(
-                ri.region_id, ri.generation, ri.engine_id, ri.tp_rank, ri.tp_size, geo, ri.compat
+                ri.region_id, ri.generation, ri.engine_id, ri.tp_rank, ri.tp_size, geo, ri.compat,
+                ri.mem_type, ri.device,
             )
+            if ri.mem_type not in ("DRAM", "VRAM"):
+                raise RemoteProtocolError(f"peer region {ri.region_id}: unknown memory type {ri.mem_type!r}")
         if known is None:
             name = await self.engine.add_remote(hs.nixl_md)
             if name != hs.agent_name:

@@ -221,9 +221,9 @@ class Writer:
                 assert self._tg is not None
                 self._tg.start_soon(self._pull, r, m)
             elif isinstance(m, wire.Abort):
-                r = self.recvs.get(m.request_id)
-                if r is not None and r.session == req.session:
-                    self._abort_recv(r)
+                known = self.recvs.get(m.request_id)
+                if known is not None and known.session == req.session:
+                    self._abort_recv(known)
                 req.resolve(wire.Ok())
             else:
                 raise TypeError(f"writer got {type(m).__name__}")
@@ -368,8 +368,8 @@ class Writer:
         errors: list[BaseException] = []
         try:
             async with anyio.create_task_group() as tg:
-                for plan, notif in zip(plans, notifs, strict=True):
-                    tg.start_soon(self._one, op, agent, plan, notif, errors)
+                for plan, notif, loc, rem in zip(plans, notifs, local, remote, strict=True):
+                    tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors)
         finally:
             for loc, rem in zip(local, remote, strict=True):
                 self.inflight_local[loc.region_id] -= 1
@@ -389,12 +389,28 @@ class Writer:
         if r is not None:
             r.bytes, r.descriptors = total, descs
 
-    async def _one(self, op: str, agent: str, plan: Plan, notif: bytes, errors: list[BaseException]) -> None:
+    async def _one(
+        self,
+        op: str,
+        agent: str,
+        plan: Plan,
+        notif: bytes,
+        loc: LocalRegion,
+        rem: RemoteRegion,
+        errors: list[BaseException],
+    ) -> None:
         try:
             if plan.descriptors:
                 await self.engine.transfer(
-                    op, plan.as_tuples_local(), plan.as_tuples_remote(), agent, notif, self.transfer_timeout,
+                    op,
+                    plan.as_tuples_local(loc.device),
+                    plan.as_tuples_remote(rem.device),
+                    agent,
+                    notif,
+                    self.transfer_timeout,
                     plan.total_bytes,
+                    local_mem=loc.mem_type,
+                    remote_mem=rem.mem_type,
                 )
             elif notif:
                 await self.engine.send_notif(agent, notif)

@@ -160,20 +160,19 @@ class NixlEngine:
         try:
             while True:
                 wait = 0.0 if (self._inflight or time.monotonic() - last_activity < _SPIN_BUDGET_S) else idle
+                cmds: list[Callable[[], None] | None] = []
                 try:
-                    cmd = self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait()
+                    cmds.append(self._cmds.get(timeout=wait) if wait > 0 else self._cmds.get_nowait())
+                    while True:
+                        cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
-                    cmd = _NOTHING
-                active = False
-                while cmd is not _NOTHING:
-                    if cmd is None:
-                        return
-                    cmd()
-                    active = True
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        cmd = _NOTHING
+                    pass
+                active = bool(cmds)
+                for cmd in cmds:
+                    if cmd is not None:
+                        cmd()
+                if None in cmds:
+                    return
                 if self._poll_notifs():
                     active = True
                 if self._inflight and self._poll_xfers():
@@ -289,6 +288,8 @@ class NixlEngine:
         notif: bytes,
         timeout: float,
         nbytes: int,
+        local_mem: str = "DRAM",
+        remote_mem: str = "DRAM",
     ) -> float:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
 
@@ -305,8 +306,8 @@ class NixlEngine:
             agent = self._agent
             started = time.monotonic()
             try:
-                ldesc = agent.get_xfer_descs(local, "DRAM")
-                rdesc = agent.get_xfer_descs(remote, "DRAM")
+                ldesc = agent.get_xfer_descs(local, local_mem)
+                rdesc = agent.get_xfer_descs(remote, remote_mem)
                 handle = agent.initialize_xfer(op, ldesc, rdesc, peer, notif)
             except BaseException as exc:
                 self.stats.transfers_failed += 1
@@ -336,8 +337,9 @@ class NixlEngine:
 
         await self.call(send)
 
-    async def register(self, addr: int, nbytes: int) -> Any:
-        return await self.call(lambda a: a.register_memory([(addr, nbytes, 0, "")], "DRAM"))
+    async def register(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> Any:
+        """Register memory: "DRAM" (host, incl. shared memory) or "VRAM" (a GPU's, dev = GPU id)."""
+        return await self.call(lambda a: a.register_memory([(addr, nbytes, dev, "")], mem))
 
     async def deregister(self, reg: Any) -> None:
         await self.call(lambda a: a.deregister_memory(reg))
@@ -346,9 +348,9 @@ class NixlEngine:
         md = await self.call(lambda a: a.get_agent_metadata())
         return bytes(md)
 
-    async def partial_metadata(self, addr: int, nbytes: int) -> bytes:
+    async def partial_metadata(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> bytes:
         def get(a: Any) -> bytes:
-            descs = a.get_reg_descs([(addr, nbytes, 0, "")], "DRAM")
+            descs = a.get_reg_descs([(addr, nbytes, dev, "")], mem)
             return bytes(a.get_partial_agent_metadata(descs, False, []))
 
         return await self.call(get)
@@ -359,13 +361,6 @@ class NixlEngine:
 
     async def remove_remote(self, name: str) -> None:
         await self.call(lambda a: a.remove_remote_agent(name))
-
-
-class _Nothing:
-    pass
-
-
-_NOTHING: Final = _Nothing()
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

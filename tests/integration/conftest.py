@@ -1,0 +1,53 @@
+"""Fixtures for integration tests: real `kvd serve` processes, real IPC sockets, real NIXL.
+
+`daemons` starts daemons on demand in a short temporary directory (ipc paths must stay
+under 107 bytes) and, at teardown, stops each with SIGTERM and checks that it exited 0
+and removed its socket.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.demo import DaemonProc, start_daemon
+
+StartDaemon = Callable[..., DaemonProc]
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons(workdir: Path) -> Iterator[StartDaemon]:
+    started: list[DaemonProc] = []
+
+    def start(name: str, extra: str = "", env: dict[str, str] | None = None) -> DaemonProc:
+        d = start_daemon(workdir, name, extra, env)
+        started.append(d)
+        return d
+
+    yield start
+    problems = []
+    for d in reversed(started):
+        if d.proc.poll() is not None:
+            continue  # the test killed it on purpose
+        rc = d.stop()
+        if rc != 0:
+            problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+        if os.path.exists(d.socket):
+            problems.append(f"{d.name} left its socket {d.socket}")
+    assert not problems, "\n".join(problems)
+
+
+def shm_segments(prefix: str = "kvd") -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
