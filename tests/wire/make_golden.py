@@ -55,7 +55,9 @@ LAYOUT_MLA: Final = wire.RegionLayout(
 )
 
 
-def _region(region_id: int, rank: int, layout: wire.RegionLayout) -> wire.RegionInfo:
+def _region(
+    region_id: int, rank: int, layout: wire.RegionLayout, mem_type: str, device: int
+) -> wire.RegionInfo:
     return wire.RegionInfo(
         region_id=region_id,
         generation=0xFFFFFFFF - region_id,
@@ -64,6 +66,8 @@ def _region(region_id: int, rank: int, layout: wire.RegionLayout) -> wire.Region
         tp_size=2,
         base_addr=0x7F00_0000_0000 + rank * 0x1_0000_0000,
         nbytes=min(layout.num_blocks * layout.block_stride, (1 << 64) - 1),
+        mem_type=mem_type,
+        device=device,
         layout=layout,
         compat="sha256:0f1e2d3c",
         nixl_md=bytes(range(256)) + b"\x00nixl-md\xff",
@@ -202,7 +206,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             side_host="10.0.0.7",
             side_port=5600,
             kv_lease_duration=30.0,
-            regions=(_region(1, 0, LAYOUT), _region(2, 1, LAYOUT_MLA)),
+            regions=(_region(1, 0, LAYOUT, "DRAM", 0), _region(2, 1, LAYOUT_MLA, "VRAM", 1 << 10)),
             canary_addr=0x7F00_DEAD_BEEF,
             canary_bytes=64,
             nonce=bytes(range(16, 48)),

@@ -238,7 +238,7 @@ map_keys = st.one_of(st.text(max_size=8), st.binary(max_size=8), interesting_int
 msgpack_values = st.recursive(
     msgpack_leaves,
     lambda inner: st.lists(inner, max_size=6) | st.dictionaries(map_keys, inner, max_size=4),
-    max_leaves=20,
+    max_leaves=12,
 )
 any_corr = st.one_of(CORR, msgpack_values)
 
@@ -250,7 +250,7 @@ def pack(value: Any) -> bytes:
 
 
 @pytest.mark.parametrize("type_id", TYPE_IDS)
-@fuzz(30)
+@fuzz(20)
 @given(corr=any_corr, fields=st.lists(msgpack_values, max_size=14))
 def test_random_fields(type_id: int, corr: Any, fields: list[Any]) -> None:
     check_total(pack([1, type_id, corr, *fields]))
