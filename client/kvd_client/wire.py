@@ -31,8 +31,12 @@ PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
-MAX_LIST_LEN: Final = 1 << 20
-MAX_BLOCK_IDS: Final = 1 << 22
+MAX_LIST_LEN: Final = 1 << 18
+MAX_BLOCK_IDS: Final = 1 << 21
+"""2 Mi ids (8 MiB packed): a maximal id list always fits in a default frame."""
+MAX_CONTAINERS: Final = 1 << 18
+"""Lists and maps one frame may create: caps the memory a hostile frame of empty
+containers could cost (about 64 bytes of Python object per byte of msgpack)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +228,7 @@ def _codec_for(tp: Any) -> _Codec:
                 _fail(where, "bad map")
             return v
 
-        return (lambda v: dict(v)), dec_map
+        return plain, dec_map
 
     if isinstance(tp, type) and issubclass(tp, Record):
         sub = tp
@@ -235,6 +239,17 @@ def _codec_for(tp: Any) -> _Codec:
         return (lambda v: _encode_fields(v)), dec_rec
 
     raise TypeError(f"unsupported wire field type {tp!r}")
+
+
+def plain(value: Any) -> Any:
+    """A free-form value as msgpack-safe plain data: map keys become str, tuples lists."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool, bytes)):
+        return value
+    return str(value)
 
 
 def _codecs(cls: type[Record]) -> list[tuple[str, _Codec]]:
@@ -276,9 +291,19 @@ def decode(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> tuple[int, Record
         raise RemoteProtocolError("frame is not bytes")
     if len(data) > max_frame:
         raise RemoteProtocolError(f"frame of {len(data)} bytes exceeds the {max_frame}-byte limit")
+    budget = [MAX_CONTAINERS]
+
+    def count(obj: Any) -> Any:
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError("too many containers")
+        return obj
+
     try:
         raw = msgpack.unpackb(
             data,
+            list_hook=count,
+            object_hook=count,
             raw=False,
             use_list=True,
             strict_map_key=True,

@@ -232,7 +232,7 @@ class Gateway:
                 data = await self._status(msg.section)
             else:
                 data = await self.registrar.call(PingPeerCmd(msg.host, msg.port, msg.timeout))
-            self._send(ident, wire.StatusReply(_plain(data)), corr)
+            self._send(ident, wire.StatusReply(wire.plain(data)), corr)
         except KvdError as exc:
             self._error(ident, corr, exc)
 
@@ -303,14 +303,3 @@ def _socket_alive(path: str) -> bool:
         return False
     finally:
         s.close()
-
-
-def _plain(data: Any) -> Any:
-    """Status data as msgpack-safe plain values."""
-    if isinstance(data, dict):
-        return {str(k): _plain(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple, set)):
-        return [_plain(v) for v in data]
-    if isinstance(data, (str, int, float, bool)) or data is None:
-        return data
-    return str(data)

@@ -1,0 +1,115 @@
+"""Two real daemons, a third process registering shared memory, `kvd ping`, `kvd status`, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from kvd_client.client import KvdClient
+
+from .conftest import StartDaemon, shm_segments
+
+
+def kvd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvd", *args], capture_output=True, text=True, timeout=60)
+
+
+REGISTER_AND_WAIT = textwrap.dedent(
+    """
+    import sys, time
+    from kvd_client.client import KvdClient
+    from kvd_client.layout import block_major, region_bytes
+    from kvd_client.shm import SharedRegion
+    sock, name = sys.argv[1], sys.argv[2]
+    lay = block_major(num_blocks=32, num_layers=4, chunk_bytes=4096)
+    region = SharedRegion(name, region_bytes(lay))
+    region.buf[:4] = b"kvd!"
+    c = KvdClient(sock, role="worker", engine_id="engine-a", tp_rank=0)
+    c.connect()
+    rid = c.register_region(region, layout=lay, compat="test")
+    print(rid, flush=True)
+    sys.stdin.readline()          # hold the session until told to finish
+    c.deregister_region(rid)
+    c.close()
+    region.close()
+    print("closed", flush=True)
+    """
+)
+
+
+def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: Path) -> None:
+    a = daemons("kvd-a", "[transfer]\nkv_lease_duration = 20.0\n")
+    b = daemons("kvd-b", "[transfer]\nkv_lease_duration = 40.0\n")
+    before = shm_segments()
+    seg = f"kvdt-{os.getpid()}-fnd"
+    worker = subprocess.Popen([sys.executable, "-c", REGISTER_AND_WAIT, a.socket, seg], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdin is not None
+        region_id = int(worker.stdout.readline())
+
+        ping = kvd("ping", f"127.0.0.1:{b.side_port}", "--socket", a.socket, "--json")
+        assert ping.returncode == 0, ping.stdout + ping.stderr
+        result = json.loads(ping.stdout)
+        assert result["ok"] is True
+        assert result["canary_match"] is True
+        assert result["agent"] == "kvd-b"
+        assert result["read_bytes"] > 0 and result["notif_rtt_ms"] > 0
+
+        st_a = json.loads(kvd("status", "--json", "--socket", a.socket).stdout)
+        st_b = json.loads(kvd("status", "--json", "--socket", b.socket).stdout)
+        assert [r["region_id"] for r in st_a["regions"]] == [region_id]
+        assert st_a["regions"][0]["engine_id"] == "engine-a" and st_a["regions"][0]["blocks"] == 32
+        assert st_b["regions"] == []
+        assert [p["agent"] for p in st_a["peers"]] == ["kvd-b"]
+        assert [p["agent"] for p in st_b["peers"]] == ["kvd-a"]  # the handshake taught B about A too
+        assert st_a["peers"][0]["lease_duration"] == 40.0
+        assert st_a["agent_name"] == "kvd-a" and st_a["uptime_s"] > 0
+        assert set(st_a["mailboxes"]) >= {"registrar", "writer", "reaper", "events"}
+        peers_b = json.loads(kvd("peers", "--json", "--socket", b.socket).stdout)
+        assert peers_b["peers"][0]["regions"][0]["engine_id"] == "engine-a"
+
+        worker.stdin.write("done\n")
+        worker.stdin.flush()
+        assert worker.stdout.readline().strip() == "closed"
+        assert worker.wait(10) == 0
+        assert json.loads(kvd("status", "--json", "--socket", a.socket).stdout)["regions"] == []
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    for d in (a, b):
+        assert d.stop() == 0, d.log.read_text()[-2000:]
+        assert not os.path.exists(d.socket)
+    assert shm_segments() == before
+
+
+def test_ping_unreachable_peer_fails_cleanly(daemons: StartDaemon) -> None:
+    a = daemons("kvd-a")
+    res = kvd("ping", "127.0.0.1:1", "--socket", a.socket, "--json", "--timeout", "1.5")
+    assert res.returncode == 1
+    assert json.loads(res.stdout)["ok"] is False
+    with KvdClient(a.socket, role="cli") as c:  # still serving
+        assert c.status()["agent_name"] == "kvd-a"
+
+
+def test_check_config_and_unknown_key(workdir: Path) -> None:
+    good = workdir / "good.toml"
+    good.write_text('[transfer]\nkv_lease_duration = 12.5\n')
+    assert kvd("check-config", str(good)).returncode == 0
+    bad = workdir / "bad.toml"
+    bad.write_text('[transfer]\nkv_lease_duratoin = 12.5\n')
+    res = kvd("check-config", str(bad))
+    assert res.returncode == 2
+    assert "transfer.kv_lease_duratoin" in res.stderr and "bad.toml" in res.stderr
+    res = kvd("serve", "--config", str(bad))
+    assert res.returncode == 2
+
+
+def test_cli_reports_missing_daemon(workdir: Path) -> None:
+    res = kvd("status", "--socket", str(workdir / "nobody.sock"))
+    assert res.returncode == 3
+    assert "cannot reach kvd" in res.stderr
