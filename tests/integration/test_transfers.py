@@ -85,3 +85,22 @@ def test_demo_command_json() -> None:
     for mode in ("push", "pull"):
         m = out["modes"][mode]
         assert (m["requests"], m["verified"], m["mismatched"], m["failed"]) == (30, 30, 0, 0)
+
+
+def test_full_local_hit_pull_frees_p_at_once(daemons: StartDaemon) -> None:
+    """D needs none of P's blocks: an empty pull still ends both sides, and P frees at once."""
+    p_d = daemons("kvd-p")
+    d_d = daemons("kvd-d")
+    p = make_engine(p_d.socket, "prefill", num_blocks=16, num_layers=2, chunk_bytes=4096)
+    d = make_engine(d_d.socket, "decode", num_blocks=16, num_layers=2, chunk_bytes=4096)
+    try:
+        p.client.finished("hit-1-aaaaaaaa", [1, 2, 3])
+        d.client.pull("hit-1-bbbbbbbb", [], "127.0.0.1", p_d.side_port, remote_request_id="hit-1-aaaaaaaa",
+                      remote_block_ids=[1, 2, 3])
+        assert [type(e).__name__ for e in d.client.wait_events(10)] == ["RecvFinished"]
+        assert [type(e).__name__ for e in p.client.wait_events(10)] == ["SendFinished"]
+        assert p.client.status("leases")["leases"] == []
+        assert d.client.status()["counters"].get("descriptors", 0) == 0
+    finally:
+        p.close()
+        d.close()

@@ -1,0 +1,46 @@
+"""Mailboxes on a real event loop: bounded, BUSY when full, calls answered through futures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import anyio
+import pytest
+
+from kvd.actors.base import Call, Mailbox
+from kvd_client.errors import Busy
+
+
+@dataclass
+class Double(Call[int]):
+    value: int
+
+
+async def test_full_mailbox_is_busy_and_loses_nothing() -> None:
+    box: Mailbox[int] = Mailbox("t", 2)
+    box.post(1)
+    box.post(2)
+    with pytest.raises(Busy, match="t mailbox is full"):
+        box.post(3)
+    assert box.depth() == 2 and box.stats()["rejected"] == 1
+    assert [box.receive_nowait(), box.receive_nowait()] == [1, 2]
+    box.post(3)
+    assert box.receive_nowait() == 3
+
+
+async def test_call_round_trip_and_failure() -> None:
+    box: Mailbox[Double] = Mailbox("doubler", 4)
+
+    async def actor() -> None:
+        async for msg in box:
+            if msg.value < 0:
+                msg.fail(ValueError("negative"))
+            else:
+                msg.resolve(msg.value * 2)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(actor)
+        assert await box.call(Double(21)) == 42
+        with pytest.raises(ValueError, match="negative"):
+            await box.call(Double(-1))
+        tg.cancel_scope.cancel()
