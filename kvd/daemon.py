@@ -19,6 +19,7 @@ import structlog
 
 from kvd import __version__
 from kvd.actors.base import Mailbox
+from kvd.actors.ecrouter import ECRouter
 from kvd.actors.gateway import Gateway
 from kvd.actors.messages import EventOut, LocalRegionsChanged, Snapshot
 from kvd.actors.notifier import Notifier
@@ -45,6 +46,7 @@ class Daemon:
         self.registrar_box: Mailbox[Any] = Mailbox("registrar", size)
         self.writer_box: Mailbox[Any] = Mailbox("writer", size)
         self.reaper_box: Mailbox[Any] = Mailbox("reaper", size)
+        self.ec_box: Mailbox[Any] = Mailbox("ecrouter", size)
         self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536))
         self.engine = NixlEngine(
             self.agent_name,
@@ -96,6 +98,23 @@ class Daemon:
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
         )
+        self.ecrouter = ECRouter(
+            engine=self.engine,
+            mailbox=self.ec_box,
+            registrar=self.registrar_box,
+            emit=self._emit,
+            role=cfg.ec.role,
+            host=cfg.side_channel.host,
+            advertise_host=cfg.side_channel.advertised_host,
+            port=cfg.ec.port,
+            region_bytes=cfg.ec.region_bytes,
+            block_bytes=cfg.ec.block_bytes,
+            xfer_timeout=cfg.ec.xfer_timeout,
+            side_host=cfg.side_channel.advertised_host,
+            side_port_ref=lambda: self.side.port,
+            max_frame=cfg.daemon.max_frame_bytes,
+            counters=self.counters,
+        )
         self.notifier = Notifier(
             writer=self.writer_box,
             reaper=self.reaper_box,
@@ -109,6 +128,7 @@ class Daemon:
             registrar=self.registrar_box,
             writer=self.writer_box,
             reaper=self.reaper_box,
+            ecrouter=self.ec_box,
             events=self.events,
             client_timeout=cfg.daemon.client_timeout,
             max_frame=cfg.daemon.max_frame_bytes,
@@ -121,7 +141,11 @@ class Daemon:
 
     def _publish(self, msg: Any) -> None:
         """Registrar views: local regions to the writer, peer views to the writer and the reaper."""
-        boxes = (self.writer_box,) if isinstance(msg, LocalRegionsChanged) else (self.writer_box, self.reaper_box)
+        boxes = (
+            (self.writer_box, self.ec_box)
+            if isinstance(msg, LocalRegionsChanged)
+            else (self.writer_box, self.reaper_box)
+        )
         for box in boxes:
             try:
                 box.post(msg)
@@ -143,18 +167,25 @@ class Daemon:
             side_host=self.cfg.side_channel.advertised_host,
             side_port=self.side.port,
             kv_lease_duration=self.cfg.transfer.kv_lease_duration,
-            ec_host="",
-            ec_port=0,
+            ec_host=self.cfg.side_channel.advertised_host if self.ecrouter.producing else "",
+            ec_port=self.ecrouter.port if self.ecrouter.producing else 0,
         )
 
     async def status(self, section: str) -> dict[str, Any]:
-        boxes = {"registrar": self.registrar_box, "writer": self.writer_box, "reaper": self.reaper_box}
+        boxes = {
+            "registrar": self.registrar_box,
+            "writer": self.writer_box,
+            "reaper": self.reaper_box,
+            "ecrouter": self.ec_box,
+        }
         if section in ("peers",):
             return await self.registrar_box.call(Snapshot(section))
         if section == "leases":
             return await self.reaper_box.call(Snapshot(section))
         if section == "transfers":
             return await self.writer_box.call(Snapshot(section))
+        if section == "ec":
+            return await self.ec_box.call(Snapshot(section))
         out: dict[str, Any] = {
             "version": __version__,
             "agent_name": self.agent_name,
@@ -185,6 +216,8 @@ class Daemon:
                 await tg.start(self.side.run)
                 await tg.start(self.writer.run)
                 await tg.start(self.reaper.run)
+                self.ecrouter.bind()
+                await tg.start(self.ecrouter.run)
                 self.gateway.bind()
                 await tg.start(self.gateway.run)
                 tg.start_soon(self._watchdog)
@@ -213,6 +246,7 @@ class Daemon:
             await self.registrar.cleanup()
         except Exception as exc:
             log.error("registrar_cleanup_failed", error=repr(exc))
+        self.ecrouter.close()
         await self.engine.close()
 
     async def _wait_for_signal(self) -> None:

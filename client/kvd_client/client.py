@@ -31,8 +31,24 @@ from kvd_client import __version__, wire
 from kvd_client.errors import ErrorCode, KvdError, ProtocolError, Timeout, error_from_code
 from kvd_client.shm import SharedRegion
 
-Event = wire.SendFinished | wire.RecvFinished | wire.RecvFailed | wire.SendFailed | wire.SendExpired
-EVENT_TYPES: Final = (wire.SendFinished, wire.RecvFinished, wire.RecvFailed, wire.SendFailed, wire.SendExpired)
+Event = (
+    wire.SendFinished
+    | wire.RecvFinished
+    | wire.RecvFailed
+    | wire.SendFailed
+    | wire.SendExpired
+    | wire.ECReady
+    | wire.ECUnavailable
+)
+EVENT_TYPES: Final = (
+    wire.SendFinished,
+    wire.RecvFinished,
+    wire.RecvFailed,
+    wire.SendFailed,
+    wire.SendExpired,
+    wire.ECReady,
+    wire.ECUnavailable,
+)
 
 __all__ = ["EVENT_TYPES", "Event", "KvdClient", "default_socket_path"]
 
@@ -88,6 +104,7 @@ class KvdClient:
         self._events: deque[Event] = deque()
         self._announced_recv: dict[str, tuple[int, ...]] = {}
         self._announced_send: set[str] = set()
+        self._announced_ec: dict[str, int] = {}
         self._regions: list[_RegionArgs] = []
         self._lost = threading.Event()
         self._stop = threading.Event()
@@ -203,13 +220,28 @@ class KvdClient:
         if p is None or not isinstance(msg, wire.ErrorReply):
             return
         # A refused request still ends: turn the refusal into its terminal event.
-        if p.kind == "recv" and self._announced_recv.pop(p.request_id, None) is not None:
+        if p.kind == "ec" and self._announced_ec.get(p.request_id, 0) > 0:
+            self._ec_done(p.request_id)
+            self._events.append(wire.ECUnavailable(p.request_id, msg.code, msg.message))
+        elif p.kind == "recv" and self._announced_recv.pop(p.request_id, None) is not None:
             self._events.append(wire.RecvFailed(p.request_id, msg.code, msg.message, p.block_ids))
         elif p.kind == "send" and p.request_id in self._announced_send:
             self._announced_send.discard(p.request_id)
             self._events.append(wire.SendFailed(p.request_id, msg.code, msg.message))
 
+    def _ec_done(self, mm_hash: str) -> None:
+        left = self._announced_ec.get(mm_hash, 0) - 1
+        if left > 0:
+            self._announced_ec[mm_hash] = left
+        else:
+            self._announced_ec.pop(mm_hash, None)
+
     def _accept_event(self, ev: Event) -> None:
+        if isinstance(ev, (wire.ECReady, wire.ECUnavailable)):
+            if self._announced_ec.get(ev.mm_hash, 0) > 0:
+                self._ec_done(ev.mm_hash)
+                self._events.append(ev)
+            return
         rid = ev.request_id
         if isinstance(ev, (wire.RecvFinished, wire.RecvFailed)):
             if self.role == "worker":
@@ -264,8 +296,12 @@ class KvdClient:
             self._events.append(wire.RecvFailed(rid, int(ErrorCode.TRANSFER), reason, blocks))
         for rid in self._announced_send:
             self._events.append(wire.SendFailed(rid, int(ErrorCode.TRANSFER), reason))
+        for mm_hash, n in self._announced_ec.items():
+            for _ in range(n):
+                self._events.append(wire.ECUnavailable(mm_hash, int(ErrorCode.TRANSFER), reason))
         self._announced_recv.clear()
         self._announced_send.clear()
+        self._announced_ec.clear()
         self._pending.clear()
         self._open()
         self._hello()
@@ -277,7 +313,7 @@ class KvdClient:
     @property
     def outstanding(self) -> int:
         """Requests announced and not yet ended by an event."""
-        return len(self._announced_recv) + len(self._announced_send)
+        return len(self._announced_recv) + len(self._announced_send) + sum(self._announced_ec.values())
 
     # ---------------------------------------------------------------- scheduler API
 
@@ -317,6 +353,33 @@ class KvdClient:
     def abort(self, request_id: str) -> None:
         """Either side: give up on a request; its terminal event still comes."""
         self._send(wire.Abort(request_id, self.engine_id), _Pending("other", request_id))
+
+    # ---------------------------------------------------------------- encoder cache
+
+    def ec_allocate(self, mm_hash: str, nbytes: int) -> wire.ECBlocks:
+        """Producer: blocks of the daemon's EC region to copy an encoder output into."""
+        reply = self.request(wire.ECAllocate(mm_hash, nbytes))
+        if not isinstance(reply, wire.ECBlocks):
+            raise ProtocolError(f"expected ECBlocks, got {type(reply).__name__}")
+        return reply
+
+    def ec_commit(self, mm_hash: str, nbytes: int, *, shape: Sequence[int] = (), dtype: str = "uint8",
+                  modality: str = "image", compat: str = "") -> wire.ECParams:
+        """Producer: the bytes are in place; returns the `ec_transfer_params` entry for the hash."""
+        reply = self.request(wire.ECCommit(mm_hash, nbytes, tuple(shape), dtype, modality, compat))
+        if not isinstance(reply, wire.ECParams):
+            raise ProtocolError(f"expected ECParams, got {type(reply).__name__}")
+        return reply
+
+    def ec_ensure(self, params: wire.ECParams) -> None:
+        """Consumer: fetch (or find cached) an encoder output; ends in ECReady or ECUnavailable."""
+        self._announced_ec[params.mm_hash] = self._announced_ec.get(params.mm_hash, 0) + 1
+        self._send(wire.ECEnsure(params.mm_hash, params.peer_host, params.peer_port, params.nbytes, params.compat),
+                   _Pending("ec", params.mm_hash))
+
+    def ec_release(self, mm_hash: str) -> None:
+        """Consumer: done copying an output that an ECReady handed out (drops its pin)."""
+        self._send(wire.ECRelease(mm_hash), _Pending("other", mm_hash))
 
     # ---------------------------------------------------------------- worker API and tools
 

@@ -716,3 +716,124 @@ class Probe(Record):
 
     nonce: U64
     reply: bool
+
+
+# --------------------------------------------------------------------------------------
+# Encoder cache: client <-> daemon, and consumer daemon <-> producer daemon (ZMQ tcp)
+# --------------------------------------------------------------------------------------
+
+Shape = Annotated[tuple[Annotated[int, Range(0, 1 << 40)], ...], Len(0, 8)]
+
+
+@message(80)
+@dataclasses.dataclass(frozen=True)
+class ECAllocate(Record):
+    """Producer: blocks in the daemon's EC region for one encoder output (pinned until commit)."""
+
+    mm_hash: Id
+    nbytes: Annotated[int, Range(1, 1 << 40)]
+
+
+@message(81)
+@dataclasses.dataclass(frozen=True)
+class ECBlocks(Record):
+    """Where to copy an encoder output: block ids in the EC region named `region`."""
+
+    mm_hash: Id
+    block_ids: BlockIds
+    block_bytes: U64
+    region: Annotated[str, Len(0, 255)]
+
+
+@message(82)
+@dataclasses.dataclass(frozen=True)
+class ECCommit(Record):
+    """Producer: the bytes are in place; serve them to consumers."""
+
+    mm_hash: Id
+    nbytes: Annotated[int, Range(1, 1 << 40)]
+    shape: Shape
+    dtype: Annotated[str, Len(1, 32)]
+    modality: Annotated[str, Len(0, 32)]
+    compat: Annotated[str, Len(0, 128)]
+
+
+@message(83)
+@dataclasses.dataclass(frozen=True)
+class ECParams(Record):
+    """The `ec_transfer_params` entry a producer publishes for one mm_hash."""
+
+    mm_hash: Id
+    peer_host: Text
+    peer_port: U16
+    nbytes: Annotated[int, Range(1, 1 << 40)]
+    shape: Shape
+    dtype: Annotated[str, Len(1, 32)]
+    modality: Annotated[str, Len(0, 32)]
+    compat: Annotated[str, Len(0, 128)]
+
+
+@message(84)
+@dataclasses.dataclass(frozen=True)
+class ECEnsure(Record):
+    """Consumer: make this encoder output available locally (answered later by an event)."""
+
+    mm_hash: Id
+    peer_host: Text
+    peer_port: U16
+    nbytes: Annotated[int, Range(1, 1 << 40)]
+    compat: Annotated[str, Len(0, 128)]
+
+
+@message(85)
+@dataclasses.dataclass(frozen=True)
+class ECRelease(Record):
+    """Consumer: the step that loaded this output is done with it (drops one pin)."""
+
+    mm_hash: Id
+
+
+@message(86)
+@dataclasses.dataclass(frozen=True)
+class ECReady(Record):
+    """Event: the output is in the local EC region at these blocks, pinned for the caller."""
+
+    mm_hash: Id
+    block_ids: BlockIds
+    nbytes: U64
+    local_hit: bool
+
+
+@message(87)
+@dataclasses.dataclass(frozen=True)
+class ECUnavailable(Record):
+    """Event: the output could not be had (unknown, timed out, refused); encode locally or fail."""
+
+    mm_hash: Id
+    code: U16
+    reason: Text
+
+
+@message(88)
+@dataclasses.dataclass(frozen=True)
+class ECXferReq(Record):
+    """Consumer daemon -> producer daemon: WRITE mm_hash into my EC region's blocks."""
+
+    mm_hash: Id
+    compat: Annotated[str, Len(0, 128)]
+    agent_name: Id
+    side_host: Text
+    side_port: U16
+    dst_region: U32
+    dst_generation: U32
+    dst_block_ids: BlockIds
+
+
+@message(89)
+@dataclasses.dataclass(frozen=True)
+class ECXferAck(Record):
+    mm_hash: Id
+    ok: bool
+    code: U16
+    reason: Text
+    nbytes: U64

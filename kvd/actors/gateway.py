@@ -58,6 +58,7 @@ class Gateway:
         registrar: Mailbox[Any],
         writer: Mailbox[Any],
         reaper: Mailbox[Any],
+        ecrouter: Mailbox[Any],
         events: Mailbox[EventOut],
         client_timeout: float,
         max_frame: int,
@@ -70,6 +71,7 @@ class Gateway:
         self.registrar = registrar
         self.writer = writer
         self.reaper = reaper
+        self.ecrouter = ecrouter
         self.events = events
         self.client_timeout = client_timeout
         self.max_frame = max_frame
@@ -87,6 +89,10 @@ class Gateway:
             wire.Finish: reaper,
             wire.Track: reaper,
             wire.Abort: reaper,
+            wire.ECAllocate: ecrouter,
+            wire.ECCommit: ecrouter,
+            wire.ECEnsure: ecrouter,
+            wire.ECRelease: ecrouter,
         }
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -247,7 +253,7 @@ class Gateway:
         if s.role == "cli":
             return
         closed = SessionClosed(s.session)
-        for box in (self.registrar, self.writer, self.reaper):
+        for box in (self.registrar, self.writer, self.reaper, self.ecrouter):
             try:
                 box.post(closed)
             except KvdError:

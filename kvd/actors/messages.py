@@ -116,6 +116,13 @@ class EnsurePeer(Call[PeerInfo]):
 
 
 @dataclass
+class RegisterDaemonRegion(Call[LocalRegion]):
+    """A region the daemon itself owns (the EC region), registered like a worker's."""
+
+    request: wire.RegisterRegion
+
+
+@dataclass
 class AcceptHandshake(Call[wire.Record]):
     """A handshake request that arrived on the side channel."""
 

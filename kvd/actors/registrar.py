@@ -44,6 +44,7 @@ from kvd.actors.messages import (
     PeerUpdated,
     PingPeerCmd,
     ProbeReceived,
+    RegisterDaemonRegion,
     RemoteRegion,
     SessionClosed,
     Snapshot,
@@ -195,6 +196,12 @@ class Registrar:
             await self._client(msg)
         elif isinstance(msg, EnsurePeer):
             self._ensure_peer(msg)
+        elif isinstance(msg, RegisterDaemonRegion):
+            try:
+                got = await self._register("daemon", msg.request)
+                msg.resolve(self.regions[got.region_id].view)
+            except KvdError as exc:
+                msg.fail(exc)
         elif isinstance(msg, AcceptHandshake):
             await self._accept(msg)
         elif isinstance(msg, PeerRegionDropped):

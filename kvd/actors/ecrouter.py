@@ -1,0 +1,510 @@
+"""EC router: encoder outputs (e.g. vision embeddings) between an encoder node and its consumers.
+
+The daemon owns one shared-memory EC region, registered with NIXL and cut into fixed
+blocks; engine workers map it by name to copy outputs in (producer) and out (consumer).
+
+Producer (role producer/both):
+- `ECAllocate` pins fresh blocks (FIFO eviction of unpinned outputs; if everything that
+  could be evicted is pinned, allocation fails clearly and evicts nothing); `ECCommit`
+  unpins them and returns the `ec_transfer_params` entry for the hash.
+- A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons: the hash must
+  exist and be committed, the compatibility hash must match, the destination blocks must
+  lie in the consumer's EC region (the planner refuses anything else). The output is
+  pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then unpinned.
+
+Consumer (role consumer/both):
+- `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
+  in-flight fetch, or allocates blocks (LRU eviction, never a pinned output) and sends
+  `ECXferReq` through a lazily created DEALER per producer. The answer is an event:
+  `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
+  (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
+  its pins dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    ClientRequest,
+    EnsurePeer,
+    EventOut,
+    LocalRegion,
+    LocalRegionsChanged,
+    PeerInfo,
+    RegisterDaemonRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.adapters.nixl import NixlEngine
+from kvd.core.blockpool import BlockPool
+from kvd.core.planner import plan_transfer
+from kvd.core.timers import TimerHeap
+from kvd_client import wire
+from kvd_client.errors import (
+    Busy,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+    Timeout,
+    error_from_code,
+)
+from kvd_client.layout import block_major
+from kvd_client.shm import SharedRegion
+
+log = structlog.get_logger("kvd.ecrouter", actor="ecrouter")
+
+EC_ENGINE: Final = "kvd-ec"
+"""The engine id under which a daemon's EC region appears to its peers."""
+
+
+@dataclass
+class _Produced:
+    nbytes: int
+    committed: bool = False
+    params: wire.ECParams | None = None
+
+
+@dataclass
+class _Fetch:
+    mm_hash: str
+    producer: tuple[str, int]
+    nbytes: int
+    waiters: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.monotonic)
+
+
+class ECRouter:
+    def __init__(
+        self,
+        *,
+        engine: NixlEngine,
+        mailbox: Mailbox[Any],
+        registrar: Mailbox[Any],
+        emit: Callable[[EventOut], None],
+        role: str,
+        host: str,
+        advertise_host: str,
+        port: int,
+        region_bytes: int,
+        block_bytes: int,
+        xfer_timeout: float,
+        side_host: str,
+        side_port_ref: Callable[[], int],
+        max_frame: int,
+        counters: dict[str, int],
+    ) -> None:
+        self.engine = engine
+        self.mailbox = mailbox
+        self.registrar = registrar
+        self.emit = emit
+        self.role = role
+        self.host = host
+        self.advertise_host = advertise_host
+        self.port = port
+        self.region_bytes = region_bytes
+        self.block_bytes = block_bytes
+        self.xfer_timeout = xfer_timeout
+        self.side_host = side_host
+        self._side_port_ref = side_port_ref
+        self.max_frame = max_frame
+        self.counters = counters
+        nblocks = region_bytes // block_bytes
+        self.producing = role in ("producer", "both")
+        self.consuming = role in ("consumer", "both")
+        split = nblocks // 2 if (self.producing and self.consuming) else nblocks
+        self.prod_pool = BlockPool(split, "fifo") if self.producing else None
+        self.cons_pool = BlockPool(nblocks - split if self.producing else nblocks, "lru") if self.consuming else None
+        self.cons_offset = split if (self.producing and self.consuming) else 0
+        self.region: SharedRegion | None = None
+        self.local: LocalRegion | None = None
+        self.produced: dict[str, _Produced] = {}
+        self.fetches: dict[str, _Fetch] = {}
+        self.deadlines: TimerHeap[str] = TimerHeap()
+        self.cached_nbytes: dict[str, int] = {}
+        self.pins: dict[str, Counter[str]] = {}
+        self.dealers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
+        self._router: zmq.asyncio.Socket | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.hits = self.misses = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.role != "none"
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def bind(self) -> int:
+        """Bind the producer ROUTER (before ready); returns the port (0 when not a producer)."""
+        if not self.producing:
+            return 0
+        sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        if self.port == 0:
+            self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+        else:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+        self._router = sock
+        return self.port
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.enabled:
+            name = f"kvd-ec-{os.getpid()}-{os.urandom(4).hex()}"
+            self.region = SharedRegion(name, self.region_bytes)
+            nblocks = self.region_bytes // self.block_bytes
+            layout = block_major(nblocks, 1, self.block_bytes, kv_parts=1, tokens_per_block=1, dtype="uint8",
+                                 kv_layout="EC")
+            reg = wire.RegisterRegion("shm", name, self.region_bytes, EC_ENGINE, 0, 1, layout, "", b"", -1)
+            self.local = await self.registrar.call(RegisterDaemonRegion(reg))
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                if self._router is not None:
+                    tg.start_soon(self._serve_router)
+                task_status.started()
+                while True:
+                    deadline = self.deadlines.next_time()
+                    msg: Any = None
+                    if deadline is None:
+                        msg = await self.mailbox.receive()
+                    else:
+                        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                            msg = await self.mailbox.receive()
+                    if msg is not None:
+                        self._dispatch(msg)
+                    for mm_hash, _ in self.deadlines.pop_due(time.monotonic()):
+                        self._fetch_failed(mm_hash, Timeout(f"no answer from the producer in {self.xfer_timeout}s"))
+        finally:
+            if self._router is not None:
+                self._router.close(0)
+            for d in self.dealers.values():
+                d.close(0)
+
+    def close(self) -> None:
+        """Unlink the EC region (after the registrar deregistered it)."""
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, ClientRequest):
+            try:
+                self._client(msg)
+            except KvdError as exc:
+                self._count("ec_requests_rejected")
+                log.warning("ec_request_rejected", session=msg.session, error=exc.message)
+                msg.fail(exc)
+        elif isinstance(msg, _AckArrived):
+            self._fetch_done(msg.ack)
+        elif isinstance(msg, LocalRegionsChanged):
+            self.local = msg.regions.get((EC_ENGINE, 0), self.local)
+        elif isinstance(msg, SessionClosed):
+            for mm_hash, n in self.pins.pop(msg.session, Counter()).items():
+                for _ in range(n):
+                    self._unpin_consumer(mm_hash)
+            for f in self.fetches.values():
+                f.waiters = [w for w in f.waiters if w != msg.session]
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot())
+        else:
+            raise TypeError(f"ecrouter got {type(msg).__name__}")
+
+    def _client(self, req: ClientRequest) -> None:
+        m = req.msg
+        if not self.enabled:
+            raise InvalidRequest("this daemon has no encoder cache (ec.role = none)")
+        if isinstance(m, wire.ECAllocate):
+            pool = self._need(self.prod_pool, "producer")
+            if m.mm_hash in self.produced:
+                raise InvalidRequest(f"{m.mm_hash!r} is already allocated")
+            n = math.ceil(m.nbytes / self.block_bytes)
+            alloc = pool.allocate(m.mm_hash, n, pin=True)
+            for key in alloc.evicted:
+                self.produced.pop(key, None)
+            self._count("ec_evicted", len(alloc.evicted))
+            self.produced[m.mm_hash] = _Produced(m.nbytes)
+            assert self.region is not None
+            req.resolve(wire.ECBlocks(m.mm_hash, tuple(alloc.blocks), self.block_bytes, self.region.name))
+        elif isinstance(m, wire.ECCommit):
+            pool = self._need(self.prod_pool, "producer")
+            p = self.produced.get(m.mm_hash)
+            if p is None:
+                raise NotFound(f"{m.mm_hash!r} was not allocated (or was evicted)")
+            if p.committed:
+                raise InvalidRequest(f"{m.mm_hash!r} is already committed")
+            if m.nbytes > p.nbytes:
+                raise InvalidRequest(f"commit of {m.nbytes} bytes exceeds the {p.nbytes} allocated")
+            p.nbytes = m.nbytes
+            p.committed = True
+            p.params = wire.ECParams(m.mm_hash, self.advertise_host, self.port, m.nbytes, m.shape, m.dtype,
+                                     m.modality, m.compat)
+            pool.unpin(m.mm_hash)
+            self._count("ec_committed")
+            req.resolve(p.params)
+        elif isinstance(m, wire.ECEnsure):
+            self._need(self.cons_pool, "consumer")
+            req.resolve(wire.Ok())
+            self._ensure(req.session, m)
+        elif isinstance(m, wire.ECRelease):
+            self._need(self.cons_pool, "consumer")
+            held = self.pins.get(req.session)
+            if not held or held[m.mm_hash] <= 0:
+                raise InvalidRequest(f"{m.mm_hash!r} is not held by this session")
+            held[m.mm_hash] -= 1
+            self._unpin_consumer(m.mm_hash)
+            req.resolve(wire.Ok())
+        else:
+            raise TypeError(f"ecrouter got {type(m).__name__}")
+
+    @staticmethod
+    def _need(pool: BlockPool | None, role: str) -> BlockPool:
+        if pool is None:
+            raise InvalidRequest(f"this daemon is not an encoder-cache {role}")
+        return pool
+
+    # ---------------------------------------------------------------- consumer
+
+    def _ensure(self, session: str, m: wire.ECEnsure) -> None:
+        pool = self.cons_pool
+        assert pool is not None
+        if m.mm_hash in self.cached_nbytes:
+            self.hits += 1
+            self._count("ec_hits")
+            self._ready(session, m.mm_hash, local_hit=True)
+            return
+        f = self.fetches.get(m.mm_hash)
+        if f is not None:
+            f.waiters.append(session)
+            return
+        self.misses += 1
+        self._count("ec_misses")
+        n = math.ceil(m.nbytes / self.block_bytes)
+        try:
+            alloc = pool.allocate(m.mm_hash, n, pin=True)
+        except KvdError as exc:
+            self.emit(EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(exc.code), exc.message)))
+            self._count("ec_unavailable")
+            return
+        for key in alloc.evicted:
+            self.cached_nbytes.pop(key, None)
+        self._count("ec_evicted", len(alloc.evicted))
+        f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, [session])
+        self.fetches[m.mm_hash] = f
+        self.deadlines.set(m.mm_hash, time.monotonic() + self.xfer_timeout)
+        assert self._tg is not None and self.local is not None
+        req = wire.ECXferReq(
+            mm_hash=m.mm_hash,
+            compat=m.compat,
+            agent_name=self.engine.name,
+            side_host=self.side_host,
+            side_port=self._side_port_ref(),
+            dst_region=self.local.region_id,
+            dst_generation=self.local.generation,
+            dst_block_ids=tuple(b + self.cons_offset for b in alloc.blocks),
+        )
+        self._tg.start_soon(self._send_req, f.producer, req)
+
+    def _ready(self, session: str, mm_hash: str, *, local_hit: bool) -> None:
+        pool = self.cons_pool
+        assert pool is not None
+        blocks = pool.get(mm_hash)
+        assert blocks is not None
+        pool.pin(mm_hash)
+        self.pins.setdefault(session, Counter())[mm_hash] += 1
+        ids = tuple(b + self.cons_offset for b in blocks)
+        self.emit(EventOut(session, "", wire.ECReady(mm_hash, ids, self.cached_nbytes[mm_hash], local_hit)))
+
+    def _unpin_consumer(self, mm_hash: str) -> None:
+        pool = self.cons_pool
+        if pool is not None and mm_hash in pool and pool.is_pinned(mm_hash):
+            pool.unpin(mm_hash)
+
+    def _fetch_done(self, ack: wire.ECXferAck) -> None:
+        f = self.fetches.pop(ack.mm_hash, None)
+        if f is None:
+            self._count("ec_acks_unexpected")
+            return
+        self.deadlines.discard(ack.mm_hash)
+        pool = self.cons_pool
+        assert pool is not None
+        if not ack.ok:
+            self._fetch_failed_entry(f, error_from_code(ack.code, ack.reason))
+            return
+        self.cached_nbytes[f.mm_hash] = f.nbytes
+        pool.unpin(f.mm_hash)  # the transfer's pin; each waiter takes its own
+        self._count("ec_fetched")
+        self._count("ec_bytes_fetched", f.nbytes)
+        for session in f.waiters:
+            self._ready(session, f.mm_hash, local_hit=False)
+
+    def _fetch_failed(self, mm_hash: str, exc: KvdError) -> None:
+        f = self.fetches.pop(mm_hash, None)
+        if f is not None:
+            self.deadlines.discard(mm_hash)
+            self._fetch_failed_entry(f, exc)
+
+    def _fetch_failed_entry(self, f: _Fetch, exc: KvdError) -> None:
+        pool = self.cons_pool
+        assert pool is not None
+        if f.mm_hash in pool:
+            pool.unpin(f.mm_hash)
+            pool.free(f.mm_hash)
+        self._count("ec_unavailable")
+        log.warning("ec_fetch_failed", mm_hash=f.mm_hash, producer=f"{f.producer[0]}:{f.producer[1]}",
+                    error=exc.message)
+        for session in f.waiters:
+            self.emit(EventOut(session, "", wire.ECUnavailable(f.mm_hash, int(exc.code), exc.message)))
+
+    async def _send_req(self, producer: tuple[str, int], req: wire.ECXferReq) -> None:
+        sock = self.dealers.get(producer)
+        if sock is None:
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+            sock.connect(f"tcp://{producer[0]}:{producer[1]}")
+            self.dealers[producer] = sock
+            assert self._tg is not None
+            self._tg.start_soon(self._recv_acks, producer, sock)
+        try:
+            await sock.send(wire.encode(req))
+            self._count("ec_xfer_requests")
+        except zmq.ZMQError as exc:
+            self._fetch_failed(req.mm_hash, KvdError(f"cannot reach producer: {exc}"))
+
+    async def _recv_acks(self, producer: tuple[str, int], sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frame = await sock.recv()
+            try:
+                _, msg = wire.decode(frame, self.max_frame)
+            except RemoteProtocolError as exc:
+                self._count("ec_acks_malformed")
+                log.warning("ec_ack_malformed", producer=f"{producer[0]}:{producer[1]}", error=exc.message)
+                continue
+            if not isinstance(msg, wire.ECXferAck):
+                self._count("ec_acks_malformed")
+                continue
+            try:
+                self.mailbox.post(_AckArrived(msg))
+            except Busy:
+                self._count("ec_acks_dropped_busy")
+
+    # ---------------------------------------------------------------- producer
+
+    async def _serve_router(self) -> None:
+        sock = self._router
+        assert sock is not None and self._tg is not None
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 2:
+                self._count("ec_xfer_rejected")
+                continue
+            self._tg.start_soon(self._serve_one, frames[0], frames[1])
+
+    async def _serve_one(self, ident: bytes, frame: bytes) -> None:
+        mm_hash = "?"
+        pinned = False
+        pool = self.prod_pool
+        assert pool is not None and self._router is not None
+        try:
+            try:
+                _, req = wire.decode(frame, self.max_frame)
+            except RemoteProtocolError:
+                self._count("ec_xfer_rejected")
+                log.warning("ec_xfer_malformed")
+                return  # no usable request: dropped and counted
+            if not isinstance(req, wire.ECXferReq):
+                self._count("ec_xfer_rejected")
+                return
+            mm_hash = req.mm_hash
+            p = self.produced.get(mm_hash)
+            if p is None or not p.committed or mm_hash not in pool:
+                raise NotFound(f"unknown encoder output {mm_hash!r}")
+            assert p.params is not None
+            if p.params.compat != req.compat:
+                raise Incompatible("compatibility hash differs")
+            blocks = pool.get(mm_hash)
+            assert blocks is not None
+            if len(req.dst_block_ids) != len(blocks):
+                raise InvalidRequest(f"{len(req.dst_block_ids)} destination blocks for {len(blocks)} source blocks")
+            pool.pin(mm_hash)
+            pinned = True
+            info: PeerInfo = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
+            if info.agent != req.agent_name:
+                raise RemoteProtocolError(f"request names agent {req.agent_name!r}, the peer is {info.agent!r}")
+            dst = info.regions.get((EC_ENGINE, 0))
+            if dst is None or (dst.region_id, dst.generation) != (req.dst_region, req.dst_generation):
+                info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port, refresh=True))
+                dst = info.regions.get((EC_ENGINE, 0))
+            if dst is None or (dst.region_id, dst.generation) != (req.dst_region, req.dst_generation):
+                raise NotFound("the consumer's EC region is unknown or stale")
+            assert self.local is not None
+            plan = plan_transfer(self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids))
+            await self.engine.transfer("WRITE", plan.as_tuples_local(), plan.as_tuples_remote(), info.agent, b"",
+                                       self.xfer_timeout, plan.total_bytes)
+            self._count("ec_served")
+            self._count("ec_bytes_served", plan.total_bytes)
+            ack = wire.ECXferAck(mm_hash, True, 0, "", p.nbytes)
+        except KvdError as exc:
+            self._count("ec_xfer_failed")
+            log.warning("ec_xfer_failed", mm_hash=mm_hash, error=exc.message)
+            ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
+        finally:
+            if pinned and mm_hash in pool:
+                pool.unpin(mm_hash)
+        try:
+            await self._router.send_multipart([ident, wire.encode(ack)])
+        except zmq.ZMQError as exc:
+            log.warning("ec_ack_send_failed", error=str(exc))
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self) -> dict[str, Any]:
+        def pool_stats(pool: BlockPool | None) -> dict[str, Any] | None:
+            if pool is None:
+                return None
+            return {"blocks": pool.num_blocks, "used": pool.used_blocks, "free": pool.free_blocks,
+                    "evictable": pool.evictable_blocks, "pinned": pool.used_blocks - pool.evictable_blocks,
+                    "entries": len(pool), "evicted": pool.evicted}
+
+        return {
+            "role": self.role,
+            "region": self.region.name if self.region else "",
+            "region_bytes": self.region_bytes,
+            "block_bytes": self.block_bytes,
+            "consumer_offset": self.cons_offset,
+            "port": self.port,
+            "producer": pool_stats(self.prod_pool),
+            "consumer": pool_stats(self.cons_pool),
+            "produced": sorted(k for k, v in self.produced.items() if v.committed)[:100],
+            "cached": sorted(self.cached_nbytes)[:100],
+            "fetching": sorted(self.fetches)[:100],
+            "hits": self.hits,
+            "misses": self.misses,
+        }
+
+
+@dataclass(frozen=True)
+class _AckArrived:
+    ack: wire.ECXferAck
+
