@@ -45,6 +45,16 @@ TYPE_IDS = {
     "CancelRegistration": 66,
     "RegionDropped": 67,
     "Probe": 68,
+    "ECAllocate": 80,
+    "ECBlocks": 81,
+    "ECCommit": 82,
+    "ECParams": 83,
+    "ECEnsure": 84,
+    "ECRelease": 85,
+    "ECReady": 86,
+    "ECUnavailable": 87,
+    "ECXferReq": 88,
+    "ECXferAck": 89,
 }
 
 ERROR_CODES = {
