@@ -149,6 +149,26 @@ def transfers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """Encoder cache: region use, cached and produced hashes, pinned blocks, hits and misses."""
+    data = _fetch(socket, "ec")
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return
+    console.print(f"role [bold]{data['role']}[/bold]  region {data['region'] or '-'}  "
+                  f"{data['region_bytes'] / 2**20:.0f} MiB in {data['block_bytes'] / 2**20:g} MiB blocks")
+    pools = [{"pool": name, **data[name]} for name in ("producer", "consumer") if data.get(name)]
+    console.print(_table("blocks", pools, ["pool", "blocks", "used", "free", "pinned", "evictable", "entries",
+                                           "evicted"]))
+    total = data["hits"] + data["misses"]
+    rate = f"{data['hits'] / total:.1%}" if total else "-"
+    console.print(f"hits {data['hits']}  misses {data['misses']}  hit rate {rate}")
+    for key in ("produced", "cached", "fetching"):
+        if data[key]:
+            console.print(f"{key}: {', '.join(data[key][:20])}{' ...' if len(data[key]) > 20 else ''}")
+
+
+@app.command()
 def ping(
     peer: Annotated[str, typer.Argument(help="HOST:PORT of the peer daemon's side channel.")],
     socket: SocketOpt = None,
