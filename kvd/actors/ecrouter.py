@@ -73,6 +73,39 @@ EC_ENGINE: Final = "kvd-ec"
 """The engine id under which a daemon's EC region appears to its peers."""
 
 
+EC_SEGMENT_PREFIX: Final = "kvd-ec-"
+
+
+def reap_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink EC segments left by daemons that died without cleanup (SIGKILL, power loss).
+
+    A segment is named `kvd-ec-<pid>-<random>`; it is stale when no process <pid> exists
+    and it belongs to our user.
+    """
+    removed = []
+    for name in os.listdir(shm_dir):
+        if not name.startswith(EC_SEGMENT_PREFIX):
+            continue
+        pid_text = name[len(EC_SEGMENT_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(name)
+                log.info("ec_stale_segment_removed", segment=name)
+            except OSError:
+                pass
+        except (PermissionError, FileNotFoundError):
+            continue
+    return removed
+
+
 @dataclass
 class _Produced:
     nbytes: int
@@ -168,7 +201,8 @@ class ECRouter:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.enabled:
-            name = f"kvd-ec-{os.getpid()}-{os.urandom(4).hex()}"
+            reap_stale_segments()
+            name = f"{EC_SEGMENT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
             self.region = SharedRegion(name, self.region_bytes)
             nblocks = self.region_bytes // self.block_bytes
             layout = block_major(nblocks, 1, self.block_bytes, kv_parts=1, tokens_per_block=1, dtype="uint8",

@@ -1,0 +1,184 @@
+"""Encoder-cache transfer between a producer daemon and a consumer daemon (real NIXL, real shm)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import zmq
+
+from kvd.ecdemo import ECSide, output_bytes, run_ec
+from kvd_client import wire
+from kvd_client.errors import ErrorCode
+
+from .conftest import StartDaemon, shm_segments
+
+MiB = 1 << 20
+
+
+def ec_cfg(role: str, region: int, block: int = MiB) -> str:
+    return f'[ec]\nrole = "{role}"\nregion_bytes = {region}\nblock_bytes = {block}\nxfer_timeout = 5.0\n'
+
+
+def test_500_outputs_with_repeats_every_byte(daemons: StartDaemon) -> None:
+    before = shm_segments("kvd-ec-")
+    e = daemons("kvd-enc", ec_cfg("producer", 48 * MiB))  # small: eviction under pressure
+    c = daemons("kvd-con", ec_cfg("consumer", 96 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        res = run_ec(prod, cons, 500, random.Random(3), min_bytes=64 << 10, max_bytes=8 * MiB, window=8)
+        assert res.failures == []
+        assert (res.verified, res.mismatched, res.failed) == (500, 0, 0)
+        pc = prod.client.status()["counters"]
+        cc = cons.client.status()["counters"]
+        st = cons.client.status("ec")
+    finally:
+        prod.close()
+        cons.close()
+    # repeats were served from the consumer's cache, without a producer round trip
+    assert res.local_hits > 0 and cc["ec_hits"] == res.local_hits == st["hits"]
+    assert cc["ec_xfer_requests"] == cc["ec_misses"] == st["misses"]
+    # the producer was under pressure (it evicted), yet no pinned block was ever reused:
+    # every byte of every fetched output matched
+    assert pc["ec_evicted"] > 0 and res.reencoded > 0
+    assert pc["ec_served"] == cc["ec_fetched"]
+    assert st["consumer"]["pinned"] == 0
+    for d in (e, c):
+        assert d.stop() == 0
+    assert shm_segments("kvd-ec-") == before  # the daemons removed their EC regions
+
+
+def test_both_roles_in_one_daemon(daemons: StartDaemon) -> None:
+    a = daemons("kvd-ecboth-a", ec_cfg("both", 32 * MiB))
+    b = daemons("kvd-ecboth-b", ec_cfg("both", 32 * MiB))
+    sa, sb = ECSide(a.socket, "a"), ECSide(b.socket, "b")
+    try:
+        res1 = run_ec(sa, sb, 40, random.Random(1), max_bytes=2 * MiB, unique=20)
+        res2 = run_ec(sb, sa, 40, random.Random(2), max_bytes=2 * MiB, unique=20)
+        assert (res1.verified, res2.verified) == (40, 40)
+        assert res1.local_hits > 0 and res2.local_hits > 0
+        info = sa.client.status("ec")
+        assert info["producer"]["blocks"] == info["consumer"]["blocks"] == 16
+        assert info["consumer_offset"] == 16
+    finally:
+        sa.close()
+        sb.close()
+
+
+def _raw_xfer(port: int, frame: bytes, timeout_ms: int = 5000) -> wire.ECXferAck | None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        s.send(frame)
+        if not s.poll(timeout_ms):
+            return None
+        _, msg = wire.decode(s.recv())
+        assert isinstance(msg, wire.ECXferAck)
+        return msg
+    finally:
+        s.close(0)
+
+
+def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: StartDaemon) -> None:
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        port = int(prod.client.status("ec")["port"])
+        blocks = prod.client.ec_allocate("good", 3 * MiB)
+        prod.write(blocks.block_ids, output_bytes(7, 3 * MiB))
+        params = prod.client.ec_commit("good", 3 * MiB, compat="ec-ok")
+        region = next(r for r in cons.client.status()["regions"] if r["engine_id"] == "kvd-ec")
+        agent = cons.client.status()["agent_name"]
+        side_port = int(cons.client.status()["side_channel"].rsplit(":", 1)[1])
+
+        def req(**kw: object) -> bytes:
+            base = dict(mm_hash="good", compat="ec-ok", agent_name=agent, side_host="127.0.0.1",
+                        side_port=side_port, dst_region=region["region_id"],
+                        dst_generation=region["generation"], dst_block_ids=(0, 1, 2))
+            base.update(kw)
+            return wire.encode(wire.ECXferReq(**base))  # type: ignore[arg-type]
+
+        # malformed frames are dropped (no ack) and counted
+        assert _raw_xfer(port, b"\xc1garbage", 500) is None
+        assert _raw_xfer(port, wire.encode(wire.Probe(1, False)), 500) is None
+        cases = {
+            "unknown hash": (req(mm_hash="nope"), ErrorCode.NOT_FOUND),
+            "wrong compat": (req(compat="other-model"), ErrorCode.INCOMPATIBLE),
+            "out of region": (req(dst_block_ids=(14, 15, 16)), ErrorCode.INVALID),
+            "negative block": (req(dst_block_ids=(-1, 0, 1)), ErrorCode.INVALID),
+            "count mismatch": (req(dst_block_ids=(0,)), ErrorCode.INVALID),
+            "stale generation": (req(dst_generation=region["generation"] + 1), ErrorCode.NOT_FOUND),
+            "forged agent": (req(agent_name="someone-else"), ErrorCode.PROTOCOL),
+        }
+        for name, (frame, code) in cases.items():
+            ack = _raw_xfer(port, frame)
+            assert ack is not None and not ack.ok, name
+            assert ack.code == code, (name, ack)
+        counters = prod.client.status()["counters"]
+        assert counters["ec_xfer_rejected"] == 2
+        assert counters["ec_xfer_failed"] == len(cases)
+        assert prod.client.status("ec")["producer"]["pinned"] == 0
+        # a well-behaved consumer is served throughout
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady)
+        assert cons.matches(ev.block_ids, output_bytes(7, 3 * MiB))
+        cons.client.ec_release("good")
+        # an unknown hash through the real consumer path ends unavailable, not hung
+        cons.client.ec_ensure(wire.ECParams("missing", "127.0.0.1", port, MiB, (), "uint8", "image", "ec-ok"))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.NOT_FOUND
+        # a producer that does not answer: unavailable after ec.xfer_timeout
+        dead = wire.ECParams("x", "127.0.0.1", 9, MiB, (), "uint8", "image", "ec-ok")
+        t0 = time.monotonic()
+        cons.client.ec_ensure(dead)
+        evs = cons.client.wait_events(15)
+        assert [type(x).__name__ for x in evs] == ["ECUnavailable"]
+        assert evs[0].code == ErrorCode.TIMEOUT and 4.0 < time.monotonic() - t0 < 12
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
+    from kvd.demo import start_daemon
+
+    e = daemons("kvd-enc", ec_cfg("producer", 32 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 32 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    restarted = None
+    try:
+        outs = []
+        for i in range(6):
+            blocks = prod.client.ec_allocate(f"r{i}", 4 * MiB)
+            prod.write(blocks.block_ids, output_bytes(i, 4 * MiB))
+            outs.append(prod.client.ec_commit(f"r{i}", 4 * MiB))
+        for p in outs:
+            cons.client.ec_ensure(p)
+        c.kill()  # mid-stream: some fetches may have completed, the rest are in flight
+        restarted = start_daemon(c.config.parent, "kvd-con", ec_cfg("consumer", 32 * MiB))
+        ended: dict[str, str] = {}
+        deadline = time.monotonic() + 15
+        while len(ended) < 6 and time.monotonic() < deadline:
+            for ev in cons.client.wait_events(0.5):
+                ended[ev.mm_hash] = type(ev).__name__
+        assert len(ended) == 6, ended  # every outstanding request ended, none hangs
+        assert cons.client.reconnects == 1
+        assert "ECUnavailable" in ended.values()
+        # new requests work against the restarted daemon
+        fresh = ECSide(restarted.socket, "consumer2")
+        try:
+            fresh.client.ec_ensure(outs[0])
+            (ev,) = fresh.client.wait_events(10)
+            assert isinstance(ev, wire.ECReady) and not ev.local_hit
+            assert fresh.matches(ev.block_ids, output_bytes(0, 4 * MiB))
+        finally:
+            fresh.close()
+    finally:
+        prod.close()
+        cons.close()
+        if restarted is not None:
+            assert restarted.stop() == 0
