@@ -140,9 +140,10 @@ class Daemon:
     # ---------------------------------------------------------------- wiring
 
     def _publish(self, msg: Any) -> None:
-        """Registrar views: local regions to the writer, peer views to the writer and the reaper."""
+        """Registrar views: local regions to the writer, the reaper (it checks finished
+        blocks) and the EC router; peer views to the writer and the reaper."""
         boxes = (
-            (self.writer_box, self.ec_box)
+            (self.writer_box, self.reaper_box, self.ec_box)
             if isinstance(msg, LocalRegionsChanged)
             else (self.writer_box, self.reaper_box)
         )

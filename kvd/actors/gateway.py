@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import socket
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import msgpack
 import structlog
 import zmq
 import zmq.asyncio
@@ -110,7 +112,7 @@ class Gateway:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         sock.setsockopt(zmq.SNDHWM, 100_000)
         sock.bind(f"ipc://{path}")
         os.chmod(path, self.socket_mode)
@@ -162,7 +164,7 @@ class Gateway:
         except RemoteProtocolError as exc:
             self._count("ipc_rejected")
             log.warning("ipc_frame_rejected", error=exc.message)
-            self._error(ident, 0, exc)
+            self._error(ident, salvage_corr(frame), exc)
             return
         now = time.monotonic()
         if isinstance(msg, wire.KeepAlive):
@@ -298,6 +300,38 @@ async def _post_later(box: Mailbox[Any], msg: Any) -> None:
         except KvdError:
             await anyio.sleep(0.05)
     log.error("session_close_lost", mailbox=box.name)
+
+
+def transport_cap(max_frame: int) -> int:
+    """ZMQ's own limit (MAXMSGSIZE) for a socket whose frames may be `max_frame` bytes.
+
+    Above it the transport drops the connection before buffering the frame, so nobody
+    can make the daemon hold a huge message. It is twice the frame limit so that a frame
+    somewhat over the limit still reaches the decoder: it is refused with a PROTOCOL
+    reply and counted, instead of vanishing with its connection.
+    """
+    return 2 * max_frame
+
+
+def salvage_corr(frame: bytes) -> int:
+    """The correlation id of a frame that failed to decode, if its header is intact, else 0.
+
+    Echoing it lets the sender's wait for that reply end with the typed error instead of a
+    timeout. Reads at most the first three items, each bounded: cheap on any input.
+    """
+    try:
+        unpacker = msgpack.Unpacker(
+            io.BytesIO(frame), read_size=64, max_buffer_size=1024, max_str_len=64, max_bin_len=64,
+            max_array_len=16, max_map_len=16, max_ext_len=0,
+        )
+        if unpacker.read_array_header() < 3:
+            return 0
+        corr = [unpacker.unpack() for _ in range(3)][2]
+    except Exception:  # anything unparseable simply has no corr
+        return 0
+    if isinstance(corr, int) and not isinstance(corr, bool) and 0 < corr < (1 << 64):
+        return corr
+    return 0
 
 
 def _socket_alive(path: str) -> bool:

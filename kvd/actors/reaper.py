@@ -30,6 +30,8 @@ from kvd.actors.messages import (
     Delivered,
     EnsurePeer,
     EventOut,
+    LocalRegion,
+    LocalRegionsChanged,
     NotifReceived,
     PeerInfo,
     PeerLost,
@@ -45,9 +47,10 @@ from kvd.adapters.nixl import NixlEngine, PeerDisconnected
 from kvd.core.heartbeats import HeartbeatSchedule
 from kvd.core.ids import base_request_id
 from kvd.core.leases import Lease, LeaseTable
+from kvd.core.planner import check_blocks, expand_logical
 from kvd.core.timers import TimerHeap
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, InvalidRequest, KvdError
+from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound
 
 log = structlog.get_logger("kvd.reaper", actor="reaper")
 
@@ -97,6 +100,7 @@ class Reaper:
         self.heartbeats = HeartbeatSchedule()
         self.tracked: dict[str, _Tracked] = {}
         self.peers: dict[str, PeerInfo] = {}
+        self.local: dict[tuple[str, int], LocalRegion] = {}
         self.probes: TimerHeap[str] = TimerHeap()
         self.probe_interval = probe_interval
         self.counters = counters
@@ -194,6 +198,8 @@ class Reaper:
             self._client(msg, now)
         elif isinstance(msg, NotifReceived):
             self._notif(msg.agent, msg.msg, now)
+        elif isinstance(msg, LocalRegionsChanged):
+            self.local = msg.regions
         elif isinstance(msg, Claim):
             key = self.leases.find(msg.request_id)
             lease = self.leases.release(key) if key is not None else None
@@ -229,6 +235,7 @@ class Reaper:
             if isinstance(m, wire.Finish):
                 if m.request_id in self.leases or m.request_id in self.claimed:
                     raise InvalidRequest(f"request {m.request_id!r} already holds a lease")
+                self._check_blocks(m.engine_id, m.block_ids)
                 self.leases.grant(m.request_id, now, owner=req.session)
                 self.owners[m.request_id] = _Owner(req.session, m.engine_id)
                 self._count("leases_granted")
@@ -250,6 +257,15 @@ class Reaper:
         except KvdError as exc:
             self._count("requests_rejected")
             req.fail(exc)
+
+    def _check_blocks(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
+        """Refuse a lease on blocks that are not in every one of the engine's regions (so a
+        bad P block id is an error for the caller now, never an input to the planner)."""
+        regions = [r for (e, _), r in self.local.items() if e == engine_id]
+        if not regions:
+            raise NotFound(f"engine {engine_id!r} has no registered region on this daemon")
+        for r in regions:
+            check_blocks(r.geometry, expand_logical(block_ids, r.layout.physical_per_logical))
 
     def _track(self, rid: str, remote_rid: str, host: str, port: int, now: float) -> None:
         if rid in self.tracked:
@@ -287,6 +303,11 @@ class Reaper:
             self.emit(EventOut(owner.session, owner.engine_id, wire.SendFailed(key, msg.code, msg.reason)))
 
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
+        if agent not in self.peers:  # no handshake: it may not extend or release leases
+            self._count("notifs_rejected")
+            why = f"{type(msg).__name__} from an agent that never handshaked"
+            log.warning("notif_rejected", peer=agent, reason=why)
+            return
         if isinstance(msg, wire.Heartbeat):
             known = self.leases.extend((self.leases.find(i) or i for i in msg.request_ids), now)
             self._count("heartbeats_received")

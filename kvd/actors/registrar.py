@@ -388,15 +388,15 @@ class Registrar:
         if abs(time.time() - hs.timestamp) > AUTH_WINDOW_S:
             raise AuthError(f"peer {hs.agent_name!r} handshake timestamp outside the window")
 
-    async def _learn(self, hs: wire.Handshake, host: str, port: int) -> PeerInfo:
-        """Load a peer's NIXL metadata (full first, then per-region) and cache its view."""
+    async def _learn(self, hs: wire.Handshake, host: str, port: int, *, dialed: bool) -> PeerInfo:
+        """Load a peer's NIXL metadata (full first, then per-region) and cache its view.
+
+        Only a handshake we `dialed` maps host:port to the agent: an inbound one merely
+        claims that address, and must not redirect our requests for whoever owns it.
+        Everything is validated before any existing state is touched.
+        """
         if hs.agent_name == self.engine.name:
             raise InvalidRequest(f"peer uses our own agent name {hs.agent_name!r}")
-        known = self.peers.get(hs.agent_name)
-        if known is not None and known.incarnation != hs.incarnation:
-            log.info("peer_restarted", peer=hs.agent_name)
-            await self._forget(hs.agent_name)
-            known = None
         regions: dict[tuple[str, int], RemoteRegion] = {}
         for ri in hs.regions:
             try:
@@ -409,10 +409,16 @@ class Registrar:
             )
             if ri.mem_type not in ("DRAM", "VRAM"):
                 raise RemoteProtocolError(f"peer region {ri.region_id}: unknown memory type {ri.mem_type!r}")
+        known = self.peers.get(hs.agent_name)
+        if known is not None and known.incarnation != hs.incarnation:
+            log.info("peer_restarted", peer=hs.agent_name)
+            await self._forget(hs.agent_name)
+            known = None
         if known is None:
             name = await self.engine.add_remote(hs.nixl_md)
             if name != hs.agent_name:
-                await self.engine.remove_remote(name)
+                if name not in self.peers and name != self.engine.name:  # never unload a real peer
+                    await self.engine.remove_remote(name)
                 raise RemoteProtocolError(f"metadata names agent {name!r}, handshake says {hs.agent_name!r}")
             loaded = {(ri.region_id, ri.generation) for ri in hs.regions}
             known = _Peer(info=None, incarnation=hs.incarnation, loaded_regions=loaded)  # type: ignore[arg-type]
@@ -434,7 +440,8 @@ class Registrar:
         )
         known.info = info
         self.peers[hs.agent_name] = known
-        self.peer_by_addr[info.addr] = hs.agent_name
+        if dialed:
+            self.peer_by_addr[info.addr] = hs.agent_name
         self._publish(PeerUpdated(hs.agent_name, info))
         return info
 
@@ -462,7 +469,7 @@ class Registrar:
             if not isinstance(reply, wire.Handshake):
                 raise RemoteProtocolError(f"handshake reply is a {type(reply).__name__}")
             self._check_mac(reply, b"rep" + ours.nonce)
-            info = await self._learn(reply, host, port)
+            info = await self._learn(reply, host, port, dialed=True)
             self.counters["handshakes_ok"] = self.counters.get("handshakes_ok", 0) + 1
             log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
             fut.set_result(info)
@@ -499,7 +506,7 @@ class Registrar:
         assert isinstance(hs, wire.Handshake)
         try:
             self._check_mac(hs, b"req")
-            await self._learn(hs, hs.side_host, hs.side_port)
+            await self._learn(hs, hs.side_host, hs.side_port, dialed=False)
             reply = await self._our_handshake(b"rep" + hs.nonce)
             self.counters["handshakes_accepted"] = self.counters.get("handshakes_accepted", 0) + 1
             log.info("peer_handshake_accepted", peer=hs.agent_name)

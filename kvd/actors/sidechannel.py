@@ -18,6 +18,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 
 from kvd.actors.base import Mailbox
+from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, DrainRemoteRegion, PeerRegionDropped
 from kvd_client import wire
 from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
@@ -51,7 +52,7 @@ class SideChannel:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if self.port == 0:
             self.port = sock.bind_to_random_port(f"tcp://{self.host}")
@@ -89,6 +90,7 @@ class SideChannel:
             else:
                 raise RemoteProtocolError(f"{type(msg).__name__} is not a side-channel request")
         except KvdError as exc:
+            corr = corr or salvage_corr(frame)
             self._count("side_rejected")
             log.warning("side_request_rejected", error=exc.message)
             reply = wire.ErrorReply.of(exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL, exc.message)

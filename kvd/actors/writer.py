@@ -479,10 +479,10 @@ class Writer:
     # ---------------------------------------------------------------- notifications
 
     def _notif(self, agent: str, msg: wire.Record) -> None:
+        if agent not in self.peers:
+            self._reject(agent, f"{type(msg).__name__} from an agent that never handshaked")
+            return
         if isinstance(msg, wire.PushRegistration):
-            if agent not in self.peers:
-                self._reject(agent, "push registration from an agent that never handshaked")
-                return
             if base_request_id(msg.request_id) in self.expired or base_request_id(msg.remote_request_id or
                                                                                   msg.request_id) in self.expired:
                 assert self._tg is not None
