@@ -217,6 +217,27 @@ def demo(
 
 
 @app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
+    json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
+    only: Annotated[str, typer.Option(help="Scenarios: dataplane,control,scale,ec.")] = "",
+    seed: Annotated[int, typer.Option(help="Random seed (block allocation, ids).")] = 0,
+) -> None:
+    """Benchmark kvd against raw NIXL and memcpy on the same bytes: medians, ratios, targets."""
+    from kvd.bench import SCENARIOS
+    from kvd.bench.runner import run_bench
+
+    chosen = [s.strip() for s in only.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in SCENARIOS]
+    if unknown:
+        err.print(f"[red]unknown scenario(s) {', '.join(unknown)}; choose from "
+                  f"{', '.join(SCENARIOS)}[/red]")
+        raise typer.Exit(2)
+    code = run_bench(quick=quick, json_path=json_file, only=chosen, seed=seed, console=err)
+    raise typer.Exit(code)
+
+
+@app.command()
 def version() -> None:
     """Print kvd's version."""
     console.print(__version__)

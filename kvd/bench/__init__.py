@@ -1,0 +1,18 @@
+"""`kvd bench`: kvd against the in-process designs it replaces, on the same bytes, as ratios.
+
+Every scenario runs its contenders alternately in one process tree on one machine (this
+process, a P daemon, a D daemon and a raw-NIXL helper) and reports medians and ratios:
+
+1. `dataplane`: one request's KV between two regions: memcpy, raw NIXL per-block and
+   coalesced (two processes, like a connector's), kvd push and pull through two daemons.
+2. `control`: 1 MiB requests one at a time (p50/p99/p99.9), and `drain_events()` cost.
+3. `scale`: 1,000 concurrent requests with zero loss, 10,000 live leases, one heartbeat
+   renewing 1,000 ids, and the lease table at 1k/10k/100k leases.
+4. `ec`: a 4.5 MB encoder output, cold (vs raw NIXL) and warm (vs memcpy).
+
+Targets are reported met or missed; nothing here asserts a timing. The entry point is
+`kvd.bench.runner.run_bench`; this package imports nothing itself, so that the raw-NIXL
+helper process (`python -m kvd.bench.raw`) starts light.
+"""
+
+SCENARIOS = ("dataplane", "control", "scale", "ec")

@@ -1,0 +1,274 @@
+"""Scenario 1, the data plane: one request's KV moved between two regions in two processes.
+
+Contenders, on the same bytes of the same shared-memory regions, run alternately:
+
+- `memcpy`: one contiguous copy of the same number of bytes (the physical limit);
+- `raw per-block WRITE/READ`: raw NIXL, one descriptor per (block, layer, K/V part), as
+  vLLM's NixlConnector posts them;
+- `raw coalesced WRITE/READ`: raw NIXL, one descriptor per run contiguous on both sides;
+- `kvd push` / `kvd pull`: through the P and D daemons, end to end, from the first client
+  call (P's `finished`) to the `RecvFinished` event at D's client.
+
+Cases: two layouts (block-major, kvd's recommended host staging layout; layer-major,
+vLLM's per-layer KV tensors) times two block allocations (contiguous: blocks 0..n-1 on
+both sides; fragmented: n blocks drawn at random, in random order, from a pool twice as
+large, independently on each side, so hardly any two neighbours coalesce).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from kvd_client import layout as kvlayout
+
+from kvd.bench.common import (
+    BenchError,
+    Env,
+    Progress,
+    Side,
+    expect_ok,
+    fill_pattern,
+    make_side,
+    median,
+    new_id,
+    wait_for,
+)
+from kvd.core.planner import Plan, plan_per_chunk, plan_transfer
+
+LAYOUTS = ("block-major", "layer-major")
+ALLOCATIONS = ("contiguous", "fragmented")
+CONTENDERS = (
+    "memcpy",
+    "raw per-block WRITE",
+    "raw coalesced WRITE",
+    "kvd push",
+    "raw per-block READ",
+    "raw coalesced READ",
+    "kvd pull",
+)
+
+
+@dataclass(frozen=True)
+class DataPlaneConfig:
+    num_layers: int = 32
+    kv_parts: int = 2
+    chunk_bytes: int = 16 * 8 * 128 * 2
+    """16 tokens x 8 KV heads x 128 dims x 2 bytes (bf16): 32 KiB per block, layer and part."""
+    blocks: int = 128
+    pool_factor: int = 2
+    reps: int = 9
+
+    @property
+    def request_bytes(self) -> int:
+        return self.blocks * self.num_layers * self.kv_parts * self.chunk_bytes
+
+
+@dataclass
+class _Pair:
+    layout: str
+    p: Side
+    d: Side
+
+
+def setup(env: Env, cfg: DataPlaneConfig) -> list[_Pair]:
+    """P and D engines for both layouts, filled, and known to the raw helper."""
+    pairs = []
+    pool = cfg.blocks * cfg.pool_factor
+    for i, name in enumerate(LAYOUTS):
+        make = kvlayout.block_major if name == "block-major" else kvlayout.layer_major
+        lay = make(pool, cfg.num_layers, cfg.chunk_bytes, kv_parts=cfg.kv_parts)
+        nbytes = kvlayout.region_bytes(lay)
+        tag = "bm" if name == "block-major" else "lm"
+        p = make_side(env.p_socket, f"dp-{tag}-p", lay, nbytes)
+        d = make_side(env.d_socket, f"dp-{tag}-d", lay, nbytes)
+        fill_pattern(p, 100 + i)
+        pairs.append(_Pair(name, p, d))
+    return pairs
+
+
+def raw_bases(env: Env, pairs: list[_Pair]) -> dict[str, int]:
+    """Map every region into the raw helper and register it with the raw initiator."""
+    bases: dict[str, int] = {}
+    for pair in pairs:
+        for side in (pair.p, pair.d):
+            bases[side.engine_id] = env.peer.map(side.region.name, side.region.nbytes)
+            env.raw.register(side.addr, side.region.nbytes)
+    return bases
+
+
+def run(
+    env: Env,
+    cfg: DataPlaneConfig,
+    pairs: list[_Pair],
+    bases: dict[str, int],
+    seed: int,
+    progress: Progress,
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    cases = []
+    for pair in pairs:
+        for alloc in ALLOCATIONS:
+            cases.append(_case(env, cfg, pair, bases, alloc, rng, progress))
+    return {
+        "config": {
+            "num_layers": cfg.num_layers,
+            "kv_parts": cfg.kv_parts,
+            "chunk_bytes": cfg.chunk_bytes,
+            "blocks": cfg.blocks,
+            "block_bytes": cfg.num_layers * cfg.kv_parts * cfg.chunk_bytes,
+            "request_bytes": cfg.request_bytes,
+            "pool_blocks": cfg.blocks * cfg.pool_factor,
+            "reps": cfg.reps,
+        },
+        "cases": cases,
+    }
+
+
+def _blocks(cfg: DataPlaneConfig, alloc: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    if alloc == "contiguous":
+        return list(range(cfg.blocks)), list(range(cfg.blocks))
+    pool = cfg.blocks * cfg.pool_factor
+    return rng.sample(range(pool), cfg.blocks), rng.sample(range(pool), cfg.blocks)
+
+
+def _case(
+    env: Env,
+    cfg: DataPlaneConfig,
+    pair: _Pair,
+    bases: dict[str, int],
+    alloc: str,
+    rng: random.Random,
+    progress: Progress,
+) -> dict[str, Any]:
+    p, d = pair.p, pair.d
+    lb, rb = _blocks(cfg, alloc, rng)
+    total = cfg.request_bytes
+    # Raw plans are made before any clock starts: the raw contenders pay nothing for planning.
+    p_local, d_local = p.geometry(), d.geometry()
+    p_remote, d_remote = p.geometry(bases[p.engine_id]), d.geometry(bases[d.engine_id])
+    plans: dict[str, Plan] = {
+        "raw per-block WRITE": plan_per_chunk(p_local, lb, d_remote, rb),
+        "raw coalesced WRITE": plan_transfer(p_local, lb, d_remote, rb),
+        "raw per-block READ": plan_per_chunk(d_local, rb, p_remote, lb),
+        "raw coalesced READ": plan_transfer(d_local, rb, p_remote, lb),
+    }
+    descs: dict[str, int] = {name: plan.descriptors for name, plan in plans.items()}
+    descs["memcpy"] = 1
+    kvd_ids: dict[str, str] = {}
+
+    def raw(name: str) -> Callable[[], float]:
+        plan = plans[name]
+        op = "WRITE" if name.endswith("WRITE") else "READ"
+        loc, rem = plan.as_tuples_local(), plan.as_tuples_remote()
+        return lambda: env.raw.transfer(op, loc, rem)
+
+    def memcpy() -> float:
+        t0 = time.perf_counter()
+        np.copyto(d.arr[:total], p.arr[:total])
+        return time.perf_counter() - t0
+
+    def push() -> float:
+        pid, did = new_id("dp-push-p"), new_id("dp-push-d")
+        t0 = time.perf_counter()
+        p.client.finished(pid, lb)
+        d.client.register_push(
+            did, rb, "127.0.0.1", env.p_port, remote_engine_id=p.engine_id, remote_request_id=pid
+        )
+        ev = wait_for(d.client, did, d.stash)
+        t1 = time.perf_counter()
+        expect_ok(ev, "kvd push at D")
+        expect_ok(wait_for(p.client, pid, p.stash), "kvd push at P")
+        kvd_ids["kvd push"] = pid
+        return t1 - t0
+
+    def pull() -> float:
+        pid, did = new_id("dp-pull-p"), new_id("dp-pull-d")
+        t0 = time.perf_counter()
+        p.client.finished(pid, lb)
+        d.client.pull(
+            did,
+            rb,
+            "127.0.0.1",
+            env.p_port,
+            remote_request_id=pid,
+            remote_block_ids=lb,
+            remote_engine_id=p.engine_id,
+        )
+        ev = wait_for(d.client, did, d.stash)
+        t1 = time.perf_counter()
+        expect_ok(ev, "kvd pull at D")
+        expect_ok(wait_for(p.client, pid, p.stash), "kvd pull at P")
+        kvd_ids["kvd pull"] = did
+        return t1 - t0
+
+    runs: dict[str, Callable[[], float]] = {
+        "memcpy": memcpy,
+        "raw per-block WRITE": raw("raw per-block WRITE"),
+        "raw coalesced WRITE": raw("raw coalesced WRITE"),
+        "kvd push": push,
+        "raw per-block READ": raw("raw per-block READ"),
+        "raw coalesced READ": raw("raw coalesced READ"),
+        "kvd pull": pull,
+    }
+    label = f"data plane {pair.layout} {alloc}"
+    # One checked run each (also the warm-up): D's blocks are cleared first, then compared.
+    for name, fn in runs.items():
+        if name == "memcpy":
+            fn()
+            continue
+        d.chunks[rb] = 0
+        fn()
+        if not np.array_equal(d.chunks[rb], p.chunks[lb]):
+            raise BenchError(f"{label}: {name} delivered wrong bytes")
+    descs["kvd push"] = int(env.transfers("p", kvd_ids["kvd push"]).get("descriptors", 0))
+    descs["kvd pull"] = int(env.transfers("d", kvd_ids["kvd pull"]).get("descriptors", 0))
+    progress(f"{label}: checked")
+    order = list(CONTENDERS)
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for rep in range(cfg.reps):
+        k = rep % len(order)
+        for name in order[k:] + order[:k]:  # rotate, so no contender always runs first
+            times[name].append(runs[name]())
+        progress(f"{label}: rep {rep + 1}/{cfg.reps}")
+    contenders: dict[str, dict[str, Any]] = {}
+    for name in CONTENDERS:
+        med = median(times[name])
+        contenders[name] = {
+            "descriptors": descs[name],
+            "median_ms": round(med * 1e3, 3),
+            "min_ms": round(min(times[name]) * 1e3, 3),
+            "max_ms": round(max(times[name]) * 1e3, 3),
+            "gbps": round(total / med / 1e9, 3) if med > 0 else 0.0,
+            "samples_ms": [round(t * 1e3, 3) for t in times[name]],
+        }
+
+    def ratio(a: str, b: str) -> float:
+        num, den = float(contenders[a]["gbps"]), float(contenders[b]["gbps"])
+        return round(num / den, 3) if den else 0.0
+
+    ratios = {
+        "push/raw-coalesced": ratio("kvd push", "raw coalesced WRITE"),
+        "push/raw-per-block": ratio("kvd push", "raw per-block WRITE"),
+        "push/memcpy": ratio("kvd push", "memcpy"),
+        "pull/raw-coalesced": ratio("kvd pull", "raw coalesced READ"),
+        "pull/raw-per-block": ratio("kvd pull", "raw per-block READ"),
+        "pull/memcpy": ratio("kvd pull", "memcpy"),
+    }
+    return {
+        "layout": pair.layout,
+        "allocation": alloc,
+        "bytes": total,
+        "contenders": contenders,
+        "ratios": ratios,
+    }
+
+
+def teardown(pairs: list[_Pair]) -> None:
+    for pair in pairs:
+        pair.p.close()
+        pair.d.close()

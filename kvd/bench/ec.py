@@ -1,0 +1,174 @@
+"""Scenario 4, the encoder cache: one 4,505,600-byte encoder output (a 720p image on
+Qwen3.5-4B, llm-d #2535), from the producer daemon (P) to the consumer daemon (D).
+
+- Cold fetch: the producer allocated, wrote and committed the output (not timed); the
+  clock runs from the consumer's `ec_ensure` to `ECReady` at its client (consumer daemon
+  -> producer's EC router -> WRITE into the consumer's blocks -> ack -> event). Against
+  raw NIXL: one WRITE of the same blocks to the same destination blocks.
+- Warm hit: the output is already in the consumer's cache; the clock runs from
+  `ec_ensure` to the bytes copied out of the EC region into the engine's own buffer.
+  Against memcpy: the same copy alone.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from kvd_client import wire
+from kvd_client.client import Event
+
+from kvd.bench.common import (
+    BenchError,
+    Env,
+    Progress,
+    expect_ok,
+    median,
+    new_id,
+    summary_ms,
+    wait_for,
+)
+from kvd.core.planner import Geometry, plan_transfer
+from kvd.ecdemo import ECSide, output_bytes
+
+
+@dataclass(frozen=True)
+class ECConfig:
+    nbytes: int = 4_505_600
+    cold_reps: int = 40
+    warm_reps: int = 300
+
+    @classmethod
+    def quick(cls) -> ECConfig:
+        return cls(cold_reps=6, warm_reps=30)
+
+
+def steps(cfg: ECConfig) -> int:
+    return 2
+
+
+@dataclass
+class ECPair:
+    prod: ECSide
+    cons: ECSide
+    cons_region: str
+    region_bytes: int
+    block_bytes: int
+
+    def close(self) -> None:
+        self.prod.close()
+        self.cons.close()
+
+
+def setup(env: Env) -> ECPair:
+    prod = ECSide(env.p_socket, "ec-producer")
+    cons = ECSide(env.d_socket, "ec-consumer")
+    info = cons.client.status("ec")
+    return ECPair(
+        prod, cons, str(info["region"]), int(info["region_bytes"]), int(info["block_bytes"])
+    )
+
+
+def raw_bases(env: Env, pair: ECPair) -> dict[str, int]:
+    """The consumer's EC region in the raw helper; the producer's registered here."""
+    env.raw.register(int(pair.prod.buf.ctypes.data), pair.region_bytes)
+    return {"cons": env.peer.map(pair.cons_region, pair.region_bytes)}
+
+
+def _geo(base: int, pair: ECPair) -> Geometry:
+    n = pair.region_bytes // pair.block_bytes
+    return Geometry.block_major(base, n, 1, 1, pair.block_bytes)
+
+
+def run(
+    env: Env, cfg: ECConfig, pair: ECPair, bases: dict[str, int], seed: int, progress: Progress
+) -> dict[str, Any]:
+    prod, cons = pair.prod, pair.cons
+    stash: list[Event] = []
+    src_geo = _geo(int(prod.buf.ctypes.data), pair)
+    dst_geo = _geo(bases["cons"], pair)
+    cold: list[float] = []
+    raw: list[float] = []
+    descs = 0
+    last: tuple[wire.ECParams, np.ndarray] | None = None
+    rng = random.Random(seed + 4)
+    for rep in range(cfg.cold_reps + 2):  # two warm-up rounds
+        mm = new_id("ec-cold")
+        data = output_bytes(rng.randrange(1 << 16), cfg.nbytes)
+        blocks = prod.client.ec_allocate(mm, cfg.nbytes)
+        prod.write(blocks.block_ids, data)
+        params = prod.client.ec_commit(
+            mm, cfg.nbytes, shape=(cfg.nbytes,), dtype="uint8", compat="kvd-bench"
+        )
+        t0 = time.perf_counter()
+        cons.client.ec_ensure(params)
+        ev = wait_for(cons.client, mm, stash)
+        dt = time.perf_counter() - t0
+        expect_ok(ev, "EC cold fetch")
+        assert isinstance(ev, wire.ECReady)
+        if not cons.matches(ev.block_ids, data):
+            raise BenchError("EC cold fetch delivered wrong bytes")
+        # raw NIXL: the same source blocks into the destination blocks the consumer chose
+        plan = plan_transfer(src_geo, list(blocks.block_ids), dst_geo, list(ev.block_ids))
+        descs = plan.descriptors
+        loc, rem = plan.as_tuples_local(), plan.as_tuples_remote()
+        t_raw = env.raw.transfer("WRITE", loc, rem)
+        cons.client.ec_release(mm)
+        if rep >= 2:
+            cold.append(dt)
+            raw.append(t_raw)
+        last = (params, data)
+    progress("EC: cold fetches")
+    assert last is not None
+    params, data = last
+    out = np.empty(cfg.nbytes, dtype=np.uint8)
+    bb = pair.block_bytes
+    warm: list[float] = []
+    copy: list[float] = []
+    block_ids: tuple[int, ...] = ()
+
+    def copy_out(ids: tuple[int, ...]) -> None:
+        for i, b in enumerate(ids):
+            n = min(bb, cfg.nbytes - i * bb)
+            out[i * bb : i * bb + n] = cons.buf[b * bb : b * bb + n]
+
+    for rep in range(cfg.warm_reps + 5):
+        t0 = time.perf_counter()
+        cons.client.ec_ensure(params)
+        ev = wait_for(cons.client, params.mm_hash, stash)
+        if not isinstance(ev, wire.ECReady) or not ev.local_hit:
+            raise BenchError(f"EC warm hit expected, got {ev!r}")
+        copy_out(ev.block_ids)
+        dt = time.perf_counter() - t0
+        cons.client.ec_release(params.mm_hash)
+        block_ids = ev.block_ids
+        t0 = time.perf_counter()
+        copy_out(block_ids)
+        dc = time.perf_counter() - t0
+        if rep >= 5:
+            warm.append(dt)
+            copy.append(dc)
+    if not np.array_equal(out, data):
+        raise BenchError("EC warm hit copied wrong bytes")
+    cons.client.drain_events()
+    progress("EC: warm hits")
+    cold_ms, raw_ms = median(cold) * 1e3, median(raw) * 1e3
+    warm_us, copy_us = median(warm) * 1e6, median(copy) * 1e6
+    return {
+        "nbytes": cfg.nbytes,
+        "block_bytes": bb,
+        "descriptors": descs,
+        "cold": summary_ms(cold),
+        "raw_write": summary_ms(raw),
+        "cold_minus_raw_ms": round(cold_ms - raw_ms, 4),
+        "cold_gbps": round(cfg.nbytes / (cold_ms / 1e3) / 1e9, 3) if cold_ms else 0.0,
+        "raw_gbps": round(cfg.nbytes / (raw_ms / 1e3) / 1e9, 3) if raw_ms else 0.0,
+        "warm": summary_ms(warm),
+        "memcpy": summary_ms(copy),
+        "warm_p50_us": round(warm_us, 1),
+        "memcpy_p50_us": round(copy_us, 1),
+        "warm_over_memcpy": round(warm_us / copy_us, 3) if copy_us else 0.0,
+    }

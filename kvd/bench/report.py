@@ -1,0 +1,321 @@
+"""Tables for the terminal and the list of performance targets, each met or not.
+
+Targets are goals of the benchmark, never assertions of the test suite.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+# (key in a data-plane case's ratios, goal, higher is better)
+DATAPLANE_TARGETS: tuple[tuple[str, float], ...] = (
+    ("push/raw-coalesced", 0.9),
+    ("push/raw-per-block", 2.0),
+    ("push/memcpy", 0.6),
+    ("pull/raw-coalesced", 0.9),
+    ("pull/raw-per-block", 2.0),
+    ("pull/memcpy", 0.6),
+)
+
+
+def _case_name(case: dict[str, Any]) -> str:
+    return f"{case['layout']} {case['allocation']}"
+
+
+def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target with its measured value and whether it was met."""
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, goal: str, value: float, met: bool, unit: str = "", case: str = "") -> None:
+        out.append(
+            {"target": name, "goal": goal, "value": value, "unit": unit, "met": met, "case": case}
+        )
+
+    dp = sc.get("dataplane")
+    if dp:
+        for key, goal in DATAPLANE_TARGETS:
+            for case in dp["cases"]:
+                v = float(case["ratios"][key])
+                add(f"kvd {key}", f">= {goal}x", v, v >= goal, "x", _case_name(case))
+    ctl = sc.get("control")
+    if ctl:
+        add(
+            "control push p50", "<= 1 ms", ctl["push"]["p50_ms"], ctl["push"]["p50_ms"] <= 1.0, "ms"
+        )
+        add(
+            "control push p99", "<= 5 ms", ctl["push"]["p99_ms"], ctl["push"]["p99_ms"] <= 5.0, "ms"
+        )
+        add(
+            "idle drain_events()",
+            "<= 50 us",
+            ctl["drain_idle"]["p50_us"],
+            ctl["drain_idle"]["p50_us"] <= 50,
+            "us",
+        )
+    scale = sc.get("scale")
+    if scale:
+        hb = scale["heartbeat"]
+        add(
+            "heartbeat of 1,000 ids (sans-IO)",
+            "<= 1 ms",
+            hb["total_p50_ms"],
+            hb["total_p50_ms"] <= 1.0,
+            "ms",
+        )
+        rp = scale["reaper"]
+        bound = 2 * rp["log_growth"]
+        add(
+            "reaper expiry O(log n): t(100k)/t(1k)",
+            f"<= {bound:.2f} (2 x log ratio)",
+            rp["expire_growth"],
+            rp["expire_growth"] <= bound,
+            "x",
+        )
+        cc = scale["concurrent"]
+        add(
+            f"{cc['requests']} concurrent pushes, zero loss",
+            "0 lost/failed",
+            cc["lost"] + cc["failed"] + (cc["requests"] - cc["verified"]),
+            cc["lost"] == 0 and cc["failed"] == 0 and cc["verified"] == cc["requests"],
+            "requests",
+        )
+    ecs = sc.get("ec")
+    if ecs:
+        add(
+            "EC cold - raw NIXL",
+            "<= 1 ms",
+            ecs["cold_minus_raw_ms"],
+            ecs["cold_minus_raw_ms"] <= 1.0,
+            "ms",
+        )
+        add(
+            "EC warm / memcpy",
+            "<= 1.2x",
+            ecs["warm_over_memcpy"],
+            ecs["warm_over_memcpy"] <= 1.2,
+            "x",
+        )
+    return out
+
+
+def _mark(met: bool) -> str:
+    return "[green]met[/green]" if met else "[red]missed[/red]"
+
+
+def print_all(console: Console, res: dict[str, Any]) -> None:
+    m = res["machine"]
+    console.print(
+        f"\n[bold]kvd bench[/bold]{' --quick' if res['quick'] else ''}: {m['cpus']} cores, "
+        f"{m['mem_gib']} GiB, {m['cpu_model'] or 'unknown CPU'}, no GPU; {m['transport']}; "
+        f"{res.get('seconds', 0)} s"
+    )
+    sc = res["scenarios"]
+    if "dataplane" in sc:
+        console.print(dataplane_table(sc["dataplane"]))
+    if "control" in sc:
+        console.print(control_table(sc["control"]))
+    if "scale" in sc:
+        console.print(scale_table(sc["scale"]))
+    if "ec" in sc:
+        console.print(ec_table(sc["ec"]))
+    console.print(targets_table(res["targets"]))
+
+
+def dataplane_table(dp: dict[str, Any]) -> Table:
+    cfg = dp["config"]
+    t = Table(
+        title=f"1. data plane: {cfg['request_bytes'] / 2**20:.0f} MiB per request "
+        f"({cfg['blocks']} blocks x {cfg['num_layers']} layers x {cfg['kv_parts']} x "
+        f"{cfg['chunk_bytes'] // 1024} KiB), "
+        f"median of {cfg['reps']}"
+    )
+    for col in (
+        "layout / blocks",
+        "contender",
+        "descs",
+        "median ms",
+        "GB/s",
+        "vs raw coalesced",
+        "vs raw per-block",
+        "vs memcpy",
+    ):
+        t.add_column(col, justify="left" if col in ("layout / blocks", "contender") else "right")
+    for case in dp["cases"]:
+        c = case["contenders"]
+        first = True
+        for name, v in c.items():
+            op = "WRITE" if name in ("kvd push",) or name.endswith("WRITE") else "READ"
+            rc = c.get(f"raw coalesced {op}", {}).get("gbps", 0)
+            rp = c.get(f"raw per-block {op}", {}).get("gbps", 0)
+            mc = c["memcpy"]["gbps"]
+            g = v["gbps"]
+            t.add_row(
+                _case_name(case) if first else "",
+                name,
+                str(v["descriptors"]),
+                f"{v['median_ms']:.2f}",
+                f"{g:.2f}",
+                _ratio(g, rc) if name != "memcpy" else "",
+                _ratio(g, rp) if name != "memcpy" else "",
+                _ratio(g, mc) if name != "memcpy" else "",
+            )
+            first = False
+        t.add_section()
+    return t
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def control_table(ctl: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"2. control plane: {ctl['request_bytes'] / 2**20:.0f} MiB requests, one at a time"
+    )
+    for col in ("measure", "n", "p50", "p99", "p99.9", "max"):
+        t.add_column(col, justify="left" if col == "measure" else "right")
+    for key, label in (
+        ("push", "push: D register -> RecvFinished"),
+        ("pull", "pull: D pull -> RecvFinished"),
+    ):
+        s = ctl[key]
+        t.add_row(
+            label,
+            str(s["n"]),
+            f"{s['p50_ms']:.3f} ms",
+            f"{s['p99_ms']:.3f} ms",
+            f"{s['p999_ms']:.3f} ms",
+            f"{s['max_ms']:.3f} ms",
+        )
+    di = ctl["drain_idle"]
+    t.add_row(
+        "drain_events(), idle",
+        str(di["n"]),
+        f"{di['p50_us']:.1f} us",
+        f"{di['p99_us']:.1f} us",
+        "",
+        "",
+    )
+    db = ctl["drain_busy"]
+    t.add_row(
+        f"drain_events(), backlog of {db['median_events']:.0f} events",
+        str(db["bursts"]),
+        f"{db['median_us']:.0f} us",
+        f"{db['us_per_frame']:.1f} us/frame",
+        "",
+        "",
+    )
+    return t
+
+
+def scale_table(s: dict[str, Any]) -> Table:
+    t = Table(title="3. scale")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    cc = s["concurrent"]
+    t.add_row(
+        f"{cc['requests']} concurrent 1 MiB pushes",
+        f"{cc['verified']} verified, {cc['lost']} lost, {cc['failed']} failed, "
+        f"{cc['duplicates']} duplicated; "
+        f"{cc['wall_s']:.2f} s, {cc['requests_per_s']:.0f} req/s, {cc['gbps']:.2f} GB/s",
+    )
+    db = cc["drain_busy"]
+    t.add_row(
+        "  drain_events() while busy",
+        f"p50 {db['p50_us']:.1f} us/call, {db['us_per_event']:.1f} us/event, "
+        f"up to {db['max_events_per_call']} events/call",
+    )
+    ll = s["live_leases"]
+    pw = ll.get("push_with_leases", {})
+    t.add_row(
+        f"{ll['leases']} live leases",
+        f"granted in {ll.get('grant_s', 0):.2f} s "
+        f"({ll.get('grant_us_per_lease', 0):.0f} us each, over IPC); "
+        f"released in {ll.get('release_s', 0):.2f} s",
+    )
+    base = ll.get("push_baseline_p50_ms")
+    t.add_row(
+        "  push latency with them live",
+        f"p50 {pw.get('p50_ms', 0):.3f} ms, p99 {pw.get('p99_ms', 0):.3f} ms"
+        + (f" (baseline p50 {base:.3f} ms)" if base else ""),
+    )
+    t.add_row(
+        "  `kvd leases` snapshot",
+        f"{ll.get('leases_snapshot_ms', 0):.1f} ms for {ll.get('leases_in_snapshot', 0)}",
+    )
+    hl = ll.get("heartbeat_live", {})
+    t.add_row(
+        "  live heartbeat from D",
+        f"{hl.get('ids', 0)} ids in {hl.get('heartbeats', 0)} heartbeat(s), "
+        f"{hl.get('unknown_ids', 0)} unknown at P",
+    )
+    hb = s["heartbeat"]
+    t.add_row(
+        f"heartbeat of {hb['ids']} ids vs {hb['live_leases']} leases (sans-IO)",
+        f"P {hb['p_side']['p50_ms'] * 1e3:.0f} us + D {hb['d_side']['p50_ms'] * 1e3:.0f} us = "
+        f"{hb['total_p50_ms'] * 1e3:.0f} us",
+    )
+    for row in s["reaper"]["sizes"]:
+        t.add_row(
+            f"lease table at {row['n']:,} (sans-IO), us/op",
+            f"grant {row['grant_us']:.2f}, extend {row['extend_us']:.2f}, "
+            f"find {row['find_us']:.2f}, expire {row['expire_us']:.2f}",
+        )
+    rp = s["reaper"]
+    t.add_row(
+        "  expiry growth 1k -> 100k",
+        f"{rp['expire_growth']:.2f}x (log n: {rp['log_growth']:.2f}x, "
+        f"linear: {rp['linear_growth']:.0f}x)",
+    )
+    return t
+
+
+def ec_table(e: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"4. encoder cache: {e['nbytes']:,}-byte output, {e['descriptors']} descriptor(s)"
+    )
+    for col in ("measure", "n", "p50", "p99", "GB/s"):
+        t.add_column(col, justify="left" if col == "measure" else "right")
+    t.add_row(
+        "cold fetch: ec_ensure -> ECReady",
+        str(e["cold"]["n"]),
+        f"{e['cold']['p50_ms']:.3f} ms",
+        f"{e['cold']['p99_ms']:.3f} ms",
+        f"{e['cold_gbps']:.2f}",
+    )
+    t.add_row(
+        "raw NIXL WRITE of the same blocks",
+        str(e["raw_write"]["n"]),
+        f"{e['raw_write']['p50_ms']:.3f} ms",
+        f"{e['raw_write']['p99_ms']:.3f} ms",
+        f"{e['raw_gbps']:.2f}",
+    )
+    t.add_row(
+        "warm hit: ec_ensure -> bytes copied out",
+        str(e["warm"]["n"]),
+        f"{e['warm_p50_us']:.0f} us",
+        f"{e['warm']['p99_ms'] * 1e3:.0f} us",
+        "",
+    )
+    t.add_row(
+        "memcpy of the same bytes",
+        str(e["memcpy"]["n"]),
+        f"{e['memcpy_p50_us']:.0f} us",
+        f"{e['memcpy']['p99_ms'] * 1e3:.0f} us",
+        "",
+    )
+    return t
+
+
+def targets_table(rows: list[dict[str, Any]]) -> Table:
+    t = Table(title="targets (benchmarks, not tests)")
+    for col in ("target", "case", "goal", "value", ""):
+        t.add_column(col, justify="right" if col == "value" else "left")
+    for r in rows:
+        v = r["value"]
+        text = f"{v:.3f}" if isinstance(v, float) else str(v)
+        t.add_row(r["target"], r["case"], r["goal"], f"{text} {r['unit']}".strip(), _mark(r["met"]))
+    return t

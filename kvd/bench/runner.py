@@ -1,0 +1,141 @@
+"""`kvd bench`: start the process tree, run every scenario, print tables, write JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvd.bench import SCENARIOS, control, dataplane, ec, report, scale
+from kvd.bench.common import Env, machine, status_client
+from kvd.bench.raw import RawInitiator, RawPeerProcess
+from kvd.demo import DaemonProc, start_daemon
+
+EC_REGION_BYTES = 64 << 20
+EC_BLOCK_BYTES = 1 << 20
+
+
+@contextmanager
+def process_tree(quick: bool) -> Iterator[Env]:
+    """P and D daemons (subprocesses of this one) and the raw-NIXL helper process."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvdb-", dir="/tmp"))
+    started: list[DaemonProc] = []
+    peer: RawPeerProcess | None = None
+    raw: RawInitiator | None = None
+    clis = []
+    try:
+        tag = f"{os.getpid()}"
+        sizes = f"region_bytes = {EC_REGION_BYTES}\nblock_bytes = {EC_BLOCK_BYTES}\n"
+        ec_p = f'[ec]\nrole = "producer"\n{sizes}'
+        ec_d = f'[ec]\nrole = "consumer"\n{sizes}'
+        p = start_daemon(workdir, f"kvdb-p-{tag}", ec_p)
+        started.append(p)
+        d = start_daemon(workdir, f"kvdb-d-{tag}", ec_d)
+        started.append(d)
+        peer = RawPeerProcess(f"kvdb-rawpeer-{tag}")
+        raw = RawInitiator(f"kvdb-rawinit-{tag}", peer)
+        p_cli, d_cli = status_client(p.socket), status_client(d.socket)
+        clis = [p_cli, d_cli]
+        yield Env(workdir, p.socket, d.socket, p.side_port, quick, raw, peer, p_cli, d_cli)
+    finally:
+        for c in clis:
+            c.close()
+        if raw is not None:
+            raw.close()
+        if peer is not None:
+            peer.close()
+        for dp in reversed(started):
+            dp.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_bench(
+    *, quick: bool, json_path: Path | None, only: list[str], seed: int, console: Console
+) -> int:
+    """Run the scenarios in `only` (all when empty); returns the exit code."""
+    chosen = [s for s in SCENARIOS if not only or s in only]
+    results: dict[str, Any] = {
+        "kvd_bench": 1,
+        "quick": quick,
+        "seed": seed,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+        "scenarios": {},
+    }
+    dp_cfg = (
+        dataplane.DataPlaneConfig(num_layers=8, blocks=32, reps=3)
+        if quick
+        else dataplane.DataPlaneConfig()
+    )
+    ctl_cfg = control.ControlConfig.quick() if quick else control.ControlConfig()
+    sc_cfg = scale.ScaleConfig.quick() if quick else scale.ScaleConfig()
+    ec_cfg = ec.ECConfig.quick() if quick else ec.ECConfig()
+    steps = {
+        "dataplane": len(dataplane.LAYOUTS) * len(dataplane.ALLOCATIONS) * (dp_cfg.reps + 1),
+        "control": control.steps(ctl_cfg),
+        "scale": scale.steps(sc_cfg),
+        "ec": ec.steps(ec_cfg),
+    }
+    t_start = time.perf_counter()
+    with Progress(
+        TextColumn("[bold]{task.description:<44}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("starting daemons", total=sum(steps[s] for s in chosen) + 1)
+
+        def progress(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+
+        with process_tree(quick) as env:
+            progress("daemons up")
+            pairs = dataplane.setup(env, dp_cfg) if "dataplane" in chosen else []
+            ctl = (
+                control.setup(env, ctl_cfg) if ("control" in chosen or "scale" in chosen) else None
+            )
+            ecs = ec.setup(env) if "ec" in chosen else None
+            bases = dataplane.raw_bases(env, pairs) if pairs else {}
+            ec_bases = ec.raw_bases(env, ecs) if ecs is not None else None
+            env.raw.connect()
+            try:
+                if "dataplane" in chosen:
+                    results["scenarios"]["dataplane"] = dataplane.run(
+                        env, dp_cfg, pairs, bases, seed, progress
+                    )
+                if "control" in chosen:
+                    assert ctl is not None
+                    results["scenarios"]["control"] = control.run(env, ctl_cfg, ctl, seed, progress)
+                if "scale" in chosen:
+                    assert ctl is not None
+                    base_p50 = results["scenarios"].get("control", {}).get("push", {}).get("p50_ms")
+                    results["scenarios"]["scale"] = scale.run(
+                        env, sc_cfg, ctl, seed, progress, base_p50
+                    )
+                if "ec" in chosen:
+                    assert ecs is not None and ec_bases is not None
+                    results["scenarios"]["ec"] = ec.run(env, ec_cfg, ecs, ec_bases, seed, progress)
+            finally:
+                dataplane.teardown(pairs)
+                if ctl is not None:
+                    ctl.close()
+                if ecs is not None:
+                    ecs.close()
+    results["seconds"] = round(time.perf_counter() - t_start, 1)
+    results["targets"] = report.targets(results["scenarios"])
+    report.print_all(console, results)
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        console.print(f"results written to {json_path}")
+    return 0
