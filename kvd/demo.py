@@ -62,14 +62,33 @@ class DaemonProc:
             self.proc.wait()
 
 
-def start_daemon(workdir: Path, name: str, extra: str = "", env: dict[str, str] | None = None) -> DaemonProc:
-    """Start `kvd serve` with a small config; returns once its socket answers."""
+def start_daemon(
+    workdir: Path,
+    name: str,
+    extra: str = "",
+    env: dict[str, str] | None = None,
+    *,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> DaemonProc:
+    """Start `kvd serve` with a small config; returns once its socket answers.
+
+    `overrides` replaces or adds keys of the sections written here ([daemon],
+    [side_channel], [log]) or of new ones; `extra` is TOML appended as is.
+    """
     sock = str(workdir / f"{name}.sock")
     cfg = workdir / f"{name}.toml"
-    cfg.write_text(
-        f'[daemon]\nname = "{name}"\nsocket = "{sock}"\nclient_timeout = 5.0\n'
-        f'[side_channel]\nport = 0\n[log]\nformat = "json"\nlevel = "info"\n{extra}'
+    sections: dict[str, dict[str, Any]] = {
+        "daemon": {"name": name, "socket": sock, "client_timeout": 5.0},
+        "side_channel": {"port": 0},
+        "log": {"format": "json", "level": "info"},
+    }
+    for section, values in (overrides or {}).items():
+        sections.setdefault(section, {}).update(values)
+    text = "".join(
+        f"[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in values.items())
+        for section, values in sections.items()
     )
+    cfg.write_text(text + extra)
     log = workdir / f"{name}.log"
     penv = dict(os.environ)
     penv.update(env or {})
@@ -94,6 +113,14 @@ def start_daemon(workdir: Path, name: str, extra: str = "", env: dict[str, str] 
         time.sleep(0.05)
     d.kill()
     raise RuntimeError(f"daemon {name} did not become ready:\n{log.read_text()[-3000:]}")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
 
 
 # ------------------------------------------------------------------ engines

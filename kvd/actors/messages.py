@@ -201,6 +201,9 @@ class PeerLost:
 
     agent: str
     reason: str
+    since: float = float("inf")
+    """`handshaked_at` of the peer view the failure was seen through: requests bound to a
+    later handshake (a restarted peer of the same name) are not affected."""
 
 
 @dataclass

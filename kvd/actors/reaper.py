@@ -155,37 +155,43 @@ class Reaper:
     async def _beat(self, peer: str, ids: list[str]) -> None:
         """One batched HB per peer; ids are the P-side ids D knows (or D's own)."""
         hb_ids = [self.tracked[i].hb_id for i in ids if i in self.tracked]
+        info: PeerInfo | None = None
         try:
-            agent = await self._agent(peer)
+            info = await self._info(peer)
             for i in range(0, len(hb_ids), MAX_HB_IDS):
-                await self.engine.send_notif(agent, wire.encode(wire.Heartbeat(tuple(hb_ids[i : i + MAX_HB_IDS]))))
+                beat = wire.Heartbeat(tuple(hb_ids[i : i + MAX_HB_IDS]))
+                await self.engine.send_notif(info.agent, wire.encode(beat))
             self._count("heartbeats_sent")
             self._count("heartbeat_ids_sent", len(hb_ids))
         except KvdError as exc:
-            self._peer_failed(peer, exc)
+            self._peer_failed(peer, exc, info)
 
     async def _probe(self, peer: str) -> None:
+        info: PeerInfo | None = None
         try:
-            agent = await self._agent(peer)
-            await self.engine.send_notif(agent, wire.encode(wire.Probe(0, True)))
+            info = await self._info(peer)
+            await self.engine.send_notif(info.agent, wire.encode(wire.Probe(0, True)))
         except KvdError as exc:
-            self._peer_failed(peer, exc)
+            self._peer_failed(peer, exc, info)
 
-    async def _agent(self, peer: str) -> str:
+    async def _info(self, peer: str) -> PeerInfo:
         host, _, port = peer.rpartition(":")
         info: PeerInfo = await self.registrar.call(EnsurePeer(host, int(port)))
-        return info.agent
+        return info
 
-    def _peer_failed(self, peer: str, exc: KvdError) -> None:
+    def _peer_failed(self, peer: str, exc: KvdError, info: PeerInfo | None) -> None:
         log.warning("peer_unreachable", peer=peer, error=exc.message)
         self._count("peer_failures")
-        agent = next((a for a, p in self.peers.items() if p.addr == peer), "")
+        if info is not None:  # the view the failure was seen through
+            agent, since = info.agent, info.handshaked_at
+        else:
+            agent, since = next((a for a, p in self.peers.items() if p.addr == peer), ""), float("inf")
         if agent and isinstance(exc, PeerDisconnected):
-            lost = PeerLost(agent, exc.message)
+            lost = PeerLost(agent, exc.message, since)
             self.writer.post(lost)
             self.registrar.post(lost)
         elif agent:
-            self.writer.post(PeerLost(agent, exc.message))
+            self.writer.post(PeerLost(agent, exc.message, since))
         else:
             # never reached: the requests waiting on it fail through the writer's handshake
             pass
@@ -220,6 +226,9 @@ class Reaper:
                 self.peers.pop(msg.agent, None)
             else:
                 self.peers[msg.agent] = msg.info
+                # requests tracked before the handshake beat at our own lease/6: use P's
+                interval = max(msg.info.lease_duration / 6.0, 0.01)
+                self.heartbeats.set_interval(msg.info.addr, interval, now)
         elif isinstance(msg, SessionClosed):
             for rid, owner in list(self.owners.items()):
                 if owner.session == msg.session:

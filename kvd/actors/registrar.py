@@ -217,7 +217,9 @@ class Registrar:
                     log.info("region_released_with_session", region_id=rid, session=msg.session)
                     await self._drop_region(rid, notify_peers=True, drain=True)
         elif isinstance(msg, PeerLost):
-            await self._forget(msg.agent)
+            p = self.peers.get(msg.agent)
+            if p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view
+                await self._forget(msg.agent)
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot(msg.section))
         else:

@@ -17,6 +17,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -57,6 +58,7 @@ from kvd.core.planner import Plan, expand_logical, plan_transfer
 from kvd.core.timers import TimerHeap
 from kvd_client import wire
 from kvd_client.errors import (
+    Busy,
     ErrorCode,
     Incompatible,
     InvalidRequest,
@@ -70,6 +72,8 @@ from kvd_client.errors import (
 log = structlog.get_logger("kvd.writer", actor="writer")
 
 RECENT_TRANSFERS: Final = 256
+_REARM: Final = object()
+"""Posted to our own mailbox to wake the loop when a task sets a watchdog."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class _Recv:
     state: str = "handshake"
     aborted: bool = False
     ack: asyncio.Future[wire.PullAck] | None = None
+    since: float = 0.0
+    """`handshaked_at` of the peer view this request is bound to (see PeerLost)."""
     bytes: int = 0
     descriptors: int = 0
 
@@ -135,6 +141,8 @@ class Writer:
         self.inflight_local: dict[int, int] = {}
         self.inflight_remote: dict[tuple[str, int], int] = {}
         self.draining_local: set[int] = set()
+        self.pushing: dict[tuple[str, str], int] = {}
+        """(D agent, registration key) of each push under way on P (see CancelRegistration)."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -154,14 +162,18 @@ class Writer:
                 else:
                     with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
                         msg = await self.mailbox.receive()
-                if msg is not None:
+                if msg is not None and msg is not _REARM:
                     await self._dispatch(msg)
                 for rid, _ in self.watchdogs.pop_due(time.monotonic()):
                     r = self.recvs.get(rid)
-                    if r is not None:
+                    if r is not None and r.aborted:
+                        self._end_recv(r, _aborted("aborted; P did not answer the cancel"))
+                    elif r is not None:
                         log.warning("push_registration_timed_out", request_id=rid, peer=r.agent)
                         self._count("registration_timeouts")
                         self._end_recv(r, Timeout(f"no push completion within {self.push_registration_timeout}s"))
+                        # P must not WRITE into these blocks later: drop the registration there
+                        tg.start_soon(self._send_cancel, r)
 
     async def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ClientRequest):
@@ -180,12 +192,15 @@ class Writer:
             self.local = msg.regions
         elif isinstance(msg, PeerUpdated):
             if msg.info is None:
-                self.peers.pop(msg.agent, None)
+                # forgotten (dead, or restarted as a new incarnation): what waits on the
+                # view it had will never come
+                old = self.peers.pop(msg.agent, None)
+                if old is not None:
+                    self._fail_peer(msg.agent, "disconnected or restarted", old.handshaked_at)
             else:
                 self.peers[msg.agent] = msg.info
         elif isinstance(msg, PeerLost):
-            for r in [r for r in self.recvs.values() if r.agent == msg.agent]:
-                self._end_recv(r, TransferError(f"peer {msg.agent} lost: {msg.reason}"))
+            self._fail_peer(msg.agent, msg.reason, msg.since)
         elif isinstance(msg, (DrainLocalRegion, DrainRemoteRegion)):
             assert self._tg is not None
             self._tg.start_soon(self._drain, msg)
@@ -196,6 +211,14 @@ class Writer:
             msg.resolve(self.snapshot(msg.section))
         else:
             raise TypeError(f"writer got {type(msg).__name__}")
+
+    def _fail_peer(self, agent: str, reason: str, since: float) -> None:
+        """End the requests waiting on `agent` as seen up to handshake `since`. Those in the
+        middle of a handshake or a READ end in their own task: a READ in flight writes
+        into D's blocks, so its request must not end before the READ returns."""
+        for r in list(self.recvs.values()):
+            if r.agent == agent and r.state in ("registered", "acking") and r.since <= since:
+                self._end_recv(r, TransferError(f"peer {agent} lost: {reason}"))
 
     # ---------------------------------------------------------------- client requests (D side)
 
@@ -261,9 +284,11 @@ class Writer:
     async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
         return await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
 
-    async def _peer_ranks(self, r: _Recv, engine_id: str, tp: int) -> tuple[PeerInfo, list[RemoteRegion]]:
+    async def _peer_ranks(
+        self, r: _Recv, engine_id: str, tp: int, refresh: bool = False
+    ) -> tuple[PeerInfo, list[RemoteRegion]]:
         """The peer's regions for `engine_id`, re-handshaking once if they are not (yet) known."""
-        info = await self._peer(r.host, r.port)
+        info = await self._peer(r.host, r.port, refresh=refresh)
         for attempt in range(2):
             if engine_id:
                 ranks = info.ranks(engine_id)
@@ -272,47 +297,68 @@ class Writer:
                 ranks = info.ranks(next(iter(engines))) if len(engines) == 1 else []
             if len(ranks) == tp and [x.tp_rank for x in ranks] == list(range(tp)):
                 return info, ranks
-            if attempt == 0:
+            if attempt == 0 and not refresh:
                 info = await self._peer(r.host, r.port, refresh=True)
         raise Incompatible(f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, need {tp} (equal TP)")
+
+    def _bind(self, r: _Recv, info: PeerInfo, ranks: int) -> None:
+        r.agent, r.since, r.expected_ranks = info.agent, info.handshaked_at, ranks
+
+    def _stale_peer(self, r: _Recv, info: PeerInfo, exc: PeerDisconnected) -> None:
+        """Our cached view of the peer is dead (it died, maybe restarted, while we were idle):
+        drop it; the caller handshakes afresh once."""
+        log.info("peer_gone_rehandshake", request_id=r.request_id, peer=info.agent,
+                 error=exc.message)
+        self._count("peer_rehandshakes")
+        self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
+        r.state = "handshake"
 
     async def _register_push(self, r: _Recv, m: wire.RegisterPush) -> None:
         try:
             local = self._local_ranks(m.engine_id)
-            info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local))
-            _check_compat(local, remote)
-            r.agent = info.agent
-            r.expected_ranks = len(remote)
-            if r.aborted:
-                self._end_recv(r, _aborted())
-                return
-            reg = wire.PushRegistration(
-                request_id=m.request_id,
-                remote_request_id=m.remote_request_id,
-                engine_id=m.engine_id,
-                remote_engine_id=remote[0].engine_id,
-                tp_size=len(local),
-                block_ids=m.block_ids,
-                side_host="",
-                side_port=0,
-            )
-            await self.engine.send_notif(info.agent, wire.encode(reg))
+            for attempt in range(2):
+                info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local),
+                                                      refresh=attempt > 0)
+                _check_compat(local, remote)
+                self._bind(r, info, len(remote))
+                if r.aborted:
+                    self._end_recv(r, _aborted())
+                    return
+                reg = wire.PushRegistration(
+                    request_id=m.request_id,
+                    remote_request_id=m.remote_request_id,
+                    engine_id=m.engine_id,
+                    remote_engine_id=remote[0].engine_id,
+                    tp_size=len(local),
+                    block_ids=m.block_ids,
+                    side_host="",
+                    side_port=0,
+                )
+                try:
+                    await self.engine.send_notif(info.agent, wire.encode(reg))
+                    break
+                except PeerDisconnected as exc:
+                    if attempt:
+                        raise
+                    self._stale_peer(r, info, exc)
             r.state = "registered"
-            self.watchdogs.set(r.request_id, time.monotonic() + self.push_registration_timeout)
+            self._arm(r.request_id, time.monotonic() + self.push_registration_timeout)
         except KvdError as exc:
             self._end_recv(r, exc)
 
     async def _pull(self, r: _Recv, m: wire.Pull) -> None:
         try:
             local = self._local_ranks(m.engine_id)
-            info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local))
-            _check_compat(local, remote)
-            r.agent = info.agent
-            r.expected_ranks = len(remote)
-            r.state = "reading"
             n = len(m.block_ids)
             p_blocks = m.remote_block_ids[len(m.remote_block_ids) - n :] if n else ()
-            if n and not r.aborted:
+            for attempt in range(2):
+                info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local),
+                                                      refresh=attempt > 0)
+                _check_compat(local, remote)
+                self._bind(r, info, len(remote))
+                r.state = "reading"
+                if not n or r.aborted:
+                    break
                 plans = [
                     plan_transfer(
                         loc.geometry,
@@ -322,7 +368,15 @@ class Writer:
                     )
                     for loc, rem in zip(local, remote, strict=True)
                 ]
-                await self._run_plans("READ", r.request_id, info.agent, local, remote, plans, [b""] * len(plans), r)
+                try:
+                    await self._run_plans("READ", r.request_id, info.agent, local, remote, plans,
+                                          [b""] * len(plans), r)
+                    break
+                except PeerDisconnected as exc:
+                    # lost under a posted READ: fail; already gone when posting: handshake again
+                    if attempt or not exc.at_post:
+                        raise
+                    self._stale_peer(r, info, exc)
             r.state = "acking"
             loop = asyncio.get_running_loop()
             r.ack = loop.create_future()
@@ -381,7 +435,8 @@ class Writer:
         if errors:
             err = errors[0]
             if isinstance(err, PeerDisconnected):
-                self.registrar.post(PeerLost(agent, str(err)))
+                since = r.since if r is not None else float("inf")
+                self.registrar.post(PeerLost(agent, str(err), since))
             raise err if isinstance(err, KvdError) else TransferError(str(err))
         self._count("transfers_ok")
         self._count("bytes_transferred", total)
@@ -427,6 +482,8 @@ class Writer:
         reg, fin = m.registration, m.finished
         d_rid = reg.msg.request_id
         claimed = False
+        pushing = (reg.agent, reg.msg.remote_request_id or d_rid)
+        self.pushing[pushing] = self.pushing.get(pushing, 0) + 1
         try:
             claimed = await self.reaper.call(Claim(m.finished_id))
             if not claimed:
@@ -462,6 +519,10 @@ class Writer:
             await self._tell_push_failed(reg.agent, d_rid, exc)
             if claimed or not isinstance(exc, LeaseExpired):
                 self.reaper.post(Delivered(m.finished_id, False, int(exc.code), exc.message))
+        finally:
+            left = self.pushing.pop(pushing) - 1
+            if left:
+                self.pushing[pushing] = left
 
     async def _tell_push_failed(self, agent: str, d_rid: str, exc: KvdError) -> None:
         try:
@@ -524,9 +585,12 @@ class Writer:
                 self.matcher.add_registration(msg.request_id, got, time.monotonic())
                 self._reject(agent, "cancel for another peer's registration")
                 return
+            if got is None and (agent, msg.request_id) in self.pushing:
+                return  # its WRITE is under way: that WRITE's PushDone answers D, after it lands
             assert self._tg is not None
-            self._tg.start_soon(self._tell_push_failed, agent, msg.request_id,
-                                TransferError("cancelled by D"))
+            # D keys the cancel by P's id when it registered with one; answer under D's own
+            d_rid = got.msg.request_id if got is not None else msg.request_id
+            self._tg.start_soon(self._tell_push_failed, agent, d_rid, TransferError("cancelled by D"))
             if got is not None:
                 self.reaper.post(Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D"))
         else:
@@ -551,6 +615,14 @@ class Writer:
             pass  # _register_push sees the flag and ends it
         # pull: the READ in flight (ours) finishes first; _pull then ends it as aborted.
 
+    async def _send_cancel(self, r: _Recv) -> None:
+        cancel = wire.CancelRegistration(r.remote_request_id or r.request_id)
+        try:
+            await self.engine.send_notif(r.agent, wire.encode(cancel))
+        except KvdError as exc:
+            log.warning("cancel_not_delivered", request_id=r.request_id, peer=r.agent,
+                        error=exc.message)
+
     async def _cancel_push(self, r: _Recv) -> None:
         try:
             await self.engine.send_notif(r.agent, wire.encode(wire.CancelRegistration(r.remote_request_id or r.request_id)))
@@ -558,15 +630,24 @@ class Writer:
             self._end_recv(r, _aborted(f"aborted; cancel not delivered: {exc.message}"))
             return
         # P answers with PushDone (failed, or ok if its WRITE already ran); bound the wait.
-        self.watchdogs.set(r.request_id, min(self.watchdogs.get(r.request_id) or float("inf"),
-                                              time.monotonic() + min(self.transfer_timeout, 10.0)))
+        self._arm(r.request_id, min(self.watchdogs.get(r.request_id) or float("inf"),
+                                    time.monotonic() + min(self.transfer_timeout, 10.0)))
+
+    def _arm(self, rid: str, when: float) -> None:
+        """Set a watchdog from a task: the loop may be asleep on its mailbox without a
+        deadline, so wake it to recompute (a full mailbox wakes it anyway)."""
+        self.watchdogs.set(rid, when)
+        with contextlib.suppress(Busy):
+            self.mailbox.post(_REARM)
 
     def _end_recv(self, r: _Recv, exc: KvdError | None) -> None:
         if self.recvs.pop(r.request_id, None) is None:
             return
         self.watchdogs.discard(r.request_id)
         if r.ack is not None and not r.ack.done():
-            r.ack.cancel()
+            # not cancel(): a child task ending in CancelledError cancels the whole task group
+            r.ack.set_exception(TransferError("the request already ended"))
+            r.ack.exception()  # retrieved here; _pull still sees it if it awaits
         self.reaper.post(Untrack(r.request_id))
         dur = time.monotonic() - r.started
         if exc is None:

@@ -44,6 +44,10 @@ _SPIN_BUDGET_S: Final = 0.002
 class PeerDisconnected(TransferError):
     """NIXL reports the remote agent gone (dead process, EFAULT on its memory)."""
 
+    at_post: bool = False
+    """Raised by posting the transfer: NIXL already knew the peer was gone (e.g. it died,
+    maybe restarted, while we were idle), rather than losing it under a posted transfer."""
+
 
 def translate(exc: BaseException) -> KvdError:
     """Map a NIXL exception to a kvd error (keeps the NIXL name in the message)."""
@@ -227,7 +231,7 @@ class NixlEngine:
         self.stats.inflight = len(keep)
         return changed
 
-    def _finish(self, x: _Xfer, exc: BaseException | None) -> None:
+    def _finish(self, x: _Xfer, exc: BaseException | None, *, at_post: bool = False) -> None:
         try:
             self._agent.release_xfer_handle(x.handle)
         except Exception as rel_exc:
@@ -240,7 +244,8 @@ class NixlEngine:
         else:
             self.stats.transfers_failed += 1
             self._count_error(exc)
-            loop.call_soon_threadsafe(_set_exc, x.future, translate(exc))
+            err = translate(exc)
+            loop.call_soon_threadsafe(_set_exc, x.future, _at_post(err) if at_post else err)
 
     def _count_error(self, exc: BaseException) -> None:
         name = type(exc).__name__
@@ -312,7 +317,7 @@ class NixlEngine:
             except BaseException as exc:
                 self.stats.transfers_failed += 1
                 self._count_error(exc)
-                loop.call_soon_threadsafe(_set_exc, fut, translate(exc))
+                loop.call_soon_threadsafe(_set_exc, fut, _at_post(translate(exc)))
                 return
             self.stats.transfers_posted += 1
             self.stats.bytes_moved += nbytes
@@ -320,7 +325,7 @@ class NixlEngine:
             try:
                 state = agent.transfer(handle)
             except BaseException as exc:
-                self._finish(x, exc)
+                self._finish(x, exc, at_post=True)
                 return
             if state == "DONE":
                 self._finish(x, None)
@@ -361,6 +366,12 @@ class NixlEngine:
 
     async def remove_remote(self, name: str) -> None:
         await self.call(lambda a: a.remove_remote_agent(name))
+
+
+def _at_post(err: KvdError) -> KvdError:
+    if isinstance(err, PeerDisconnected):
+        err.at_post = True
+    return err
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

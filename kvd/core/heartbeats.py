@@ -47,6 +47,18 @@ class HeartbeatSchedule:
         if peer not in self._timers:
             self._timers.set(peer, now)
 
+    def set_interval(self, peer: str, interval: float, now: float) -> None:
+        """Change `peer`'s period (e.g. once its lease is learned); a beat scheduled later
+        than `now + interval` moves up to then. No-op for a peer with nothing tracked."""
+        if not interval > 0:
+            raise ValueError(f"heartbeat interval must be > 0, got {interval!r}")
+        if peer not in self._requests:
+            return
+        self._interval[peer] = interval
+        due = self._timers.get(peer)
+        if due is None or due > now + interval:
+            self._timers.set(peer, now + interval)
+
     def untrack(self, request_id: str) -> None:
         """Stop heartbeating `request_id` (no-op if it is not tracked)."""
         peer = self._peer_of.pop(request_id, None)

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,8 +32,13 @@ def workdir() -> Iterator[Path]:
 def daemons(workdir: Path) -> Iterator[StartDaemon]:
     started: list[DaemonProc] = []
 
-    def start(name: str, extra: str = "", env: dict[str, str] | None = None) -> DaemonProc:
-        d = start_daemon(workdir, name, extra, env)
+    def start(
+        name: str,
+        extra: str = "",
+        env: dict[str, str] | None = None,
+        overrides: dict[str, dict[str, Any]] | None = None,
+    ) -> DaemonProc:
+        d = start_daemon(workdir, name, extra, env, overrides=overrides)
         started.append(d)
         return d
 
