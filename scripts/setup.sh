@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install kvd and its thin client into it.
-# Usage: scripts/setup.sh [dev]   ("dev" adds the test and lint tools)
+# Usage: scripts/setup.sh [dev]   ("dev" adds the test and lint tools, and vLLM for tests/vllm)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,3 +12,7 @@ fi
 extra=""
 [ "${1:-}" = "dev" ] && extra="[dev]"
 .venv/bin/pip install -q --disable-pip-version-check -e ./client -e ".${extra}"
+# dev: vLLM 0.33 (CPU, no GPU deps) for the connector tests in tests/vllm; the daemon never needs it.
+if [ "${1:-}" = "dev" ]; then
+    PIP=.venv/bin/pip scripts/install-vllm.sh
+fi

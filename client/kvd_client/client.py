@@ -7,16 +7,19 @@
   every announced request still ends in exactly one terminal event.
 - `drain_events` returns only events about ids this client announced.
 - A keep-alive thread with its own socket pings the daemon; if the daemon restarted (it
-  no longer knows the session), the next `drain_events` reconnects, re-registers the
-  regions, and fails every request that was in flight.
+  no longer knows the session) or died (its socket refuses connections), the next
+  `drain_events` fails every request that was in flight, and reconnects and
+  re-registers the regions once a daemon listens again (never waiting for one).
 - Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import secrets
+import socket
 import threading
 import time
 from collections import deque
@@ -51,6 +54,21 @@ EVENT_TYPES: Final = (
 )
 
 __all__ = ["EVENT_TYPES", "Event", "KvdClient", "default_socket_path"]
+
+
+def daemon_listening(path: str) -> bool:
+    """Does a process accept connections on the daemon's IPC socket? (never blocks)"""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+        return True
+    except BlockingIOError:
+        return True  # listening, its backlog is full
+    except OSError as exc:
+        return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTDIR)
+    finally:
+        s.close()
 
 
 def default_socket_path() -> str:
@@ -119,7 +137,9 @@ class KvdClient:
         if self._ka_thread is None and self.keepalive_interval > 0:
             self._ka_thread = threading.Thread(target=self._keepalive, name="kvd-keepalive", daemon=True)
             self._ka_thread.start()
-        return self._hello()
+        welcome = self._hello()
+        self._lost.clear()
+        return welcome
 
     def _open(self) -> None:
         if self._sock is not None:
@@ -136,7 +156,6 @@ class KvdClient:
         if not isinstance(reply, wire.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
         self.welcome = reply
-        self._lost.clear()
         return reply
 
     def close(self) -> None:
@@ -144,7 +163,8 @@ class KvdClient:
         self._stop.set()
         if self._sock is not None:
             try:
-                self.request(wire.Goodbye(self.session), timeout=min(self.timeout, 2.0))
+                if daemon_listening(self.socket_path):  # never wait on a dead daemon
+                    self.request(wire.Goodbye(self.session), timeout=min(self.timeout, 2.0))
             except KvdError:
                 pass
             self._sock.close(0)
@@ -164,11 +184,13 @@ class KvdClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"ipc://{self.socket_path}")
-        frame = wire.encode(wire.KeepAlive(self.session))
         try:
             while not self._stop.wait(self.keepalive_interval):
+                if not daemon_listening(self.socket_path):
+                    self._lost.set()  # died: nothing in flight will ever complete
+                    continue
                 try:
-                    sock.send(frame, flags=zmq.NOBLOCK)
+                    sock.send(wire.encode(wire.KeepAlive(self.session)), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 while sock.poll(0):
@@ -208,7 +230,11 @@ class KvdClient:
             raise ProtocolError("not connected")
         corr = next(self._corr)
         self._pending[corr] = pending
-        self._sock.send(wire.encode(msg, corr))
+        try:
+            self._sock.send(wire.encode(msg, corr), flags=zmq.NOBLOCK)
+        except zmq.Again:  # the daemon is gone and the queue to it is full: never block
+            why = "kvd daemon unreachable (send queue full)"
+            self._absorb(corr, wire.ErrorReply.of(ErrorCode.BUSY, why))
 
     def _absorb(self, corr: int, msg: wire.Record) -> None:
         """Handle a frame that is not the reply being waited for."""
@@ -244,16 +270,13 @@ class KvdClient:
             return
         rid = ev.request_id
         if isinstance(ev, (wire.RecvFinished, wire.RecvFailed)):
-            if self.role == "worker":
-                self._events.append(ev)
-            elif self._announced_recv.pop(rid, None) is not None:
-                self._events.append(ev)
+            announced = self._announced_recv.pop(rid, None) is not None
         else:
-            if self.role == "worker":
-                self._events.append(ev)
-            elif rid in self._announced_send:
-                self._announced_send.discard(rid)
-                self._events.append(ev)
+            announced = rid in self._announced_send
+            self._announced_send.discard(rid)
+        # A worker also receives the events of requests its engine's scheduler announced.
+        if announced or self.role == "worker":
+            self._events.append(ev)
 
     # ---------------------------------------------------------------- events
 
@@ -289,9 +312,12 @@ class KvdClient:
                 self._sock.poll(int(min(left, 0.1) * 1000) + 1)
 
     def _recover(self) -> None:
-        """The daemon restarted: reconnect, re-register regions, fail what was in flight."""
-        self.reconnects += 1
-        reason = "kvd daemon restarted; the transfer was lost"
+        """The daemon restarted or died: fail what was in flight, then reconnect if one listens.
+
+        Never waits for a daemon that is not listening: the failures are returned at once
+        and the reconnection is tried again by the next `drain_events`.
+        """
+        reason = "kvd daemon restarted or died; the transfer was lost"
         for rid, blocks in self._announced_recv.items():
             self._events.append(wire.RecvFailed(rid, int(ErrorCode.TRANSFER), reason, blocks))
         for rid in self._announced_send:
@@ -303,12 +329,22 @@ class KvdClient:
         self._announced_send.clear()
         self._announced_ec.clear()
         self._pending.clear()
+        if not daemon_listening(self.socket_path):
+            return  # still lost: new requests fail on the next drain, until a daemon is back
+        # A new identity: the ROUTER may still hold the old socket's connection (it
+        # reconnected on its own), and it ignores a second peer with the same identity.
+        self.session = f"{self.role}-{os.getpid()}-{secrets.token_hex(6)}"
         self._open()
-        self._hello()
-        for r in self._regions:
-            reply = self.request(r.msg)
-            assert isinstance(reply, wire.RegionRegistered)
-            r.region_id = reply.region_id
+        try:
+            self._hello()
+            for r in self._regions:
+                reply = self.request(r.msg)
+                assert isinstance(reply, wire.RegionRegistered)
+                r.region_id = reply.region_id
+        except KvdError:
+            return  # it went away again: try once more on the next drain
+        self._lost.clear()
+        self.reconnects += 1
 
     @property
     def outstanding(self) -> int:

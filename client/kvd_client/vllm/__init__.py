@@ -1,0 +1,33 @@
+"""vLLM integration of the kvd thin client (the optional extra ``kvd-client[vllm]``).
+
+``KvdConnector`` is vLLM's KV connector over kvd; load it by module path, no patch to vLLM::
+
+    --kv-transfer-config '{"kv_connector": "KvdConnector",
+                           "kv_connector_module_path": "kvd_client.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"transfer_mode": "pull"}}'
+
+Layout: ``shared`` (one daemon session per process, shared by every connector of it, so an
+encoder-cache connector can join later beside ``KvdConnector``), ``config`` (the
+``kv_connector_extra_config`` keys), ``staging`` (KV tensors <-> host staging, torch only)
+and ``kv`` (the connector, which imports vLLM). ``KvdConnector`` is resolved lazily, so the
+helpers import without vLLM; ``import kvd_client`` alone never imports vLLM or torch, and
+nothing here imports the daemon (``kvd``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvd_client.vllm.kv import KvdConnector, KvdConnectorMetadata
+
+__all__ = ["KvdConnector", "KvdConnectorMetadata"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from kvd_client.vllm import kv
+
+        return getattr(kv, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

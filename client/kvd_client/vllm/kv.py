@@ -1,0 +1,726 @@
+"""`KvdConnector`: vLLM 0.33's KV connector over the kvd thin client.
+
+Load it with `--kv-transfer-config '{"kv_connector": "KvdConnector",
+"kv_connector_module_path": "kvd_client.vllm", ...}'`.
+vLLM builds it twice: once with the SCHEDULER role in the engine-core process, once with
+the WORKER role in every worker rank. Both talk to the node's kvd daemon through the
+per-process `SharedClient`; NIXL, leases and heartbeats live in the daemon.
+
+Scheduler side (P and D):
+- D: `on_new_request` tracks a `do_remote_prefill` request at arrival (the daemon starts
+  heartbeating P). `get_num_new_matched_tokens` claims the prompt past the block-aligned
+  local hit as an async load; `update_state_after_alloc` announces the load: the D
+  blocks to `register_push` (push) or to `pull` with P's matching logical blocks (pull).
+  A request that ends up loading nothing, or that finishes before it was allocated,
+  gets an empty transfer so P frees at once.
+- P: a `do_remote_decode` request's computed blocks are staged to host memory by the
+  workers (`wait_for_save`) in the step that computes them; `request_finished` hands the
+  blocks to the daemon (`finished`, which leases them), keeps them (`delay_free`) and
+  returns the `kv_transfer_params` a proxy forwards to D.
+- Worker metadata carries, per step: blocks to stage (P), ids whose terminal event the
+  workers must report (`recv` with the blocks to copy in, `send`), ids whose terminal
+  event must be dropped because vLLM no longer waits for them (`ignore`), and terminal
+  events the scheduler's own session saw (`outcomes`), so that a rank in another process
+  learns of a refusal or a lost daemon even when its own session never gets an event.
+
+Worker side: `register_kv_caches` registers a block-major host staging region
+(`staging.py`); P copies blocks KV -> staging in `wait_for_save`; D copies staging -> KV
+when the request's RecvFinished arrives, before reporting it in `finished_recving`.
+`get_transfer_results` reports each expected id exactly once per rank (a failed receive in
+both `finished_recving` and `failed_recving`, so vLLM applies `kv_load_failure_policy`),
+never an id vLLM did not hand over, and nothing through `invalid_block_ids`.
+
+Limits: one KV cache group (no hybrid/SSM models yet), no pipeline or decode-context
+parallelism, equal TP on P and D (the daemon's rule).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
+
+from kvd_client import layout as kvlayout
+from kvd_client import wire
+from kvd_client.client import Event, daemon_listening
+from kvd_client.errors import KvdError
+from kvd_client.shm import SharedRegion, unique_name
+from kvd_client.vllm.config import ConnectorConfig
+from kvd_client.vllm.shared import SharedClient, Subscription, shared_client
+from kvd_client.vllm.staging import HostStaging, describe
+
+log = logging.getLogger("kvd_client.vllm")
+
+RECV_OK: Final = "recv_ok"
+RECV_FAILED: Final = "recv_failed"
+SEND_DONE: Final = "send_done"
+REMEMBER_DONE: Final = 1 << 16
+"""Reported ids a worker remembers, to drop a second copy of their terminal event."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kind(ev: Event) -> str | None:
+    if isinstance(ev, wire.RecvFinished):
+        return RECV_OK
+    if isinstance(ev, wire.RecvFailed):
+        return RECV_FAILED
+    if isinstance(ev, (wire.SendFinished, wire.SendFailed, wire.SendExpired)):
+        return SEND_DONE
+    return None  # encoder-cache events belong to another connector
+
+
+@dataclass
+class KvdConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> workers, once per step (pickled into SchedulerOutput)."""
+
+    save: list[tuple[str, list[int]]] = field(default_factory=list)
+    """P: copy these blocks from the KV tensors into staging after this step's forward."""
+    recv: dict[str, list[int]] = field(default_factory=dict)
+    """D: report these ids when their transfer ends; on success copy these blocks in first."""
+    send: list[str] = field(default_factory=list)
+    """P: report these ids in finished_sending when their transfer ends."""
+    ignore: list[str] = field(default_factory=list)
+    """Drop the terminal event of these ids: vLLM does not wait for them."""
+    outcomes: list[tuple[str, str]] = field(default_factory=list)
+    """Terminal events the scheduler's session saw: (request id, recv_ok|recv_failed|send_done)."""
+
+    def is_empty(self) -> bool:
+        return not (self.save or self.recv or self.send or self.ignore or self.outcomes)
+
+
+# ====================================================================== scheduler side
+
+
+@dataclass
+class _Remote:
+    """Where a D request's KV is, from its kv_transfer_params."""
+
+    host: str
+    port: int
+    engine_id: str
+    request_id: str
+    block_ids: tuple[int, ...] | None
+
+
+@dataclass
+class _DReq:
+    remote: _Remote
+    mode: str
+    phase: str = "tracked"
+    """tracked -> loading -> reported, or tracked -> orphaned (an empty transfer freeing P)."""
+    finished: bool = False
+
+
+@dataclass
+class _PReq:
+    request: Any
+    staged_tokens: int = 0
+
+
+def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if not isinstance(host, str) or not host or isinstance(port, bool) or not isinstance(port, int):
+        log.warning(
+            "kvd: request %s has do_remote_prefill but no remote_host/port: computing it locally",
+            rid,
+        )
+        return None
+    raw = params.get("remote_block_ids")
+    blocks: tuple[int, ...] | None = None
+    if isinstance(raw, (list, tuple)):
+        if raw and isinstance(raw[0], (list, tuple)):  # per KV cache group, NixlConnector style
+            raw = raw[0] if len(raw) == 1 else None
+        if raw is not None and all(isinstance(b, int) and not isinstance(b, bool) for b in raw):
+            blocks = tuple(raw)
+    return _Remote(
+        host,
+        port,
+        str(params.get("remote_engine_id") or ""),
+        str(params.get("remote_request_id") or ""),
+        blocks,
+    )
+
+
+class _SchedulerSide:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, engine_id: str
+    ) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.block_size: int = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.shared: SharedClient = shared_client(cfg.socket, engine_id, role="scheduler")
+        self.sub: Subscription = self.shared.subscribe()
+        welcome = self.shared.welcome
+        self.warnings = cfg.check_daemon(welcome.kv_lease_duration)
+        self.kv_cache_manager: Any = None
+        self._d: dict[str, _DReq] = {}
+        self._p: dict[str, _PReq] = {}
+        self._sending: set[str] = set()
+        self._orphans: set[str] = set()
+        self._meta = KvdConnectorMetadata()
+        log.info(
+            "kvd: scheduler connector for engine %s on %s (%s mode, daemon %s, side channel %s:%d)",
+            engine_id,
+            cfg.socket,
+            cfg.transfer_mode,
+            welcome.agent_name,
+            welcome.side_host,
+            welcome.side_port,
+        )
+
+    @property
+    def side_host(self) -> str:
+        """P's daemon side channel, as its latest Welcome says (a restarted daemon may move)."""
+        w = self.shared.client.welcome
+        return w.side_host if w is not None else self.shared.welcome.side_host
+
+    @property
+    def side_port(self) -> int:
+        w = self.shared.client.welcome
+        return w.side_port if w is not None else self.shared.welcome.side_port
+
+    # ------------------------------------------------------------------ D
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        rid = request.request_id
+        remote = _parse_remote(rid, params)
+        if remote is None:
+            return
+        mode = self.cfg.transfer_mode
+        if mode == "pull" and (remote.block_ids is None or not remote.request_id):
+            log.warning(
+                "kvd: request %s has no remote_block_ids/remote_request_id (push-style params): "
+                "loading it in push mode",
+                rid,
+            )
+            mode = "push"
+        self._d[rid] = _DReq(remote, mode)
+        c = self.shared.client
+        self.shared.call(
+            c.track,
+            rid,
+            remote.host,
+            remote.port,
+            remote_engine_id=remote.engine_id,
+            remote_request_id=remote.request_id,
+        )
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        st = self._d.get(request.request_id)
+        if st is None or st.phase != "tracked":
+            return 0, False
+        count = request.num_prompt_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        if st.mode == "pull" and st.remote.block_ids is not None:
+            need = (
+                _cdiv(request.num_prompt_tokens, self.block_size)
+                - num_computed_tokens // self.block_size
+            )
+            if need > len(st.remote.block_ids):
+                log.warning(
+                    "kvd: request %s needs %d remote blocks but P offers %d: computing it locally",
+                    request.request_id,
+                    need,
+                    len(st.remote.block_ids),
+                )
+                return 0, False
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            self._p[rid] = _PReq(request)  # (re)admitted: its blocks are staged from scratch
+            return
+        st = self._d.get(rid)
+        if st is None or st.phase != "tracked":
+            return
+        if num_external_tokens <= 0:
+            self._release_remote(rid, st)  # full local hit (or nothing to load): P frees now
+            return
+        hashed = sum(1 for b in blocks.blocks[0] if b.block_hash is not None and not b.is_null)
+        new_blocks = [b.block_id for b in blocks.blocks[0][hashed:]]
+        count = _cdiv(num_external_tokens, self.block_size)
+        local = new_blocks[:count]
+        reaches_end = hashed + count == _cdiv(request.num_prompt_tokens, self.block_size)
+        st.phase = "loading"
+        self._meta.recv[rid] = list(local)
+        c = self.shared.client
+        r = st.remote
+        if st.mode == "pull":
+            assert r.block_ids is not None
+            remote_ids = r.block_ids[hashed : hashed + count]
+            if len(local) == count and len(remote_ids) == count:
+                self.shared.call(
+                    c.pull,
+                    rid,
+                    local,
+                    r.host,
+                    r.port,
+                    remote_request_id=r.request_id,
+                    remote_block_ids=remote_ids,
+                    remote_engine_id=r.engine_id,
+                )
+                return
+        elif len(local) == count and reaches_end:
+            self.shared.call(
+                c.register_push,
+                rid,
+                local,
+                r.host,
+                r.port,
+                remote_engine_id=r.engine_id,
+                remote_request_id=r.request_id,
+            )
+            return
+        # P's blocks cannot be lined up with ours: fail the load (vLLM's policy applies) and
+        # stop heartbeating, so that P's lease on them runs out.
+        log.warning(
+            "kvd: request %s: cannot map %d local blocks onto P's, failing the load", rid, count
+        )
+        self.shared.call(c.abort, rid)
+        self._meta.outcomes.append((rid, RECV_FAILED))
+
+    def _release_remote(self, rid: str, st: _DReq) -> None:
+        """An empty transfer: P frees the request's blocks; its terminal event is dropped."""
+        c = self.shared.client
+        r = st.remote
+        if st.mode == "pull":
+            self.shared.call(
+                c.pull,
+                rid,
+                (),
+                r.host,
+                r.port,
+                remote_request_id=r.request_id,
+                remote_block_ids=(),
+                remote_engine_id=r.engine_id,
+            )
+        else:
+            self.shared.call(
+                c.register_push,
+                rid,
+                (),
+                r.host,
+                r.port,
+                remote_engine_id=r.engine_id,
+                remote_request_id=r.request_id,
+            )
+        st.phase = "orphaned"
+        self._orphans.add(rid)
+        self._meta.ignore.append(rid)
+
+    # ------------------------------------------------------------------ P and D ends
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        st = self._d.get(rid)
+        if st is not None:
+            st.finished = True
+            if st.phase == "tracked":  # never allocated (aborted while queued, or a deferred load)
+                self._release_remote(rid, st)
+            elif st.phase == "loading":  # vLLM keeps the blocks until we report the id
+                self.shared.call(self.shared.client.abort, rid)
+            elif st.phase == "reported":
+                del self._d[rid]
+            return False, None
+        params = request.kv_transfer_params or {}
+        if not params.get("do_remote_decode"):
+            return False, None
+        p = self._p.pop(rid, None)
+        c = self.shared.client
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            if self.cfg.transfer_mode == "push":
+                # D may already wait for a push (both legs run at once): an empty finish makes
+                # its registration fail now instead of after push_registration_timeout.
+                self.shared.call(c.finished, rid, ())
+                self._orphans.add(rid)
+                self._meta.ignore.append(rid)
+            return False, None
+        n_prompt = request.num_prompt_tokens
+        blocks = list(block_ids[: _cdiv(n_prompt, self.block_size)])
+        if p is None or p.staged_tokens < n_prompt or not blocks:
+            log.warning(
+                "kvd: request %s finished without staged KV (%s of %d tokens); not offered to D",
+                rid,
+                p.staged_tokens if p else 0,
+                n_prompt,
+            )
+            return False, None
+        self.shared.call(c.finished, rid, blocks)
+        self._sending.add(rid)
+        self._meta.send.append(rid)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.side_host,
+            "remote_port": self.side_port,
+            "tp_size": self.tp_size,
+            "transfer_mode": self.cfg.transfer_mode,
+            "remote_num_tokens": n_prompt,
+        }
+
+    # ------------------------------------------------------------------ every step
+
+    def _drain(self) -> None:
+        for ev in self.sub.take():
+            kind = _kind(ev)
+            if kind is None:
+                continue
+            rid = ev.request_id  # type: ignore[union-attr]
+            if rid in self._orphans:
+                self._orphans.discard(rid)
+                st = self._d.get(rid)
+                if st is not None and st.phase == "orphaned":
+                    del self._d[rid]
+                continue
+            st = self._d.get(rid)
+            if (kind != SEND_DONE and st is not None and st.phase == "loading") or (
+                kind == SEND_DONE and rid in self._sending
+            ):
+                self._meta.outcomes.append((rid, kind))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        self._drain()
+        meta, self._meta = self._meta, KvdConnectorMetadata()
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._p:
+                self._p[rid].staged_tokens = 0
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            p = self._p.get(rid)
+            if p is None:
+                continue
+            req = p.request
+            end = min(req.num_computed_tokens + n, req.num_prompt_tokens)
+            if end <= p.staged_tokens:
+                continue
+            ids = self._block_ids(rid)
+            first, last = p.staged_tokens // self.block_size, _cdiv(end, self.block_size)
+            meta.save.append((rid, ids[first:last]))
+            p.staged_tokens = end
+        return meta
+
+    def _block_ids(self, rid: str) -> list[int]:
+        assert self.kv_cache_manager is not None, "bind_kv_cache_manager was not called"
+        return list(self.kv_cache_manager.get_block_ids(rid)[0])
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            st = self._d.get(rid)
+            if st is None or st.phase != "loading":
+                continue
+            if st.finished:
+                del self._d[rid]
+            else:
+                st.phase = (
+                    "reported"  # kept until request_finished: a recompute must not load again
+                )
+        for rid in output.finished_sending or ():
+            self._sending.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        self._drain()
+        return not self._meta.is_empty()
+
+    def shutdown(self) -> None:
+        self.sub.close()
+
+
+# ====================================================================== worker side
+
+
+class _WorkerSide:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, engine_id: str
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.num_blocks: int = kv_cache_config.num_blocks
+        self.block_size: int = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = _tp_rank(self.tp_size)
+        self.shared: SharedClient = shared_client(
+            cfg.socket, engine_id, role="worker", tp_rank=self.tp_rank
+        )
+        self.sub: Subscription = self.shared.subscribe()
+        self.staging: HostStaging | None = None
+        self.region: SharedRegion | None = None
+        self.region_id: int | None = None
+        self.meta: KvdConnectorMetadata | None = None
+        self._recv: dict[str, list[int]] = {}
+        self._send: set[str] = set()
+        self._ignore: set[str] = set()
+        self._pending: dict[str, str] = {}
+        self._done: OrderedDict[str, None] = OrderedDict()
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        layers = describe(kv_caches, self.num_blocks)
+        lay = HostStaging.region_layout(layers, self.num_blocks, self.block_size)
+        region = SharedRegion(unique_name(f"kvd-vllm-r{self.tp_rank}"), kvlayout.region_bytes(lay))
+        try:
+            staging = HostStaging(layers, self.num_blocks, region.buf)
+            mc = self.vllm_config.model_config
+            compat = kvlayout.compat_hash(
+                model=str(mc.model),
+                dtype=str(self.vllm_config.cache_config.cache_dtype),
+                num_kv_heads=mc.get_total_num_kv_heads(),
+                head_size=mc.get_head_size(),
+                num_layers=len(layers),
+                tokens_per_block=self.block_size,
+                kv_layout=f"staged:{HostStaging.signature(layers)}",
+                transfer_mode="any",  # a kvd P serves push and pull alike
+            )
+            c = self.shared.client
+            self.region_id = self.shared.call(
+                c.register_region,
+                region,
+                layout=lay,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                compat=compat,
+            )
+        except BaseException:
+            region.close()
+            raise
+        self.staging, self.region = staging, region
+        log.info(
+            "kvd: rank %d staged %d layers x %d blocks (%d bytes per block) in %s",
+            self.tp_rank,
+            len(layers),
+            self.num_blocks,
+            staging.block_bytes,
+            region.name,
+        )
+
+    def bind(self, meta: KvdConnectorMetadata) -> None:
+        self.meta = meta
+        self._recv.update(meta.recv)
+        self._send.update(meta.send)
+        self._ignore.update(meta.ignore)
+        for rid, kind in meta.outcomes:
+            self._note(rid, kind)
+
+    def wait_for_save(self) -> None:
+        if self.meta is None or not self.meta.save:
+            return
+        assert self.staging is not None, "register_kv_caches was not called"
+        for _, blocks in self.meta.save:
+            self.staging.save(blocks)
+
+    def _note(self, rid: str, kind: str) -> None:
+        if rid not in self._done:
+            self._pending.setdefault(rid, kind)
+
+    def transfer_results(self) -> KVConnectorTransferResults:
+        for ev in self.sub.take():
+            kind = _kind(ev)
+            if kind is not None:
+                self._note(ev.request_id, kind)  # type: ignore[union-attr]
+        out = KVConnectorTransferResults()
+        for rid, kind in list(self._pending.items()):
+            if rid in self._ignore:
+                self._ignore.discard(rid)
+            elif kind == SEND_DONE and rid in self._send:
+                self._send.discard(rid)
+                out.finished_sending.add(rid)
+            elif kind != SEND_DONE and rid in self._recv:
+                blocks = self._recv.pop(rid)
+                if kind == RECV_OK:
+                    assert self.staging is not None, "register_kv_caches was not called"
+                    self.staging.load(blocks)
+                else:
+                    out.failed_recving.add(rid)
+                out.finished_recving.add(rid)
+            else:
+                continue  # not handed over yet: the metadata naming it comes later
+            del self._pending[rid]
+            self._done[rid] = None
+            if len(self._done) > REMEMBER_DONE:
+                self._done.popitem(last=False)
+        return out
+
+    def shutdown(self) -> None:
+        c = self.shared.client
+        if self.region_id is not None and daemon_listening(c.socket_path):
+            try:
+                self.shared.call(c.request, wire.DeregisterRegion(self.region_id), timeout=2.0)
+            except KvdError as exc:  # the session's end releases it anyway
+                log.warning("kvd: deregistering the staging region failed: %s", exc)
+        self.region_id = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+        self.sub.close()
+
+
+def _tp_rank(tp_size: int) -> int:
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+# ====================================================================== the connector
+
+
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """vLLM KV connector that moves KV blocks through the node's kvd daemon (module docstring)."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1 or getattr(pc, "decode_context_parallel_size", 1) > 1:
+            raise ValueError(
+                "KvdConnector does not support pipeline or decode-context parallelism yet"
+            )
+        if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError(
+                "KvdConnector supports models with exactly one KV cache group "
+                "(no hybrid/SSM models yet)"
+            )
+        self.engine_id = str(ktc.engine_id)
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = _SchedulerSide(vllm_config, kv_cache_config, self.config, self.engine_id)
+        else:
+            self._worker = _WorkerSide(vllm_config, kv_cache_config, self.config, self.engine_id)
+
+    @property
+    def scheduler_side(self) -> _SchedulerSide:
+        assert self._sched is not None, "a scheduler-side call on a worker-side connector"
+        return self._sched
+
+    @property
+    def worker_side(self) -> _WorkerSide:
+        assert self._worker is not None, "a worker-side call on a scheduler-side connector"
+        return self._worker
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self.scheduler_side.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
+        return self.scheduler_side.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids[0] if block_ids else [])
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_push_work()
+
+    def get_finished_count(self) -> int | None:
+        return None  # every worker rank reports every id
+
+    # ------------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, KvdConnectorMetadata):
+            self.worker_side.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.meta = None
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # loads are asynchronous, driven by the daemon
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # blocks are staged once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        return self.worker_side.transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return (
+            set()
+        )  # failures go through failed_recving (invalid_block_ids breaks multi-group models)
+
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
