@@ -1,7 +1,7 @@
 """KvdConnector on vLLM 0.33's real Scheduler: a P instance and a D instance, two real kvd
 daemons, real NIXL, real shared-memory staging; every received byte is checked.
 
-The test plays the model runner (harness.py) and the proxy: same request key on both legs,
+The test plays the model runner (vllm_harness.py) and the proxy: same request key on both legs,
 P's leg with max_tokens=1 and do_remote_decode, P's kv_transfer_params forwarded to D (pull),
 or both legs at once with P's coordinates known up front (push).
 """
@@ -41,7 +41,7 @@ pytestmark = [
 ]
 
 if HAVE_VLLM:
-    from .harness import BLOCK_SIZE, TOKEN, Instance, make_instance, write_model
+    from vllm_harness import BLOCK_SIZE, TOKEN, Instance, make_instance, write_model
 
 StartDaemon = Callable[..., DaemonProc]
 SHORT_LEASE = "[transfer]\nkv_lease_duration = 2.0\npeer_probe_interval = 0.2\n"
