@@ -1,0 +1,1252 @@
+"""Bad input on every door of a real daemon: the IPC socket, the TCP side channel and
+NIXL notifications.
+
+Each bad input gets a typed error or is dropped and counted, and the daemon keeps serving
+well-behaved clients and peers throughout. Two daemons serve the whole module (starting
+them costs seconds): P, and D with a small frame limit; both require a shared secret. A
+NIXL agent created in this process (the "fake peer") handshakes with them over the side
+channel as a daemon would and then forges notifications; a second one (the "ghost")
+never handshakes. Every descriptor a daemon builds must come from a validated
+(region, block id) pair: the forged registrations below check that none is built, and a
+control case checks that the same path does WRITE when the ids are valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from kvd_client import layout as kvlayout
+from kvd_client import wire
+from kvd_client.client import Event, KvdClient
+from kvd_client.errors import (
+    ErrorCode,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    ProtocolError,
+)
+from kvd_client.shm import SharedRegion, unique_name
+from nixl._api import nixl_agent, nixl_agent_config
+from zmq.utils.monitor import recv_monitor_message
+
+from kvd.actors.registrar import handshake_mac
+from kvd.demo import DaemonProc, Engine, make_engine, pattern, run_mode, start_daemon
+
+from .conftest import StartDaemon
+
+SECRET = b"kvd bad-input test secret"
+FRAME_LIMIT = 4096
+"""D's daemon.max_frame_bytes (the smallest the config allows)."""
+NUM_BLOCKS = 64
+NUM_LAYERS = 2
+CHUNK = 4096
+COMPAT = "demo"  # make_engine's default
+FAKE_ENGINE = "kvdt-fake-engine"
+FAKE_BLOCKS = 8
+
+T = TypeVar("T")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def eventually(
+    fn: Callable[[], T | None],
+    what: str,
+    timeout: float = 10.0,
+    pump: Callable[[], None] | None = None,
+) -> T:
+    """Poll fn until it returns something truthy (pumping the fake peer's NIXL agent meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        if pump is not None:
+            pump()
+        time.sleep(0.002)
+
+
+def status(d: DaemonProc, section: str = "status") -> dict[str, Any]:
+    """A status call from a fresh, well-behaved CLI client (also proves the daemon serves)."""
+    with KvdClient(d.socket, role="cli", timeout=5.0, keepalive_interval=0) as c:
+        return c.status(section)
+
+
+def counters(d: DaemonProc) -> dict[str, int]:
+    got: dict[str, int] = status(d)["counters"]
+    return got
+
+
+def delta(before: dict[str, int], after: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+class RawIpc:
+    """A raw DEALER on a daemon's IPC socket: sends whatever bytes it is given."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{socket_path}")
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 5.0) -> tuple[int, wire.Record]:
+        assert self.sock.poll(int(timeout * 1000)), "no reply from the daemon"
+        return wire.decode(self.sock.recv())
+
+    def request(self, msg: wire.Record, corr: int) -> wire.Record:
+        self.send(wire.encode(msg, corr))
+        rcorr, reply = self.recv()
+        assert rcorr == corr, f"reply {reply} carries corr {rcorr}, not {corr}"
+        return reply
+
+    def hello(self, corr: int = 1000) -> None:
+        """Open a session on this connection (and prove the connection is still served)."""
+        hello = wire.Hello(f"raw-{secrets.token_hex(4)}", "cli", "", -1, os.getpid(), "test")
+        assert isinstance(self.request(hello, corr), wire.Welcome)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def side_exchange(
+    port: int, *frames: bytes, timeout: float = 5.0
+) -> tuple[int, wire.Record] | None:
+    """Send frames to a side channel on a fresh DEALER; the reply, or None if none came."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(list(frames))
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return wire.decode(sock.recv())
+    finally:
+        sock.close(0)
+
+
+def wait_disconnected(
+    sock: zmq.Socket[bytes], send: Callable[[], None], timeout: float = 5.0
+) -> None:
+    """Run `send` and wait until the daemon's end closes this socket's connection."""
+    mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        send()
+        assert mon.poll(int(timeout * 1000)), (
+            "the daemon kept the connection of an oversized frame open"
+        )
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+    finally:
+        sock.disable_monitor()
+        mon.close(0)
+
+
+def ping(src: DaemonProc, dst: DaemonProc) -> dict[str, Any]:
+    with KvdClient(src.socket, role="cli", timeout=5.0, keepalive_interval=0) as c:
+        return c.ping_peer("127.0.0.1", dst.side_port, timeout=5.0)
+
+
+def assert_peer_serves(src: DaemonProc, dst: DaemonProc) -> None:
+    """A well-behaved peer with the same secret still handshakes and READs dst's canary."""
+    res = ping(src, dst)
+    assert res["ok"] is True and res["canary_match"] is True, res
+
+
+class _SideResponder:
+    """The fake peer's side channel: answers every request (RegionDropped notices) with Ok."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.received: list[wire.Record] = []
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fake-side", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(5)
+
+    def _run(self) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        self.port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(50):
+                    continue
+                ident, frame = sock.recv_multipart()
+                corr, msg = wire.decode(frame)
+                self.received.append(msg)
+                sock.send_multipart([ident, wire.encode(wire.Ok(), corr)])
+        finally:
+            sock.close(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def new_agent(name: str) -> Any:
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+    return agent
+
+
+class FakePeer:
+    """A real NIXL agent that handshakes with daemons like a peer daemon and forges notifications.
+
+    It exposes one real, registered region (engine FAKE_ENGINE) laid out like the test
+    engines, so a daemon that accepted a registration from it could WRITE into it.
+    """
+
+    def __init__(self, name: str, secret: bytes) -> None:
+        self.name = name
+        self.secret = secret
+        self.agent = new_agent(name)
+        self.incarnation = random.getrandbits(63)
+        self.layout = kvlayout.block_major(FAKE_BLOCKS, NUM_LAYERS, CHUNK)
+        self.buf = np.zeros(kvlayout.region_bytes(self.layout), dtype=np.uint8)
+        desc = [(self.buf.ctypes.data, self.buf.nbytes, 0, "")]
+        self.reg = self.agent.register_memory(desc, "DRAM")
+        self.region_md = bytes(
+            self.agent.get_partial_agent_metadata(self.agent.get_reg_descs(desc, "DRAM"), False, [])
+        )
+        self.side = _SideResponder()
+        self.remote_md: dict[str, bytes] = {}
+        self.inbox: list[tuple[str, wire.Record]] = []
+
+    def region(self, **changes: Any) -> wire.RegionInfo:
+        info = wire.RegionInfo(
+            region_id=1,
+            generation=1,
+            engine_id=FAKE_ENGINE,
+            tp_rank=0,
+            tp_size=1,
+            base_addr=self.buf.ctypes.data,
+            nbytes=self.buf.nbytes,
+            mem_type="DRAM",
+            device=0,
+            layout=self.layout,
+            compat=COMPAT,
+            nixl_md=self.region_md,
+        )
+        return replace(info, **changes)
+
+    def handshake_msg(
+        self, *, sign_with: bytes | None = None, context: bytes = b"req", **changes: Any
+    ) -> wire.Handshake:
+        hs = wire.Handshake(
+            agent_name=self.name,
+            incarnation=self.incarnation,
+            nixl_md=bytes(self.agent.get_agent_metadata()),
+            side_host="127.0.0.1",
+            side_port=self.side.port,
+            kv_lease_duration=30.0,
+            regions=(self.region(),),
+            canary_addr=0,
+            canary_bytes=0,
+            nonce=os.urandom(16),
+            timestamp=time.time(),
+            mac=b"",
+        )
+        hs = replace(hs, **changes)
+        key = self.secret if sign_with is None else sign_with
+        return replace(hs, mac=handshake_mac(key, hs, context)) if key else hs
+
+    def connect(self, d: DaemonProc, **changes: Any) -> wire.Handshake:
+        """A legitimate handshake (checks the daemon's signature), then load its metadata."""
+        hs = self.handshake_msg(**changes)
+        got = side_exchange(d.side_port, wire.encode(hs, 77))
+        assert got is not None
+        corr, reply = got
+        assert corr == 77 and isinstance(reply, wire.Handshake), reply
+        assert reply.mac == handshake_mac(self.secret, reply, b"rep" + hs.nonce)
+        if reply.agent_name not in self.remote_md:
+            assert self.agent.add_remote_agent(reply.nixl_md) == reply.agent_name.encode()
+            self.remote_md[reply.agent_name] = reply.nixl_md
+        return reply
+
+    def send(self, d: DaemonProc, raw: bytes) -> None:
+        self.agent.send_notif(d.name, raw)
+        self.pump()
+
+    def pump(self) -> None:
+        for peer, msgs in self.agent.get_new_notifs().items():
+            for raw in msgs:
+                self.inbox.append(
+                    (peer if isinstance(peer, str) else peer.decode(), wire.decode(raw)[1])
+                )
+
+    def wait_for(
+        self, match: Callable[[wire.Record], bool], what: str, timeout: float = 10.0
+    ) -> wire.Record:
+        def find() -> wire.Record | None:
+            self.pump()
+            return next((m for _, m in self.inbox if match(m)), None)
+
+        return eventually(find, what, timeout)
+
+    def close(self) -> None:
+        self.side.close()
+        with contextlib.suppress(Exception):
+            self.agent.deregister_memory(self.reg)
+        del self.agent
+
+
+@dataclass
+class Env:
+    workdir: Path
+    p: DaemonProc
+    d: DaemonProc
+    p_eng: Engine
+    d_eng: Engine
+    fake: FakePeer
+    auth: str
+
+    def counters_until(
+        self, d: DaemonProc, key: str, target: int, timeout: float = 10.0
+    ) -> dict[str, int]:
+        """Counters once counter `key` reached `target` (pumping the fake peer while waiting)."""
+
+        def reached() -> dict[str, int] | None:
+            c = counters(d)
+            return c if c.get(key, 0) >= target else None
+
+        return eventually(
+            reached,
+            f"{d.name} {key} >= {target}",
+            timeout,
+            pump=self.fake.pump,
+        )
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    workdir = Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
+    secret_file = workdir / "secret"
+    fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, SECRET + b"\n")
+    os.close(fd)
+    auth = f'[auth]\nsecret_file = "{secret_file}"\n'
+    started: list[DaemonProc] = []
+    engines: list[Engine] = []
+    fake: FakePeer | None = None
+    try:
+        p = start_daemon(workdir, "kvdt-bad-p", auth)
+        started.append(p)
+        d = start_daemon(
+            workdir, "kvdt-bad-d", auth, overrides={"daemon": {"max_frame_bytes": FRAME_LIMIT}}
+        )
+        started.append(d)
+        engines.append(
+            make_engine(
+                p.socket, "prefill", num_blocks=NUM_BLOCKS, num_layers=NUM_LAYERS, chunk_bytes=CHUNK
+            )
+        )
+        engines.append(
+            make_engine(
+                d.socket, "decode", num_blocks=NUM_BLOCKS, num_layers=NUM_LAYERS, chunk_bytes=CHUNK
+            )
+        )
+        fake = FakePeer(f"kvdt-fake-{os.getpid()}", SECRET)
+        yield Env(workdir, p, d, engines[0], engines[1], fake, auth)
+    finally:
+        for eng in engines:
+            eng.close()
+        problems = []
+        for dp in reversed(started):
+            rc = dp.stop()
+            if rc != 0:
+                problems.append(f"{dp.name} exited {rc}:\n{dp.log.read_text()[-2000:]}")
+            if os.path.exists(dp.socket):
+                problems.append(f"{dp.name} left its socket {dp.socket}")
+        for dp in started:
+            errors = [
+                line for line in dp.log.read_text().splitlines() if '"level": "error"' in line
+            ]
+            if errors:
+                problems.append(f"{dp.name} logged errors:\n" + "\n".join(errors[:10]))
+        if fake is not None:
+            fake.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+        assert not problems, "\n".join(problems)
+
+
+def _msgpack(*items: Any) -> bytes:
+    out = msgpack.packb(list(items), use_bin_type=True)
+    assert isinstance(out, bytes)
+    return out
+
+
+def _oversized() -> bytes:
+    """A well-formed GetStatus whose padding takes it just past D's frame limit."""
+    return _msgpack(wire.PROTOCOL_VERSION, wire.GetStatus.TYPE, 7, "x" * (FRAME_LIMIT + 100))
+
+
+# (frame, error code, text in the message, corr the reply must carry)
+BAD_FRAMES = {
+    "garbage": (b"\xc1\x00\xffnot msgpack at all", ErrorCode.PROTOCOL, "malformed msgpack", 0),
+    "empty": (b"", ErrorCode.PROTOCOL, "malformed msgpack", 0),
+    "not-an-array": (
+        msgpack.packb({"version": 1, "type": 30}),
+        ErrorCode.PROTOCOL,
+        "not a [version",
+        0,
+    ),
+    "short-array": (_msgpack(1, 30), ErrorCode.PROTOCOL, "not a [version", 0),
+    "wrong-version": (
+        _msgpack(99, wire.GetStatus.TYPE, 7, "status"),
+        ErrorCode.VERSION,
+        "version 99",
+        7,
+    ),
+    "unknown-type": (
+        _msgpack(wire.PROTOCOL_VERSION, 999, 7),
+        ErrorCode.PROTOCOL,
+        "unknown message type",
+        7,
+    ),
+    "wrong-field-types": (
+        _msgpack(wire.PROTOCOL_VERSION, wire.Hello.TYPE, 7, "s", "cli", "", "-1", "pid", ""),
+        ErrorCode.PROTOCOL,
+        "expected int",
+        7,
+    ),
+    "missing-fields": (
+        _msgpack(wire.PROTOCOL_VERSION, wire.GetStatus.TYPE, 7),
+        ErrorCode.PROTOCOL,
+        "has 1 fields",
+        7,
+    ),
+    "oversized": (_oversized(), ErrorCode.PROTOCOL, "exceeds", 7),
+}
+
+
+# ------------------------------------------------------------------ IPC socket
+
+
+@pytest.mark.parametrize("case", list(BAD_FRAMES))
+def test_ipc_bad_frame_gets_typed_error(env: Env, case: str) -> None:
+    frame, code, text, corr = BAD_FRAMES[case]
+    before = counters(env.d)
+    raw = RawIpc(env.d.socket)
+    try:
+        raw.send(frame)
+        rcorr, reply = raw.recv()
+        assert isinstance(reply, wire.ErrorReply), reply
+        assert (reply.code, rcorr) == (code, corr), reply
+        assert text in reply.message
+        raw.hello()  # the same connection is still served
+    finally:
+        raw.close()
+    after = counters(env.d)
+    assert delta(before, after, "ipc_rejected") == 1
+
+
+@pytest.mark.parametrize("before_hello", [True, False])
+def test_ipc_requests_needing_a_session_or_sent_by_mistake(env: Env, before_hello: bool) -> None:
+    """A request before Hello, and after Hello a message that is not a client request."""
+    before = counters(env.d)
+    raw = RawIpc(env.d.socket)
+    try:
+        if before_hello:
+            reply = raw.request(wire.GetStatus("status"), 5)
+            text = "GetStatus before Hello"
+        else:
+            raw.hello()
+            reply = raw.request(wire.RecvFinished("kvdt-req"), 5)
+            text = "RecvFinished is not a client request"
+        assert isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.PROTOCOL, reply
+        assert text in reply.message
+        raw.hello(corr=6)
+        assert isinstance(raw.request(wire.GetStatus("status"), 7), wire.StatusReply)
+    finally:
+        raw.close()
+    assert delta(before, counters(env.d), "ipc_rejected") == 1
+
+
+def test_ipc_unknown_role_is_refused(env: Env) -> None:
+    before = counters(env.d)
+    raw = RawIpc(env.d.socket)
+    try:
+        reply = raw.request(wire.Hello("raw-root", "root", "", -1, os.getpid(), ""), 3)
+        assert isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.PROTOCOL
+        assert "unknown role 'root'" in reply.message
+        reply = raw.request(wire.GetStatus("status"), 4)  # no session was opened
+        assert isinstance(reply, wire.ErrorReply) and "before Hello" in reply.message
+    finally:
+        raw.close()
+    after = counters(env.d)
+    assert delta(before, after, "ipc_rejected") == 2
+    assert delta(before, after, "sessions_opened") == 1  # the status call's own session only
+
+
+def test_ipc_multi_frame_garbage_is_dropped_and_counted(env: Env) -> None:
+    before = counters(env.d)
+    raw = RawIpc(env.d.socket)
+    try:
+        raw.send(b"\x01\x02", b"garbage", b"more garbage")
+        env.counters_until(env.d, "ipc_malformed", before.get("ipc_malformed", 0) + 1)
+        # Nothing was answered: the next reply on this connection is the Welcome.
+        raw.hello(corr=9)
+    finally:
+        raw.close()
+    after = counters(env.d)
+    assert delta(before, after, "ipc_malformed") == 1
+    assert delta(before, after, "ipc_rejected") == 0
+
+
+def test_ipc_frame_beyond_the_transport_cap_drops_the_connection(env: Env) -> None:
+    """Frames far beyond the limit are cut off by the transport before they are buffered."""
+    raw = RawIpc(env.d.socket)
+    try:
+        raw.hello()
+        huge = _msgpack(wire.PROTOCOL_VERSION, wire.GetStatus.TYPE, 8, "x" * (64 * FRAME_LIMIT))
+        wait_disconnected(raw.sock, lambda: raw.send(huge))
+    finally:
+        raw.close()
+    assert status(env.d)["agent_name"] == env.d.name
+
+
+def test_ipc_client_gets_typed_error_for_a_frame_the_decoder_refuses(env: Env) -> None:
+    """A zero-block layout never passes the wire decoder: PROTOCOL for the caller, no timeout."""
+    lay = replace(kvlayout.block_major(4, NUM_LAYERS, CHUNK), num_blocks=0)
+    before = counters(env.d)
+    with KvdClient(
+        env.d.socket,
+        role="worker",
+        engine_id="kvdt-zero",
+        tp_rank=0,
+        timeout=5.0,
+        keepalive_interval=0,
+    ) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="num_blocks"):
+            c.register_region(None, layout=lay, name="kvdt-zero", nbytes=1 << 20)
+        assert time.monotonic() - t0 < 2.0
+        assert all(r["engine_id"] != "kvdt-zero" for r in c.status()["regions"])
+    after = counters(env.d)
+    assert delta(before, after, "ipc_rejected") == 1
+    assert delta(before, after, "region_rejected") == 0
+
+
+# ------------------------------------------------------------------ impossible regions
+
+
+@dataclass
+class RegionCase:
+    error: type[KvdError]
+    text: str
+    segment_bytes: int = 0  # create a real segment of this size (0: none)
+    name: str | None = None
+    nbytes: int | None = None
+    layout: wire.RegionLayout | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    kind: str = "shm"
+    ipc_handle: bytes = b""
+    symlink: bool = False
+
+
+_LAY = kvlayout.block_major(16, NUM_LAYERS, CHUNK)
+_SIZE = kvlayout.region_bytes(_LAY)
+
+REGION_CASES = {
+    "missing-segment": RegionCase(NotFound, "does not exist"),
+    "path-traversal": RegionCase(
+        InvalidRequest, "invalid shared-memory name", name="../../etc/passwd"
+    ),
+    "absolute-path": RegionCase(InvalidRequest, "invalid shared-memory name", name="/etc/passwd"),
+    "empty-name": RegionCase(InvalidRequest, "invalid shared-memory name", name=""),
+    "symlink": RegionCase(InvalidRequest, "cannot open segment", segment_bytes=_SIZE, symlink=True),
+    "segment-smaller-than-claimed": RegionCase(
+        InvalidRequest,
+        f"has {_SIZE // 2} bytes, the region claims {_SIZE}",
+        segment_bytes=_SIZE // 2,
+    ),
+    "chunks-beyond-nbytes": RegionCase(
+        InvalidRequest, "too small", segment_bytes=_SIZE, nbytes=_SIZE - 1
+    ),
+    "overlapping-strides": RegionCase(
+        InvalidRequest, "overlap", segment_bytes=_SIZE, layout=replace(_LAY, block_stride=CHUNK)
+    ),
+    "tp-rank-beyond-tp-size": RegionCase(
+        InvalidRequest, "tp_rank 2 must be < tp_size 2", segment_bytes=_SIZE, tp_rank=2, tp_size=2
+    ),
+    "unknown-kind": RegionCase(
+        InvalidRequest, "unknown region kind", segment_bytes=_SIZE, kind="nvme"
+    ),
+    "garbage-cuda-ipc-handle": RegionCase(
+        InvalidRequest, "cuda-ipc handle", kind="cuda-ipc", name="", ipc_handle=b"\xc1garbage"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REGION_CASES))
+def test_impossible_region_is_refused(env: Env, case: str) -> None:
+    rc = REGION_CASES[case]
+    engine = f"kvdt-reg-{case}"
+    seg: SharedRegion | None = None
+    link = ""
+    name = rc.name if rc.name is not None else unique_name("kvdt-missing")
+    if rc.segment_bytes:
+        seg = SharedRegion(unique_name("kvdt-seg"), rc.segment_bytes)
+        name = seg.name
+        if rc.symlink:
+            link = unique_name("kvdt-link")
+            os.symlink(seg.path, os.path.join("/dev/shm", link))
+            name = link
+    before = counters(env.d)
+    try:
+        with KvdClient(
+            env.d.socket,
+            role="worker",
+            engine_id=engine,
+            tp_rank=rc.tp_rank,
+            timeout=5.0,
+            keepalive_interval=0,
+        ) as c:
+            with pytest.raises(rc.error) as err:
+                c.register_region(
+                    None,
+                    layout=rc.layout or _LAY,
+                    tp_rank=rc.tp_rank,
+                    tp_size=rc.tp_size,
+                    compat=COMPAT,
+                    kind=rc.kind,
+                    name=name,
+                    nbytes=rc.nbytes or _SIZE,
+                    ipc_handle=rc.ipc_handle,
+                )
+            assert rc.text in str(err.value)
+            assert all(r["engine_id"] != engine for r in c.status()["regions"])
+    finally:
+        if link:
+            os.unlink(os.path.join("/dev/shm", link))
+        if seg is not None:
+            seg.close()
+    after = counters(env.d)
+    assert delta(before, after, "region_rejected") == 1
+    assert delta(before, after, "regions_registered") == 0
+
+
+def test_duplicate_engine_rank_is_refused(env: Env) -> None:
+    before = counters(env.d)
+    with (
+        SharedRegion(unique_name("kvdt-dup"), _SIZE) as a,
+        SharedRegion(unique_name("kvdt-dup"), _SIZE) as b,
+        KvdClient(
+            env.d.socket,
+            role="worker",
+            engine_id="kvdt-dup",
+            tp_rank=0,
+            timeout=5.0,
+            keepalive_interval=0,
+        ) as c,
+    ):
+        first = c.register_region(a, layout=_LAY, compat=COMPAT)
+        with pytest.raises(InvalidRequest, match=f"rank 0 already has region {first}"):
+            c.register_region(b, layout=_LAY, compat=COMPAT)
+        mine = [r for r in c.status()["regions"] if r["engine_id"] == "kvdt-dup"]
+        assert [(r["region_id"], r["name"]) for r in mine] == [(first, a.name)]
+        c.deregister_region(first)
+    after = counters(env.d)
+    assert delta(before, after, "region_rejected") == 1
+    assert delta(before, after, "regions_registered") == 1
+
+
+# ------------------------------------------------------------------ block ids
+
+
+BAD_BLOCKS = {
+    "beyond-the-region": ((1, NUM_BLOCKS), "outside [0, 64)"),
+    "negative": ((3, -1), "out of range"),
+    "duplicate": ((5, 6, 5), "more than once"),
+    "int32-max": ((2**31 - 1,), "outside [0, 64)"),
+}
+
+
+def _rid(tag: str) -> str:
+    return f"kvdt-{tag}-{secrets.token_hex(4)}"
+
+
+@pytest.mark.parametrize("case", list(BAD_BLOCKS))
+@pytest.mark.parametrize("kind", ["register_push", "pull"])
+def test_d_request_with_bad_block_ids_is_refused(env: Env, kind: str, case: str) -> None:
+    blocks, text = BAD_BLOCKS[case]
+    rid = _rid(kind)
+    if kind == "register_push":
+        msg: wire.Record = wire.RegisterPush(
+            rid, "decode", blocks, "127.0.0.1", env.p.side_port, "", ""
+        )
+    else:
+        msg = wire.Pull(
+            rid, "decode", blocks, "127.0.0.1", env.p.side_port, "", _rid("p"), (1, 2, 3, 4)
+        )
+    before = counters(env.d)
+    with KvdClient(
+        env.d.socket, role="scheduler", engine_id="decode", timeout=5.0, keepalive_interval=0
+    ) as c:
+        with pytest.raises(InvalidRequest, match="block id") as err:
+            c.request(msg)
+        assert text in str(err.value)
+        assert c.status()["writer"]["receiving"] == 0
+        assert c.drain_events() == []
+    after = counters(env.d)
+    assert delta(before, after, "requests_rejected") == 1
+    assert delta(before, after, f"{'push' if kind == 'register_push' else 'pull'}_requests") == 0
+
+
+def test_d_request_for_an_unknown_engine_is_refused(env: Env) -> None:
+    with (
+        KvdClient(
+            env.d.socket,
+            role="scheduler",
+            engine_id="kvdt-nobody",
+            timeout=5.0,
+            keepalive_interval=0,
+        ) as c,
+        pytest.raises(NotFound, match="no registered region"),
+    ):
+        c.request(
+            wire.RegisterPush(
+                _rid("push"), "kvdt-nobody", (0,), "127.0.0.1", env.p.side_port, "", ""
+            )
+        )
+
+
+def test_pull_of_p_blocks_outside_p_region_fails_without_a_read(env: Env) -> None:
+    """D can only check P's ids after the handshake: the request then fails, no READ is posted."""
+    rid = _rid("pull")
+    before_d, before_p = status(env.d), status(env.p)
+    with KvdClient(
+        env.d.socket, role="scheduler", engine_id="decode", timeout=5.0, keepalive_interval=0
+    ) as c:
+        c.pull(
+            rid,
+            [1, 2],
+            "127.0.0.1",
+            env.p.side_port,
+            remote_request_id=_rid("p"),
+            remote_block_ids=[NUM_BLOCKS + 5, 3],
+        )
+        evs = eventually(lambda: c.drain_events(), "the pull's terminal event")
+        assert len(evs) == 1 and isinstance(evs[0], wire.RecvFailed), evs
+        assert (
+            evs[0].request_id == rid
+            and evs[0].code == ErrorCode.INVALID
+            and evs[0].block_ids == (1, 2)
+        )
+        assert "outside [0, 64)" in evs[0].reason
+    after_d, after_p = status(env.d), status(env.p)
+    assert after_d["nixl"]["transfers_posted"] == before_d["nixl"]["transfers_posted"]
+    assert after_p["nixl"]["transfers_posted"] == before_p["nixl"]["transfers_posted"]
+    assert delta(before_d["counters"], after_d["counters"], "recv_failed") == 1
+
+
+@pytest.mark.parametrize("case", list(BAD_BLOCKS))
+def test_finish_with_bad_block_ids_is_refused(env: Env, case: str) -> None:
+    """P's finished blocks are checked against P's regions when the lease would be granted."""
+    blocks, text = BAD_BLOCKS[case]
+    rid = _rid("finish")
+    before = counters(env.p)
+    with KvdClient(
+        env.p.socket, role="scheduler", engine_id="prefill", timeout=5.0, keepalive_interval=0
+    ) as c:
+        with pytest.raises(InvalidRequest, match="block id") as err:
+            c.request(wire.Finish(rid, "prefill", blocks))
+        assert text in str(err.value)
+        leases = c.status("leases")["leases"]
+        assert all(lease["request_id"] != rid for lease in leases)
+    after = counters(env.p)
+    assert delta(before, after, "requests_rejected") == 1
+    assert delta(before, after, "leases_granted") == 0
+
+
+def test_finish_for_an_engine_without_regions_is_refused(env: Env) -> None:
+    with (
+        KvdClient(
+            env.p.socket,
+            role="scheduler",
+            engine_id="kvdt-nobody",
+            timeout=5.0,
+            keepalive_interval=0,
+        ) as c,
+        pytest.raises(NotFound, match="no registered region"),
+    ):
+        c.request(wire.Finish(_rid("finish"), "kvdt-nobody", (0, 1)))
+
+
+# ------------------------------------------------------------------ side channel
+
+
+@pytest.mark.parametrize("case", list(BAD_FRAMES))
+def test_side_channel_bad_frame_gets_typed_error(env: Env, case: str) -> None:
+    frame, code, text, corr = BAD_FRAMES[case]
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, frame)
+    assert got is not None, "no reply"
+    rcorr, reply = got
+    assert isinstance(reply, wire.ErrorReply), reply
+    assert (reply.code, rcorr) == (code, corr), reply
+    assert text in reply.message
+    assert delta(before, counters(env.d), "side_rejected") == 1
+    assert_peer_serves(env.p, env.d)
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [wire.GetStatus("status"), wire.PushDone("kvdt-x", 0, True, 0, ""), wire.Probe(1, False)],
+    ids=lambda m: type(m).__name__,
+)
+def test_side_channel_non_handshake_message_is_refused(env: Env, msg: wire.Record) -> None:
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, wire.encode(msg, 11))
+    assert got is not None
+    corr, reply = got
+    assert corr == 11 and isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.PROTOCOL
+    assert f"{type(msg).__name__} is not a side-channel request" in reply.message
+    assert delta(before, counters(env.d), "side_rejected") == 1
+    assert_peer_serves(env.p, env.d)
+
+
+def test_side_channel_multi_frame_garbage_is_dropped_and_counted(env: Env) -> None:
+    before = counters(env.d)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{env.d.side_port}")
+        sock.send_multipart([b"a", b"b", b"c"])
+        after = env.counters_until(env.d, "side_malformed", before.get("side_malformed", 0) + 1)
+        # Nothing was answered: the first reply on this connection is the next request's.
+        sock.send(wire.encode(wire.GetStatus("status"), 12))
+        assert sock.poll(5000)
+        corr, reply = wire.decode(sock.recv())
+        assert corr == 12 and isinstance(reply, wire.ErrorReply), reply
+    finally:
+        sock.close(0)
+    assert delta(before, after, "side_malformed") == 1
+    assert delta(before, after, "side_rejected") == 0
+    assert_peer_serves(env.p, env.d)
+
+
+def test_side_channel_frame_beyond_the_transport_cap_drops_the_connection(env: Env) -> None:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{env.d.side_port}")
+        huge = _msgpack(wire.PROTOCOL_VERSION, wire.Handshake.TYPE, 8, b"x" * (64 * FRAME_LIMIT))
+        wait_disconnected(sock, lambda: sock.send(huge))
+    finally:
+        sock.close(0)
+    assert_peer_serves(env.p, env.d)
+
+
+AUTH_CASES: dict[str, dict[str, Any]] = {
+    "no-mac": {"sign_with": b""},
+    "wrong-secret": {"sign_with": b"not the secret"},
+    "random-mac": {"mac": os.urandom(32)},
+    "reply-context": {"context": b"rep"},
+    "stale-timestamp": {"timestamp": time.time() - 3600.0},
+}
+
+
+@pytest.mark.parametrize("case", list(AUTH_CASES))
+def test_handshake_that_fails_authentication_is_refused(env: Env, case: str) -> None:
+    changes = dict(AUTH_CASES[case])
+    mac = changes.pop("mac", None)
+    hs = env.fake.handshake_msg(agent_name=f"kvdt-intruder-{case}", **changes)
+    if mac is not None:
+        hs = replace(hs, mac=mac)
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, wire.encode(hs, 21))
+    assert got is not None
+    corr, reply = got
+    assert corr == 21 and isinstance(reply, wire.ErrorReply), reply
+    assert reply.code == ErrorCode.AUTH and f"kvdt-intruder-{case}" in reply.message
+    after = counters(env.d)
+    assert delta(before, after, "auth_rejected") == 1
+    assert delta(before, after, "handshakes_accepted") == 0
+    assert all(p["agent"] != hs.agent_name for p in status(env.d, "peers")["peers"])
+    assert_peer_serves(env.p, env.d)
+
+
+def _bad_regions(fake: FakePeer) -> dict[str, tuple[wire.RegionInfo, str]]:
+    lay = fake.layout
+    return {
+        "chunks-beyond-nbytes": (fake.region(nbytes=fake.buf.nbytes - 1), "too small"),
+        "overlapping-strides": (fake.region(layout=replace(lay, layer_stride=CHUNK)), "overlap"),
+        "address-overflow": (fake.region(base_addr=2**64 - 4096), "overflows int64"),
+        "unknown-memory-type": (fake.region(mem_type="XRAM"), "unknown memory type"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["chunks-beyond-nbytes", "overlapping-strides", "address-overflow", "unknown-memory-type"],
+)
+def test_handshake_with_impossible_regions_is_refused(env: Env, case: str) -> None:
+    region, text = _bad_regions(env.fake)[case]
+    hs = env.fake.handshake_msg(
+        agent_name=f"kvdt-badregion-{case}", regions=(env.fake.region(region_id=7), region)
+    )
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, wire.encode(hs, 22))
+    assert got is not None
+    corr, reply = got
+    assert corr == 22 and isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.PROTOCOL, (
+        reply
+    )
+    assert text in reply.message
+    after = counters(env.d)
+    assert delta(before, after, "handshakes_rejected") == 1
+    assert delta(before, after, "handshakes_accepted") == 0
+    assert all(p["agent"] != hs.agent_name for p in status(env.d, "peers")["peers"])
+    assert_peer_serves(env.p, env.d)
+
+
+def test_handshake_with_bad_nixl_metadata_is_refused_and_harms_no_peer(env: Env) -> None:
+    """Garbage metadata, metadata of a known peer under another name, the daemon's own name."""
+    assert_peer_serves(env.d, env.p)  # D knows P now
+    p_md = env.fake.connect(env.p).nixl_md
+    d_md = env.fake.connect(env.d).nixl_md
+    cases = [
+        (
+            env.fake.handshake_msg(agent_name="kvdt-garbage-md", nixl_md=b"\x00garbage metadata"),
+            ErrorCode.TRANSFER,
+            "",
+        ),
+        (
+            env.fake.handshake_msg(agent_name="kvdt-p-in-disguise", nixl_md=p_md),
+            ErrorCode.PROTOCOL,
+            f"metadata names agent '{env.p.name}'",
+        ),
+        (
+            env.fake.handshake_msg(agent_name="kvdt-d-in-disguise", nixl_md=d_md),
+            ErrorCode.TRANSFER,
+            "",
+        ),
+        (env.fake.handshake_msg(agent_name=env.d.name), ErrorCode.INVALID, "our own agent name"),
+    ]
+    for hs, code, text in cases:
+        before = counters(env.d)
+        got = side_exchange(env.d.side_port, wire.encode(hs, 23))
+        assert got is not None
+        corr, reply = got
+        assert corr == 23 and isinstance(reply, wire.ErrorReply) and reply.code == code, reply
+        assert text in reply.message
+        assert delta(before, counters(env.d), "handshakes_rejected") == 1
+    # D still reaches P through the metadata it had: nothing was unloaded on P's behalf.
+    assert_peer_serves(env.d, env.p)
+    assert_peer_serves(env.p, env.d)
+
+
+def test_shared_secret_admits_peers_that_know_it_only(
+    env: Env, daemons: StartDaemon, workdir: Path
+) -> None:
+    other = workdir / "other-secret"
+    fd = os.open(other, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"a different secret\n")
+    os.close(fd)
+    x = daemons("kvdt-bad-x", f'[auth]\nsecret_file = "{other}"\n')
+    before_p, before_x = counters(env.p), counters(x)
+    res = ping(x, env.p)  # X cannot prove the secret to P
+    assert res["ok"] is False and "authentication" in res["error"], res
+    res = ping(env.p, x)  # nor does P accept X's answer (X refuses P first)
+    assert res["ok"] is False and "authentication" in res["error"], res
+    after_p, after_x = counters(env.p), counters(x)
+    assert delta(before_p, after_p, "auth_rejected") == 1
+    assert delta(before_x, after_x, "auth_rejected") == 1
+    assert delta(before_x, after_x, "handshakes_failed") == 1
+    assert all(p["agent"] != "kvdt-bad-x" for p in status(env.p, "peers")["peers"])
+    res = ping(env.d, env.p)  # a daemon with the same secret is admitted, data path included
+    assert res["ok"] is True and res["canary_match"] is True and res["agent"] == env.p.name, res
+
+
+# ------------------------------------------------------------------ NIXL notifications
+
+
+NOTIF_GARBAGE = {
+    "garbage": (b"\xc1 not a message", "notifs_malformed"),
+    "wrong-version": (
+        _msgpack(7, wire.PushDone.TYPE, 0, "kvdt-x", 0, True, 0, ""),
+        "notifs_malformed",
+    ),
+    "unknown-type": (_msgpack(wire.PROTOCOL_VERSION, 999, 0), "notifs_malformed"),
+    "wrong-field-types": (
+        _msgpack(wire.PROTOCOL_VERSION, wire.Heartbeat.TYPE, 0, "not a list"),
+        "notifs_malformed",
+    ),
+    "not-a-notification": (wire.encode(wire.GetStatus("status")), "notifs_rejected"),
+}
+
+
+@pytest.mark.parametrize("case", list(NOTIF_GARBAGE))
+@pytest.mark.parametrize("target", ["p", "d"])
+def test_malformed_notification_is_dropped_and_counted(env: Env, target: str, case: str) -> None:
+    raw, key = NOTIF_GARBAGE[case]
+    d = env.p if target == "p" else env.d
+    env.fake.connect(d)
+    before = counters(d)
+    env.fake.send(d, raw)
+    after = env.counters_until(d, key, before.get(key, 0) + 1)
+    assert delta(before, after, key) == 1
+    assert delta(before, after, "notifs_received") == 1
+
+
+def test_notification_over_the_frame_limit_is_dropped_and_counted(env: Env) -> None:
+    env.fake.connect(env.d)
+    before = counters(env.d)
+    raw = wire.encode(wire.Heartbeat(tuple(f"kvdt-big-{i}" for i in range(FRAME_LIMIT // 8))))
+    assert len(raw) > FRAME_LIMIT
+    env.fake.send(env.d, raw)
+    after = env.counters_until(env.d, "notifs_malformed", before.get("notifs_malformed", 0) + 1)
+    assert delta(before, after, "notifs_malformed") == 1
+    assert delta(before, after, "heartbeats_received") == 0
+
+
+def test_push_done_for_an_unknown_request_is_rejected(env: Env) -> None:
+    env.fake.connect(env.d)
+    before = counters(env.d)
+    env.fake.send(env.d, wire.encode(wire.PushDone(_rid("nobody"), 0, True, 0, "")))
+    after = env.counters_until(env.d, "notifs_rejected", before.get("notifs_rejected", 0) + 1)
+    assert delta(before, after, "recv_ok") == 0 and delta(before, after, "recv_failed") == 0
+
+
+def test_forged_push_done_cannot_complete_a_real_request(env: Env) -> None:
+    """A completion for D's in-flight request from an agent other than its P is ignored;
+    P's real WRITE still completes it, with every byte in place."""
+    p, d, fake = env.p_eng, env.d_eng, env.fake
+    fake.connect(env.d)
+    rng = random.Random(7)
+    p_blocks, d_blocks = p.alloc(rng, 3), d.alloc(rng, 3)
+    rid, p_rid = _rid("forged"), _rid("forged-p")
+    try:
+        for j, b in enumerate(p_blocks):
+            p.block(0, b)[:] = pattern(f"{rid}/0", j, p.block_bytes)
+        for b in d_blocks:
+            d.block(0, b)[:] = 0
+        d.client.register_push(rid, d_blocks, "127.0.0.1", env.p.side_port, remote_request_id=p_rid)
+
+        def registered() -> bool:
+            recv = [r for r in status(env.d, "transfers")["receiving"] if r["request_id"] == rid]
+            return bool(recv) and recv[0]["state"] == "registered"
+
+        eventually(registered, "D's registration to reach P")
+        before = counters(env.d)
+        fake.send(env.d, wire.encode(wire.PushDone(rid, 0, True, 0, "")))
+        fake.send(
+            env.d,
+            wire.encode(wire.PushDone(rid, 0, False, int(ErrorCode.TRANSFER), "forged failure")),
+        )
+        after = env.counters_until(env.d, "notifs_rejected", before.get("notifs_rejected", 0) + 2)
+        assert delta(before, after, "recv_ok") == 0 and delta(before, after, "recv_failed") == 0
+        assert registered()
+        assert d.client.drain_events() == []
+        p.client.finished(p_rid, p_blocks)
+        evs = eventually(lambda: d.client.drain_events(), "D's terminal event")
+        assert [(type(e), getattr(e, "request_id", None)) for e in evs] == [
+            (wire.RecvFinished, rid)
+        ], evs
+        for j, b in enumerate(d_blocks):
+            assert np.array_equal(d.block(0, b), pattern(f"{rid}/0", j, d.block_bytes))
+        p_evs = eventually(lambda: p.client.drain_events(), "P's terminal event")
+        assert [(type(e), getattr(e, "request_id", None)) for e in p_evs] == [
+            (wire.SendFinished, p_rid)
+        ]
+    finally:
+        p.release(p_blocks)
+        d.release(d_blocks)
+
+
+def _push_from_fake(
+    env: Env, d_blocks: tuple[int, ...], n_p_blocks: int
+) -> tuple[str, wire.PushDone, list[Event]]:
+    """The fake peer registers d_blocks of its region for a request P then finishes."""
+    p, fake = env.p_eng, env.fake
+    fake.connect(env.p)
+    rid = _rid("fakepush")
+    p_blocks = p.alloc(random.Random(11), n_p_blocks)
+    for j, b in enumerate(p_blocks):
+        p.block(0, b)[:] = pattern(f"{rid}/0", j, p.block_bytes)
+    try:
+        reg = wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, d_blocks, "", 0)
+        fake.send(env.p, wire.encode(reg))
+        p.client.finished(rid, p_blocks)
+        done = fake.wait_for(
+            lambda m: isinstance(m, wire.PushDone) and m.request_id == rid, "P's PushDone"
+        )
+        assert isinstance(done, wire.PushDone)
+        p_evs = eventually(lambda: p.client.drain_events(), "P's terminal event", pump=fake.pump)
+    finally:
+        p.release(p_blocks)
+    return rid, done, p_evs
+
+
+def test_push_registration_from_a_peer_writes_its_blocks(env: Env) -> None:
+    """Control for the next test: with valid ids, P does WRITE into the fake peer's region."""
+    env.fake.buf[:] = 0
+    before = status(env.p)
+    d_blocks = (6, 2)
+    rid, done, p_evs = _push_from_fake(env, d_blocks, 3)
+    assert done.ok is True, done
+    assert [(type(e), getattr(e, "request_id", None)) for e in p_evs] == [(wire.SendFinished, rid)]
+    block = env.p_eng.block_bytes
+    for j, b in enumerate(d_blocks):  # D's blocks get P's last len(d_blocks) blocks
+        got = env.fake.buf[b * block : (b + 1) * block]
+        assert np.array_equal(got, pattern(f"{rid}/0", j + 1, block))
+    untouched = np.ones(FAKE_BLOCKS, dtype=bool)
+    untouched[list(d_blocks)] = False
+    assert not env.fake.buf.reshape(FAKE_BLOCKS, block)[untouched].any()
+    after = status(env.p)
+    assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"] + 1
+
+
+@pytest.mark.parametrize("case", list(BAD_BLOCKS))
+def test_push_registration_with_blocks_outside_the_peer_region_builds_no_descriptor(
+    env: Env, case: str
+) -> None:
+    blocks, _ = BAD_BLOCKS[case]
+    blocks = tuple(
+        b if b != NUM_BLOCKS else FAKE_BLOCKS for b in blocks
+    )  # the fake region has 8 blocks
+    env.fake.buf[:] = 0
+    before = status(env.p)
+    rid, done, p_evs = _push_from_fake(env, blocks, len(blocks))
+    assert (done.ok, done.code) == (False, ErrorCode.INVALID), done
+    assert "block id" in done.reason
+    assert len(p_evs) == 1 and isinstance(p_evs[0], wire.SendFailed) and p_evs[0].request_id == rid
+    assert p_evs[0].code == ErrorCode.INVALID
+    after = status(env.p)
+    assert delta(before["counters"], after["counters"], "push_failed") == 1
+    assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
+    assert after["writer"]["sending"] == 0
+    assert not env.fake.buf.any()
+
+
+def test_heartbeat_with_unknown_ids_extends_nothing(env: Env) -> None:
+    env.fake.connect(env.p)
+    before = status(env.p)
+    ids = tuple(f"kvdt-unknown-{i}" for i in range(10_000))
+    env.fake.send(env.p, wire.encode(wire.Heartbeat(ids)))
+    after = env.counters_until(
+        env.p, "heartbeats_received", before["counters"].get("heartbeats_received", 0) + 1
+    )
+    assert delta(before["counters"], after, "heartbeat_unknown_ids") == 10_000
+    assert status(env.p)["reaper"]["leases"] == before["reaper"]["leases"]
+
+
+def test_pull_done_for_an_unknown_request_is_refused(env: Env) -> None:
+    env.fake.connect(env.p)
+    before = counters(env.p)
+    env.fake.send(env.p, wire.encode(wire.PullDone(_rid("nobody"), "kvdt-d-side-id")))
+    ack = env.fake.wait_for(
+        lambda m: isinstance(m, wire.PullAck) and m.d_request_id == "kvdt-d-side-id", "P's PullAck"
+    )
+    assert isinstance(ack, wire.PullAck)
+    assert (ack.ok, ack.code) == (False, ErrorCode.NOT_FOUND), ack
+    assert delta(before, counters(env.p), "pulls_refused") == 1
+
+
+def test_notifications_from_an_agent_that_never_handshaked_are_rejected(env: Env) -> None:
+    """The ghost learned P's NIXL metadata elsewhere. It can neither register, extend, cancel
+    nor complete anything at P: a forged PullDone does not release a real lease."""
+    p_md = env.fake.connect(env.p).nixl_md
+    ghost = new_agent(f"kvdt-ghost-{os.getpid()}")
+    assert ghost.add_remote_agent(p_md) == env.p.name.encode()
+    p = env.p_eng
+    rid = _rid("ghost")
+    blocks = p.alloc(random.Random(3), 2)
+    try:
+        p.client.finished(rid, blocks)  # a real lease, held for D
+        eventually(
+            lambda: any(lease["request_id"] == rid for lease in status(env.p, "leases")["leases"]),
+            "P's lease",
+        )
+        msgs = [
+            wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, (1,), "", 0),
+            wire.Heartbeat((rid,)),
+            wire.PullDone(rid, rid),
+            wire.CancelRegistration(rid),
+        ]
+        before = status(env.p)
+        for m in msgs:
+            ghost.send_notif(env.p.name, wire.encode(m))
+            ghost.get_new_notifs()
+        target = before["counters"].get("notifs_rejected", 0) + len(msgs)
+
+        def all_rejected() -> dict[str, int] | None:
+            ghost.get_new_notifs()
+            c = counters(env.p)
+            return c if c.get("notifs_rejected", 0) >= target else None
+
+        after = eventually(all_rejected, "P to reject the ghost's notifications")
+        for key in ("push_registrations", "heartbeats_received", "pulls_refused", "pulls_acked"):
+            assert delta(before["counters"], after, key) == 0, key
+        now = status(env.p)
+        assert now["writer"]["pending_registrations"] == before["writer"]["pending_registrations"]
+        assert any(lease["request_id"] == rid for lease in status(env.p, "leases")["leases"])
+        assert p.client.drain_events() == []  # no SendFinished: P's blocks stay leased
+    finally:
+        p.client.abort(rid)
+        evs = eventually(lambda: p.client.drain_events(), "the aborted lease's event")
+        p.release(blocks)
+    assert [(type(e), getattr(e, "request_id", None)) for e in evs] == [(wire.SendFailed, rid)]
+
+
+def test_peer_cannot_claim_another_daemons_address(env: Env) -> None:
+    """A handshake that advertises P's side-channel address does not redirect D's requests for P."""
+    env.fake.connect(env.d, side_port=env.p.side_port)
+    try:
+        res = run_mode(
+            "push",
+            env.p_eng,
+            env.d_eng,
+            env.p.side_port,
+            2,
+            random.Random(5),
+            max_blocks=4,
+            timeout=20,
+        )
+        assert res.verified == 2, res.summary()
+        env.fake.pump()
+        reg = [m for _, m in env.fake.inbox if isinstance(m, wire.PushRegistration)]
+        assert reg == [], "D sent its registration to the impostor"
+    finally:
+        env.fake.connect(env.d)  # advertise its own side channel again
+
+
+# ------------------------------------------------------------------ and after all that
+
+
+def test_daemons_still_move_verified_bytes(env: Env) -> None:
+    res = run_mode(
+        "push", env.p_eng, env.d_eng, env.p.side_port, 5, random.Random(1), max_blocks=8, timeout=30
+    )
+    assert res.verified == 5 and res.failed == 0 and res.mismatched == 0, res.summary()
+    res = run_mode(
+        "pull", env.p_eng, env.d_eng, env.p.side_port, 3, random.Random(2), max_blocks=8, timeout=30
+    )
+    assert res.verified == 3 and res.failed == 0 and res.mismatched == 0, res.summary()
+    for dp in (env.p, env.d):
+        assert dp.proc.poll() is None
+        assert status(dp)["agent_name"] == dp.name
