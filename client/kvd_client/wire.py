@@ -707,6 +707,9 @@ class RegionDropped(Record):
     agent_name: Id
     region_id: U32
     generation: U32
+    timestamp: NonNegFloat
+    mac: Annotated[bytes, Len(0, 64)]
+    """HMAC-SHA256 over the fields above when a shared secret is configured."""
 
 
 @message(68)

@@ -131,11 +131,9 @@ class AcceptHandshake(Call[wire.Record]):
 
 @dataclass
 class PeerRegionDropped(Call[None]):
-    """A peer says one of its regions is going away."""
+    """A peer says one of its regions is going away (raises AuthError if it cannot prove it)."""
 
-    agent: str
-    region_id: int
-    generation: int
+    notice: wire.RegionDropped
 
 
 @dataclass(frozen=True)

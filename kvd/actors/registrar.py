@@ -93,8 +93,8 @@ def geometry_of(base_addr: int, nbytes: int, layout: wire.RegionLayout) -> Geome
     return geo
 
 
-def handshake_mac(secret: bytes, hs: wire.Handshake, context: bytes) -> bytes:
-    """HMAC-SHA256 over the handshake with an empty mac field, bound to `context`."""
+def handshake_mac(secret: bytes, hs: wire.Handshake | wire.RegionDropped, context: bytes) -> bytes:
+    """HMAC-SHA256 over a peer message with an empty mac field, bound to `context`."""
     body = wire.encode(replace(hs, mac=b""))
     return hmac.new(secret, context + body, hashlib.sha256).digest()
 
@@ -309,7 +309,9 @@ class Registrar:
             return
         # 1. peers first: they must never address this generation again.
         if notify_peers and self.peers:
-            notice = wire.RegionDropped(self.engine.name, rid, r.view.generation)
+            notice = wire.RegionDropped(self.engine.name, rid, r.view.generation, time.time(), b"")
+            if self.secret is not None:
+                notice = replace(notice, mac=handshake_mac(self.secret, notice, b"drop"))
             with anyio.move_on_after(notify_timeout or self.handshake_timeout):
                 async with anyio.create_task_group() as tg:
                     for p in list(self.peers.values()):
@@ -520,14 +522,22 @@ class Registrar:
             msg.resolve(wire.ErrorReply.of(exc.code, exc.message))
 
     def _peer_region_dropped(self, msg: PeerRegionDropped) -> None:
-        p = self.peers.get(msg.agent)
+        n = msg.notice
+        if self.secret is not None:
+            good = handshake_mac(self.secret, n, b"drop")
+            if not n.mac or not hmac.compare_digest(good, n.mac) or abs(time.time() - n.timestamp) > AUTH_WINDOW_S:
+                self.counters["auth_rejected"] = self.counters.get("auth_rejected", 0) + 1
+                log.warning("region_drop_rejected", peer=n.agent_name, reason="authentication failed")
+                msg.fail(AuthError(f"region drop from {n.agent_name!r} failed authentication"))
+                return
+        p = self.peers.get(n.agent_name)
         if p is None:
             msg.resolve(None)
             return
-        regions = {k: r for k, r in p.info.regions.items() if r.region_id != msg.region_id}
+        regions = {k: r for k, r in p.info.regions.items() if r.region_id != n.region_id}
         p.info = replace(p.info, regions=regions)
-        self._publish(PeerUpdated(msg.agent, p.info))
-        log.info("peer_region_dropped", peer=msg.agent, region_id=msg.region_id, generation=msg.generation)
+        self._publish(PeerUpdated(n.agent_name, p.info))
+        log.info("peer_region_dropped", peer=n.agent_name, region_id=n.region_id, generation=n.generation)
         msg.resolve(None)
 
     async def _forget(self, agent: str) -> None:

@@ -84,7 +84,7 @@ class SideChannel:
             if isinstance(msg, wire.Handshake):
                 reply: wire.Record = await self.registrar.call(AcceptHandshake(msg))
             elif isinstance(msg, wire.RegionDropped):
-                await self.registrar.call(PeerRegionDropped(msg.agent_name, msg.region_id, msg.generation))
+                await self.registrar.call(PeerRegionDropped(msg))
                 await self.writer.call(DrainRemoteRegion(msg.agent_name, msg.region_id))
                 reply = wire.Ok()
             else:

@@ -829,6 +829,23 @@ def test_side_channel_non_handshake_message_is_refused(env: Env, msg: wire.Recor
     assert_peer_serves(env.p, env.d)
 
 
+@pytest.mark.parametrize("mac", [b"", bytes(32)], ids=["no-mac", "wrong-mac"])
+def test_unauthenticated_region_drop_is_refused(env: Env, mac: bytes) -> None:
+    """A forged `RegionDropped` naming a real peer must not make P forget D's regions."""
+    d_agent = status(env.d)["agent_name"]
+    assert any(p["agent"] == d_agent and p["regions"] for p in status(env.p, "peers")["peers"])
+    before = counters(env.p)
+    notice = wire.RegionDropped(d_agent, 1, 1, time.time(), mac)
+    got = side_exchange(env.p.side_port, wire.encode(notice, 5))
+    assert got is not None
+    corr, reply = got
+    assert corr == 5 and isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.AUTH
+    assert delta(before, counters(env.p), "auth_rejected") == 1
+    peer = next(p for p in status(env.p, "peers")["peers"] if p["agent"] == d_agent)
+    assert {r["engine_id"] for r in peer["regions"]} >= {"decode"}
+    assert_peer_serves(env.d, env.p)
+
+
 def test_side_channel_multi_frame_garbage_is_dropped_and_counted(env: Env) -> None:
     before = counters(env.d)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)

@@ -237,7 +237,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "CancelRegistration": (0, wire.CancelRegistration(request_id=REQ)),
     "RegionDropped": (
         0,
-        wire.RegionDropped(agent_name="kvd-host-ø-1234", region_id=2, generation=7),
+        wire.RegionDropped(agent_name="kvd-host-ø-1234", region_id=2, generation=7, timestamp=1_790_000_000.25,
+                           mac=bytes(range(32))),
     ),
     "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
     "ECAllocate": (31, wire.ECAllocate(mm_hash="mm-ï-9f8e", nbytes=4_718_592)),
