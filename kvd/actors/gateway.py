@@ -82,6 +82,7 @@ class Gateway:
         self._welcome = welcome
         self.sessions: dict[str, _Session] = {}
         self.by_ident: dict[bytes, str] = {}
+        self._rejected_by_ident: dict[bytes, int] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
@@ -153,6 +154,15 @@ class Gateway:
             self._count("ipc_send_dropped")
             log.debug("ipc_send_dropped", error=str(exc))
 
+    def _log_rejected(self, ident: bytes, why: str) -> None:
+        """Log a client's bad frames once, then every 1000th: a broken client cannot flood the log."""
+        n = self._rejected_by_ident.get(ident, 0) + 1
+        if len(self._rejected_by_ident) < 4096 or ident in self._rejected_by_ident:
+            self._rejected_by_ident[ident] = n
+        if n == 1 or n % 1000 == 0:
+            sid = self.by_ident.get(ident, "")
+            log.warning("ipc_frame_rejected", session=sid, error=why, rejected_from_client=n)
+
     def _error(self, ident: bytes, corr: int, exc: KvdError) -> None:
         code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.INTERNAL
         self._send(ident, wire.ErrorReply.of(code, exc.message), corr)
@@ -163,7 +173,7 @@ class Gateway:
             corr, msg = wire.decode(frame, self.max_frame)
         except RemoteProtocolError as exc:
             self._count("ipc_rejected")
-            log.warning("ipc_frame_rejected", error=exc.message)
+            self._log_rejected(ident, exc.message)
             self._error(ident, salvage_corr(frame), exc)
             return
         now = time.monotonic()
