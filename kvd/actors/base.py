@@ -3,11 +3,18 @@
 A mailbox is a bounded anyio memory stream. `post` never blocks: a full mailbox raises
 `Busy`, which the gateway turns into a BUSY reply. `call` posts a message carrying an
 asyncio future and awaits the answer (a one-shot reply channel).
+
+`post_internal` is for notices between actors that must not be lost (a lease staged or
+released, a request tracked or delivered): their number follows requests already
+accepted, not outside load, and refusing one would leave two actors disagreeing (or
+crash the sender). Beyond the bound they wait, in order, in an overflow queue that
+refills the mailbox as the receiver takes messages; outside posts are refused meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -45,6 +52,7 @@ class Mailbox(Generic[M]):
         send, recv = anyio.create_memory_object_stream[M](max_buffer_size=size)
         self._send: MemoryObjectSendStream[M] = send
         self._recv: MemoryObjectReceiveStream[M] = recv
+        self._overflow: deque[M] = deque()
         self.rejected = 0
 
     def post(self, msg: M) -> None:
@@ -55,22 +63,49 @@ class Mailbox(Generic[M]):
             self.rejected += 1
             raise Busy(f"the {self.name} mailbox is full ({self.size})") from None
 
+    def post_internal(self, msg: M) -> None:
+        """Enqueue an actor-to-actor notice without blocking and without ever refusing it."""
+        if not self._overflow:
+            try:
+                self._send.send_nowait(msg)
+                return
+            except anyio.WouldBlock:
+                pass
+        self._overflow.append(msg)
+
+    def _refill(self) -> None:
+        overflow = self._overflow
+        while overflow:
+            try:
+                self._send.send_nowait(overflow[0])
+            except anyio.WouldBlock:
+                return
+            overflow.popleft()
+
     async def call(self, msg: Call[R]) -> R:
         self.post(msg)  # type: ignore[arg-type]
         return await msg.reply
 
     def depth(self) -> int:
-        return self._send.statistics().current_buffer_used
+        return self._send.statistics().current_buffer_used + len(self._overflow)
 
     async def __aiter__(self) -> AsyncIterator[M]:
         async for msg in self._recv:
+            if self._overflow:
+                self._refill()
             yield msg
 
     async def receive(self) -> M:
-        return await self._recv.receive()
+        msg = await self._recv.receive()
+        if self._overflow:
+            self._refill()
+        return msg
 
     def receive_nowait(self) -> M:
-        return self._recv.receive_nowait()
+        msg = self._recv.receive_nowait()
+        if self._overflow:
+            self._refill()
+        return msg
 
     def stats(self) -> dict[str, Any]:
         return {"depth": self.depth(), "size": self.size, "rejected": self.rejected}

@@ -139,7 +139,7 @@ class Reaper:
             self._count("leases_expired")
             self._tombstone(lease.request_id)
             owner = self.owners.pop(lease.request_id, None)
-            self.writer.post(Unstage(lease.request_id, expired=True))
+            self.writer.post_internal(Unstage(lease.request_id, expired=True))
             if owner is not None:
                 self.emit(EventOut(owner.session, owner.engine_id, wire.SendExpired(lease.request_id)))
             log.info("lease_expired", request_id=lease.request_id, late_s=round(now - lease.deadline, 4))
@@ -248,7 +248,7 @@ class Reaper:
                 self.leases.grant(m.request_id, now, owner=req.session)
                 self.owners[m.request_id] = _Owner(req.session, m.engine_id)
                 self._count("leases_granted")
-                self.writer.post(Stage(m.request_id, m.engine_id, m.block_ids, req.session))
+                self.writer.post_internal(Stage(m.request_id, m.engine_id, m.block_ids, req.session))
                 req.resolve(wire.Ok())
             elif isinstance(m, wire.Track):
                 self._track(m.request_id, m.remote_request_id, m.peer_host, m.peer_port, now)
@@ -290,7 +290,7 @@ class Reaper:
     def _end_lease(self, rid: str, event: wire.Record | None) -> None:
         self.leases.release(rid)
         owner = self.owners.pop(rid, None)
-        self.writer.post(Unstage(rid, expired=False))
+        self.writer.post_internal(Unstage(rid, expired=False))
         if owner is not None and event is not None:
             self.emit(EventOut(owner.session, owner.engine_id, event))
 
@@ -328,7 +328,7 @@ class Reaper:
             if key is not None:
                 owner = self.owners.pop(key, None)
                 self.leases.release(key)
-                self.writer.post(Unstage(key, expired=False))
+                self.writer.post_internal(Unstage(key, expired=False))
                 ack = wire.PullAck(msg.d_request_id, True, 0, "")
                 self._count("pulls_acked")
                 if owner is not None:

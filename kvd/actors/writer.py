@@ -278,7 +278,7 @@ class Writer:
         r = _Recv(rid, engine_id, session, mode, blocks, host, port, remote_rid, time.monotonic())
         self.recvs[rid] = r
         self._count(f"{mode}_requests")
-        self.reaper.post(TrackRequest(rid, remote_rid, host, port, session, engine_id))
+        self.reaper.post_internal(TrackRequest(rid, remote_rid, host, port, session, engine_id))
         return r
 
     async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
@@ -421,9 +421,12 @@ class Writer:
         t0 = time.perf_counter()
         errors: list[BaseException] = []
         try:
-            async with anyio.create_task_group() as tg:
-                for plan, notif, loc, rem in zip(plans, notifs, local, remote, strict=True):
-                    tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors)
+            if len(plans) == 1:  # one rank: no task group needed (it costs a task per request)
+                await self._one(op, agent, plans[0], notifs[0], local[0], remote[0], errors)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for plan, notif, loc, rem in zip(plans, notifs, local, remote, strict=True):
+                        tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors)
         finally:
             for loc, rem in zip(local, remote, strict=True):
                 self.inflight_local[loc.region_id] -= 1
@@ -511,14 +514,14 @@ class Writer:
             ]
             notifs = [wire.encode(wire.PushDone(d_rid, rank, True, 0, "")) for rank in range(len(local))]
             await self._run_plans("WRITE", m.finished_id, reg.agent, local, remote, plans, notifs, None)
-            self.reaper.post(Delivered(m.finished_id, True))
+            self.reaper.post_internal(Delivered(m.finished_id, True))
             log.debug("push_done", request_id=m.finished_id, peer=reg.agent)
         except KvdError as exc:
             self._count("push_failed")
             log.warning("push_failed", request_id=m.finished_id, peer=reg.agent, error=exc.message)
             await self._tell_push_failed(reg.agent, d_rid, exc)
             if claimed or not isinstance(exc, LeaseExpired):
-                self.reaper.post(Delivered(m.finished_id, False, int(exc.code), exc.message))
+                self.reaper.post_internal(Delivered(m.finished_id, False, int(exc.code), exc.message))
         finally:
             left = self.pushing.pop(pushing) - 1
             if left:
@@ -592,7 +595,7 @@ class Writer:
             d_rid = got.msg.request_id if got is not None else msg.request_id
             self._tg.start_soon(self._tell_push_failed, agent, d_rid, TransferError("cancelled by D"))
             if got is not None:
-                self.reaper.post(Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D"))
+                self.reaper.post_internal(Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D"))
         else:
             self._reject(agent, f"unexpected {type(msg).__name__}")
 
@@ -648,7 +651,7 @@ class Writer:
             # not cancel(): a child task ending in CancelledError cancels the whole task group
             r.ack.set_exception(TransferError("the request already ended"))
             r.ack.exception()  # retrieved here; _pull still sees it if it awaits
-        self.reaper.post(Untrack(r.request_id))
+        self.reaper.post_internal(Untrack(r.request_id))
         dur = time.monotonic() - r.started
         if exc is None:
             self._count("recv_ok")
