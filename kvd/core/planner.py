@@ -31,6 +31,9 @@ from kvd_client.errors import Incompatible, InvalidRequest, KvdError
 
 Int64Array = npt.NDArray[np.int64]
 
+_SMALL: Final = 64
+"""Block lists up to this long are checked in plain Python when they are valid."""
+
 INT64_MAX: Final = 2**63 - 1
 INT64_MIN: Final = -(2**63)
 
@@ -260,6 +263,14 @@ def check_blocks(
     Raises InvalidRequest, naming the first offender, for anything that is not a 1-D
     sequence of ints, for ids outside [0, num_blocks), and for duplicates.
     """
+    if (
+        type(block_ids) in (list, tuple)
+        and len(block_ids) <= _SMALL
+        and all(type(b) is int and 0 <= b < geometry.num_blocks for b in block_ids)
+        and len(set(block_ids)) == len(block_ids)
+    ):
+        # the common small request, valid: plain Python is much cheaper than numpy here
+        return np.array(block_ids, dtype=np.int64)
     blocks = _as_int64_array(block_ids, "block ids")
     bad = (blocks < 0) | (blocks >= geometry.num_blocks)
     if bad.any():
@@ -321,14 +332,31 @@ def _tuples(addrs: Int64Array, lengths: Int64Array, dev: int) -> Int64Array:
     return out
 
 
+_VALIDATED: dict[int, Geometry] = {}
+"""Geometries already validated, by identity (a Geometry is immutable). Kept alive here
+so that an id is never reused by another object while it is a key."""
+
+_VALIDATED_MAX: Final = 4096
+
+
+def _validate_once(geometry: Geometry) -> None:
+    """`geometry.validate()`, skipped for the very object validated before."""
+    if _VALIDATED.get(id(geometry)) is geometry:
+        return
+    geometry.validate()
+    if len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.clear()
+    _VALIDATED[id(geometry)] = geometry
+
+
 def _prepare(
     local: Geometry,
     local_blocks: Sequence[int] | npt.NDArray[np.integer],
     remote: Geometry,
     remote_blocks: Sequence[int] | npt.NDArray[np.integer],
 ) -> tuple[Int64Array, Int64Array]:
-    local.validate()
-    remote.validate()
+    _validate_once(local)
+    _validate_once(remote)
     local.check_compatible(remote)
     lb = check_blocks(local, local_blocks)
     rb = check_blocks(remote, remote_blocks)
@@ -339,8 +367,10 @@ def _prepare(
     return lb, rb
 
 
-_Dim = tuple[Int64Array, Int64Array]
-"""One dimension of the chunk grid: its local and its remote address offsets."""
+_Dim = tuple[Int64Array, Int64Array, int | None, int | None]
+"""One dimension of the chunk grid: its local and remote address offsets, and the
+constant step between consecutive offsets on each side when the dimension is a plain
+range (layers, K/V parts), else None (blocks: any ids)."""
 
 
 def _grid_dims(
@@ -358,15 +388,26 @@ def _grid_dims(
         lb, rb = lb[order], rb[order]
     layers = np.arange(local.num_layers, dtype=np.int64)
     parts = np.arange(local.kv_parts, dtype=np.int64)
-    dims = [
-        (local.block_stride, lb * local.block_stride, rb * remote.block_stride),
-        (local.layer_stride, layers * local.layer_stride, layers * remote.layer_stride),
-        (local.kv_stride, parts * local.kv_stride, parts * remote.kv_stride),
+    dims: list[tuple[int, _Dim]] = [
+        (local.block_stride, (lb * local.block_stride, rb * remote.block_stride, None, None)),
+        (
+            local.layer_stride,
+            (
+                layers * local.layer_stride,
+                layers * remote.layer_stride,
+                local.layer_stride,
+                remote.layer_stride,
+            ),
+        ),
+        (
+            local.kv_stride,
+            (parts * local.kv_stride, parts * remote.kv_stride, local.kv_stride, remote.kv_stride),
+        ),
     ]
     if by_local_address:
         # A dimension with one entry adds a constant: its stride has no say in the order.
-        dims.sort(key=lambda dim: -dim[0] if dim[1].shape[0] > 1 else 0)
-    return [(lo, ro) for _, lo, ro in dims]
+        dims.sort(key=lambda dim: -dim[0] if dim[1][0].shape[0] > 1 else 0)
+    return [dim for _, dim in dims]
 
 
 def _outer_sum(base: int, offsets: list[Int64Array]) -> Int64Array:
@@ -392,22 +433,33 @@ def _coalesced(
     dims = list(dims)
     unit = chunk
     while dims:
-        lo, ro = dims[-1]
-        if lo.shape[0] > 1 and not ((np.diff(lo) == unit).all() and (np.diff(ro) == unit).all()):
-            break
+        lo, ro, lstep, rstep = dims[-1]
+        n = lo.shape[0]
+        if n > 1:
+            # A range dimension steps by a constant: no need to look at every offset.
+            if lstep is not None and rstep is not None:
+                if lstep != unit or rstep != unit:
+                    break
+            elif not (_steps_equal(lo, unit) and _steps_equal(ro, unit)):
+                break
         dims.pop()
         base_local += int(lo[0])
         base_remote += int(ro[0])
-        unit *= lo.shape[0]
+        unit *= n
     if not dims:
         one = np.ones(1, dtype=np.int64)
         return one * base_local, one * base_remote, one * unit
-    lo, ro = dims.pop()
-    joins = (np.diff(lo) == unit) & (np.diff(ro) == unit)
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    run_lengths = np.diff(np.append(starts, lo.shape[0])) * unit
-    la = _outer_sum(base_local, [lo for lo, _ in dims] + [lo[starts]])
-    ra = _outer_sum(base_remote, [ro for _, ro in dims] + [ro[starts]])
+    lo, ro, lstep, rstep = dims.pop()
+    n = lo.shape[0]
+    if lstep is not None and rstep is not None:
+        starts = np.arange(n, dtype=np.int64)  # it did not fold: no step continues a run
+        run_lengths = np.full(n, unit, dtype=np.int64)
+    else:
+        joins = ((lo[1:] - lo[:-1]) == unit) & ((ro[1:] - ro[:-1]) == unit)
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        run_lengths = np.diff(np.append(starts, n)) * unit
+    la = _outer_sum(base_local, [d[0] for d in dims] + [lo[starts]])
+    ra = _outer_sum(base_remote, [d[1] for d in dims] + [ro[starts]])
     outer = la.shape[0] // starts.shape[0]
     lengths = np.tile(run_lengths, outer)
     if outer > 1:
@@ -419,6 +471,11 @@ def _coalesced(
             lengths = np.add.reduceat(lengths, starts)
             la, ra = la[starts], ra[starts]
     return la, ra, lengths.astype(np.int64, copy=False)
+
+
+def _steps_equal(offsets: Int64Array, step: int) -> bool:
+    """Whether consecutive offsets all differ by exactly `step`."""
+    return bool(((offsets[1:] - offsets[:-1]) == step).all())
 
 
 def _check_inside(addrs: Int64Array, lengths: Int64Array, geometry: Geometry, side: str) -> None:
@@ -474,7 +531,7 @@ def plan_per_chunk(
     """
     lb, rb = _prepare(local, local_blocks, remote, remote_blocks)
     dims = _grid_dims(local, lb, remote, rb, by_local_address=False)
-    la = _outer_sum(local.base_addr, [lo for lo, _ in dims])
-    ra = _outer_sum(remote.base_addr, [ro for _, ro in dims])
+    la = _outer_sum(local.base_addr, [d[0] for d in dims])
+    ra = _outer_sum(remote.base_addr, [d[1] for d in dims])
     lengths = np.full(la.shape[0], local.chunk_bytes, dtype=np.int64)
     return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
