@@ -332,6 +332,28 @@ def test_d_aborts_before_admission_pull_frees_p_now(
     assert_daemon_idle(dd)
 
 
+def test_p_aborts_push_d_fails_fast_and_recomputes(
+    pair: tuple[DaemonProc, DaemonProc], model: str, instances: list[Instance]
+) -> None:
+    """Push runs both legs at once; P's leg is aborted before it prefills: D must not wait
+    for push_registration_timeout (480 s by default)."""
+    pd, dd = pair
+    p = make_instance("p", pd.socket, model, mode="push")
+    d = make_instance("d", dd.socket, model, mode="push", failure_policy="recompute")
+    instances += [p, d]
+    tokens = prompt(8, 37)
+    p_id, d_id = proxy(p, d, "pabort", tokens, "push")
+    run_until(lambda: d_id in d.waited_remote, [d])  # D registered and waits for P's WRITE
+    p.abort(p_id)  # never prefilled: an empty finish makes D's registration fail now
+    run_until(lambda: d_id in d.finished and not d.busy() and not p.busy(), [p, d], timeout=10)
+    assert d_id in d.failed_recv and d_id not in d.received and p_id not in p.sent
+    assert [t for o in d.outputs[d_id] for t in o.new_token_ids] == [TOKEN] * 3
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
 def test_d_daemon_killed_p_frees_by_lease_expiry(
     daemons: StartDaemon, model: str, instances: list[Instance]
 ) -> None:

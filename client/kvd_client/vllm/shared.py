@@ -48,10 +48,7 @@ class Subscription:
 
     def take(self) -> list[Event]:
         """Poll the daemon (never blocks) and return this subscriber's new events."""
-        self._owner.poll()
-        out = list(self._queue)
-        self._queue.clear()
-        return out
+        return self._owner.poll(self)
 
     def close(self) -> None:
         self._owner.unsubscribe(self)
@@ -99,18 +96,23 @@ class SharedClient:
         with self._lock:
             return fn(*args, **kwargs)
 
-    def poll(self) -> None:
-        """Drain the daemon's events without blocking and hand them to every subscriber."""
+    def poll(self, taker: Subscription | None = None) -> list[Event]:
+        """Drain the daemon's events without blocking and hand them to every subscriber;
+        returns (and clears) `taker`'s queue, all under the lock."""
         with self._lock:
-            if self._closed:
-                return
-            try:
-                events = self.client.drain_events()
-            except KvdError as exc:  # e.g. a reconnect that failed half way: retried next poll
-                log.warning("kvd: draining events failed: %s", exc)
-                return
-            for sub in self._subs:
-                sub._queue.extend(events)
+            if not self._closed:
+                try:
+                    events = self.client.drain_events()
+                except KvdError as exc:  # e.g. a reconnect that failed half way: retried next poll
+                    log.warning("kvd: draining events failed: %s", exc)
+                    events = []
+                for sub in self._subs:
+                    sub._queue.extend(events)
+            if taker is None:
+                return []
+            out = list(taker._queue)
+            taker._queue.clear()
+            return out
 
     def close(self) -> None:
         with self._lock:
