@@ -276,6 +276,36 @@ def test_async_scheduler_pull(
     d.assert_idle()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nothing_to_load_sends_an_empty_transfer_so_p_frees_now(
+    mode: str, pair: tuple[DaemonProc, DaemonProc], model: str, instances: list[Instance]
+) -> None:
+    """vLLM asks for no external tokens (here: a request that must not read any cache):
+    update_state_after_alloc gets 0 and the connector still tells P to free at once."""
+    pd, dd = pair
+    p = make_instance("p", pd.socket, model, mode=mode)
+    d = make_instance("d", dd.socket, model, mode=mode)
+    instances += [p, d]
+    tokens = prompt(12, 41)
+    p_id, d_id = ids("noload")
+    p.add(p_id, tokens, max_tokens=1, params={"do_remote_decode": True})
+    run_until(lambda: p_id in p.finished, [p])
+    params = p.finished[p_id].kv_transfer_params if mode == "pull" else p_params(p, mode)
+    before = counters(pd)
+    d.add(d_id, tokens, max_tokens=2, params=params, skip_prefix_cache=True)
+    run_until(lambda: d_id in d.finished and not d.busy() and not p.busy(), [p, d], timeout=10)
+    assert d_id not in d.waited_remote and d_id not in d.received and d_id not in d.failed_recv
+    assert p_id in p.sent
+    after = counters(pd)
+    assert after.get("leases_expired", 0) == before.get("leases_expired", 0)  # freed by D's notice
+    key = "pulls_acked" if mode == "pull" else "sends_ok"  # an empty READ / WRITE
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
 # ---------------------------------------------------------------------- failures
 
 

@@ -111,10 +111,18 @@ class Instance:
     # ------------------------------------------------------------------ requests
 
     def add(
-        self, rid: str, prompt: Sequence[int], *, max_tokens: int, params: dict[str, Any] | None
+        self,
+        rid: str,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        skip_prefix_cache: bool = False,
     ) -> Request:
         sp = SamplingParams(
-            max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None
+            max_tokens=max_tokens,
+            extra_args={"kv_transfer_params": params} if params else None,
+            skip_reading_prefix_cache=skip_prefix_cache or None,
         )
         sp.update_from_generation_config({}, EOS)
         req = Request(
