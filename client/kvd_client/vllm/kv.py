@@ -404,6 +404,9 @@ class _SchedulerSide:
                 st = self._d.get(rid)
                 if st is not None and st.phase == "orphaned":
                     del self._d[rid]
+                # forwarded too: a rank whose own session never sees this event (a refusal
+                # only this session got) still forgets the id it was told to ignore
+                self._meta.outcomes.append((rid, kind))
                 continue
             st = self._d.get(rid)
             if (kind != SEND_DONE and st is not None and st.phase == "loading") or (
