@@ -5,14 +5,15 @@
 # installed with --no-deps plus the few packages its scheduler and connector code import
 # (see shared/references/vllm-on-cpu.md). Never install torchvision here: transformers
 # then fails with "operator torchvision::nms does not exist".
-# Idempotent: does nothing when vllm 0.33.0 already imports.
+# Idempotent: does nothing when vllm 0.33.0 and the last of its extras are installed.
 # Usage: scripts/install-vllm.sh            (uses .venv/bin/pip)
 #        PIP=/path/to/venv/bin/pip scripts/install-vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
 PYBIN="$(dirname "$PIP")/python"
-if "$PYBIN" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.33.0")' 2>/dev/null; then
+if "$PYBIN" -c 'import importlib.metadata as m, sys
+sys.exit(m.version("vllm") != "0.33.0" or not all(m.version(p) for p in ("xgrammar", "einops")))' 2>/dev/null; then
     exit 0
 fi
 pipq=("$PIP" install -q --disable-pip-version-check)
