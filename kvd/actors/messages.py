@@ -179,10 +179,14 @@ class Stage:
 
 @dataclass(frozen=True)
 class Unstage:
-    """Reaper -> writer: the lease ended; forget the staged blocks."""
+    """Reaper -> writer: the lease ended; forget the staged blocks.
+
+    expired/aborted: the request will never be sent, so a D registration that arrives
+    later is failed at once instead of waiting for D's watchdog."""
 
     request_id: str
     expired: bool
+    aborted: bool = False
 
 
 @dataclass(frozen=True)

@@ -288,9 +288,10 @@ class Reaper:
             self.probes.set(peer, now + self.probe_interval)
 
     def _end_lease(self, rid: str, event: wire.Record | None) -> None:
+        """Release a lease early (P aborted, or its client went away): it will never be sent."""
         self.leases.release(rid)
         owner = self.owners.pop(rid, None)
-        self.writer.post_internal(Unstage(rid, expired=False))
+        self.writer.post_internal(Unstage(rid, expired=False, aborted=True))
         if owner is not None and event is not None:
             self.emit(EventOut(owner.session, owner.engine_id, event))
 

@@ -132,7 +132,8 @@ class Writer:
         self.local: dict[tuple[str, int], LocalRegion] = {}
         self.peers: dict[str, PeerInfo] = {}
         self.matcher: PushMatcher[_PushReg, Stage] = PushMatcher()
-        self.expired: OrderedDict[str, None] = OrderedDict()
+        self.expired: OrderedDict[str, KvdError] = OrderedDict()
+        """Base ids P will never send (lease expired, or P aborted) -> the error for D."""
         self._max_tombstones = tombstones
         self.recvs: dict[str, _Recv] = {}
         self.watchdogs: TimerHeap[str] = TimerHeap()
@@ -187,7 +188,9 @@ class Writer:
         elif isinstance(msg, Unstage):
             self.matcher.remove_finished(msg.request_id)
             if msg.expired:
-                self._tombstone(msg.request_id)
+                self._tombstone(msg.request_id, LeaseExpired("the lease expired before D registered"))
+            elif msg.aborted:
+                self._p_gave_up(msg.request_id)
         elif isinstance(msg, LocalRegionsChanged):
             self.local = msg.regions
         elif isinstance(msg, PeerUpdated):
@@ -247,6 +250,9 @@ class Writer:
                 known = self.recvs.get(m.request_id)
                 if known is not None and known.session == req.session:
                     self._abort_recv(known)
+                elif known is None:
+                    # P side: whatever D registered for it will never be written
+                    self._p_gave_up(m.request_id)
                 req.resolve(wire.Ok())
             else:
                 raise TypeError(f"writer got {type(m).__name__}")
@@ -533,12 +539,23 @@ class Writer:
         except KvdError as send_exc:
             log.warning("push_failure_notice_failed", request_id=d_rid, peer=agent, error=send_exc.message)
 
-    def _tombstone(self, rid: str) -> None:
+    def _tombstone(self, rid: str, exc: KvdError) -> None:
         if self._max_tombstones <= 0:
             return
-        self.expired[base_request_id(rid)] = None
+        self.expired[base_request_id(rid)] = exc
         while len(self.expired) > self._max_tombstones:
             self.expired.popitem(last=False)
+
+    def _p_gave_up(self, rid: str) -> None:
+        """P aborted `rid`: fail a registration already waiting for it, and any that comes later."""
+        exc = TransferError("P aborted the request")
+        self._tombstone(rid, exc)
+        key = self.matcher.find_registration(rid)
+        reg = self.matcher.remove_registration(key) if key is not None else None
+        if reg is not None:
+            assert self._tg is not None
+            self._count("registrations_failed_p_abort")
+            self._tg.start_soon(self._tell_push_failed, reg.agent, reg.msg.request_id, exc)
 
     # ---------------------------------------------------------------- notifications
 
@@ -547,11 +564,12 @@ class Writer:
             self._reject(agent, f"{type(msg).__name__} from an agent that never handshaked")
             return
         if isinstance(msg, wire.PushRegistration):
-            if base_request_id(msg.request_id) in self.expired or base_request_id(msg.remote_request_id or
-                                                                                  msg.request_id) in self.expired:
+            gone = self.expired.get(base_request_id(msg.remote_request_id or msg.request_id))
+            if gone is None:
+                gone = self.expired.get(base_request_id(msg.request_id))
+            if gone is not None:
                 assert self._tg is not None
-                self._tg.start_soon(self._tell_push_failed, agent, msg.request_id,
-                                    LeaseExpired("the lease expired before D registered"))
+                self._tg.start_soon(self._tell_push_failed, agent, msg.request_id, gone)
                 self._count("late_registrations")
                 return
             key = msg.remote_request_id or msg.request_id

@@ -132,6 +132,10 @@ class PushMatcher(Generic[R, F]):
         """Drop a waiting registration (exact id); None if there is none."""
         return self._regs.pop(request_id)
 
+    def find_registration(self, request_id: str) -> str | None:
+        """The key of a waiting registration for this id: exact first, then by base id."""
+        return self._regs.lookup(request_id)
+
     def remove_finished(self, request_id: str) -> F | None:
         """Drop a waiting finished notice (exact id); None if there is none."""
         return self._fins.pop(request_id)

@@ -144,3 +144,11 @@ def test_random_against_model() -> None:
         assert m.pending_registrations() == len(regs)
         assert m.pending_finished() == len(fins)
         assert m.has_unmatched_finished() == bool(fins)
+
+
+def test_find_registration_exact_then_base() -> None:
+    m: PushMatcher[str, str] = PushMatcher()
+    m.add_registration("cmpl-1-0-aaaaaaaa", "reg", 0.0)
+    assert m.find_registration("cmpl-1-0-aaaaaaaa") == "cmpl-1-0-aaaaaaaa"
+    assert m.find_registration("cmpl-1-0-bbbbbbbb") == "cmpl-1-0-aaaaaaaa"
+    assert m.find_registration("cmpl-2-0-bbbbbbbb") is None

@@ -6,10 +6,12 @@ import json
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 
 from kvd.demo import make_engine, run_mode
+from kvd_client import wire
 
 from .conftest import StartDaemon
 
@@ -101,6 +103,39 @@ def test_full_local_hit_pull_frees_p_at_once(daemons: StartDaemon) -> None:
         assert [type(e).__name__ for e in p.client.wait_events(10)] == ["SendFinished"]
         assert p.client.status("leases")["leases"] == []
         assert d.client.status()["counters"].get("descriptors", 0) == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_p_abort_fails_d_push_registration_at_once(daemons: StartDaemon) -> None:
+    """P gives up on a request: D's registration, waiting or late, fails now, not at its watchdog."""
+    p_d = daemons("kvd-p")
+    d_d = daemons("kvd-d")
+    p = make_engine(p_d.socket, "prefill", num_blocks=16, num_layers=2, chunk_bytes=4096)
+    d = make_engine(d_d.socket, "decode", num_blocks=16, num_layers=2, chunk_bytes=4096)
+    try:
+        # 1. D registered first; P never finishes and aborts
+        d.client.register_push("ab-1-aaaaaaaa", [1, 2], "127.0.0.1", p_d.side_port)
+        deadline = time.monotonic() + 10
+        while p.client.status()["writer"]["pending_registrations"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        p.client.abort("ab-1-bbbbbbbb")
+        (ev,) = d.client.wait_events(5)
+        assert isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason and ev.block_ids == (1, 2)
+        # 2. P finished, then aborted (lease released); D registers late
+        p.client.finished("ab-2-bbbbbbbb", [3])
+        p.client.abort("ab-2-bbbbbbbb")
+        (pev,) = p.client.wait_events(5)
+        assert isinstance(pev, wire.SendFailed)
+        d.client.register_push("ab-2-aaaaaaaa", [4], "127.0.0.1", p_d.side_port)
+        (ev,) = d.client.wait_events(5)
+        assert isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason
+        st = p.client.status()
+        assert st["writer"]["pending_registrations"] == 0 and st["reaper"]["leases"] == 0
+        assert st["counters"]["registrations_failed_p_abort"] == 1
+        assert st["counters"]["late_registrations"] == 1
     finally:
         p.close()
         d.close()
