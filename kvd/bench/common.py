@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
+from kvd_client.errors import Busy
 from kvd_client.shm import SharedRegion, unique_name
 
 from kvd.core.planner import Geometry
@@ -213,8 +214,21 @@ def expect_ok(ev: Event, what: str) -> None:
         raise BenchError(f"{what}: {type(ev).__name__} {reason}")
 
 
+def status(cli: KvdClient, section: str = "status", timeout: float = 30.0) -> dict[str, Any]:
+    """`cli.status(section)`, retried while an actor's mailbox answers BUSY (by design,
+    under a burst such as thousands of leases released at once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return cli.status(section)
+        except Busy:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def status_client(socket: str) -> KvdClient:
-    c = KvdClient(socket, role="cli", timeout=30.0, keepalive_interval=0)
+    c = KvdClient(socket, role="cli", timeout=30.0, keepalive_interval=1.0)
     c.connect()
     return c
 
@@ -240,7 +254,7 @@ class Env:
     def transfers(self, side: str, request_id: str) -> dict[str, Any]:
         """The daemon's record of a finished transfer (descriptors, bytes, duration)."""
         cli = self.p_cli if side == "p" else self.d_cli
-        for rec in reversed(cli.status("transfers")["recent"]):
+        for rec in reversed(status(cli, "transfers")["recent"]):
             if rec["request_id"] == request_id:
                 return dict(rec)
         return {}

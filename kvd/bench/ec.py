@@ -95,7 +95,12 @@ def run(
     descs = 0
     last: tuple[wire.ECParams, np.ndarray] | None = None
     rng = random.Random(seed + 4)
-    for rep in range(cfg.cold_reps + 2):  # two warm-up rounds
+    # Warm-up: one pass over the consumer's whole EC region (and two more fetches), so
+    # that no timed fetch pays the one-time page faults of a daemon's first touch of
+    # its region; a long-running daemon has long paid them.
+    per_output = -(-cfg.nbytes // pair.block_bytes)
+    warmup = pair.region_bytes // pair.block_bytes // per_output + 2
+    for rep in range(cfg.cold_reps + warmup):
         mm = new_id("ec-cold")
         data = output_bytes(rng.randrange(1 << 16), cfg.nbytes)
         blocks = prod.client.ec_allocate(mm, cfg.nbytes)
@@ -117,7 +122,7 @@ def run(
         loc, rem = plan.as_tuples_local(), plan.as_tuples_remote()
         t_raw = env.raw.transfer("WRITE", loc, rem)
         cons.client.ec_release(mm)
-        if rep >= 2:
+        if rep >= warmup:
             cold.append(dt)
             raw.append(t_raw)
         last = (params, data)

@@ -132,17 +132,8 @@ def dataplane_table(dp: dict[str, Any]) -> Table:
         f"{cfg['chunk_bytes'] // 1024} KiB), "
         f"median of {cfg['reps']}"
     )
-    for col in (
-        "layout / blocks",
-        "contender",
-        "descs",
-        "median ms",
-        "GB/s",
-        "vs raw coalesced",
-        "vs raw per-block",
-        "vs memcpy",
-    ):
-        t.add_column(col, justify="left" if col in ("layout / blocks", "contender") else "right")
+    for col in ("case", "contender", "descs", "ms", "GB/s", "/coal.", "/blk", "/memcpy"):
+        t.add_column(col, justify="left" if col in ("case", "contender") else "right")
     for case in dp["cases"]:
         c = case["contenders"]
         first = True
@@ -153,8 +144,8 @@ def dataplane_table(dp: dict[str, Any]) -> Table:
             mc = c["memcpy"]["gbps"]
             g = v["gbps"]
             t.add_row(
-                _case_name(case) if first else "",
-                name,
+                _SHORT_CASE.get(_case_name(case), _case_name(case)) if first else "",
+                _SHORT.get(name, name),
                 str(v["descriptors"]),
                 f"{v['median_ms']:.2f}",
                 f"{g:.2f}",
@@ -164,7 +155,22 @@ def dataplane_table(dp: dict[str, Any]) -> Table:
             )
             first = False
         t.add_section()
+    t.caption = "/coal., /blk, /memcpy: GB/s relative to raw NIXL coalesced, per-block, memcpy"
     return t
+
+
+_SHORT = {
+    "raw per-block WRITE": "raw blk W",
+    "raw coalesced WRITE": "raw coal. W",
+    "raw per-block READ": "raw blk R",
+    "raw coalesced READ": "raw coal. R",
+}
+_SHORT_CASE = {
+    "block-major contiguous": "blk-major contig",
+    "block-major fragmented": "blk-major frag",
+    "layer-major contiguous": "lay-major contig",
+    "layer-major fragmented": "lay-major frag",
+}
 
 
 def _ratio(a: float, b: float) -> str:

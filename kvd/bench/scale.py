@@ -37,6 +37,7 @@ from kvd.bench.common import (
     median,
     new_id,
     pct,
+    status,
     summary_ms,
 )
 from kvd.bench.control import CtlPair, measure
@@ -54,6 +55,8 @@ class ScaleConfig:
     latency_requests: int = 300
     lease_sizes: tuple[int, ...] = (1000, 10_000, 100_000)
     heartbeat_reps: int = 200
+    heartbeat_wait_s: float = 15.0
+    """How long to wait for D's heartbeats to cover every tracked id (two periods)."""
     timeout: float = 120.0
 
     @classmethod
@@ -64,6 +67,7 @@ class ScaleConfig:
             heartbeat_ids=1000,
             latency_requests=50,
             heartbeat_reps=30,
+            heartbeat_wait_s=1.0,
         )
 
 
@@ -184,8 +188,8 @@ def concurrent(
     for _, did, lb, rb in reqs:
         if d_ev.get(did) == "RecvFinished" and np.array_equal(d.chunks[rb], p.chunks[lb]):
             verified += 1
-    counters_p = env.p_cli.status()["counters"]
-    counters_d = env.d_cli.status()["counters"]
+    counters_p = status(env.p_cli)["counters"]
+    counters_d = status(env.d_cli)["counters"]
     busy = {
         key: counters_p.get(key, 0) + counters_d.get(key, 0)
         for key in ("ipc_busy", "notifs_dropped_busy", "events_dropped", "ipc_send_dropped")
@@ -230,7 +234,7 @@ def live_leases(
     env: Env, pair: CtlPair, cfg: ScaleConfig, rng: random.Random, base_p50_ms: float | None
 ) -> dict[str, Any]:
     n = cfg.live_leases
-    before = int(env.p_cli.status()["reaper"]["leases"])
+    before = int(status(env.p_cli)["reaper"]["leases"])
     holder = KvdClient(env.p_socket, role="scheduler", engine_id=pair.p.engine_id)
     holder.connect()
     tracker = KvdClient(env.d_socket, role="scheduler", engine_id=pair.d.engine_id)
@@ -251,7 +255,7 @@ def live_leases(
             while held < before + start + len(batch) and time.monotonic() < deadline:
                 time.sleep(0.002)
                 refused += [event_id(ev) for ev in holder.drain_events()]
-                held = int(env.p_cli.status()["reaper"]["leases"])
+                held = int(status(env.p_cli)["reaper"]["leases"])
                 if held + len(refused) >= before + start + len(batch):
                     break
         granted_s = time.perf_counter() - t0
@@ -265,13 +269,13 @@ def live_leases(
         res["push_with_leases"] = summary_ms(lat)
         res["push_baseline_p50_ms"] = base_p50_ms
         t = time.perf_counter()
-        snap = env.p_cli.status("leases")
+        snap = status(env.p_cli, "leases")
         res["leases_snapshot_ms"] = round((time.perf_counter() - t) * 1e3, 2)
         res["leases_in_snapshot"] = len(snap["leases"])
         # D heartbeats 1,000 of them: one batched heartbeat per period, every id known to P
         gone = set(refused)
         hb = [i for i in ids if i not in gone][: cfg.heartbeat_ids]
-        c0 = env.p_cli.status()["counters"]
+        c0 = status(env.p_cli)["counters"]
         tracked = [new_id("track") for _ in hb]
         for rid, remote in zip(tracked, hb, strict=True):
             tracker.track(
@@ -281,18 +285,18 @@ def live_leases(
                 remote_engine_id=pair.p.engine_id,
                 remote_request_id=remote,
             )
-        d0 = env.d_cli.status()["counters"]
+        d0 = status(env.d_cli)["counters"]
         # The first beat to a peer goes at once (with the ids tracked by then); the rest
         # ride the next one, a heartbeat period (lease / 6) later.
-        deadline = time.monotonic() + 15.0
+        deadline = time.monotonic() + cfg.heartbeat_wait_s
         c1, d1 = c0, d0
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            d1 = env.d_cli.status()["counters"]
+            d1 = status(env.d_cli)["counters"]
             if d1.get("heartbeat_ids_sent", 0) - d0.get("heartbeat_ids_sent", 0) >= len(hb):
                 break
         time.sleep(0.05)
-        c1 = env.p_cli.status()["counters"]
+        c1 = status(env.p_cli)["counters"]
         res["heartbeat_live"] = {
             "ids": len(hb),
             "ids_sent": d1.get("heartbeat_ids_sent", 0) - d0.get("heartbeat_ids_sent", 0),
@@ -308,7 +312,7 @@ def live_leases(
         deadline = time.monotonic() + cfg.timeout
         while left > before and time.monotonic() < deadline:
             time.sleep(0.01)
-            left = int(env.p_cli.status()["reaper"]["leases"])
+            left = int(status(env.p_cli)["reaper"]["leases"])
         res["release_s"] = round(time.perf_counter() - t, 4)
         res["left_after_release"] = left - before
     finally:

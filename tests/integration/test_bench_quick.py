@@ -1,0 +1,91 @@
+"""`kvd bench --quick` as CI runs it: every scenario runs and reports sane values.
+
+A smoke test, not a performance test: no timing is compared with any threshold here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import shm_segments
+
+
+def _positive(value: Any, what: str) -> None:
+    assert isinstance(value, (int, float)) and value > 0, f"{what} = {value!r}"
+
+
+@pytest.mark.timeout(180)
+def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "bench", "--quick", "--json", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "120"},
+    )
+    try:
+        output, _ = proc.communicate(timeout=170)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, output[-6000:]
+    res = json.loads(out.read_text())
+    assert res["quick"] is True and res["machine"]["cpus"] > 0
+    sc = res["scenarios"]
+    assert set(sc) == {"dataplane", "control", "scale", "ec"}
+
+    dp = sc["dataplane"]
+    assert len(dp["cases"]) == 4
+    for case in dp["cases"]:
+        assert case["bytes"] == dp["config"]["request_bytes"] > 0
+        for name, c in case["contenders"].items():
+            _positive(c["gbps"], f"{name} GB/s")
+            _positive(c["median_ms"], f"{name} median")
+            _positive(c["descriptors"], f"{name} descriptors")
+        c = case["contenders"]
+        # coalescing never adds descriptors, and kvd posts exactly the coalesced plan
+        assert c["raw coalesced WRITE"]["descriptors"] <= c["raw per-block WRITE"]["descriptors"]
+        assert c["kvd push"]["descriptors"] == c["raw coalesced WRITE"]["descriptors"]
+        assert c["kvd pull"]["descriptors"] == c["raw coalesced READ"]["descriptors"]
+        for key, value in case["ratios"].items():
+            _positive(value, key)
+
+    ctl = sc["control"]
+    for mode in ("push", "pull"):
+        assert ctl[mode]["n"] > 0
+        assert 0 < ctl[mode]["p50_ms"] <= ctl[mode]["p99_ms"] <= ctl[mode]["p999_ms"]
+    _positive(ctl["drain_idle"]["p50_us"], "idle drain_events")
+    _positive(ctl["drain_busy"]["median_events"], "busy drain_events events")
+
+    scale = sc["scale"]
+    cc = scale["concurrent"]
+    assert cc["verified"] == cc["requests"] > 0
+    assert cc["lost"] == cc["failed"] == cc["duplicates"] == cc["unknown"] == 0
+    ll = scale["live_leases"]
+    assert ll["granted"] + ll["refused"] == ll["leases"] and ll["granted"] > 0
+    assert ll["left_after_release"] == 0
+    assert ll["heartbeat_live"]["ids_sent"] > 0 and ll["heartbeat_live"]["unknown_ids"] == 0
+    _positive(scale["heartbeat"]["total_p50_ms"], "heartbeat")
+    assert [r["n"] for r in scale["reaper"]["sizes"]] == [1000, 10_000, 100_000]
+    for row in scale["reaper"]["sizes"]:
+        for key in ("grant_us", "extend_us", "find_us", "expire_us"):
+            _positive(row[key], f"lease table {key} at {row['n']}")
+
+    ec = sc["ec"]
+    assert ec["nbytes"] == 4_505_600
+    for key in ("cold", "raw_write", "warm", "memcpy"):
+        _positive(ec[key]["p50_ms"], f"EC {key}")
+
+    targets = res["targets"]
+    assert targets and all(isinstance(t["met"], bool) for t in targets)
+    # the run cleaned up after itself: every region it created is unlinked
+    assert not {s for s in shm_segments("kvdb-") if f"-{proc.pid}-" in s}
