@@ -18,11 +18,15 @@ from rich.table import Table
 
 from kvd import __version__
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvd: KV-cache transfer daemon over NIXL.")
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="kvd: KV-cache transfer daemon over NIXL."
+)
 console = Console()
 err = Console(stderr=True)
 
-SocketOpt = Annotated[str | None, typer.Option("--socket", "-s", help="The daemon's IPC socket path.")]
+SocketOpt = Annotated[
+    str | None, typer.Option("--socket", "-s", help="The daemon's IPC socket path.")
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="A kvd TOML config file.")]
 
@@ -101,10 +105,26 @@ def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
-    console.print(f"kvd {data['version']}  agent [bold]{data['agent_name']}[/bold]  "
-                  f"uptime {data['uptime_s']:.0f}s  side channel {data['side_channel']}")
-    console.print(_table("regions", data["regions"],
-                         ["region_id", "generation", "engine_id", "tp_rank", "tp_size", "blocks", "nbytes", "name"]))
+    console.print(
+        f"kvd {data['version']}  agent [bold]{data['agent_name']}[/bold]  "
+        f"uptime {data['uptime_s']:.0f}s  side channel {data['side_channel']}"
+    )
+    console.print(
+        _table(
+            "regions",
+            data["regions"],
+            [
+                "region_id",
+                "generation",
+                "engine_id",
+                "tp_rank",
+                "tp_size",
+                "blocks",
+                "nbytes",
+                "name",
+            ],
+        )
+    )
     console.print(_table("peers", data["peers"], ["agent", "addr", "lease_duration", "age_s"]))
     boxes = [{"mailbox": k, **v} for k, v in data["mailboxes"].items()]
     console.print(_table("mailboxes", boxes, ["mailbox", "depth", "size", "rejected"]))
@@ -130,7 +150,9 @@ def leases(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
-    console.print(_table("leases", data["leases"], ["request_id", "state", "expires_in_s", "age_s"]))
+    console.print(
+        _table("leases", data["leases"], ["request_id", "state", "expires_in_s", "age_s"])
+    )
     console.print(_table("heartbeated", data["tracked"], ["request_id", "peer", "hb_id"]))
 
 
@@ -144,8 +166,13 @@ def transfers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     cols = ["request_id", "op", "peer", "state", "bytes", "descriptors", "ranks", "duration_ms"]
     console.print(_table("in flight", data["in_flight"], cols))
     console.print(_table("recent", data["recent"][-20:], cols))
-    console.print(_table("receiving", data["receiving"],
-                         ["request_id", "mode", "peer", "state", "ranks_done", "ranks", "blocks", "age_s"]))
+    console.print(
+        _table(
+            "receiving",
+            data["receiving"],
+            ["request_id", "mode", "peer", "state", "ranks_done", "ranks", "blocks", "age_s"],
+        )
+    )
 
 
 @app.command()
@@ -155,17 +182,26 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
-    console.print(f"role [bold]{data['role']}[/bold]  region {data['region'] or '-'}  "
-                  f"{data['region_bytes'] / 2**20:.0f} MiB in {data['block_bytes'] / 2**20:g} MiB blocks")
+    console.print(
+        f"role [bold]{data['role']}[/bold]  region {data['region'] or '-'}  "
+        f"{data['region_bytes'] / 2**20:.0f} MiB in {data['block_bytes'] / 2**20:g} MiB blocks"
+    )
     pools = [{"pool": name, **data[name]} for name in ("producer", "consumer") if data.get(name)]
-    console.print(_table("blocks", pools, ["pool", "blocks", "used", "free", "pinned", "evictable", "entries",
-                                           "evicted"]))
+    console.print(
+        _table(
+            "blocks",
+            pools,
+            ["pool", "blocks", "used", "free", "pinned", "evictable", "entries", "evicted"],
+        )
+    )
     total = data["hits"] + data["misses"]
     rate = f"{data['hits'] / total:.1%}" if total else "-"
     console.print(f"hits {data['hits']}  misses {data['misses']}  hit rate {rate}")
     for key in ("produced", "cached", "fetching"):
         if data[key]:
-            console.print(f"{key}: {', '.join(data[key][:20])}{' ...' if len(data[key]) > 20 else ''}")
+            console.print(
+                f"{key}: {', '.join(data[key][:20])}{' ...' if len(data[key]) > 20 else ''}"
+            )
 
 
 @app.command()
@@ -211,8 +247,12 @@ def demo(
     if mode not in ("push", "pull", "ec", "all"):
         err.print("[red]--mode must be push, pull, ec or all[/red]")
         raise typer.Exit(2)
-    code = run_demo(requests=requests, modes=["push", "pull", "ec"] if mode == "all" else [mode],
-                    as_json=as_json, seed=seed)
+    code = run_demo(
+        requests=requests,
+        modes=["push", "pull", "ec"] if mode == "all" else [mode],
+        as_json=as_json,
+        seed=seed,
+    )
     raise typer.Exit(code)
 
 
@@ -230,8 +270,10 @@ def bench(
     chosen = [s.strip() for s in only.split(",") if s.strip()]
     unknown = [s for s in chosen if s not in SCENARIOS]
     if unknown:
-        err.print(f"[red]unknown scenario(s) {', '.join(unknown)}; choose from "
-                  f"{', '.join(SCENARIOS)}[/red]")
+        err.print(
+            f"[red]unknown scenario(s) {', '.join(unknown)}; choose from "
+            f"{', '.join(SCENARIOS)}[/red]"
+        )
         raise typer.Exit(2)
     code = run_bench(quick=quick, json_path=json_file, only=chosen, seed=seed, console=err)
     raise typer.Exit(code)

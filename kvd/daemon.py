@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import structlog
+from kvd_client import wire
 
 from kvd import __version__
 from kvd.actors.base import Mailbox
@@ -30,7 +31,6 @@ from kvd.actors.writer import Writer
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
-from kvd_client import wire
 
 log = structlog.get_logger("kvd.daemon")
 
@@ -152,7 +152,9 @@ class Daemon:
                 box.post(msg)
             except Exception:
                 log.error("view_update_dropped", mailbox=box.name, type=type(msg).__name__)
-                self.counters["view_updates_dropped"] = self.counters.get("view_updates_dropped", 0) + 1
+                self.counters["view_updates_dropped"] = (
+                    self.counters.get("view_updates_dropped", 0) + 1
+                )
 
     def _emit(self, ev: EventOut) -> None:
         try:
@@ -235,7 +237,10 @@ class Daemon:
                 tg.cancel_scope.cancel()
         finally:
             systemd.stopping()
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.cfg.daemon.shutdown_timeout) as scope:
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(self.cfg.daemon.shutdown_timeout) as scope,
+            ):
                 await self._cleanup()
             if scope.cancelled_caught:
                 log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)

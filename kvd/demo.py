@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import KvdClient
@@ -93,13 +92,19 @@ def start_daemon(
     penv = dict(os.environ)
     penv.update(env or {})
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--config", str(cfg)], stdout=out,
-                                stderr=subprocess.STDOUT, env=penv)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd", "serve", "--config", str(cfg)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=penv,
+        )
     d = DaemonProc(name, sock, cfg, proc, log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"daemon {name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(
+                f"daemon {name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+            )
         if os.path.exists(sock):
             c = KvdClient(sock, role="cli", timeout=1.0, keepalive_interval=0)
             try:
@@ -128,7 +133,9 @@ def _toml_value(v: Any) -> str:
 
 def pattern(request_key: str, block_index: int, nbytes: int) -> np.ndarray:
     """The deterministic bytes P writes into the request's block `block_index`."""
-    seed = int.from_bytes(request_key.encode()[-16:].ljust(16, b"\0"), "little") ^ (block_index * 0x9E3779B97F4A7C15)
+    seed = int.from_bytes(request_key.encode()[-16:].ljust(16, b"\0"), "little") ^ (
+        block_index * 0x9E3779B97F4A7C15
+    )
     rng = np.random.default_rng(seed & ((1 << 64) - 1))
     return rng.integers(0, 256, size=nbytes, dtype=np.uint8)
 
@@ -172,8 +179,17 @@ class Engine:
             r.close()
 
 
-def make_engine(socket: str, name: str, *, num_blocks: int, num_layers: int, chunk_bytes: int, tp: int = 1,
-                workers: bool = False, compat: str = "demo") -> Engine:
+def make_engine(
+    socket: str,
+    name: str,
+    *,
+    num_blocks: int,
+    num_layers: int,
+    chunk_bytes: int,
+    tp: int = 1,
+    workers: bool = False,
+    compat: str = "demo",
+) -> Engine:
     lay = kvlayout.block_major(num_blocks, num_layers, chunk_bytes)
     nbytes = kvlayout.region_bytes(lay)
     client = KvdClient(socket, role="scheduler", engine_id=name)
@@ -260,13 +276,24 @@ def run_mode(
     timeout: float = 120.0,
     progress: Any = None,
 ) -> ModeResult:
-    """Send n requests P -> D in `mode`; verify every byte at D; every request must end once per side."""
+    """Send n requests P -> D in `mode` and verify every byte at D.
+
+    Every request must end exactly once on each side.
+    """
     res = ModeResult(mode, requests=n)
     todo: list[_Req] = []
     for i in range(n):
         key = f"cmpl-{secrets.token_hex(8)}-{i}-0"
         nb = rng.randint(1, max_blocks)
-        todo.append(_Req(key, f"{key}-{secrets.token_hex(4)}", f"{key}-{secrets.token_hex(4)}", [], [],))
+        todo.append(
+            _Req(
+                key,
+                f"{key}-{secrets.token_hex(4)}",
+                f"{key}-{secrets.token_hex(4)}",
+                [],
+                [],
+            )
+        )
         todo[-1].p_blocks = [nb]  # block count for now; allocated when the request starts
     live: dict[str, _Req] = {}
     by_p: dict[str, _Req] = {}
@@ -292,7 +319,9 @@ def run_mode(
             live[r.key] = r
             by_p[r.p_id] = r
             by_d[r.d_id] = r
-            d.client.track(r.d_id, "127.0.0.1", p_port, remote_request_id=r.p_id if mode == "pull" else "")
+            d.client.track(
+                r.d_id, "127.0.0.1", p_port, remote_request_id=r.p_id if mode == "pull" else ""
+            )
             if mode == "push" and rng.random() < 0.5:
                 _d_start(mode, d, r, p_port)
                 p.client.finished(r.p_id, r.p_blocks)
@@ -360,7 +389,14 @@ def _d_start(mode: str, d: Engine, r: _Req, p_port: int) -> None:
     if mode == "push":
         d.client.register_push(r.d_id, r.d_blocks, "127.0.0.1", p_port)
     else:
-        d.client.pull(r.d_id, r.d_blocks, "127.0.0.1", p_port, remote_request_id=r.p_id, remote_block_ids=r.p_blocks)
+        d.client.pull(
+            r.d_id,
+            r.d_blocks,
+            "127.0.0.1",
+            p_port,
+            remote_request_id=r.p_id,
+            remote_block_ids=r.p_blocks,
+        )
 
 
 def _maybe_done(r: _Req, live: dict[str, _Req]) -> int:
@@ -374,7 +410,9 @@ def _maybe_done(r: _Req, live: dict[str, _Req]) -> int:
 
 
 @contextlib.contextmanager
-def cluster(workdir: Path | None = None, p_extra: str = "", d_extra: str = "") -> Iterator[tuple[DaemonProc, DaemonProc]]:
+def cluster(
+    workdir: Path | None = None, p_extra: str = "", d_extra: str = ""
+) -> Iterator[tuple[DaemonProc, DaemonProc]]:
     """A P daemon and a D daemon; both stopped (SIGTERM) on exit."""
     tmp = workdir or Path(tempfile.mkdtemp(prefix="kvd-demo-"))
     p = start_daemon(tmp, "kvd-demo-p", p_extra)
@@ -406,13 +444,24 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
     with Progress(console=console, transient=as_json) as bar:
         if kv_modes:
             with cluster() as (pd, dd):
-                p = make_engine(pd.socket, "prefill", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024)
-                d = make_engine(dd.socket, "decode", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024)
+                p = make_engine(
+                    pd.socket, "prefill", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024
+                )
+                d = make_engine(
+                    dd.socket, "decode", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024
+                )
                 try:
                     for mode in kv_modes:
                         task = bar.add_task(f"{mode:>4}", total=requests)
-                        res = run_mode(mode, p, d, pd.side_port, requests, rng,
-                                       progress=lambda t=task: bar.advance(t))
+                        res = run_mode(
+                            mode,
+                            p,
+                            d,
+                            pd.side_port,
+                            requests,
+                            rng,
+                            progress=lambda t=task: bar.advance(t),
+                        )
                         summaries.append(res.summary())
                     counters["prefill"] = p.client.status()["counters"]
                 finally:
@@ -420,27 +469,62 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
                     d.close()
         if "ec" in modes:
             summaries.append(_run_ec_demo(requests, rng, bar, counters))
-    ok = all(s["verified"] == s["requests"] and not s["mismatched"] and not s["failed"] for s in summaries)
+    ok = all(
+        s["verified"] == s["requests"] and not s["mismatched"] and not s["failed"]
+        for s in summaries
+    )
     if as_json:
-        print(json.dumps({"ok": ok, "modes": {s["mode"]: s for s in summaries}, "counters": counters}, indent=2))
+        print(
+            json.dumps(
+                {"ok": ok, "modes": {s["mode"]: s for s in summaries}, "counters": counters},
+                indent=2,
+            )
+        )
         return 0 if ok else 1
     t = Table(title="kvd demo: real daemons, real NIXL, every byte verified")
-    for col in ("mode", "requests", "verified", "mismatched", "failed", "expired", "hit rate", "MiB", "GB/s",
-                "p50 ms", "p99 ms"):
+    for col in (
+        "mode",
+        "requests",
+        "verified",
+        "mismatched",
+        "failed",
+        "expired",
+        "hit rate",
+        "MiB",
+        "GB/s",
+        "p50 ms",
+        "p99 ms",
+    ):
         t.add_column(col, justify="right")
     for s in summaries:
         hit = f"{s['hit_rate']:.0%}" if "hit_rate" in s else "-"
-        t.add_row(s["mode"], str(s["requests"]), str(s["verified"]), str(s["mismatched"]), str(s["failed"]),
-                  str(s.get("expired", "-")), hit, f"{s['bytes'] / 2**20:.1f}", f"{s['gbps']:.2f}",
-                  f"{s['p50_ms']:.2f}", f"{s['p99_ms']:.2f}")
+        t.add_row(
+            s["mode"],
+            str(s["requests"]),
+            str(s["verified"]),
+            str(s["mismatched"]),
+            str(s["failed"]),
+            str(s.get("expired", "-")),
+            hit,
+            f"{s['bytes'] / 2**20:.1f}",
+            f"{s['gbps']:.2f}",
+            f"{s['p50_ms']:.2f}",
+            f"{s['p99_ms']:.2f}",
+        )
     console.print(t)
     if "prefill" in counters:
         c = counters["prefill"]
-        console.print(f"P daemon: leases granted {c.get('leases_granted', 0)}, expired {c.get('leases_expired', 0)}, "
-                      f"descriptors {c.get('descriptors', 0)}")
+        console.print(
+            f"P daemon: leases granted {c.get('leases_granted', 0)}, "
+            f"expired {c.get('leases_expired', 0)}, "
+            f"descriptors {c.get('descriptors', 0)}"
+        )
     if "encoder" in counters:
         c = counters["encoder"]
-        console.print(f"encoder daemon: outputs served {c.get('ec_served', 0)}, evicted {c.get('ec_evicted', 0)}")
+        console.print(
+            f"encoder daemon: outputs served {c.get('ec_served', 0)}, "
+            f"evicted {c.get('ec_evicted', 0)}"
+        )
     for s in summaries:
         for f in s["failures"][:5]:
             console.print(f"[red]{s['mode']}: {f}[/red]")
@@ -448,7 +532,9 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
     return 0 if ok else 1
 
 
-def _run_ec_demo(requests: int, rng: random.Random, bar: Any, counters: dict[str, Any]) -> dict[str, Any]:
+def _run_ec_demo(
+    requests: int, rng: random.Random, bar: Any, counters: dict[str, Any]
+) -> dict[str, Any]:
     """An encoder daemon and a consumer daemon; a stream of images with repeats."""
     from kvd.ecdemo import ECSide, run_ec
 

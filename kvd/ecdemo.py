@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode
@@ -123,8 +122,12 @@ def run_ec(
     unique = unique or max(1, n * 3 // 5)
     sizes = {i: rng.randint(min_bytes, max_bytes) for i in range(unique)}
     # a stream with repeats: recent images come back often (as in a chat with images)
-    stream = [min(unique - 1, int(rng.paretovariate(1.2)) - 1) if rng.random() < 0.4 else rng.randrange(unique)
-              for _ in range(n)]
+    stream = [
+        min(unique - 1, int(rng.paretovariate(1.2)) - 1)
+        if rng.random() < 0.4
+        else rng.randrange(unique)
+        for _ in range(n)
+    ]
     params: dict[int, wire.ECParams] = {}
     inflight: dict[str, list[tuple[int, float, wire.ECParams]]] = {}
     t0 = time.perf_counter()
@@ -136,7 +139,9 @@ def run_ec(
         mm_hash = f"img-{image:05d}"
         blocks = producer.client.ec_allocate(mm_hash, nbytes)
         producer.write(blocks.block_ids, output_bytes(image, nbytes))
-        p = producer.client.ec_commit(mm_hash, nbytes, shape=(nbytes,), dtype="uint8", compat="ec-demo")
+        p = producer.client.ec_commit(
+            mm_hash, nbytes, shape=(nbytes,), dtype="uint8", compat="ec-demo"
+        )
         res.encoded += 1
         return p
 

@@ -16,7 +16,9 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     lvl = getattr(logging, level.upper(), logging.INFO)
     use_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
     renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer()
+        if use_json
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[

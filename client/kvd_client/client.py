@@ -72,7 +72,10 @@ def daemon_listening(path: str) -> bool:
 
 
 def default_socket_path() -> str:
-    """The daemon's default socket: $KVD_SOCKET, $XDG_RUNTIME_DIR/kvd/kvd.sock or /run/kvd/kvd.sock."""
+    """The daemon's default socket.
+
+    $KVD_SOCKET, else $XDG_RUNTIME_DIR/kvd/kvd.sock, else /run/kvd/kvd.sock.
+    """
     if env := os.environ.get("KVD_SOCKET"):
         return env
     if xdg := os.environ.get("XDG_RUNTIME_DIR"):
@@ -135,7 +138,9 @@ class KvdClient:
         """Open the socket and say Hello (waits for Welcome, up to `timeout`)."""
         self._open()
         if self._ka_thread is None and self.keepalive_interval > 0:
-            self._ka_thread = threading.Thread(target=self._keepalive, name="kvd-keepalive", daemon=True)
+            self._ka_thread = threading.Thread(
+                target=self._keepalive, name="kvd-keepalive", daemon=True
+            )
             self._ka_thread.start()
         welcome = self._hello()
         self._lost.clear()
@@ -151,7 +156,9 @@ class KvdClient:
         self._sock = sock
 
     def _hello(self) -> wire.Welcome:
-        hello = wire.Hello(self.session, self.role, self.engine_id, self.tp_rank, os.getpid(), __version__)
+        hello = wire.Hello(
+            self.session, self.role, self.engine_id, self.tp_rank, os.getpid(), __version__
+        )
         reply = self.request(hello)
         if not isinstance(reply, wire.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
@@ -216,7 +223,9 @@ class KvdClient:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
                 if time.monotonic() >= deadline:
-                    raise Timeout(f"no reply from kvd at {self.socket_path} within {timeout or self.timeout}s")
+                    raise Timeout(
+                        f"no reply from kvd at {self.socket_path} within {timeout or self.timeout}s"
+                    )
                 continue
             rcorr, reply = wire.decode(self._sock.recv())
             if rcorr == corr:
@@ -301,7 +310,10 @@ class KvdClient:
         return out
 
     def wait_events(self, timeout: float) -> list[Event]:
-        """Block up to `timeout` for at least one event (tools and tests; engines use drain_events)."""
+        """Block up to `timeout` for at least one event.
+
+        For tools and tests: engines use the non-blocking `drain_events`.
+        """
         deadline = time.monotonic() + timeout
         while True:
             evs = self.drain_events()
@@ -349,42 +361,97 @@ class KvdClient:
     @property
     def outstanding(self) -> int:
         """Requests announced and not yet ended by an event."""
-        return len(self._announced_recv) + len(self._announced_send) + sum(self._announced_ec.values())
+        return (
+            len(self._announced_recv) + len(self._announced_send) + sum(self._announced_ec.values())
+        )
 
     # ---------------------------------------------------------------- scheduler API
 
-    def track(self, request_id: str, peer_host: str, peer_port: int, *, remote_engine_id: str = "",
-              remote_request_id: str = "") -> None:
+    def track(
+        self,
+        request_id: str,
+        peer_host: str,
+        peer_port: int,
+        *,
+        remote_engine_id: str = "",
+        remote_request_id: str = "",
+    ) -> None:
         """D: a request that will load remote KV arrived; heartbeats to P start now."""
-        self._send(wire.Track(request_id, self.engine_id, peer_host, peer_port, remote_engine_id, remote_request_id),
-                   _Pending("other", request_id))
+        self._send(
+            wire.Track(
+                request_id,
+                self.engine_id,
+                peer_host,
+                peer_port,
+                remote_engine_id,
+                remote_request_id,
+            ),
+            _Pending("other", request_id),
+        )
 
-    def register_push(self, request_id: str, block_ids: Sequence[int], peer_host: str, peer_port: int, *,
-                      remote_engine_id: str = "", remote_request_id: str = "") -> None:
+    def register_push(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        peer_host: str,
+        peer_port: int,
+        *,
+        remote_engine_id: str = "",
+        remote_request_id: str = "",
+    ) -> None:
         """D (push): P will WRITE into these logical blocks; ends in RecvFinished or RecvFailed."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
-            wire.RegisterPush(request_id, self.engine_id, blocks, peer_host, peer_port, remote_engine_id,
-                              remote_request_id),
+            wire.RegisterPush(
+                request_id,
+                self.engine_id,
+                blocks,
+                peer_host,
+                peer_port,
+                remote_engine_id,
+                remote_request_id,
+            ),
             _Pending("recv", request_id, blocks),
         )
 
-    def pull(self, request_id: str, block_ids: Sequence[int], peer_host: str, peer_port: int, *,
-             remote_request_id: str, remote_block_ids: Sequence[int], remote_engine_id: str = "") -> None:
+    def pull(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        peer_host: str,
+        peer_port: int,
+        *,
+        remote_request_id: str,
+        remote_block_ids: Sequence[int],
+        remote_engine_id: str = "",
+    ) -> None:
         """D (pull): READ P's blocks into ours; empty lists just tell P to free."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
-            wire.Pull(request_id, self.engine_id, blocks, peer_host, peer_port, remote_engine_id, remote_request_id,
-                      tuple(remote_block_ids)),
+            wire.Pull(
+                request_id,
+                self.engine_id,
+                blocks,
+                peer_host,
+                peer_port,
+                remote_engine_id,
+                remote_request_id,
+                tuple(remote_block_ids),
+            ),
             _Pending("recv", request_id, blocks),
         )
 
     def finished(self, request_id: str, block_ids: Sequence[int]) -> None:
-        """P: prefill done; the daemon leases these blocks until sent (SendFinished/Failed/Expired)."""
+        """P: prefill done; the daemon leases these blocks until they are sent.
+
+        Ends in SendFinished, SendFailed or SendExpired.
+        """
         self._announced_send.add(request_id)
-        self._send(wire.Finish(request_id, self.engine_id, tuple(block_ids)), _Pending("send", request_id))
+        self._send(
+            wire.Finish(request_id, self.engine_id, tuple(block_ids)), _Pending("send", request_id)
+        )
 
     def abort(self, request_id: str) -> None:
         """Either side: give up on a request; its terminal event still comes."""
@@ -399,8 +466,16 @@ class KvdClient:
             raise ProtocolError(f"expected ECBlocks, got {type(reply).__name__}")
         return reply
 
-    def ec_commit(self, mm_hash: str, nbytes: int, *, shape: Sequence[int] = (), dtype: str = "uint8",
-                  modality: str = "image", compat: str = "") -> wire.ECParams:
+    def ec_commit(
+        self,
+        mm_hash: str,
+        nbytes: int,
+        *,
+        shape: Sequence[int] = (),
+        dtype: str = "uint8",
+        modality: str = "image",
+        compat: str = "",
+    ) -> wire.ECParams:
         """Producer: the bytes are in place; returns the `ec_transfer_params` entry for the hash."""
         reply = self.request(wire.ECCommit(mm_hash, nbytes, tuple(shape), dtype, modality, compat))
         if not isinstance(reply, wire.ECParams):
@@ -410,8 +485,12 @@ class KvdClient:
     def ec_ensure(self, params: wire.ECParams) -> None:
         """Consumer: fetch (or find cached) an encoder output; ends in ECReady or ECUnavailable."""
         self._announced_ec[params.mm_hash] = self._announced_ec.get(params.mm_hash, 0) + 1
-        self._send(wire.ECEnsure(params.mm_hash, params.peer_host, params.peer_port, params.nbytes, params.compat),
-                   _Pending("ec", params.mm_hash))
+        self._send(
+            wire.ECEnsure(
+                params.mm_hash, params.peer_host, params.peer_port, params.nbytes, params.compat
+            ),
+            _Pending("ec", params.mm_hash),
+        )
 
     def ec_release(self, mm_hash: str) -> None:
         """Consumer: done copying an output that an ECReady handed out (drops its pin)."""
@@ -419,9 +498,20 @@ class KvdClient:
 
     # ---------------------------------------------------------------- worker API and tools
 
-    def register_region(self, region: SharedRegion | None, *, layout: wire.RegionLayout, tp_rank: int = 0,
-                        tp_size: int = 1, compat: str = "", kind: str = "shm", name: str = "",
-                        nbytes: int = 0, ipc_handle: bytes = b"", device: int = -1) -> int:
+    def register_region(
+        self,
+        region: SharedRegion | None,
+        *,
+        layout: wire.RegionLayout,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        compat: str = "",
+        kind: str = "shm",
+        name: str = "",
+        nbytes: int = 0,
+        ipc_handle: bytes = b"",
+        device: int = -1,
+    ) -> int:
         """Register a KV region (a SharedRegion for host staging); returns its region id."""
         msg = wire.RegisterRegion(
             kind=kind,

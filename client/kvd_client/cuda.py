@@ -23,8 +23,16 @@ def export_handle(tensor: Any) -> tuple[bytes, int, int]:
     fields = storage._share_cuda_()
     device, handle, size, offset, ref_handle, ref_offset, event, sync = fields
     blob = msgpack.packb(
-        [int(device), bytes(handle), int(size), int(offset), bytes(ref_handle), int(ref_offset), bytes(event),
-         bool(sync)],
+        [
+            int(device),
+            bytes(handle),
+            int(size),
+            int(offset),
+            bytes(ref_handle),
+            int(ref_offset),
+            bytes(event),
+            bool(sync),
+        ],
         use_bin_type=True,
     )
     return blob, int(storage.nbytes()), int(device)

@@ -12,10 +12,21 @@ import hashlib
 from kvd_client import wire
 
 
-def block_major(num_blocks: int, num_layers: int, chunk_bytes: int, *, kv_parts: int = 2,
-                tokens_per_block: int = 16, dtype: str = "bfloat16", kv_layout: str = "NHD",
-                physical_per_logical: int = 1) -> wire.RegionLayout:
-    """Each block holds all its layers and K/V parts contiguously: a run of blocks is one descriptor."""
+def block_major(
+    num_blocks: int,
+    num_layers: int,
+    chunk_bytes: int,
+    *,
+    kv_parts: int = 2,
+    tokens_per_block: int = 16,
+    dtype: str = "bfloat16",
+    kv_layout: str = "NHD",
+    physical_per_logical: int = 1,
+) -> wire.RegionLayout:
+    """Each block holds all its layers and K/V parts contiguously.
+
+    A run of blocks is then one descriptor.
+    """
     return wire.RegionLayout(
         num_blocks=num_blocks,
         num_layers=num_layers,
@@ -31,9 +42,17 @@ def block_major(num_blocks: int, num_layers: int, chunk_bytes: int, *, kv_parts:
     )
 
 
-def layer_major(num_blocks: int, num_layers: int, chunk_bytes: int, *, kv_parts: int = 2,
-                tokens_per_block: int = 16, dtype: str = "bfloat16", kv_layout: str = "NHD",
-                physical_per_logical: int = 1) -> wire.RegionLayout:
+def layer_major(
+    num_blocks: int,
+    num_layers: int,
+    chunk_bytes: int,
+    *,
+    kv_parts: int = 2,
+    tokens_per_block: int = 16,
+    dtype: str = "bfloat16",
+    kv_layout: str = "NHD",
+    physical_per_logical: int = 1,
+) -> wire.RegionLayout:
     """vLLM-like: per layer, per K/V part, all blocks (one descriptor per layer, part and run)."""
     return wire.RegionLayout(
         num_blocks=num_blocks,
@@ -60,11 +79,30 @@ def region_bytes(layout: wire.RegionLayout) -> int:
     )
 
 
-def compat_hash(*, model: str, dtype: str, num_kv_heads: int, head_size: int, num_layers: int,
-                tokens_per_block: int, kv_layout: str, transfer_mode: str) -> str:
+def compat_hash(
+    *,
+    model: str,
+    dtype: str,
+    num_kv_heads: int,
+    head_size: int,
+    num_layers: int,
+    tokens_per_block: int,
+    kv_layout: str,
+    transfer_mode: str,
+) -> str:
     """Stable hex digest of what must agree between the two ends of a transfer."""
     text = "|".join(
-        str(x) for x in (wire.PROTOCOL_VERSION, model, dtype, num_kv_heads, head_size, num_layers,
-                         tokens_per_block, kv_layout, transfer_mode)
+        str(x)
+        for x in (
+            wire.PROTOCOL_VERSION,
+            model,
+            dtype,
+            num_kv_heads,
+            head_size,
+            num_layers,
+            tokens_per_block,
+            kv_layout,
+            transfer_mode,
+        )
     )
     return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -9,6 +9,7 @@ exits.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -42,7 +43,9 @@ class SharedRegion:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.ftruncate(fd, nbytes)
-            self._mm: mmap.mmap | None = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm: mmap.mmap | None = mmap.mmap(
+                fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
         except BaseException:
             os.close(fd)
             os.unlink(self.path)
@@ -58,10 +61,8 @@ class SharedRegion:
         self._mm.close()
         self._mm = None
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> SharedRegion:
         return self

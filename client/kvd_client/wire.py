@@ -271,7 +271,10 @@ def _decode_fields(cls: type[T], raw: Any, where: str) -> T:
     codecs = _codecs(cls)
     if len(raw) != len(codecs):
         _fail(where, f"{cls.__name__} has {len(codecs)} fields, got {len(raw)}")
-    values = {name: dec(v, f"{cls.__name__}.{name}") for (name, (_, dec)), v in zip(codecs, raw, strict=True)}
+    values = {
+        name: dec(v, f"{cls.__name__}.{name}")
+        for (name, (_, dec)), v in zip(codecs, raw, strict=True)
+    }
     return cls(**values)
 
 

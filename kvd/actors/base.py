@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-
 from kvd_client.errors import Busy
 
 M = TypeVar("M")
@@ -32,7 +31,9 @@ R = TypeVar("R")
 class Call(Generic[R]):
     """Base for messages that want an answer: the receiver resolves `reply`."""
 
-    reply: asyncio.Future[R] = field(default_factory=lambda: asyncio.get_running_loop().create_future(), kw_only=True)
+    reply: asyncio.Future[R] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future(), kw_only=True
+    )
 
     def resolve(self, value: R) -> None:
         if not self.reply.done():

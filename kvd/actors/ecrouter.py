@@ -36,6 +36,19 @@ import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import (
+    Busy,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+    Timeout,
+    error_from_code,
+)
+from kvd_client.layout import block_major
+from kvd_client.shm import SharedRegion
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -53,19 +66,6 @@ from kvd.adapters.nixl import NixlEngine
 from kvd.core.blockpool import BlockPool
 from kvd.core.planner import plan_transfer
 from kvd.core.timers import TimerHeap
-from kvd_client import wire
-from kvd_client.errors import (
-    Busy,
-    Incompatible,
-    InvalidRequest,
-    KvdError,
-    NotFound,
-    RemoteProtocolError,
-    Timeout,
-    error_from_code,
-)
-from kvd_client.layout import block_major
-from kvd_client.shm import SharedRegion
 
 log = structlog.get_logger("kvd.ecrouter", actor="ecrouter")
 
@@ -162,7 +162,11 @@ class ECRouter:
         self.consuming = role in ("consumer", "both")
         split = nblocks // 2 if (self.producing and self.consuming) else nblocks
         self.prod_pool = BlockPool(split, "fifo") if self.producing else None
-        self.cons_pool = BlockPool(nblocks - split if self.producing else nblocks, "lru") if self.consuming else None
+        self.cons_pool = (
+            BlockPool(nblocks - split if self.producing else nblocks, "lru")
+            if self.consuming
+            else None
+        )
         self.cons_offset = split if (self.producing and self.consuming) else 0
         self.region: SharedRegion | None = None
         self.local: LocalRegion | None = None
@@ -205,9 +209,18 @@ class ECRouter:
             name = f"{EC_SEGMENT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
             self.region = SharedRegion(name, self.region_bytes)
             nblocks = self.region_bytes // self.block_bytes
-            layout = block_major(nblocks, 1, self.block_bytes, kv_parts=1, tokens_per_block=1, dtype="uint8",
-                                 kv_layout="EC")
-            reg = wire.RegisterRegion("shm", name, self.region_bytes, EC_ENGINE, 0, 1, layout, "", b"", -1)
+            layout = block_major(
+                nblocks,
+                1,
+                self.block_bytes,
+                kv_parts=1,
+                tokens_per_block=1,
+                dtype="uint8",
+                kv_layout="EC",
+            )
+            reg = wire.RegisterRegion(
+                "shm", name, self.region_bytes, EC_ENGINE, 0, 1, layout, "", b"", -1
+            )
             self.local = await self.registrar.call(RegisterDaemonRegion(reg))
         try:
             async with anyio.create_task_group() as tg:
@@ -226,7 +239,9 @@ class ECRouter:
                     if msg is not None:
                         self._dispatch(msg)
                     for mm_hash, _ in self.deadlines.pop_due(time.monotonic()):
-                        self._fetch_failed(mm_hash, Timeout(f"no answer from the producer in {self.xfer_timeout}s"))
+                        self._fetch_failed(
+                            mm_hash, Timeout(f"no answer from the producer in {self.xfer_timeout}s")
+                        )
         finally:
             if self._router is not None:
                 self._router.close(0)
@@ -279,7 +294,9 @@ class ECRouter:
             self._count("ec_evicted", len(alloc.evicted))
             self.produced[m.mm_hash] = _Produced(m.nbytes)
             assert self.region is not None
-            req.resolve(wire.ECBlocks(m.mm_hash, tuple(alloc.blocks), self.block_bytes, self.region.name))
+            req.resolve(
+                wire.ECBlocks(m.mm_hash, tuple(alloc.blocks), self.block_bytes, self.region.name)
+            )
         elif isinstance(m, wire.ECCommit):
             pool = self._need(self.prod_pool, "producer")
             p = self.produced.get(m.mm_hash)
@@ -291,8 +308,16 @@ class ECRouter:
                 raise InvalidRequest(f"commit of {m.nbytes} bytes exceeds the {p.nbytes} allocated")
             p.nbytes = m.nbytes
             p.committed = True
-            p.params = wire.ECParams(m.mm_hash, self.advertise_host, self.port, m.nbytes, m.shape, m.dtype,
-                                     m.modality, m.compat)
+            p.params = wire.ECParams(
+                m.mm_hash,
+                self.advertise_host,
+                self.port,
+                m.nbytes,
+                m.shape,
+                m.dtype,
+                m.modality,
+                m.compat,
+            )
             pool.unpin(m.mm_hash)
             self._count("ec_committed")
             req.resolve(p.params)
@@ -337,7 +362,9 @@ class ECRouter:
         try:
             alloc = pool.allocate(m.mm_hash, n, pin=True)
         except KvdError as exc:
-            self.emit(EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(exc.code), exc.message)))
+            self.emit(
+                EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(exc.code), exc.message))
+            )
             self._count("ec_unavailable")
             return
         for key in alloc.evicted:
@@ -367,7 +394,11 @@ class ECRouter:
         pool.pin(mm_hash)
         self.pins.setdefault(session, Counter())[mm_hash] += 1
         ids = tuple(b + self.cons_offset for b in blocks)
-        self.emit(EventOut(session, "", wire.ECReady(mm_hash, ids, self.cached_nbytes[mm_hash], local_hit)))
+        self.emit(
+            EventOut(
+                session, "", wire.ECReady(mm_hash, ids, self.cached_nbytes[mm_hash], local_hit)
+            )
+        )
 
     def _unpin_consumer(self, mm_hash: str) -> None:
         pool = self.cons_pool
@@ -405,10 +436,16 @@ class ECRouter:
             pool.unpin(f.mm_hash)
             pool.free(f.mm_hash)
         self._count("ec_unavailable")
-        log.warning("ec_fetch_failed", mm_hash=f.mm_hash, producer=f"{f.producer[0]}:{f.producer[1]}",
-                    error=exc.message)
+        log.warning(
+            "ec_fetch_failed",
+            mm_hash=f.mm_hash,
+            producer=f"{f.producer[0]}:{f.producer[1]}",
+            error=exc.message,
+        )
         for session in f.waiters:
-            self.emit(EventOut(session, "", wire.ECUnavailable(f.mm_hash, int(exc.code), exc.message)))
+            self.emit(
+                EventOut(session, "", wire.ECUnavailable(f.mm_hash, int(exc.code), exc.message))
+            )
 
     async def _send_req(self, producer: tuple[str, int], req: wire.ECXferReq) -> None:
         sock = self.dealers.get(producer)
@@ -433,7 +470,9 @@ class ECRouter:
                 _, msg = wire.decode(frame, self.max_frame)
             except RemoteProtocolError as exc:
                 self._count("ec_acks_malformed")
-                log.warning("ec_ack_malformed", producer=f"{producer[0]}:{producer[1]}", error=exc.message)
+                log.warning(
+                    "ec_ack_malformed", producer=f"{producer[0]}:{producer[1]}", error=exc.message
+                )
                 continue
             if not isinstance(msg, wire.ECXferAck):
                 self._count("ec_acks_malformed")
@@ -480,22 +519,43 @@ class ECRouter:
             blocks = pool.get(mm_hash)
             assert blocks is not None
             if len(req.dst_block_ids) != len(blocks):
-                raise InvalidRequest(f"{len(req.dst_block_ids)} destination blocks for {len(blocks)} source blocks")
+                raise InvalidRequest(
+                    f"{len(req.dst_block_ids)} destination blocks for {len(blocks)} source blocks"
+                )
             pool.pin(mm_hash)
             pinned = True
             info: PeerInfo = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
             if info.agent != req.agent_name:
-                raise RemoteProtocolError(f"request names agent {req.agent_name!r}, the peer is {info.agent!r}")
+                raise RemoteProtocolError(
+                    f"request names agent {req.agent_name!r}, the peer is {info.agent!r}"
+                )
             dst = info.regions.get((EC_ENGINE, 0))
-            if dst is None or (dst.region_id, dst.generation) != (req.dst_region, req.dst_generation):
-                info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port, refresh=True))
+            if dst is None or (dst.region_id, dst.generation) != (
+                req.dst_region,
+                req.dst_generation,
+            ):
+                info = await self.registrar.call(
+                    EnsurePeer(req.side_host, req.side_port, refresh=True)
+                )
                 dst = info.regions.get((EC_ENGINE, 0))
-            if dst is None or (dst.region_id, dst.generation) != (req.dst_region, req.dst_generation):
+            if dst is None or (dst.region_id, dst.generation) != (
+                req.dst_region,
+                req.dst_generation,
+            ):
                 raise NotFound("the consumer's EC region is unknown or stale")
             assert self.local is not None
-            plan = plan_transfer(self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids))
-            await self.engine.transfer("WRITE", plan.as_tuples_local(), plan.as_tuples_remote(), info.agent, b"",
-                                       self.xfer_timeout, plan.total_bytes)
+            plan = plan_transfer(
+                self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids)
+            )
+            await self.engine.transfer(
+                "WRITE",
+                plan.as_tuples_local(),
+                plan.as_tuples_remote(),
+                info.agent,
+                b"",
+                self.xfer_timeout,
+                plan.total_bytes,
+            )
             self._count("ec_served")
             self._count("ec_bytes_served", plan.total_bytes)
             ack = wire.ECXferAck(mm_hash, True, 0, "", p.nbytes)
@@ -517,9 +577,15 @@ class ECRouter:
         def pool_stats(pool: BlockPool | None) -> dict[str, Any] | None:
             if pool is None:
                 return None
-            return {"blocks": pool.num_blocks, "used": pool.used_blocks, "free": pool.free_blocks,
-                    "evictable": pool.evictable_blocks, "pinned": pool.used_blocks - pool.evictable_blocks,
-                    "entries": len(pool), "evicted": pool.evicted}
+            return {
+                "blocks": pool.num_blocks,
+                "used": pool.used_blocks,
+                "free": pool.free_blocks,
+                "evictable": pool.evictable_blocks,
+                "pinned": pool.used_blocks - pool.evictable_blocks,
+                "entries": len(pool),
+                "evicted": pool.evicted,
+            }
 
         return {
             "role": self.role,
@@ -541,4 +607,3 @@ class ECRouter:
 @dataclass(frozen=True)
 class _AckArrived:
     ack: wire.ECXferAck
-

@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import socket
@@ -28,11 +29,11 @@ import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import ErrorCode, KvdError, NotFound, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
-from kvd_client import wire
-from kvd_client.errors import ErrorCode, KvdError, NotFound, RemoteProtocolError
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
 
@@ -123,10 +124,8 @@ class Gateway:
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
-        except FileNotFoundError:
-            pass
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         assert self._sock is not None
@@ -155,7 +154,7 @@ class Gateway:
             log.debug("ipc_send_dropped", error=str(exc))
 
     def _log_rejected(self, ident: bytes, why: str) -> None:
-        """Log a client's bad frames once, then every 1000th: a broken client cannot flood the log."""
+        """Log a client's bad frames once, then every 1000th (no log flood from one client)."""
         n = self._rejected_by_ident.get(ident, 0) + 1
         if len(self._rejected_by_ident) < 4096 or ident in self._rejected_by_ident:
             self._rejected_by_ident[ident] = n
@@ -205,7 +204,9 @@ class Gateway:
         box = self._routes.get(type(msg))
         if box is None:
             self._count("ipc_rejected")
-            self._error(ident, corr, RemoteProtocolError(f"{type(msg).__name__} is not a client request"))
+            self._error(
+                ident, corr, RemoteProtocolError(f"{type(msg).__name__} is not a client request")
+            )
             return
         req = ClientRequest(s.session, msg)
         try:
@@ -240,11 +241,19 @@ class Gateway:
         self.sessions[msg.session] = s
         self.by_ident[ident] = msg.session
         self._count("sessions_opened")
-        log.info("session_opened", session=msg.session, role=msg.role, engine_id=msg.engine_id,
-                 tp_rank=msg.tp_rank, pid=msg.pid)
+        log.info(
+            "session_opened",
+            session=msg.session,
+            role=msg.role,
+            engine_id=msg.engine_id,
+            tp_rank=msg.tp_rank,
+            pid=msg.pid,
+        )
         self._send(ident, self._welcome(), corr)
 
-    async def _status_request(self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer) -> None:
+    async def _status_request(
+        self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer
+    ) -> None:
         try:
             if isinstance(msg, wire.GetStatus):
                 data = await self._status(msg.section)
@@ -295,8 +304,15 @@ class Gateway:
         now = time.monotonic()
         return {
             "sessions": [
-                {"session": s.session, "role": s.role, "engine_id": s.engine_id, "tp_rank": s.tp_rank,
-                 "pid": s.pid, "idle_s": round(now - s.last_seen, 3), "requests": s.requests}
+                {
+                    "session": s.session,
+                    "role": s.role,
+                    "engine_id": s.engine_id,
+                    "tp_rank": s.tp_rank,
+                    "pid": s.pid,
+                    "idle_s": round(now - s.last_seen, 3),
+                    "requests": s.requests,
+                }
                 for s in self.sessions.values()
             ]
         }
@@ -331,8 +347,14 @@ def salvage_corr(frame: bytes) -> int:
     """
     try:
         unpacker = msgpack.Unpacker(
-            io.BytesIO(frame), read_size=64, max_buffer_size=1024, max_str_len=64, max_bin_len=64,
-            max_array_len=16, max_map_len=16, max_ext_len=0,
+            io.BytesIO(frame),
+            read_size=64,
+            max_buffer_size=1024,
+            max_str_len=64,
+            max_bin_len=64,
+            max_array_len=16,
+            max_map_len=16,
+            max_ext_len=0,
         )
         if unpacker.read_array_header() < 3:
             return 0

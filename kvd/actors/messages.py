@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvd_client import wire
+
 from kvd.actors.base import Call
 from kvd.core.planner import Geometry
-from kvd_client import wire
 
 # ------------------------------------------------------------------ shared views
 
@@ -67,7 +68,9 @@ class PeerInfo:
 
     def ranks(self, engine_id: str) -> list[RemoteRegion]:
         """The engine's regions ordered by rank (only complete sets are usable)."""
-        regs = sorted((r for (e, _), r in self.regions.items() if e == engine_id), key=lambda r: r.tp_rank)
+        regs = sorted(
+            (r for (e, _), r in self.regions.items() if e == engine_id), key=lambda r: r.tp_rank
+        )
         return regs
 
 

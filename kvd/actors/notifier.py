@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 import structlog
+from kvd_client import wire
+from kvd_client.errors import Busy, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import NotifReceived, ProbeReceived
-from kvd_client import wire
-from kvd_client.errors import Busy, RemoteProtocolError
 
 log = structlog.get_logger("kvd.notifier", actor="notifier")
 

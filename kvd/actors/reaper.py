@@ -22,6 +22,8 @@ from typing import Any, Final
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -49,8 +51,6 @@ from kvd.core.ids import base_request_id
 from kvd.core.leases import Lease, LeaseTable
 from kvd.core.planner import check_blocks, expand_logical
 from kvd.core.timers import TimerHeap
-from kvd_client import wire
-from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound
 
 log = structlog.get_logger("kvd.reaper", actor="reaper")
 
@@ -111,8 +111,15 @@ class Reaper:
         self.counters[key] = self.counters.get(key, 0) + n
 
     def next_deadline(self) -> float | None:
-        times = [t for t in (self.leases.next_deadline(), self.heartbeats.next_deadline(), self.probes.next_time())
-                 if t is not None]
+        times = [
+            t
+            for t in (
+                self.leases.next_deadline(),
+                self.heartbeats.next_deadline(),
+                self.probes.next_time(),
+            )
+            if t is not None
+        ]
         return min(times) if times else None
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -141,8 +148,12 @@ class Reaper:
             owner = self.owners.pop(lease.request_id, None)
             self.writer.post_internal(Unstage(lease.request_id, expired=True))
             if owner is not None:
-                self.emit(EventOut(owner.session, owner.engine_id, wire.SendExpired(lease.request_id)))
-            log.info("lease_expired", request_id=lease.request_id, late_s=round(now - lease.deadline, 4))
+                self.emit(
+                    EventOut(owner.session, owner.engine_id, wire.SendExpired(lease.request_id))
+                )
+            log.info(
+                "lease_expired", request_id=lease.request_id, late_s=round(now - lease.deadline, 4)
+            )
         for peer, ids in self.heartbeats.due(now).items():
             assert self._tg is not None
             self._tg.start_soon(self._beat, peer, ids)
@@ -185,7 +196,10 @@ class Reaper:
         if info is not None:  # the view the failure was seen through
             agent, since = info.agent, info.handshaked_at
         else:
-            agent, since = next((a for a, p in self.peers.items() if p.addr == peer), ""), float("inf")
+            agent, since = (
+                next((a for a, p in self.peers.items() if p.addr == peer), ""),
+                float("inf"),
+            )
         if agent and isinstance(exc, PeerDisconnected):
             lost = PeerLost(agent, exc.message, since)
             self.writer.post(lost)
@@ -248,7 +262,9 @@ class Reaper:
                 self.leases.grant(m.request_id, now, owner=req.session)
                 self.owners[m.request_id] = _Owner(req.session, m.engine_id)
                 self._count("leases_granted")
-                self.writer.post_internal(Stage(m.request_id, m.engine_id, m.block_ids, req.session))
+                self.writer.post_internal(
+                    Stage(m.request_id, m.engine_id, m.block_ids, req.session)
+                )
                 req.resolve(wire.Ok())
             elif isinstance(m, wire.Track):
                 self._track(m.request_id, m.remote_request_id, m.peer_host, m.peer_port, now)
@@ -257,8 +273,15 @@ class Reaper:
                 self.heartbeats.untrack(m.request_id)
                 self.tracked.pop(m.request_id, None)
                 owner = self.owners.get(m.request_id)
-                if owner is not None and owner.session == req.session and m.request_id in self.leases:
-                    self._end_lease(m.request_id, wire.SendFailed(m.request_id, int(ErrorCode.TRANSFER), "aborted"))
+                if (
+                    owner is not None
+                    and owner.session == req.session
+                    and m.request_id in self.leases
+                ):
+                    self._end_lease(
+                        m.request_id,
+                        wire.SendFailed(m.request_id, int(ErrorCode.TRANSFER), "aborted"),
+                    )
                 # D side: the writer ends the receive and replies.
                 self.writer.post(req)
             else:
@@ -310,7 +333,9 @@ class Reaper:
             self.emit(EventOut(owner.session, owner.engine_id, wire.SendFinished(key)))
         else:
             self._count("sends_failed")
-            self.emit(EventOut(owner.session, owner.engine_id, wire.SendFailed(key, msg.code, msg.reason)))
+            self.emit(
+                EventOut(owner.session, owner.engine_id, wire.SendFailed(key, msg.code, msg.reason))
+            )
 
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
         if agent not in self.peers:  # no handshake: it may not extend or release leases
@@ -337,7 +362,11 @@ class Reaper:
             else:
                 expired = base_request_id(msg.request_id) in self.expired
                 code = ErrorCode.LEASE_EXPIRED if expired else ErrorCode.NOT_FOUND
-                why = "the lease expired before the pull completed" if expired else "no lease for this request"
+                why = (
+                    "the lease expired before the pull completed"
+                    if expired
+                    else "no lease for this request"
+                )
                 ack = wire.PullAck(msg.d_request_id, False, int(code), why)
                 self._count("pulls_refused")
                 log.warning("pull_refused", request_id=msg.request_id, peer=agent, reason=why)
@@ -365,12 +394,23 @@ class Reaper:
         if section == "leases":
             return {
                 "leases": [
-                    {"request_id": lease.request_id, "expires_in_s": round(lease.deadline - now, 3),
-                     "age_s": round(now - lease.granted_at, 3), "state": "held"}
+                    {
+                        "request_id": lease.request_id,
+                        "expires_in_s": round(lease.deadline - now, 3),
+                        "age_s": round(now - lease.granted_at, 3),
+                        "state": "held",
+                    }
                     for lease in self.leases.leases()
                 ]
-                + [{"request_id": rid, "expires_in_s": None, "age_s": round(now - lease.granted_at, 3),
-                    "state": "sending"} for rid, lease in self.claimed.items()],
+                + [
+                    {
+                        "request_id": rid,
+                        "expires_in_s": None,
+                        "age_s": round(now - lease.granted_at, 3),
+                        "state": "sending",
+                    }
+                    for rid, lease in self.claimed.items()
+                ],
                 "tracked": [
                     {"request_id": t.request_id, "peer": f"{t.host}:{t.port}", "hb_id": t.hb_id}
                     for t in self.tracked.values()

@@ -28,13 +28,22 @@ import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import (
+    AuthError,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+    Timeout,
+    TransferError,
+)
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
     AcceptHandshake,
     ClientRequest,
     DrainLocalRegion,
-    DrainRemoteRegion,
     EnsurePeer,
     LocalRegion,
     LocalRegionsChanged,
@@ -49,20 +58,10 @@ from kvd.actors.messages import (
     SessionClosed,
     Snapshot,
 )
-from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.cuda_ipc import CudaIpcRegion
+from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.shm import AnonRegion, MappedRegion
 from kvd.core.planner import Geometry
-from kvd_client import wire
-from kvd_client.errors import (
-    AuthError,
-    InvalidRequest,
-    KvdError,
-    NotFound,
-    RemoteProtocolError,
-    Timeout,
-    TransferError,
-)
 
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
@@ -252,13 +251,19 @@ class Registrar:
             raise InvalidRequest(f"tp_rank {m.tp_rank} must be < tp_size {m.tp_size}")
         for r in self.regions.values():
             if r.view.engine_id == m.engine_id and r.view.tp_rank == m.tp_rank:
-                raise InvalidRequest(f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}")
+                raise InvalidRequest(
+                    f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}"
+                )
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
         mapping: MappedRegion | CudaIpcRegion
         if m.kind == "shm":
             mapping, mem, dev = MappedRegion(m.name, m.nbytes), "DRAM", 0
         else:
-            mapping, mem, dev = CudaIpcRegion(m.ipc_handle, m.nbytes, m.device), "VRAM", max(m.device, 0)
+            mapping, mem, dev = (
+                CudaIpcRegion(m.ipc_handle, m.nbytes, m.device),
+                "VRAM",
+                max(m.device, 0),
+            )
         try:
             geo = geometry_of(mapping.addr, m.nbytes, m.layout)
             reg = await self.engine.register(mapping.addr, m.nbytes, mem, dev)
@@ -408,11 +413,20 @@ class Registrar:
             except InvalidRequest as exc:
                 raise RemoteProtocolError(f"peer region {ri.region_id}: {exc.message}") from None
             regions[(ri.engine_id, ri.tp_rank)] = RemoteRegion(
-                ri.region_id, ri.generation, ri.engine_id, ri.tp_rank, ri.tp_size, geo, ri.compat,
-                ri.mem_type, ri.device,
+                ri.region_id,
+                ri.generation,
+                ri.engine_id,
+                ri.tp_rank,
+                ri.tp_size,
+                geo,
+                ri.compat,
+                ri.mem_type,
+                ri.device,
             )
             if ri.mem_type not in ("DRAM", "VRAM"):
-                raise RemoteProtocolError(f"peer region {ri.region_id}: unknown memory type {ri.mem_type!r}")
+                raise RemoteProtocolError(
+                    f"peer region {ri.region_id}: unknown memory type {ri.mem_type!r}"
+                )
         known = self.peers.get(hs.agent_name)
         if known is not None and known.incarnation != hs.incarnation:
             log.info("peer_restarted", peer=hs.agent_name)
@@ -423,7 +437,9 @@ class Registrar:
             if name != hs.agent_name:
                 if name not in self.peers and name != self.engine.name:  # never unload a real peer
                     await self.engine.remove_remote(name)
-                raise RemoteProtocolError(f"metadata names agent {name!r}, handshake says {hs.agent_name!r}")
+                raise RemoteProtocolError(
+                    f"metadata names agent {name!r}, handshake says {hs.agent_name!r}"
+                )
             loaded = {(ri.region_id, ri.generation) for ri in hs.regions}
             known = _Peer(info=None, incarnation=hs.incarnation, loaded_regions=loaded)  # type: ignore[arg-type]
         else:
@@ -461,7 +477,7 @@ class Registrar:
             self._pending[addr] = fut
             assert self._tg is not None
             self._tg.start_soon(self._handshake, msg.host, msg.port, fut)
-        fut.add_done_callback(lambda f: msg.fail(f.exception()) if f.exception() else msg.resolve(f.result()))  # type: ignore[arg-type]
+        fut.add_done_callback(lambda f: _settle(msg, f))
 
     async def _handshake(self, host: str, port: int, fut: asyncio.Future[PeerInfo]) -> None:
         addr = f"{host}:{port}"
@@ -478,7 +494,11 @@ class Registrar:
             log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
             fut.set_result(info)
         except Exception as exc:
-            err = exc if isinstance(exc, KvdError) else TransferError(f"handshake with {addr} failed: {exc}")
+            err = (
+                exc
+                if isinstance(exc, KvdError)
+                else TransferError(f"handshake with {addr} failed: {exc}")
+            )
             self.counters["handshakes_failed"] = self.counters.get("handshakes_failed", 0) + 1
             log.warning("peer_handshake_failed", addr=addr, error=str(err))
             fut.set_exception(err)
@@ -501,7 +521,9 @@ class Registrar:
                     if rcorr == corr:
                         return reply
         except TimeoutError:
-            raise Timeout(f"no answer from {host}:{port} within {self.handshake_timeout}s") from None
+            raise Timeout(
+                f"no answer from {host}:{port} within {self.handshake_timeout}s"
+            ) from None
         finally:
             sock.close(0)
 
@@ -525,9 +547,15 @@ class Registrar:
         n = msg.notice
         if self.secret is not None:
             good = handshake_mac(self.secret, n, b"drop")
-            if not n.mac or not hmac.compare_digest(good, n.mac) or abs(time.time() - n.timestamp) > AUTH_WINDOW_S:
+            if (
+                not n.mac
+                or not hmac.compare_digest(good, n.mac)
+                or abs(time.time() - n.timestamp) > AUTH_WINDOW_S
+            ):
                 self.counters["auth_rejected"] = self.counters.get("auth_rejected", 0) + 1
-                log.warning("region_drop_rejected", peer=n.agent_name, reason="authentication failed")
+                log.warning(
+                    "region_drop_rejected", peer=n.agent_name, reason="authentication failed"
+                )
                 msg.fail(AuthError(f"region drop from {n.agent_name!r} failed authentication"))
                 return
         p = self.peers.get(n.agent_name)
@@ -537,7 +565,9 @@ class Registrar:
         regions = {k: r for k, r in p.info.regions.items() if r.region_id != n.region_id}
         p.info = replace(p.info, regions=regions)
         self._publish(PeerUpdated(n.agent_name, p.info))
-        log.info("peer_region_dropped", peer=n.agent_name, region_id=n.region_id, generation=n.generation)
+        log.info(
+            "peer_region_dropped", peer=n.agent_name, region_id=n.region_id, generation=n.generation
+        )
         msg.resolve(None)
 
     async def _forget(self, agent: str) -> None:
@@ -616,8 +646,13 @@ class Registrar:
                         "addr": p.info.addr,
                         "lease_duration": p.info.lease_duration,
                         "regions": [
-                            {"engine_id": r.engine_id, "tp_rank": r.tp_rank, "region_id": r.region_id,
-                             "generation": r.generation, "blocks": r.geometry.num_blocks}
+                            {
+                                "engine_id": r.engine_id,
+                                "tp_rank": r.tp_rank,
+                                "region_id": r.region_id,
+                                "generation": r.generation,
+                                "blocks": r.geometry.num_blocks,
+                            }
                             for r in p.info.regions.values()
                         ],
                         "age_s": round(time.monotonic() - p.info.handshaked_at, 3),
@@ -642,6 +677,15 @@ class Registrar:
             ],
             "peers": len(self.peers),
         }
+
+
+def _settle(call: EnsurePeer, fut: asyncio.Future[PeerInfo]) -> None:
+    """Hand a shared handshake's outcome to one waiting caller."""
+    exc = fut.exception()
+    if exc is not None:
+        call.fail(exc)
+    else:
+        call.resolve(fut.result())
 
 
 def _descs(addr: int, n: int) -> Any:

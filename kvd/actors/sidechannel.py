@@ -16,12 +16,12 @@ import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, DrainRemoteRegion, PeerRegionDropped
-from kvd_client import wire
-from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
 
 log = structlog.get_logger("kvd.sidechannel", actor="sidechannel")
 
@@ -93,7 +93,9 @@ class SideChannel:
             corr = corr or salvage_corr(frame)
             self._count("side_rejected")
             log.warning("side_request_rejected", error=exc.message)
-            reply = wire.ErrorReply.of(exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL, exc.message)
+            reply = wire.ErrorReply.of(
+                exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL, exc.message
+            )
         try:
             await self._sock.send_multipart([ident, wire.encode(reply, corr)])
         except zmq.ZMQError as exc:

@@ -27,6 +27,18 @@ from typing import Any, Final
 import anyio
 import structlog
 from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import (
+    Busy,
+    ErrorCode,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    LeaseExpired,
+    NotFound,
+    Timeout,
+    TransferError,
+)
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -56,18 +68,6 @@ from kvd.core.ids import base_request_id
 from kvd.core.matching import Match, PushMatcher
 from kvd.core.planner import Plan, expand_logical, plan_transfer
 from kvd.core.timers import TimerHeap
-from kvd_client import wire
-from kvd_client.errors import (
-    Busy,
-    ErrorCode,
-    Incompatible,
-    InvalidRequest,
-    KvdError,
-    LeaseExpired,
-    NotFound,
-    Timeout,
-    TransferError,
-)
 
 log = structlog.get_logger("kvd.writer", actor="writer")
 
@@ -142,6 +142,7 @@ class Writer:
         self.inflight_local: dict[int, int] = {}
         self.inflight_remote: dict[tuple[str, int], int] = {}
         self.draining_local: set[int] = set()
+        self._drain_wakeup: anyio.Event | None = None
         self.pushing: dict[tuple[str, str], int] = {}
         """(D agent, registration key) of each push under way on P (see CancelRegistration)."""
         self._tg: anyio.abc.TaskGroup | None = None
@@ -172,7 +173,10 @@ class Writer:
                     elif r is not None:
                         log.warning("push_registration_timed_out", request_id=rid, peer=r.agent)
                         self._count("registration_timeouts")
-                        self._end_recv(r, Timeout(f"no push completion within {self.push_registration_timeout}s"))
+                        self._end_recv(
+                            r,
+                            Timeout(f"no push completion within {self.push_registration_timeout}s"),
+                        )
                         # P must not WRITE into these blocks later: drop the registration there
                         tg.start_soon(self._send_cancel, r)
 
@@ -188,7 +192,9 @@ class Writer:
         elif isinstance(msg, Unstage):
             self.matcher.remove_finished(msg.request_id)
             if msg.expired:
-                self._tombstone(msg.request_id, LeaseExpired("the lease expired before D registered"))
+                self._tombstone(
+                    msg.request_id, LeaseExpired("the lease expired before D registered")
+                )
             elif msg.aborted:
                 self._p_gave_up(msg.request_id)
         elif isinstance(msg, LocalRegionsChanged):
@@ -230,8 +236,16 @@ class Writer:
         try:
             if isinstance(m, wire.RegisterPush):
                 self._check_local(m.engine_id, m.block_ids)
-                r = self._new_recv(req.session, m.request_id, m.engine_id, "push", m.block_ids, m.peer_host,
-                                   m.peer_port, m.remote_request_id)
+                r = self._new_recv(
+                    req.session,
+                    m.request_id,
+                    m.engine_id,
+                    "push",
+                    m.block_ids,
+                    m.peer_host,
+                    m.peer_port,
+                    m.remote_request_id,
+                )
                 req.resolve(wire.Ok())
                 assert self._tg is not None
                 self._tg.start_soon(self._register_push, r, m)
@@ -239,10 +253,19 @@ class Writer:
                 self._check_local(m.engine_id, m.block_ids)
                 if len(m.block_ids) > len(m.remote_block_ids):
                     raise InvalidRequest(
-                        f"{len(m.block_ids)} local blocks but P offers only {len(m.remote_block_ids)}"
+                        f"{len(m.block_ids)} local blocks but P offers only "
+                        f"{len(m.remote_block_ids)}"
                     )
-                r = self._new_recv(req.session, m.request_id, m.engine_id, "pull", m.block_ids, m.peer_host,
-                                   m.peer_port, m.remote_request_id)
+                r = self._new_recv(
+                    req.session,
+                    m.request_id,
+                    m.engine_id,
+                    "pull",
+                    m.block_ids,
+                    m.peer_host,
+                    m.peer_port,
+                    m.remote_request_id,
+                )
                 req.resolve(wire.Ok())
                 assert self._tg is not None
                 self._tg.start_soon(self._pull, r, m)
@@ -258,7 +281,9 @@ class Writer:
                 raise TypeError(f"writer got {type(m).__name__}")
         except KvdError as exc:
             self._count("requests_rejected")
-            log.warning("request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message)
+            log.warning(
+                "request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message
+            )
             req.fail(exc)
 
     def _check_local(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
@@ -267,7 +292,9 @@ class Writer:
             _physical(reg.geometry, block_ids, reg.layout.physical_per_logical)  # bounds check
 
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
-        regs = sorted((r for (e, _), r in self.local.items() if e == engine_id), key=lambda r: r.tp_rank)
+        regs = sorted(
+            (r for (e, _), r in self.local.items() if e == engine_id), key=lambda r: r.tp_rank
+        )
         if not regs:
             raise NotFound(f"engine {engine_id!r} has no registered region on this daemon")
         tp = regs[0].tp_size
@@ -276,7 +303,14 @@ class Writer:
         return regs
 
     def _new_recv(
-        self, session: str, rid: str, engine_id: str, mode: str, blocks: tuple[int, ...], host: str, port: int,
+        self,
+        session: str,
+        rid: str,
+        engine_id: str,
+        mode: str,
+        blocks: tuple[int, ...],
+        host: str,
+        port: int,
         remote_rid: str,
     ) -> _Recv:
         if rid in self.recvs:
@@ -305,7 +339,10 @@ class Writer:
                 return info, ranks
             if attempt == 0 and not refresh:
                 info = await self._peer(r.host, r.port, refresh=True)
-        raise Incompatible(f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, need {tp} (equal TP)")
+        raise Incompatible(
+            f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, "
+            f"need {tp} (equal TP)"
+        )
 
     def _bind(self, r: _Recv, info: PeerInfo, ranks: int) -> None:
         r.agent, r.since, r.expected_ranks = info.agent, info.handshaked_at, ranks
@@ -313,8 +350,9 @@ class Writer:
     def _stale_peer(self, r: _Recv, info: PeerInfo, exc: PeerDisconnected) -> None:
         """Our cached view of the peer is dead (it died, maybe restarted, while we were idle):
         drop it; the caller handshakes afresh once."""
-        log.info("peer_gone_rehandshake", request_id=r.request_id, peer=info.agent,
-                 error=exc.message)
+        log.info(
+            "peer_gone_rehandshake", request_id=r.request_id, peer=info.agent, error=exc.message
+        )
         self._count("peer_rehandshakes")
         self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
         r.state = "handshake"
@@ -323,8 +361,9 @@ class Writer:
         try:
             local = self._local_ranks(m.engine_id)
             for attempt in range(2):
-                info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local),
-                                                      refresh=attempt > 0)
+                info, remote = await self._peer_ranks(
+                    r, m.remote_engine_id, len(local), refresh=attempt > 0
+                )
                 _check_compat(local, remote)
                 self._bind(r, info, len(remote))
                 if r.aborted:
@@ -358,8 +397,9 @@ class Writer:
             n = len(m.block_ids)
             p_blocks = m.remote_block_ids[len(m.remote_block_ids) - n :] if n else ()
             for attempt in range(2):
-                info, remote = await self._peer_ranks(r, m.remote_engine_id, len(local),
-                                                      refresh=attempt > 0)
+                info, remote = await self._peer_ranks(
+                    r, m.remote_engine_id, len(local), refresh=attempt > 0
+                )
                 _check_compat(local, remote)
                 self._bind(r, info, len(remote))
                 r.state = "reading"
@@ -375,8 +415,16 @@ class Writer:
                     for loc, rem in zip(local, remote, strict=True)
                 ]
                 try:
-                    await self._run_plans("READ", r.request_id, info.agent, local, remote, plans,
-                                          [b""] * len(plans), r)
+                    await self._run_plans(
+                        "READ",
+                        r.request_id,
+                        info.agent,
+                        local,
+                        remote,
+                        plans,
+                        [b""] * len(plans),
+                        r,
+                    )
                     break
                 except PeerDisconnected as exc:
                     # lost under a posted READ: fail; already gone when posting: handshake again
@@ -386,7 +434,9 @@ class Writer:
             r.state = "acking"
             loop = asyncio.get_running_loop()
             r.ack = loop.create_future()
-            await self.engine.send_notif(info.agent, wire.encode(wire.PullDone(m.remote_request_id, m.request_id)))
+            await self.engine.send_notif(
+                info.agent, wire.encode(wire.PullDone(m.remote_request_id, m.request_id))
+            )
             with anyio.fail_after(self.transfer_timeout):
                 ack = await r.ack
             if r.aborted:
@@ -417,8 +467,16 @@ class Writer:
                 raise TransferError(f"local region {loc.region_id} is being released")
         total = sum(p.total_bytes for p in plans)
         descs = sum(p.descriptors for p in plans)
-        rec = {"request_id": rid, "op": op, "peer": agent, "bytes": total, "descriptors": descs,
-               "ranks": len(plans), "state": "in_flight", "started": time.time()}
+        rec = {
+            "request_id": rid,
+            "op": op,
+            "peer": agent,
+            "bytes": total,
+            "descriptors": descs,
+            "ranks": len(plans),
+            "state": "in_flight",
+            "started": time.time(),
+        }
         self.sending[rid + ":" + op] = rec
         for loc, rem in zip(local, remote, strict=True):
             self.inflight_local[loc.region_id] = self.inflight_local.get(loc.region_id, 0) + 1
@@ -437,6 +495,7 @@ class Writer:
             for loc, rem in zip(local, remote, strict=True):
                 self.inflight_local[loc.region_id] -= 1
                 self.inflight_remote[(agent, rem.region_id)] -= 1
+                self._wake_drains()
             self.sending.pop(rid + ":" + op, None)
             rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             rec["state"] = "failed" if errors else "done"
@@ -507,7 +566,9 @@ class Writer:
             _check_compat(local, remote)
             d_blocks = reg.msg.block_ids
             if len(d_blocks) > len(fin.block_ids):
-                raise InvalidRequest(f"D registered {len(d_blocks)} blocks, P has {len(fin.block_ids)}")
+                raise InvalidRequest(
+                    f"D registered {len(d_blocks)} blocks, P has {len(fin.block_ids)}"
+                )
             p_blocks = fin.block_ids[len(fin.block_ids) - len(d_blocks) :] if d_blocks else ()
             plans = [
                 plan_transfer(
@@ -518,8 +579,12 @@ class Writer:
                 )
                 for loc, rem in zip(local, remote, strict=True)
             ]
-            notifs = [wire.encode(wire.PushDone(d_rid, rank, True, 0, "")) for rank in range(len(local))]
-            await self._run_plans("WRITE", m.finished_id, reg.agent, local, remote, plans, notifs, None)
+            notifs = [
+                wire.encode(wire.PushDone(d_rid, rank, True, 0, "")) for rank in range(len(local))
+            ]
+            await self._run_plans(
+                "WRITE", m.finished_id, reg.agent, local, remote, plans, notifs, None
+            )
             self.reaper.post_internal(Delivered(m.finished_id, True))
             log.debug("push_done", request_id=m.finished_id, peer=reg.agent)
         except KvdError as exc:
@@ -527,7 +592,9 @@ class Writer:
             log.warning("push_failed", request_id=m.finished_id, peer=reg.agent, error=exc.message)
             await self._tell_push_failed(reg.agent, d_rid, exc)
             if claimed or not isinstance(exc, LeaseExpired):
-                self.reaper.post_internal(Delivered(m.finished_id, False, int(exc.code), exc.message))
+                self.reaper.post_internal(
+                    Delivered(m.finished_id, False, int(exc.code), exc.message)
+                )
         finally:
             left = self.pushing.pop(pushing) - 1
             if left:
@@ -535,9 +602,13 @@ class Writer:
 
     async def _tell_push_failed(self, agent: str, d_rid: str, exc: KvdError) -> None:
         try:
-            await self.engine.send_notif(agent, wire.encode(wire.PushDone(d_rid, 0, False, int(exc.code), exc.message)))
+            await self.engine.send_notif(
+                agent, wire.encode(wire.PushDone(d_rid, 0, False, int(exc.code), exc.message))
+            )
         except KvdError as send_exc:
-            log.warning("push_failure_notice_failed", request_id=d_rid, peer=agent, error=send_exc.message)
+            log.warning(
+                "push_failure_notice_failed", request_id=d_rid, peer=agent, error=send_exc.message
+            )
 
     def _tombstone(self, rid: str, exc: KvdError) -> None:
         if self._max_tombstones <= 0:
@@ -611,9 +682,13 @@ class Writer:
             assert self._tg is not None
             # D keys the cancel by P's id when it registered with one; answer under D's own
             d_rid = got.msg.request_id if got is not None else msg.request_id
-            self._tg.start_soon(self._tell_push_failed, agent, d_rid, TransferError("cancelled by D"))
+            self._tg.start_soon(
+                self._tell_push_failed, agent, d_rid, TransferError("cancelled by D")
+            )
             if got is not None:
-                self.reaper.post_internal(Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D"))
+                self.reaper.post_internal(
+                    Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D")
+                )
         else:
             self._reject(agent, f"unexpected {type(msg).__name__}")
 
@@ -641,18 +716,26 @@ class Writer:
         try:
             await self.engine.send_notif(r.agent, wire.encode(cancel))
         except KvdError as exc:
-            log.warning("cancel_not_delivered", request_id=r.request_id, peer=r.agent,
-                        error=exc.message)
+            log.warning(
+                "cancel_not_delivered", request_id=r.request_id, peer=r.agent, error=exc.message
+            )
 
     async def _cancel_push(self, r: _Recv) -> None:
         try:
-            await self.engine.send_notif(r.agent, wire.encode(wire.CancelRegistration(r.remote_request_id or r.request_id)))
+            await self.engine.send_notif(
+                r.agent, wire.encode(wire.CancelRegistration(r.remote_request_id or r.request_id))
+            )
         except KvdError as exc:
             self._end_recv(r, _aborted(f"aborted; cancel not delivered: {exc.message}"))
             return
         # P answers with PushDone (failed, or ok if its WRITE already ran); bound the wait.
-        self._arm(r.request_id, min(self.watchdogs.get(r.request_id) or float("inf"),
-                                    time.monotonic() + min(self.transfer_timeout, 10.0)))
+        self._arm(
+            r.request_id,
+            min(
+                self.watchdogs.get(r.request_id) or float("inf"),
+                time.monotonic() + min(self.transfer_timeout, 10.0),
+            ),
+        )
 
     def _arm(self, rid: str, when: float) -> None:
         """Set a watchdog from a task: the loop may be asleep on its mailbox without a
@@ -678,30 +761,44 @@ class Writer:
         else:
             self._count("recv_failed")
             self.emit(
-                EventOut(r.session, r.engine_id,
-                         wire.RecvFailed(r.request_id, int(exc.code), exc.message[:1000], r.block_ids))
+                EventOut(
+                    r.session,
+                    r.engine_id,
+                    wire.RecvFailed(r.request_id, int(exc.code), exc.message[:1000], r.block_ids),
+                )
             )
             log.info("recv_failed", request_id=r.request_id, peer=r.agent, error=exc.message)
 
     # ---------------------------------------------------------------- drains and status
 
+    def _wake_drains(self) -> None:
+        """A transfer ended: let every drain re-check its region (drains are rare)."""
+        if self._drain_wakeup is not None:
+            self._drain_wakeup.set()
+            self._drain_wakeup = None
+
+    async def _until_drained(self, busy: Callable[[], bool]) -> None:
+        while busy():
+            if self._drain_wakeup is None:
+                self._drain_wakeup = anyio.Event()
+            await self._drain_wakeup.wait()
+
     async def _drain(self, msg: DrainLocalRegion | DrainRemoteRegion) -> None:
         if isinstance(msg, DrainLocalRegion):
-            self.draining_local.add(msg.region_id)
+            rid = msg.region_id
+            self.draining_local.add(rid)
             try:
-                while self.inflight_local.get(msg.region_id, 0) > 0:
-                    await anyio.sleep(0.002)
+                await self._until_drained(lambda: self.inflight_local.get(rid, 0) > 0)
             finally:
-                self.draining_local.discard(msg.region_id)
-                self.inflight_local.pop(msg.region_id, None)
+                self.draining_local.discard(rid)
+                self.inflight_local.pop(rid, None)
         else:
             info = self.peers.get(msg.agent)
             if info is not None:
                 regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
                 self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
             key = (msg.agent, msg.region_id)
-            while self.inflight_remote.get(key, 0) > 0:
-                await anyio.sleep(0.002)
+            await self._until_drained(lambda: self.inflight_remote.get(key, 0) > 0)
             self.inflight_remote.pop(key, None)
         msg.resolve(None)
 
@@ -711,9 +808,16 @@ class Writer:
                 "in_flight": list(self.sending.values()),
                 "recent": list(self.recent),
                 "receiving": [
-                    {"request_id": r.request_id, "mode": r.mode, "peer": r.agent, "state": r.state,
-                     "ranks_done": len(r.done_ranks), "ranks": r.expected_ranks, "blocks": len(r.block_ids),
-                     "age_s": round(time.monotonic() - r.started, 3)}
+                    {
+                        "request_id": r.request_id,
+                        "mode": r.mode,
+                        "peer": r.agent,
+                        "state": r.state,
+                        "ranks_done": len(r.done_ranks),
+                        "ranks": r.expected_ranks,
+                        "blocks": len(r.block_ids),
+                        "age_s": round(time.monotonic() - r.started, 3),
+                    }
                     for r in self.recvs.values()
                 ],
             }
@@ -736,7 +840,8 @@ def _check_compat(local: list[LocalRegion], remote: list[RemoteRegion]) -> None:
     for loc, rem in zip(local, remote, strict=True):
         if loc.compat and rem.compat and loc.compat != rem.compat:
             raise Incompatible(
-                f"compatibility hash differs (rank {loc.tp_rank}: {loc.compat[:12]} vs {rem.compat[:12]})"
+                f"compatibility hash differs (rank {loc.tp_rank}: "
+                f"{loc.compat[:12]} vs {rem.compat[:12]})"
             )
 
 

@@ -29,7 +29,6 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 import structlog
-
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
 log = structlog.get_logger("kvd.nixl")
@@ -130,7 +129,9 @@ class NixlEngine:
         self._loop = asyncio.get_running_loop()
         self._sink = sink
         ready: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="kvd-nixl", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(ready,), name="kvd-nixl", daemon=True
+        )
         self._thread.start()
         await ready
 
@@ -224,7 +225,9 @@ class NixlEngine:
         assert loop is not None and sink is not None
         for peer, msgs in notifs.items():
             self.stats.notifs_received += len(msgs)
-            loop.call_soon_threadsafe(sink, peer if isinstance(peer, str) else peer.decode(), list(msgs))
+            loop.call_soon_threadsafe(
+                sink, peer if isinstance(peer, str) else peer.decode(), list(msgs)
+            )
         return True
 
     def _poll_xfers(self) -> bool:
@@ -313,7 +316,7 @@ class NixlEngine:
         remote: np.ndarray,
         peer: str,
         notif: bytes,
-        timeout: float,
+        timeout: float,  # noqa: ASYNC109 - enforced by the NIXL thread, which owns the handle
         nbytes: int,
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
@@ -375,7 +378,9 @@ class NixlEngine:
         md = await self.call(lambda a: a.get_agent_metadata())
         return bytes(md)
 
-    async def partial_metadata(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> bytes:
+    async def partial_metadata(
+        self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0
+    ) -> bytes:
         def get(a: Any) -> bytes:
             descs = a.get_reg_descs([(addr, nbytes, dev, "")], mem)
             return bytes(a.get_partial_agent_metadata(descs, False, []))

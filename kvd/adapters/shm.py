@@ -31,13 +31,17 @@ class MappedRegion:
         except FileNotFoundError:
             raise NotFound(f"shared-memory segment {name!r} does not exist") from None
         except OSError as exc:
-            raise InvalidRequest(f"cannot open segment {name!r} read-write: {exc.strerror}") from None
+            raise InvalidRequest(
+                f"cannot open segment {name!r} read-write: {exc.strerror}"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise InvalidRequest(f"segment {name!r} is not a regular file")
             if st.st_size < nbytes:
-                raise InvalidRequest(f"segment {name!r} has {st.st_size} bytes, the region claims {nbytes}")
+                raise InvalidRequest(
+                    f"segment {name!r} has {st.st_size} bytes, the region claims {nbytes}"
+                )
             self._mm: mmap.mmap | None = mmap.mmap(
                 fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import anyio
 import pytest
+from kvd_client.errors import Busy
 
 from kvd.actors.base import Call, Mailbox
-from kvd_client.errors import Busy
 
 
 @dataclass

@@ -7,11 +7,11 @@ keep serving; the GPU data path itself is tested only where a GPU is visible.
 from __future__ import annotations
 
 import pytest
-
-from kvd.demo import make_engine
 from kvd_client.client import KvdClient
 from kvd_client.errors import InvalidRequest
 from kvd_client.layout import block_major, region_bytes
+
+from kvd.demo import make_engine
 
 from .conftest import StartDaemon
 
@@ -30,13 +30,27 @@ def test_cuda_ipc_region_refused_clearly_without_gpu(daemons: StartDaemon) -> No
     d = daemons("kvd-gpu")
     lay = block_major(16, 2, 4096)
     with KvdClient(d.socket, role="worker", engine_id="e") as c:
-        blob = __import__("msgpack").packb([0, b"\0" * 64, region_bytes(lay), 0, b"\0" * 64, 0, b"\0" * 64, False])
+        blob = __import__("msgpack").packb(
+            [0, b"\0" * 64, region_bytes(lay), 0, b"\0" * 64, 0, b"\0" * 64, False]
+        )
         with pytest.raises(InvalidRequest, match="CUDA GPU"):
-            c.register_region(None, kind="cuda-ipc", ipc_handle=blob, nbytes=region_bytes(lay), device=0,
-                              layout=lay)
+            c.register_region(
+                None,
+                kind="cuda-ipc",
+                ipc_handle=blob,
+                nbytes=region_bytes(lay),
+                device=0,
+                layout=lay,
+            )
         with pytest.raises(InvalidRequest, match="fields"):
-            c.register_region(None, kind="cuda-ipc", ipc_handle=b"\x91\x00", nbytes=region_bytes(lay), device=0,
-                              layout=lay)
+            c.register_region(
+                None,
+                kind="cuda-ipc",
+                ipc_handle=b"\x91\x00",
+                nbytes=region_bytes(lay),
+                device=0,
+                layout=lay,
+            )
         assert c.status()["regions"] == []
 
 
@@ -44,7 +58,6 @@ def test_cuda_ipc_region_refused_clearly_without_gpu(daemons: StartDaemon) -> No
 @pytest.mark.skipif(not _has_gpu(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 def test_push_into_gpu_region(daemons: StartDaemon) -> None:  # pragma: no cover - GPU only
     import torch
-
     from kvd_client.cuda import export_handle
 
     p_d, d_d = daemons("kvd-p"), daemons("kvd-d")
@@ -55,7 +68,9 @@ def test_push_into_gpu_region(daemons: StartDaemon) -> None:  # pragma: no cover
     d = KvdClient(d_d.socket, role="scheduler", engine_id="decode")
     d.connect()
     try:
-        d.register_region(None, kind="cuda-ipc", ipc_handle=blob, nbytes=nbytes, device=dev, layout=lay)
+        d.register_region(
+            None, kind="cuda-ipc", ipc_handle=blob, nbytes=nbytes, device=dev, layout=lay
+        )
         p.block(0, 3)[:] = 7
         d.register_push("r-aaaaaaaa", [5], "127.0.0.1", p_d.side_port)
         p.client.finished("r-bbbbbbbb", [3])

@@ -6,10 +6,10 @@ import random
 import time
 
 import zmq
-
-from kvd.ecdemo import ECSide, output_bytes, run_ec
 from kvd_client import wire
 from kvd_client.errors import ErrorCode
+
+from kvd.ecdemo import ECSide, output_bytes, run_ec
 
 from .conftest import StartDaemon, shm_segments
 
@@ -17,7 +17,10 @@ MiB = 1 << 20
 
 
 def ec_cfg(role: str, region: int, block: int = MiB) -> str:
-    return f'[ec]\nrole = "{role}"\nregion_bytes = {region}\nblock_bytes = {block}\nxfer_timeout = 5.0\n'
+    return (
+        f'[ec]\nrole = "{role}"\nregion_bytes = {region}\nblock_bytes = {block}\n'
+        "xfer_timeout = 5.0\n"
+    )
 
 
 def test_500_outputs_with_repeats_every_byte(daemons: StartDaemon) -> None:
@@ -26,7 +29,9 @@ def test_500_outputs_with_repeats_every_byte(daemons: StartDaemon) -> None:
     c = daemons("kvd-con", ec_cfg("consumer", 96 * MiB))
     prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
     try:
-        res = run_ec(prod, cons, 500, random.Random(3), min_bytes=64 << 10, max_bytes=8 * MiB, window=8)
+        res = run_ec(
+            prod, cons, 500, random.Random(3), min_bytes=64 << 10, max_bytes=8 * MiB, window=8
+        )
         assert res.failures == []
         assert (res.verified, res.mismatched, res.failed) == (500, 0, 0)
         pc = prod.client.status()["counters"]
@@ -95,9 +100,16 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
         side_port = int(cons.client.status()["side_channel"].rsplit(":", 1)[1])
 
         def req(**kw: object) -> bytes:
-            base = dict(mm_hash="good", compat="ec-ok", agent_name=agent, side_host="127.0.0.1",
-                        side_port=side_port, dst_region=region["region_id"],
-                        dst_generation=region["generation"], dst_block_ids=(0, 1, 2))
+            base = dict(
+                mm_hash="good",
+                compat="ec-ok",
+                agent_name=agent,
+                side_host="127.0.0.1",
+                side_port=side_port,
+                dst_region=region["region_id"],
+                dst_generation=region["generation"],
+                dst_block_ids=(0, 1, 2),
+            )
             base.update(kw)
             return wire.encode(wire.ECXferReq(**base))  # type: ignore[arg-type]
 
@@ -128,7 +140,9 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
         assert cons.matches(ev.block_ids, output_bytes(7, 3 * MiB))
         cons.client.ec_release("good")
         # an unknown hash through the real consumer path ends unavailable, not hung
-        cons.client.ec_ensure(wire.ECParams("missing", "127.0.0.1", port, MiB, (), "uint8", "image", "ec-ok"))
+        cons.client.ec_ensure(
+            wire.ECParams("missing", "127.0.0.1", port, MiB, (), "uint8", "image", "ec-ok")
+        )
         (ev,) = cons.client.wait_events(10)
         assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.NOT_FOUND
         # a producer that does not answer: unavailable after ec.xfer_timeout

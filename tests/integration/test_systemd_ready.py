@@ -23,8 +23,12 @@ def test_serve_notifies_ready_and_stopping(workdir: Path) -> None:
     cfg = workdir / "d.toml"
     cfg.write_text(f'[daemon]\nname = "kvd-notify"\nsocket = "{sock}"\n[side_channel]\nport = 0\n')
     env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    proc = subprocess.Popen([sys.executable, "-m", "kvd", "serve", "--config", str(cfg)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvd", "serve", "--config", str(cfg)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         msg = listener.recv(4096).decode()
         assert "READY=1" in msg.split("\n")

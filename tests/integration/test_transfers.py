@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
+from kvd_client import wire
 
 from kvd.demo import make_engine, run_mode
-from kvd_client import wire
 
 from .conftest import StartDaemon
 
@@ -56,7 +56,7 @@ def test_200_requests_random_order_every_byte(daemons: StartDaemon, mode: str) -
 
 
 def test_coalescing_contiguous_blocks_one_descriptor(daemons: StartDaemon) -> None:
-    """A contiguous run of block-major blocks moves as one descriptor, not one per block/layer/K-V."""
+    """A contiguous run of block-major blocks moves as one descriptor (not one per chunk)."""
     p_d = daemons("kvd-p")
     d_d = daemons("kvd-d")
     p = make_engine(p_d.socket, "prefill", num_blocks=64, num_layers=4, chunk_bytes=4096)
@@ -79,8 +79,12 @@ def test_coalescing_contiguous_blocks_one_descriptor(daemons: StartDaemon) -> No
 
 
 def test_demo_command_json() -> None:
-    res = subprocess.run([sys.executable, "-m", "kvd", "demo", "--requests", "30", "--json"], capture_output=True,
-                         text=True, timeout=180)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvd", "demo", "--requests", "30", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["ok"] is True
@@ -97,8 +101,14 @@ def test_full_local_hit_pull_frees_p_at_once(daemons: StartDaemon) -> None:
     d = make_engine(d_d.socket, "decode", num_blocks=16, num_layers=2, chunk_bytes=4096)
     try:
         p.client.finished("hit-1-aaaaaaaa", [1, 2, 3])
-        d.client.pull("hit-1-bbbbbbbb", [], "127.0.0.1", p_d.side_port, remote_request_id="hit-1-aaaaaaaa",
-                      remote_block_ids=[1, 2, 3])
+        d.client.pull(
+            "hit-1-bbbbbbbb",
+            [],
+            "127.0.0.1",
+            p_d.side_port,
+            remote_request_id="hit-1-aaaaaaaa",
+            remote_block_ids=[1, 2, 3],
+        )
         assert [type(e).__name__ for e in d.client.wait_events(10)] == ["RecvFinished"]
         assert [type(e).__name__ for e in p.client.wait_events(10)] == ["SendFinished"]
         assert p.client.status("leases")["leases"] == []
@@ -109,7 +119,7 @@ def test_full_local_hit_pull_frees_p_at_once(daemons: StartDaemon) -> None:
 
 
 def test_p_abort_fails_d_push_registration_at_once(daemons: StartDaemon) -> None:
-    """P gives up on a request: D's registration, waiting or late, fails now, not at its watchdog."""
+    """P gives up: D's registration, waiting or late, fails now (not at its watchdog)."""
     p_d = daemons("kvd-p")
     d_d = daemons("kvd-d")
     p = make_engine(p_d.socket, "prefill", num_blocks=16, num_layers=2, chunk_bytes=4096)
@@ -123,7 +133,9 @@ def test_p_abort_fails_d_push_registration_at_once(daemons: StartDaemon) -> None
             time.sleep(0.02)
         p.client.abort("ab-1-bbbbbbbb")
         (ev,) = d.client.wait_events(5)
-        assert isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason and ev.block_ids == (1, 2)
+        assert (
+            isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason and ev.block_ids == (1, 2)
+        )
         # 2. P finished, then aborted (lease released); D registers late
         p.client.finished("ab-2-bbbbbbbb", [3])
         p.client.abort("ab-2-bbbbbbbb")

@@ -237,28 +237,95 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "CancelRegistration": (0, wire.CancelRegistration(request_id=REQ)),
     "RegionDropped": (
         0,
-        wire.RegionDropped(agent_name="kvd-host-ø-1234", region_id=2, generation=7, timestamp=1_790_000_000.25,
-                           mac=bytes(range(32))),
+        wire.RegionDropped(
+            agent_name="kvd-host-ø-1234",
+            region_id=2,
+            generation=7,
+            timestamp=1_790_000_000.25,
+            mac=bytes(range(32)),
+        ),
     ),
     "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
     "ECAllocate": (31, wire.ECAllocate(mm_hash="mm-ï-9f8e", nbytes=4_718_592)),
-    "ECBlocks": (31, wire.ECBlocks(mm_hash="mm-ï-9f8e", block_ids=(3, 4, 5, 9, 10), block_bytes=1 << 20,
-                                   region="kvd-ec-1234-abcd")),
-    "ECCommit": (32, wire.ECCommit(mm_hash="mm-ï-9f8e", nbytes=4_718_592, shape=(576, 4096), dtype="bfloat16",
-                                   modality="image", compat="c0ffee")),
-    "ECParams": (32, wire.ECParams(mm_hash="mm-ï-9f8e", peer_host="10.0.0.7", peer_port=5700, nbytes=4_718_592,
-                                   shape=(576, 4096), dtype="bfloat16", modality="image", compat="c0ffee")),
-    "ECEnsure": (33, wire.ECEnsure(mm_hash="mm-ï-9f8e", peer_host="10.0.0.7", peer_port=5700, nbytes=4_718_592,
-                                   compat="c0ffee")),
+    "ECBlocks": (
+        31,
+        wire.ECBlocks(
+            mm_hash="mm-ï-9f8e",
+            block_ids=(3, 4, 5, 9, 10),
+            block_bytes=1 << 20,
+            region="kvd-ec-1234-abcd",
+        ),
+    ),
+    "ECCommit": (
+        32,
+        wire.ECCommit(
+            mm_hash="mm-ï-9f8e",
+            nbytes=4_718_592,
+            shape=(576, 4096),
+            dtype="bfloat16",
+            modality="image",
+            compat="c0ffee",
+        ),
+    ),
+    "ECParams": (
+        32,
+        wire.ECParams(
+            mm_hash="mm-ï-9f8e",
+            peer_host="10.0.0.7",
+            peer_port=5700,
+            nbytes=4_718_592,
+            shape=(576, 4096),
+            dtype="bfloat16",
+            modality="image",
+            compat="c0ffee",
+        ),
+    ),
+    "ECEnsure": (
+        33,
+        wire.ECEnsure(
+            mm_hash="mm-ï-9f8e",
+            peer_host="10.0.0.7",
+            peer_port=5700,
+            nbytes=4_718_592,
+            compat="c0ffee",
+        ),
+    ),
     "ECRelease": (34, wire.ECRelease(mm_hash="mm-ï-9f8e")),
-    "ECReady": (0, wire.ECReady(mm_hash="mm-ï-9f8e", block_ids=(0, 1, 2, 3, 4), nbytes=4_718_592, local_hit=True)),
-    "ECUnavailable": (0, wire.ECUnavailable(mm_hash="mm-ï-9f8e", code=int(ErrorCode.TIMEOUT),
-                                            reason="no answer from the producer")),
-    "ECXferReq": (0, wire.ECXferReq(mm_hash="mm-ï-9f8e", compat="c0ffee", agent_name="kvd-consumer-1",
-                                    side_host="10.0.0.8", side_port=5600, dst_region=3, dst_generation=11,
-                                    dst_block_ids=(40, 41, 42, 43, 44))),
-    "ECXferAck": (0, wire.ECXferAck(mm_hash="mm-ï-9f8e", ok=False, code=int(ErrorCode.NOT_FOUND),
-                                    reason="unknown encoder output", nbytes=0)),
+    "ECReady": (
+        0,
+        wire.ECReady(
+            mm_hash="mm-ï-9f8e", block_ids=(0, 1, 2, 3, 4), nbytes=4_718_592, local_hit=True
+        ),
+    ),
+    "ECUnavailable": (
+        0,
+        wire.ECUnavailable(
+            mm_hash="mm-ï-9f8e", code=int(ErrorCode.TIMEOUT), reason="no answer from the producer"
+        ),
+    ),
+    "ECXferReq": (
+        0,
+        wire.ECXferReq(
+            mm_hash="mm-ï-9f8e",
+            compat="c0ffee",
+            agent_name="kvd-consumer-1",
+            side_host="10.0.0.8",
+            side_port=5600,
+            dst_region=3,
+            dst_generation=11,
+            dst_block_ids=(40, 41, 42, 43, 44),
+        ),
+    ),
+    "ECXferAck": (
+        0,
+        wire.ECXferAck(
+            mm_hash="mm-ï-9f8e",
+            ok=False,
+            code=int(ErrorCode.NOT_FOUND),
+            reason="unknown encoder output",
+            nbytes=0,
+        ),
+    ),
 }
 """Type name -> (corr, instance); corr is 0 for events and notifications."""
 
