@@ -160,6 +160,8 @@ def _case(
     descs: dict[str, int] = {name: plan.descriptors for name, plan in plans.items()}
     descs["memcpy"] = 1
     kvd_ids: dict[str, str] = {}
+    # the daemon's own record of each transfer: posting the descriptors to completion
+    daemon_ms: dict[str, list[float]] = {"kvd push": [], "kvd pull": []}
 
     def raw(name: str) -> Callable[[], float]:
         plan = plans[name]
@@ -184,6 +186,7 @@ def _case(
         expect_ok(ev, "kvd push at D")
         expect_ok(wait_for(p.client, pid, p.stash), "kvd push at P")
         kvd_ids["kvd push"] = pid
+        daemon_ms["kvd push"].append(float(env.transfers("p", pid).get("duration_ms", 0.0)))
         return t1 - t0
 
     def pull() -> float:
@@ -204,6 +207,7 @@ def _case(
         expect_ok(ev, "kvd pull at D")
         expect_ok(wait_for(p.client, pid, p.stash), "kvd pull at P")
         kvd_ids["kvd pull"] = did
+        daemon_ms["kvd pull"].append(float(env.transfers("d", did).get("duration_ms", 0.0)))
         return t1 - t0
 
     runs: dict[str, Callable[[], float]] = {
@@ -228,6 +232,8 @@ def _case(
     descs["kvd push"] = int(env.transfers("p", kvd_ids["kvd push"]).get("descriptors", 0))
     descs["kvd pull"] = int(env.transfers("d", kvd_ids["kvd pull"]).get("descriptors", 0))
     progress(f"{label}: checked")
+    for samples in daemon_ms.values():
+        samples.clear()  # keep the timed repetitions only
     order = list(CONTENDERS)
     times: dict[str, list[float]] = {name: [] for name in order}
     for rep in range(cfg.reps):
@@ -246,6 +252,9 @@ def _case(
             "gbps": round(total / med / 1e9, 3) if med > 0 else 0.0,
             "samples_ms": [round(t * 1e3, 3) for t in times[name]],
         }
+        if name in daemon_ms:
+            # end to end minus the daemon's transfer: the control path's share
+            contenders[name]["daemon_transfer_ms"] = round(median(daemon_ms[name]), 3)
 
     def ratio(a: str, b: str) -> float:
         num, den = float(contenders[a]["gbps"]), float(contenders[b]["gbps"])

@@ -132,11 +132,11 @@ def dataplane_table(dp: dict[str, Any]) -> Table:
         f"{cfg['chunk_bytes'] // 1024} KiB), "
         f"median of {cfg['reps']}"
     )
-    for col in ("case", "contender", "descs", "ms", "GB/s", "/coal.", "/blk", "/memcpy"):
-        t.add_column(col, justify="left" if col in ("case", "contender") else "right")
+    for col in ("contender", "descs", "ms", "xfer ms", "GB/s", "/coal.", "/blk", "/memcpy"):
+        t.add_column(col, justify="left" if col == "contender" else "right")
     for case in dp["cases"]:
         c = case["contenders"]
-        first = True
+        t.add_row(f"[bold]{_case_name(case)}[/bold]")
         for name, v in c.items():
             op = "WRITE" if name in ("kvd push",) or name.endswith("WRITE") else "READ"
             rc = c.get(f"raw coalesced {op}", {}).get("gbps", 0)
@@ -144,18 +144,20 @@ def dataplane_table(dp: dict[str, Any]) -> Table:
             mc = c["memcpy"]["gbps"]
             g = v["gbps"]
             t.add_row(
-                _SHORT_CASE.get(_case_name(case), _case_name(case)) if first else "",
-                _SHORT.get(name, name),
+                "  " + _SHORT.get(name, name),
                 str(v["descriptors"]),
                 f"{v['median_ms']:.2f}",
+                f"{v['daemon_transfer_ms']:.2f}" if "daemon_transfer_ms" in v else "",
                 f"{g:.2f}",
                 _ratio(g, rc) if name != "memcpy" else "",
                 _ratio(g, rp) if name != "memcpy" else "",
                 _ratio(g, mc) if name != "memcpy" else "",
             )
-            first = False
         t.add_section()
-    t.caption = "/coal., /blk, /memcpy: GB/s relative to raw NIXL coalesced, per-block, memcpy"
+    t.caption = (
+        "xfer ms: the daemon's own transfer (descriptors posted to completion); "
+        "/coal., /blk, /memcpy: GB/s relative to raw NIXL coalesced, per-block, memcpy"
+    )
     return t
 
 
@@ -164,12 +166,6 @@ _SHORT = {
     "raw coalesced WRITE": "raw coal. W",
     "raw per-block READ": "raw blk R",
     "raw coalesced READ": "raw coal. R",
-}
-_SHORT_CASE = {
-    "block-major contiguous": "blk-major contig",
-    "block-major fragmented": "blk-major frag",
-    "layer-major contiguous": "lay-major contig",
-    "layer-major fragmented": "lay-major frag",
 }
 
 
@@ -317,11 +313,37 @@ def ec_table(e: dict[str, Any]) -> Table:
 
 
 def targets_table(rows: list[dict[str, Any]]) -> Table:
+    """One row per target; data-plane targets show each case (bm/lm: block-/layer-major,
+    contig./frag.: contiguous/fragmented blocks) and are met only if met in all."""
     t = Table(title="targets (benchmarks, not tests)")
-    for col in ("target", "case", "goal", "value", ""):
-        t.add_column(col, justify="right" if col == "value" else "left")
+    cases = list(dict.fromkeys(r["case"] for r in rows if r["case"]))
+    t.add_column("target")
+    t.add_column("goal")
+    for case in cases:
+        t.add_column(_abbrev(case), justify="right")
+    if not cases:
+        t.add_column("value", justify="right")
+    t.add_column("")
+    grouped: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        v = r["value"]
-        text = f"{v:.3f}" if isinstance(v, float) else str(v)
-        t.add_row(r["target"], r["case"], r["goal"], f"{text} {r['unit']}".strip(), _mark(r["met"]))
+        grouped.setdefault(r["target"], []).append(r)
+    for name, group in grouped.items():
+        met = all(r["met"] for r in group)
+        if group[0]["case"]:
+            by_case = {r["case"]: _value(r) for r in group}
+            cells = [by_case.get(case, "") for case in cases]
+        else:
+            cells = [_value(group[0])] + [""] * (max(len(cases), 1) - 1)
+        t.add_row(name, group[0]["goal"], *cells, _mark(met))
     return t
+
+
+def _value(r: dict[str, Any]) -> str:
+    v = r["value"]
+    text = f"{v:.3g}" if isinstance(v, float) else str(v)
+    return f"{text} {r['unit']}".strip()
+
+
+def _abbrev(case: str) -> str:
+    layout, _, alloc = case.partition(" ")
+    return f"{layout[0]}m {'contig' if alloc == 'contiguous' else 'frag'}"
