@@ -40,6 +40,7 @@ class Daemon:
         self.cfg = cfg
         self.started = time.time()
         self.counters: dict[str, int] = {}
+        self._metrics: Any = None
         self.socket_path = str(resolve_socket_path(cfg))
         self.agent_name = resolve_agent_name(cfg)
         size = cfg.daemon.mailbox_size
@@ -224,6 +225,7 @@ class Daemon:
                 self.gateway.bind()
                 await tg.start(self.gateway.run)
                 tg.start_soon(self._watchdog)
+                self._start_metrics()
                 log.info(
                     "daemon_ready",
                     version=__version__,
@@ -246,7 +248,31 @@ class Daemon:
                 log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)
             log.info("daemon_stopped", clean=ok)
 
+    def _start_metrics(self) -> None:
+        if self.cfg.metrics.port == 0:
+            return
+        from kvd.adapters.metrics import DaemonCollector, serve_metrics
+
+        boxes = {
+            "registrar": self.registrar_box,
+            "writer": self.writer_box,
+            "reaper": self.reaper_box,
+            "ecrouter": self.ec_box,
+            "events": self.events,
+        }
+        collector = DaemonCollector(
+            self.agent_name,
+            self.counters,
+            lambda: {name: box.stats() for name, box in boxes.items()},
+            lambda: dict(self.engine.stats.__dict__),
+        )
+        self._metrics = serve_metrics(self.cfg.metrics.host, self.cfg.metrics.port, collector)
+        log.info("metrics_serving", addr=f"{self.cfg.metrics.host}:{self.cfg.metrics.port}")
+
     async def _cleanup(self) -> None:
+        if self._metrics is not None:
+            self._metrics.shutdown()
+            self._metrics = None
         self.gateway.close()
         try:
             await self.registrar.cleanup()

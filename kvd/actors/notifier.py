@@ -2,9 +2,10 @@
 
 The NIXL thread hands each batch to `sink` on the event loop; the notifier decodes every
 message (a peer's bytes are untrusted: anything malformed is dropped, counted and logged
-once per peer), drops messages from agents that never handshaked, and routes the rest to
-the actor that owns them. It never blocks: a full mailbox drops the message and counts it
-(a peer's retry or the lease machinery recovers).
+once per peer) and routes the rest to the actor that owns them (which drops messages
+from agents that never handshaked). It never blocks. Heartbeats and probes are dropped
+(and counted) when their mailbox is full: the next one comes. Completions, acks and
+registrations are never dropped: they take the overflow path of `post_internal`.
 """
 
 from __future__ import annotations
@@ -63,10 +64,14 @@ class Notifier:
         try:
             if isinstance(msg, wire.Probe):
                 self.registrar.post(ProbeReceived(agent, msg))
+            elif isinstance(msg, wire.Heartbeat):
+                self.reaper.post(NotifReceived(agent, msg))  # droppable: the next beat comes
             elif isinstance(msg, _TO_WRITER):
-                self.writer.post(NotifReceived(agent, msg))
+                # answers to our own transfers, or a registration that D would otherwise
+                # only see fail at its watchdog: never dropped (see Mailbox.post_internal)
+                self.writer.post_internal(NotifReceived(agent, msg))
             elif isinstance(msg, _TO_REAPER):
-                self.reaper.post(NotifReceived(agent, msg))
+                self.reaper.post_internal(NotifReceived(agent, msg))
             else:
                 self._count("notifs_rejected")
                 log.warning("notif_unexpected_type", peer=agent, type=type(msg).__name__)
