@@ -120,15 +120,24 @@ def counter(d: DaemonProc, key: str) -> int:
         return int(c.status()["counters"].get(key, 0))
 
 
-def encode(e: ECInstance, rid: str, seed: int) -> dict[str, Any]:
-    """The proxy's first leg: the image to E with max_tokens=1; E's ec_transfer_params."""
+def encode(
+    e: ECInstance, rid: str, seed: int, *, committed_with_response: bool = True
+) -> dict[str, Any]:
+    """The proxy's first leg: the image to E with max_tokens=1; E's ec_transfer_params.
+
+    By the time the response leaves the engine step, what it announces is committed in E's
+    daemon, unless E reused vLLM's cached copy of an output its daemon had evicted (then
+    it is saved again in the next step)."""
     e.add(rid, image(seed), max_tokens=1)
     run_until(lambda: rid in e.finished, [e])
-    run_until(lambda: not e.busy(), [e])
     out = e.finished[rid]
     assert str(out.finish_reason) == "stop" and not e.errors, (out, e.errors)
     params: dict[str, Any] = out.ec_transfer_params
     assert params is not None and len(params) == 1
+    produced = ec_status(e.daemon)["produced"]
+    assert all(h in produced for h in params) == committed_with_response, (params, produced)
+    run_until(lambda: not e.busy(), [e])
+    assert all(h in ec_status(e.daemon)["produced"] for h in params)
     return params
 
 
@@ -158,6 +167,7 @@ def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
 ) -> None:
     e_d, pd_d = ec_pair
     e = make_ec_instance("E", e_d.socket, model, "ec_producer")
+    e.daemon = e_d
     pd = make_ec_instance("PD", pd_d.socket, model, "ec_consumer", with_kv_connector=True)
     insts += [e, pd]
     assert e.encoder_only  # an ec_producer instance runs the encoder only
@@ -165,8 +175,20 @@ def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
     assert pd.scheduler.connector is not None
     assert pd.connector.scheduler_side.shared is pd.scheduler.connector.scheduler_side.shared
 
+    # E commits an output only after its worker copied it (never in the step that
+    # allocates it); PD holds its pin on an output until its worker copied it out
+    committed_early: list[bool] = []
+    pinned_at_load: list[int] = []
+    e.before_worker = lambda so: committed_early.extend(
+        h in ec_status(e_d)["produced"] for h in so.ec_connector_metadata.saves
+    )
+    pd.before_worker = lambda so: pinned_at_load.extend(
+        ec_status(pd_d)["consumer"]["pinned"] for _ in so.ec_connector_metadata.loads
+    )
+
     params = encode(e, "e-1", 101)
     ((h, entry),) = params.items()
+    assert committed_early == [False]
     with KvdClient(e_d.socket, role="cli", keepalive_interval=0) as c:
         welcome = c.welcome
     assert welcome is not None
@@ -202,6 +224,7 @@ def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
     assert str(pd.finished["pd-1"].finish_reason) == "length"
     # the forward used exactly E's bytes, loaded by start_load_caches; PD encoded nothing
     assert pd.verified == {"pd-1": [h]} and pd.encoded == [] and not pd.errors
+    assert pinned_at_load == [OUTPUT_BYTES // KiB]  # its blocks; released after the copy
     assert counter(e_d, "ec_served") == served + 1
     assert_consumer_idle(pd, pd_d)
 
@@ -211,6 +234,7 @@ def test_the_same_hash_again_is_a_local_hit(
 ) -> None:
     e_d, pd_d = ec_pair
     e = make_ec_instance("E", e_d.socket, model, "ec_producer")
+    e.daemon = e_d
     pd = make_ec_instance("PD", pd_d.socket, model, "ec_consumer")
     insts += [e, pd]
     params = encode(e, "e-1", 102)
@@ -248,6 +272,7 @@ def test_unknown_or_evicted_output_fails_the_request_until_encoded_again(
 ) -> None:
     e_d, pd_d = ec_pair
     e = make_ec_instance("E", e_d.socket, model, "ec_producer")
+    e.daemon = e_d
     pd = make_ec_instance("PD", pd_d.socket, model, "ec_consumer")
     insts += [e, pd]
     params_a = encode(e, "e-a", 201)
@@ -268,7 +293,7 @@ def test_unknown_or_evicted_output_fails_the_request_until_encoded_again(
 
     # re-issued to E: vLLM's encoder cache on E still holds A (it is not encoded again);
     # the connector finds it evicted from the daemon and saves it again from there
-    assert encode(e, "e-a2", 201) == params_a
+    assert encode(e, "e-a2", 201, committed_with_response=False) == params_a
     assert e.encoded.count(h_a) == 1
     assert h_a in ec_status(e_d)["produced"]
     consume(pd, "pd-a2", 201, params_a, e.salt)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +168,10 @@ class ECInstance:
     """request id -> remote mm hashes whose bytes a forward consumed and found exact."""
     scheduled: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
+    daemon: Any = None
+    """The instance's kvd daemon (a DaemonProc), for tests to inspect."""
+    before_worker: Callable[[Any], None] | None = None
+    """Called with each SchedulerOutput before the model runner sees it."""
 
     @property
     def connector(self) -> KvdECConnector:
@@ -217,6 +221,8 @@ class ECInstance:
     def step(self) -> Any:
         so = self.scheduler.schedule()
         self.scheduled |= set(so.num_scheduled_tokens)
+        if self.before_worker is not None:
+            self.before_worker(so)
         mro = self._run_worker(so)
         for outs in self.scheduler.update_from_output(so, mro).values():
             for o in outs.outputs:

@@ -677,11 +677,11 @@ class _ECScheduler:
                 continue  # loaded from elsewhere: not ours to publish
             p = self._prod.get(h)
             if p is not None and p.state == "committed" and p.save.block_ids:
-                # this request may have reused vLLM's cached copy: is it still in the daemon?
+                # this request may have reused vLLM's cached copy: is it still in the
+                # daemon? If not, it is allocated again and the next step's workers copy it
+                # from vLLM's encoder cache (start_save_caches)
                 self._allocate(f)
                 p = self._prod.get(h)
-                if p is not None and p.state == "allocated":
-                    p.state = "resave"  # copied from vLLM's encoder cache next step
             if p is not None:
                 out[h] = params_to_dict(p.params)
         return False, out or None
@@ -718,7 +718,7 @@ class _ECScheduler:
             self.block_bytes,
         )
         for h, p in self._prod.items():
-            if p.state in ("allocated", "resave"):
+            if p.state == "allocated":
                 meta.saves[h] = p.save
                 p.state = "dispatched"
         return meta
@@ -752,7 +752,7 @@ class _ECScheduler:
         self._poll()
         for h in list(self._cons):
             self._maybe_release(h)
-        if any(p.state in ("allocated", "resave", "dispatched") for p in self._prod.values()):
+        if any(p.state in ("allocated", "dispatched") for p in self._prod.values()):
             return True
         # an ensure nobody waits for any more: its event must still be taken (and released)
         wanted = {f.identifier for r in self._reqs.values() for f in self._remote_features(r)}
