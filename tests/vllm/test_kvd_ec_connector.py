@@ -43,6 +43,7 @@ pytestmark = [
 ]
 
 if HAVE_VLLM:
+    from kvd_client.vllm.ec import params_to_dict
     from vllm.v1.request import RequestStatus
     from vllm_ec_harness import HIDDEN, QUERY_TOKENS, ECInstance, image, make_ec_instance
     from vllm_ec_harness import write_mm_model as _write_mm_model
@@ -162,13 +163,21 @@ def assert_consumer_idle(pd: ECInstance, d: DaemonProc) -> None:
 # ---------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async-scheduler"])
 def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
-    model: str, ec_pair: tuple[DaemonProc, DaemonProc], insts: list[ECInstance]
+    model: str, ec_pair: tuple[DaemonProc, DaemonProc], insts: list[ECInstance], async_sched: bool
 ) -> None:
     e_d, pd_d = ec_pair
-    e = make_ec_instance("E", e_d.socket, model, "ec_producer")
+    e = make_ec_instance("E", e_d.socket, model, "ec_producer", async_scheduling=async_sched)
     e.daemon = e_d
-    pd = make_ec_instance("PD", pd_d.socket, model, "ec_consumer", with_kv_connector=True)
+    pd = make_ec_instance(
+        "PD",
+        pd_d.socket,
+        model,
+        "ec_consumer",
+        with_kv_connector=True,
+        async_scheduling=async_sched,
+    )
     insts += [e, pd]
     assert e.encoder_only  # an ec_producer instance runs the encoder only
     # one daemon session per process and engine: the EC connector uses KvdConnector's
@@ -186,7 +195,8 @@ def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
         ec_status(pd_d)["consumer"]["pinned"] for _ in so.ec_connector_metadata.loads
     )
 
-    params = encode(e, "e-1", 101)
+    seed = 111 if async_sched else 101
+    params = encode(e, "e-1", seed)
     ((h, entry),) = params.items()
     assert committed_early == [False]
     with KvdClient(e_d.socket, role="cli", keepalive_interval=0) as c:
@@ -203,13 +213,15 @@ def test_consumer_waits_for_the_producers_output_then_has_its_bytes(
     }
     assert e.encoded == [h]
     assert h in ec_status(e_d)["produced"]  # committed: the worker's copy was reported
+    # what the response announced is what the daemon's commit returned
+    assert params_to_dict(e.connector.scheduler_side._prod[h].params) == entry
     assert ec_status(e_d)["producer"]["pinned"] == 0
 
     served = counter(e_d, "ec_served")
     pd.remote_salt[h] = e.salt
     os.kill(e_d.proc.pid, signal.SIGSTOP)  # the producer's answer cannot arrive for now
     try:
-        pd.add("pd-1", image(101), max_tokens=2, ec_params=params)
+        pd.add("pd-1", image(seed), max_tokens=2, ec_params=params)
         steps, until = 0, time.monotonic() + 0.5
         while time.monotonic() < until:
             pd.step()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.input_processor import InputProcessor
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
@@ -167,6 +169,8 @@ class ECInstance:
     verified: dict[str, list[str]] = field(default_factory=dict)
     """request id -> remote mm hashes whose bytes a forward consumed and found exact."""
     scheduled: set[str] = field(default_factory=set)
+    queue: deque[tuple[Any, ModelRunnerOutput]] = field(default_factory=deque)
+    async_depth: int = 1
     errors: list[str] = field(default_factory=list)
     daemon: Any = None
     """The instance's kvd daemon (a DaemonProc), for tests to inspect."""
@@ -216,20 +220,29 @@ class ECInstance:
 
     def busy(self) -> bool:
         """Work left: requests, or connector work that keeps vLLM's engine loop stepping."""
-        return self.scheduler.has_requests() or self.connector.has_pending_push_work()
+        return (
+            self.scheduler.has_requests()
+            or bool(self.queue)
+            or self.connector.has_pending_push_work()
+        )
 
-    def step(self) -> Any:
-        so = self.scheduler.schedule()
-        self.scheduled |= set(so.num_scheduled_tokens)
-        if self.before_worker is not None:
-            self.before_worker(so)
-        mro = self._run_worker(so)
-        for outs in self.scheduler.update_from_output(so, mro).values():
+    def step(self) -> None:
+        """One engine step; with the async scheduler the next batch is scheduled before the
+        previous one's output is processed (two in flight, as vLLM's default does)."""
+        if self.scheduler.has_requests() or not self.queue:
+            so = self.scheduler.schedule()
+            self.scheduled |= set(so.num_scheduled_tokens)
+            if self.before_worker is not None:
+                self.before_worker(so)
+            self.queue.append((so, self._run_worker(so)))
+            if len(self.queue) < self.async_depth and self.scheduler.has_requests():
+                return
+        done, mro = self.queue.popleft()
+        for outs in self.scheduler.update_from_output(done, mro).values():
             for o in outs.outputs:
                 self.outputs.setdefault(o.request_id, []).append(o)
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = o
-        return so
 
     def _run_worker(self, so: Any) -> ModelRunnerOutput:
         w = self.worker
@@ -309,6 +322,7 @@ def make_ec_instance(
     role: str,
     *,
     with_kv_connector: bool = False,
+    async_scheduling: bool = False,
     num_blocks: int = 64,
 ) -> ECInstance:
     """An instance with `ec_role` `role`; `ec_producer` is an encode-only E instance."""
@@ -316,7 +330,11 @@ def make_ec_instance(
         model=model, dtype="bfloat16", max_model_len=1024, mm_hasher_algorithm="sha256"
     )
     sc = SchedulerConfig(
-        max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024, is_encoder_decoder=False
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
     )
     cc = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False)
     cc.kv_cache_layout = "LBNHC"
@@ -367,12 +385,20 @@ def make_ec_instance(
     # the worker comes first, as in vLLM (ensure_ec_transfer_initialized in init_device)
     worker = ECConnectorFactory.create_connector(vc, ECConnectorRole.WORKER)
     assert isinstance(worker, KvdECConnector)
-    sched = Scheduler(
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    sched = cls(
         vllm_config=vc,
         kv_cache_config=kcc,
         structured_output_manager=StructuredOutputManager(vc),
         block_size=BLOCK_SIZE,
     )
     return ECInstance(
-        name, f"salt-{name}", vc, sched, worker, InputProcessor(vc), encoder_only=encoder_only
+        name,
+        f"salt-{name}",
+        vc,
+        sched,
+        worker,
+        InputProcessor(vc),
+        encoder_only=encoder_only,
+        async_depth=2 if async_scheduling else 1,
     )

@@ -441,7 +441,6 @@ class _ECScheduler:
                 self._on_unavailable(ev)
         c = self.shared.client
         if c.reconnects != self._reconnects:
-            self._reconnects = c.reconnects
             log.warning("kvd: the daemon restarted: its EC region and encoder outputs are new")
             # its outputs, pins and region died with it: start over (loads already
             # dispatched still read the old mapping, which the workers keep)
@@ -449,7 +448,12 @@ class _ECScheduler:
             for h, e in list(self._cons.items()):
                 if e.state == "ready":
                     del self._cons[h]
-            self._refresh_region()
+            try:
+                self._refresh_region()
+            except (KvdError, ValueError) as exc:  # tried again on the next poll
+                log.error("kvd: cannot read the restarted daemon's EC region: %s", exc)
+                return
+            self._reconnects = c.reconnects
 
     def _on_ready(self, ev: wire.ECReady) -> None:
         e = self._cons.get(ev.mm_hash)
