@@ -276,7 +276,45 @@ def test_the_same_hash_again_is_a_local_hit(
     run_until(lambda: {"pd-3", "pd-4"} <= set(pd.finished), [pd])
     assert pd.verified["pd-3"] == [h2] and pd.verified["pd-4"] == [h2] and pd.encoded == []
     assert counter(pd_d, "ec_misses") == misses + 1
+
+    # aborted while it waits: the fetch still ends, and its pin is dropped
+    params = encode(e, "e-3", 104)
+    pd.add("pd-5", image(104), max_tokens=2, ec_params=params)
+    pd.step()
+    assert pd.status("pd-5") == RequestStatus.WAITING
+    pd.scheduler.finish_requests("pd-5", RequestStatus.FINISHED_ABORTED)
+    assert "pd-5" not in pd.scheduled
     assert_consumer_idle(pd, pd_d)
+
+
+def test_ec_region_copies_scattered_blocks(tmp_path: Path) -> None:
+    """The worker's copies in and out of the EC region: any block order, a partial last
+    block, a device->host->device round trip of every byte; bad block ids refused."""
+    import torch
+    from kvd_client.shm import SharedRegion, unique_name
+    from kvd_client.vllm.ec import ECRegionView, bytes_to_tensor, tensor_bytes
+
+    region = SharedRegion(unique_name("kvd-ectest"), 16 * KiB)
+    view = ECRegionView(region.name, region.nbytes, KiB)
+    try:
+        t = torch.randn(7, 200, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        data = tensor_bytes(t)  # 2800 bytes: 3 blocks, the last one partial
+        blocks = [9, 2, 3]
+        view.write(blocks, data)
+        raw = data.numpy().tobytes()
+        assert region.buf[9 * KiB : 10 * KiB] == raw[:KiB]
+        assert region.buf[2 * KiB : 2 * KiB + len(raw) - KiB] == raw[KiB:]
+        back = bytes_to_tensor(
+            view.read(blocks, data.numel()), (7, 200), torch.bfloat16, torch.device("cpu")
+        )
+        assert torch.equal(back.view(torch.int16), t.view(torch.int16))
+        with pytest.raises(ValueError):
+            view.write([15, 16, 17], data)  # beyond the region
+        with pytest.raises(ValueError):
+            view.read([1, 2], data.numel())  # too few blocks
+    finally:
+        view.close()
+        region.close()
 
 
 def test_unknown_or_evicted_output_fails_the_request_until_encoded_again(
