@@ -287,6 +287,34 @@ def test_the_same_hash_again_is_a_local_hit(
     assert_consumer_idle(pd, pd_d)
 
 
+def test_a_failed_save_is_never_served_and_holds_no_blocks(
+    model: str, ec_pair: tuple[DaemonProc, DaemonProc], insts: list[ECInstance]
+) -> None:
+    """E sized the output wrong (its worker's tensor does not match): the worker does not
+    copy it, the scheduler commits the blocks under a hash no consumer has, so nothing is
+    left pinned and no consumer ever gets those bytes."""
+    e_d, pd_d = ec_pair
+    e = make_ec_instance("E", e_d.socket, model, "ec_producer", output_width=HIDDEN // 2)
+    e.daemon = e_d
+    pd = make_ec_instance("PD", pd_d.socket, model, "ec_consumer")
+    insts += [e, pd]
+    params = encode(e, "e-1", 301)  # announced in the step that (failed to) save it
+    ((h, entry),) = params.items()
+    assert entry["shape"] == [QUERY_TOKENS, HIDDEN // 2]
+    assert e.connector.scheduler_side._prod[h].state == "void"
+    assert ec_status(e_d)["producer"]["pinned"] == 0
+    out = consume(pd, "pd-1", 301, params, e.salt)
+    assert str(out.finish_reason) == "error" and "pd-1" not in pd.scheduled
+    assert pd.encoded == [] and pd.verified == {}
+    # asked again, E does not announce it any more
+    e.add("e-2", image(301), max_tokens=1)
+    run_until(lambda: "e-2" in e.finished, [e])
+    assert e.finished["e-2"].ec_transfer_params is None
+    run_until(lambda: not e.busy(), [e])
+    assert ec_status(e_d)["producer"]["pinned"] == 0
+    assert_consumer_idle(pd, pd_d)
+
+
 def test_ec_region_copies_scattered_blocks(tmp_path: Path) -> None:
     """The worker's copies in and out of the EC region: any block order, a partial last
     block, a device->host->device round trip of every byte; bad block ids refused."""

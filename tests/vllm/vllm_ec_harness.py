@@ -323,9 +323,12 @@ def make_ec_instance(
     *,
     with_kv_connector: bool = False,
     async_scheduling: bool = False,
+    output_width: int = HIDDEN,
     num_blocks: int = 64,
 ) -> ECInstance:
-    """An instance with `ec_role` `role`; `ec_producer` is an encode-only E instance."""
+    """An instance with `ec_role` `role`; `ec_producer` is an encode-only E instance.
+    `output_width` is the encoder output width a producer measured at startup (its
+    encoder really computes HIDDEN)."""
     mc = ModelConfig(
         model=model, dtype="bfloat16", max_model_len=1024, mm_hasher_algorithm="sha256"
     )
@@ -365,7 +368,7 @@ def make_ec_instance(
     )
     encoder_only = vc.is_mm_encoder_only
     if ec.is_ec_producer:  # what the engine measures at startup by encoding a dummy item
-        measure_encoder_output_widths(vc, lambda fn: [{"image": HIDDEN}])
+        measure_encoder_output_widths(vc, lambda fn: [{"image": output_width}])
     if encoder_only:
         kcc = get_kv_cache_config_from_groups(vc, [], 0)  # an E instance holds no KV cache
     else:

@@ -28,16 +28,19 @@ Producer (`ec_producer`, an E instance, or `ec_both`):
   of the same step, so an output saved in the step that finished the request is still
   uncommitted then; its entry is the `ECParams` the commit will return (same fields,
   checked when the commit answers), and that commit happens later in the same
-  `update_from_output`, before the engine sends the response out. Only if a worker
-  reports the copy in a later step (or fails it) can a consumer ask too early; the
-  daemon then answers "unknown" and the consumer fails the request: never wrong bytes.
+  `update_from_output`, before the engine sends the response out. Where the commit comes
+  in a later step (below) or a copy fails, a consumer may ask too early: the daemon then
+  answers "unknown" and the consumer fails the request. Never wrong bytes.
 - An output the daemon evicted (FIFO under pressure) is found by the next allocation
-  for its hash and saved again; one that vLLM's own encoder cache still holds is saved
-  again from there (`start_save_caches`) when a request that reused it finishes.
+  for its hash (when vLLM encodes it again) and saved again in that step. When a request
+  reused vLLM's cached copy instead, `request_finished` asks the daemon whether it still
+  holds the output; if not, the workers save it again from vLLM's encoder cache
+  (`start_save_caches`) in the next step, so that commit may follow the response.
 
 Consumer (`ec_consumer` or `ec_both`):
 - `ensure_cache_available` sends `ECEnsure` for each hash of
-  `extra_args["ec_transfer_params"]` that the request still needs and returns False
+  `extra_args["ec_transfer_params"]` (an entry with a `peer_host`; items without one are
+  encoded locally) that the request still needs and returns False
   (vLLM defers the request) until the daemon's `ECReady` (the output is in the local EC
   region, pinned for this session) has arrived. `ECUnavailable` (unknown or evicted at
   the producer, refused, timed out, daemon lost) puts the request in
@@ -51,9 +54,15 @@ Consumer (`ec_consumer` or `ec_both`):
   no live request still needs the output; the daemon keeps the output in its cache, so a
   later request for the same hash is ensured again and served locally (a local hit).
 
-Limits: the daemon has no way to drop a producer allocation that was never committed
-(a worker that failed its copy leaks those blocks until the daemon restarts; this is
-logged); no pipeline parallelism; outputs are copied through host memory.
+A save that fails (the output is not the size the scheduler allocated, or the copy
+failed) is logged and committed under `VOID_COMPAT`: the daemon cannot drop an
+allocation, a commit unpins it, and no consumer is ever served those bytes; FIFO
+eviction reclaims the blocks, and the output is saved again once it is gone.
+
+Limits: no pipeline parallelism; outputs are copied through host memory; another engine
+on the same daemon that finds an output already there (a restarted E instance) publishes
+it without knowing whether it was saved or voided (a void one fails its consumers until
+evicted).
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ import json
 import logging
 import mmap
 import os
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -87,6 +97,13 @@ log = logging.getLogger("kvd_client.vllm")
 EC_COMPAT_VERSION: Final = 1
 _KNOWN_KEYS: Final = frozenset({"kvd_socket", "ec_compat"})
 _PARAM_KEYS: Final = ("peer_host", "peer_port", "nbytes", "shape", "dtype", "modality", "compat")
+VOID_COMPAT: Final = "kvd-ec-void"
+"""The compatibility hash a failed save is committed under: the daemon has no way to drop
+an allocation, and a commit unpins it; no consumer presents this hash, so it is never
+served, and FIFO eviction reclaims it like any output."""
+MAX_PRODUCED: Final = 1 << 16
+"""Committed outputs a producer remembers (least recently used forgotten first; one
+forgotten is asked of the daemon again when a request needs it)."""
 
 
 # ====================================================================== config and params
@@ -335,7 +352,8 @@ class _Prod:
     """Producer: an encoder output on its way into (or in) the daemon's EC region."""
 
     state: str
-    """allocated -> dispatched -> committed (saves that fail are dropped)."""
+    """allocated -> dispatched -> committed, or void (its copy failed: committed under
+    VOID_COMPAT, never published, allocated again once the daemon evicted it)."""
     save: ECSave
     params: wire.ECParams
     """What request_finished publishes: the daemon's ECParams once committed, else the
@@ -385,7 +403,7 @@ class _ECScheduler:
             self.sub.close()
             raise
         self._reconnects = self.shared.client.reconnects
-        self._prod: dict[str, _Prod] = {}
+        self._prod: OrderedDict[str, _Prod] = OrderedDict()
         self._cons: dict[str, _Cons] = {}
         self._reqs: dict[str, Any] = {}
         """Consumer: live requests that need a remote output, by id."""
@@ -494,10 +512,15 @@ class _ECScheduler:
 
     @staticmethod
     def _remote_features(request: Any) -> list[Any]:
+        """The request's items announced with a producer address (others are encoded here)."""
         params = request.ec_transfer_params
         if not isinstance(params, Mapping):
             return []
-        return [f for f in request.mm_features or () if f.identifier in params]
+        return [
+            f
+            for f in request.mm_features or ()
+            if isinstance(params.get(f.identifier), Mapping) and "peer_host" in params[f.identifier]
+        ]
 
     def _needs(self, request: Any, feature: Any, num_computed_tokens: int | None = None) -> bool:
         n = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
@@ -607,6 +630,12 @@ class _ECScheduler:
             return
         save = ECSave(list(blocks.block_ids), nbytes, shape, dtype_name(self.dtype))
         self._prod[h] = _Prod("allocated", save, self._params(h, nbytes, shape, feature.modality))
+        self._prod.move_to_end(h)
+        while len(self._prod) > MAX_PRODUCED:
+            old = next(iter(self._prod))
+            if self._prod[old].state not in ("committed", "void"):
+                break  # only committed ones are forgotten (never more than a step in flight)
+            del self._prod[old]
 
     def _params(self, h: str, nbytes: int, shape: tuple[int, ...], modality: str) -> wire.ECParams:
         return wire.ECParams(
@@ -624,18 +653,10 @@ class _ECScheduler:
         p = self._prod.get(h)
         if p is None or p.state != "dispatched":
             return
-        if why_not:
-            log.error(
-                "kvd: the worker did not copy encoder output %s (%s); it is not served and "
-                "its %d EC blocks stay allocated in the daemon",
-                h,
-                why_not,
-                len(p.save.block_ids),
-            )
-            del self._prod[h]
-            return
         c = self.shared.client
         s = p.save
+        if why_not:
+            log.error("kvd: the worker did not copy encoder output %s (%s); not served", h, why_not)
         try:
             got = self.shared.call(
                 c.ec_commit,
@@ -644,11 +665,14 @@ class _ECScheduler:
                 shape=s.shape,
                 dtype=s.dtype,
                 modality=p.params.modality,
-                compat=self.compat,
+                compat=VOID_COMPAT if why_not else self.compat,
             )
         except KvdError as exc:
             log.error("kvd: committing encoder output %s failed: %s", h, exc.message)
             del self._prod[h]
+            return
+        if why_not:
+            p.state = "void"
             return
         if got != p.params:
             log.error(
@@ -672,21 +696,20 @@ class _ECScheduler:
         ):
             return False, None
         out: dict[str, Any] = {}
-        remote = request.ec_transfer_params
-        if not isinstance(remote, Mapping):
-            remote = {}
+        remote = {f.identifier for f in self._remote_features(request)} if self.consumer else set()
         for f in request.mm_features:
             h = f.identifier
-            if h in out or (self.consumer and h in remote):
+            if h in out or h in remote:
                 continue  # loaded from elsewhere: not ours to publish
             p = self._prod.get(h)
-            if p is not None and p.state == "committed" and p.save.block_ids:
-                # this request may have reused vLLM's cached copy: is it still in the
+            if p is None or p.state == "void" or (p.state == "committed" and p.save.block_ids):
+                # this request may have reused vLLM's cached copy: is it (still) in the
                 # daemon? If not, it is allocated again and the next step's workers copy it
-                # from vLLM's encoder cache (start_save_caches)
+                # from vLLM's encoder cache, which holds it until then (start_save_caches)
                 self._allocate(f)
                 p = self._prod.get(h)
-            if p is not None:
+            if p is not None and p.state != "void":
+                self._prod.move_to_end(h)
                 out[h] = params_to_dict(p.params)
         return False, out or None
 
@@ -710,7 +733,7 @@ class _ECScheduler:
             return
         if self.producer:
             p = self._prod.get(h)
-            if p is None or p.state == "committed":
+            if p is None or p.state in ("committed", "void"):
                 self._allocate(f)  # a committed one may have been evicted: found out here
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdECConnectorMetadata:
