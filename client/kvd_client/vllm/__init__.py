@@ -12,8 +12,8 @@
                            "ec_role": "ec_consumer",
                            "ec_connector_extra_config": {"kvd_socket": "/run/kvd/kvd.sock"}}'
 
-Layout: ``shared`` (one daemon session per process, shared by every connector of it, so an
-encoder-cache connector can join later beside ``KvdConnector``), ``config`` (the
+Layout: ``shared`` (one daemon session per process, shared by every connector of it:
+``KvdConnector`` and ``KvdECConnector``), ``config`` (the
 ``kv_connector_extra_config`` keys), ``staging`` (KV tensors <-> host staging, torch only),
 ``kv`` (the KV connector) and ``ec`` (the EC connector), which import vLLM. The connectors
 are resolved lazily, so the helpers import without vLLM; ``import kvd_client`` alone never
