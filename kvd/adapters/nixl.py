@@ -4,8 +4,8 @@ Why a thread of our own:
 - NIXL's default progress thread busy-spins a whole core (pthrDelay=0), which ruins
   latency on small machines. We create the agent without it and drive progress here: the
   loop polls `get_new_notifs` and in-flight transfer states, continuously (yielding the
-  GIL and the CPU between polls) while transfers are in flight, every 100 us for a short
-  while after any activity, and backing off (up to `poll_max_idle_us`) when idle. It
+  GIL and the CPU between polls) while transfers are in flight, every 100 us for 5 ms
+  after any activity, and backing off (up to `poll_max_idle_us`) when idle. It
   never busy-spins on the GIL. The passive side of a transfer thus keeps making progress.
 - `transfer()` may do the whole copy inside the call (same-host cma) and releases the
   GIL: it must never run on the event loop.
@@ -37,9 +37,11 @@ T = TypeVar("T")
 NotifSink = Callable[[str, list[bytes]], None]
 """Called on the event loop with (peer agent name, messages) for each batch."""
 
-_HOT_S: Final = 0.02
+_HOT_S: Final = 0.005
 """After activity (a command, a notification, a completion), poll every `_HOT_POLL_S`
-this long before backing off: a request's next notification usually follows soon."""
+this long before backing off: a request's next notification usually follows within a
+few ms. Not longer: on a small machine the polls of a daemon waiting out a large
+transfer take CPU from the thread doing the copy (kvd bench, 2 cores)."""
 
 _HOT_POLL_S: Final = 100e-6
 """Pause between polls while hot. The pause is a timed wait on the command queue: it
