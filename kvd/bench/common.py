@@ -227,6 +227,21 @@ def status(cli: KvdClient, section: str = "status", timeout: float = 30.0) -> di
             time.sleep(0.01)
 
 
+def leases(env: Env) -> int:
+    """Leases P holds right now."""
+    return int(status(env.p_cli)["reaper"]["leases"])
+
+
+def wait_leases(env: Env, at_least: int, timeout: float = 60.0) -> None:
+    """Until P holds `at_least` leases: D must not pull before P has finished (in a real
+    deployment D learns P's blocks only from P's finished request)."""
+    deadline = time.monotonic() + timeout
+    while leases(env) < at_least:
+        if time.monotonic() > deadline:
+            raise BenchError(f"P did not grant {at_least} leases within {timeout}s")
+        time.sleep(0.002)
+
+
 def status_client(socket: str) -> KvdClient:
     c = KvdClient(socket, role="cli", timeout=30.0, keepalive_interval=1.0)
     c.connect()

@@ -24,12 +24,14 @@ from kvd.bench.common import (
     Side,
     expect_ok,
     fill_pattern,
+    leases,
     make_side,
     median,
     new_id,
     pct,
     summary_ms,
     wait_for,
+    wait_leases,
 )
 
 BATCH = 100
@@ -101,12 +103,13 @@ def measure(
     out: list[float] = []
     for start in range(0, n, BATCH):
         batch = []
+        base = leases(env)
         for _ in range(min(BATCH, n - start)):
             pid, did = new_id(f"ctl-{mode}-p"), new_id(f"ctl-{mode}-d")
             lb, rb = rng.sample(pool, k), rng.sample(pool, k)
             p.client.finished(pid, lb)
             batch.append((pid, did, lb, rb))
-        time.sleep(0.02)  # P stages the batch (its daemon answers each Finish)
+        wait_leases(env, base + len(batch))  # P has staged the whole batch
         p.stash.extend(p.client.drain_events())
         for pid, did, lb, rb in batch:
             t0 = time.perf_counter()

@@ -6,8 +6,12 @@ Contenders, on the same bytes of the same shared-memory regions, run alternately
 - `raw per-block WRITE/READ`: raw NIXL, one descriptor per (block, layer, K/V part), as
   vLLM's NixlConnector posts them;
 - `raw coalesced WRITE/READ`: raw NIXL, one descriptor per run contiguous on both sides;
-- `kvd push` / `kvd pull`: through the P and D daemons, end to end, from the first client
-  call (P's `finished`) to the `RecvFinished` event at D's client.
+- `kvd push` / `kvd pull`: through the P and D daemons, end to end: P has finished the
+  request (its lease is granted, as when prefill ends first; D learns P's blocks only
+  then), and the clock runs from D's `register_push` / `pull` call to the `RecvFinished`
+  event at D's client (push: D's registration reaches P, P WRITEs; pull: D READs, P
+  acknowledges that the lease was still held). The daemon's own record of the transfer
+  (descriptors posted to completion) is reported beside it.
 
 Cases: two layouts (block-major, kvd's recommended host staging layout; layer-major,
 vLLM's per-layer KV tensors) times two block allocations (contiguous: blocks 0..n-1 on
@@ -33,10 +37,12 @@ from kvd.bench.common import (
     Side,
     expect_ok,
     fill_pattern,
+    leases,
     make_side,
     median,
     new_id,
     wait_for,
+    wait_leases,
 )
 from kvd.core.planner import Plan, plan_per_chunk, plan_transfer
 
@@ -176,8 +182,10 @@ def _case(
 
     def push() -> float:
         pid, did = new_id("dp-push-p"), new_id("dp-push-d")
-        t0 = time.perf_counter()
+        base = leases(env)
         p.client.finished(pid, lb)
+        wait_leases(env, base + 1)
+        t0 = time.perf_counter()
         d.client.register_push(
             did, rb, "127.0.0.1", env.p_port, remote_engine_id=p.engine_id, remote_request_id=pid
         )
@@ -191,8 +199,10 @@ def _case(
 
     def pull() -> float:
         pid, did = new_id("dp-pull-p"), new_id("dp-pull-d")
-        t0 = time.perf_counter()
+        base = leases(env)
         p.client.finished(pid, lb)
+        wait_leases(env, base + 1)
+        t0 = time.perf_counter()
         d.client.pull(
             did,
             rb,
