@@ -151,17 +151,26 @@ class Side:
 def make_side(socket: str, engine_id: str, lay: wire.RegionLayout, nbytes: int) -> Side:
     client = KvdClient(socket, role="scheduler", engine_id=engine_id)
     client.connect()
-    region = SharedRegion(unique_name(f"kvdb-{engine_id}"), nbytes)
+    try:
+        region = SharedRegion(unique_name(f"kvdb-{engine_id}"), nbytes)
+    except BaseException:
+        client.close()
+        raise
     arr = np.frombuffer(region.buf, dtype=np.uint8)
-    arr[:] = 0  # fault every page in now, not during a timed transfer
     chunks = np.lib.stride_tricks.as_strided(
         arr,
         shape=(lay.num_blocks, lay.num_layers, lay.kv_parts, lay.chunk_bytes),
         strides=(lay.block_stride, lay.layer_stride, lay.kv_stride, 1),
         writeable=True,
     )
-    client.register_region(region, layout=lay, tp_rank=0, tp_size=1, compat="kvd-bench")
-    return Side(engine_id, client, region, lay, arr, chunks)
+    side = Side(engine_id, client, region, lay, arr, chunks)
+    try:
+        arr[:] = 0  # fault every page in now, not during a timed transfer
+        client.register_region(region, layout=lay, tp_rank=0, tp_size=1, compat="kvd-bench")
+    except BaseException:
+        side.close()
+        raise
+    return side
 
 
 def fill_pattern(side: Side, seed: int) -> None:

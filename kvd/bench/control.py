@@ -89,7 +89,11 @@ def setup(env: Env, cfg: ControlConfig) -> CtlPair:
     lay = kvlayout.block_major(cfg.pool_blocks, cfg.num_layers, cfg.chunk_bytes)
     nbytes = kvlayout.region_bytes(lay)
     p = make_side(env.p_socket, "ctl-p", lay, nbytes)
-    d = make_side(env.d_socket, "ctl-d", lay, nbytes)
+    try:
+        d = make_side(env.d_socket, "ctl-d", lay, nbytes)
+    except BaseException:
+        p.close()
+        raise
     fill_pattern(p, 7)
     return CtlPair(p, d, cfg)
 

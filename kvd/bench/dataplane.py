@@ -75,15 +75,15 @@ class DataPlaneConfig:
 
 
 @dataclass
-class _Pair:
+class Pair:
     layout: str
     p: Side
     d: Side
 
 
-def setup(env: Env, cfg: DataPlaneConfig) -> list[_Pair]:
-    """P and D engines for both layouts, filled, and known to the raw helper."""
-    pairs = []
+def setup(env: Env, cfg: DataPlaneConfig, pairs: list[Pair]) -> None:
+    """P and D engines for both layouts, filled; appended to `pairs` as they are made (so
+    that whatever was made is torn down if a later step fails)."""
     pool = cfg.blocks * cfg.pool_factor
     for i, name in enumerate(LAYOUTS):
         make = kvlayout.block_major if name == "block-major" else kvlayout.layer_major
@@ -91,13 +91,16 @@ def setup(env: Env, cfg: DataPlaneConfig) -> list[_Pair]:
         nbytes = kvlayout.region_bytes(lay)
         tag = "bm" if name == "block-major" else "lm"
         p = make_side(env.p_socket, f"dp-{tag}-p", lay, nbytes)
-        d = make_side(env.d_socket, f"dp-{tag}-d", lay, nbytes)
+        try:
+            d = make_side(env.d_socket, f"dp-{tag}-d", lay, nbytes)
+        except BaseException:
+            p.close()
+            raise
+        pairs.append(Pair(name, p, d))
         fill_pattern(p, 100 + i)
-        pairs.append(_Pair(name, p, d))
-    return pairs
 
 
-def raw_bases(env: Env, pairs: list[_Pair]) -> dict[str, int]:
+def raw_bases(env: Env, pairs: list[Pair]) -> dict[str, int]:
     """Map every region into the raw helper and register it with the raw initiator."""
     bases: dict[str, int] = {}
     for pair in pairs:
@@ -110,7 +113,7 @@ def raw_bases(env: Env, pairs: list[_Pair]) -> dict[str, int]:
 def run(
     env: Env,
     cfg: DataPlaneConfig,
-    pairs: list[_Pair],
+    pairs: list[Pair],
     bases: dict[str, int],
     seed: int,
     progress: Progress,
@@ -145,7 +148,7 @@ def _blocks(cfg: DataPlaneConfig, alloc: str, rng: random.Random) -> tuple[list[
 def _case(
     env: Env,
     cfg: DataPlaneConfig,
-    pair: _Pair,
+    pair: Pair,
     bases: dict[str, int],
     alloc: str,
     rng: random.Random,
@@ -287,7 +290,7 @@ def _case(
     }
 
 
-def teardown(pairs: list[_Pair]) -> None:
+def teardown(pairs: list[Pair]) -> None:
     for pair in pairs:
         pair.p.close()
         pair.d.close()

@@ -65,7 +65,11 @@ class ECPair:
 
 def setup(env: Env) -> ECPair:
     prod = ECSide(env.p_socket, "ec-producer")
-    cons = ECSide(env.d_socket, "ec-consumer")
+    try:
+        cons = ECSide(env.d_socket, "ec-consumer")
+    except BaseException:
+        prod.close()
+        raise
     info = cons.client.status("ec")
     return ECPair(
         prod, cons, str(info["region"]), int(info["region_bytes"]), int(info["block_bytes"])

@@ -101,15 +101,19 @@ def run_bench(
 
         with process_tree(quick) as env:
             progress("daemons up")
-            pairs = dataplane.setup(env, dp_cfg) if "dataplane" in chosen else []
-            ctl = (
-                control.setup(env, ctl_cfg) if ("control" in chosen or "scale" in chosen) else None
-            )
-            ecs = ec.setup(env) if "ec" in chosen else None
-            bases = dataplane.raw_bases(env, pairs) if pairs else {}
-            ec_bases = ec.raw_bases(env, ecs) if ecs is not None else None
-            env.raw.connect()
+            pairs: list[dataplane.Pair] = []
+            ctl: control.CtlPair | None = None
+            ecs: ec.ECPair | None = None
             try:
+                if "dataplane" in chosen:
+                    dataplane.setup(env, dp_cfg, pairs)
+                if "control" in chosen or "scale" in chosen:
+                    ctl = control.setup(env, ctl_cfg)
+                if "ec" in chosen:
+                    ecs = ec.setup(env)
+                bases = dataplane.raw_bases(env, pairs) if pairs else {}
+                ec_bases = ec.raw_bases(env, ecs) if ecs is not None else None
+                env.raw.connect()
                 if "dataplane" in chosen:
                     results["scenarios"]["dataplane"] = dataplane.run(
                         env, dp_cfg, pairs, bases, seed, progress
