@@ -76,20 +76,7 @@ def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
 
 def geometry_of(base_addr: int, nbytes: int, layout: wire.RegionLayout) -> Geometry:
     """A validated Geometry for a layout at an address (raises InvalidRequest)."""
-    geo = Geometry(
-        base_addr=base_addr,
-        nbytes=nbytes,
-        num_blocks=layout.num_blocks,
-        num_layers=layout.num_layers,
-        kv_parts=layout.kv_parts,
-        chunk_bytes=layout.chunk_bytes,
-        block_stride=layout.block_stride,
-        layer_stride=layout.layer_stride,
-        kv_stride=layout.kv_stride,
-        physical_per_logical=layout.physical_per_logical,
-    )
-    geo.validate()
-    return geo
+    return Geometry.from_layout(base_addr, nbytes, layout)
 
 
 def handshake_mac(secret: bytes, hs: wire.Handshake | wire.RegionDropped, context: bytes) -> bytes:

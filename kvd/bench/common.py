@@ -100,20 +100,7 @@ def new_id(prefix: str) -> str:
 
 
 def geometry(base: int, nbytes: int, lay: wire.RegionLayout) -> Geometry:
-    g = Geometry(
-        base_addr=base,
-        nbytes=nbytes,
-        num_blocks=lay.num_blocks,
-        num_layers=lay.num_layers,
-        kv_parts=lay.kv_parts,
-        chunk_bytes=lay.chunk_bytes,
-        block_stride=lay.block_stride,
-        layer_stride=lay.layer_stride,
-        kv_stride=lay.kv_stride,
-        physical_per_logical=lay.physical_per_logical,
-    )
-    g.validate()
-    return g
+    return Geometry.from_layout(base, nbytes, lay)
 
 
 @dataclass

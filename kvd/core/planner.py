@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,27 @@ _GEOMETRY_FIELDS: Final = (
 )
 
 
+class LayoutLike(Protocol):
+    """What a region layout record carries (kvd_client.wire.RegionLayout satisfies it)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def kv_parts(self) -> int: ...
+    @property
+    def chunk_bytes(self) -> int: ...
+    @property
+    def block_stride(self) -> int: ...
+    @property
+    def layer_stride(self) -> int: ...
+    @property
+    def kv_stride(self) -> int: ...
+    @property
+    def physical_per_logical(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """Where every (block, layer, K/V part) chunk of one registered region lives."""
@@ -75,6 +96,24 @@ class Geometry:
     def block_bytes(self) -> int:
         """Bytes of one block over all layers and K/V parts."""
         return self.num_layers * self.kv_parts * self.chunk_bytes
+
+    @classmethod
+    def from_layout(cls, base_addr: int, nbytes: int, layout: LayoutLike) -> Geometry:
+        """A validated Geometry for a region layout (a wire `RegionLayout`) at an address."""
+        geo = cls(
+            base_addr=base_addr,
+            nbytes=nbytes,
+            num_blocks=layout.num_blocks,
+            num_layers=layout.num_layers,
+            kv_parts=layout.kv_parts,
+            chunk_bytes=layout.chunk_bytes,
+            block_stride=layout.block_stride,
+            layer_stride=layout.layer_stride,
+            kv_stride=layout.kv_stride,
+            physical_per_logical=layout.physical_per_logical,
+        )
+        geo.validate()
+        return geo
 
     @classmethod
     def block_major(
