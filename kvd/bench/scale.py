@@ -276,6 +276,7 @@ def live_leases(
         gone = set(refused)
         hb = [i for i in ids if i not in gone][: cfg.heartbeat_ids]
         c0 = status(env.p_cli)["counters"]
+        d0 = status(env.d_cli)["counters"]  # before tracking: the first beat goes at once
         tracked = [new_id("track") for _ in hb]
         for rid, remote in zip(tracked, hb, strict=True):
             tracker.track(
@@ -285,7 +286,6 @@ def live_leases(
                 remote_engine_id=pair.p.engine_id,
                 remote_request_id=remote,
             )
-        d0 = status(env.d_cli)["counters"]
         # The first beat to a peer goes at once (with the ids tracked by then); the rest
         # ride the next one, a heartbeat period (lease / 6) later.
         deadline = time.monotonic() + cfg.heartbeat_wait_s
