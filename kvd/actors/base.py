@@ -14,6 +14,7 @@ refills the mailbox as the receiver takes messages; outside posts are refused me
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -95,6 +96,17 @@ class Mailbox(Generic[M]):
             if self._overflow:
                 self._refill()
             yield msg
+
+    async def receive_before(self, deadline: float | None) -> M | None:
+        """The next message, or None once `deadline` (time.monotonic()) passes first.
+
+        This is how an actor sleeps until either its next timer or its next message.
+        """
+        if deadline is None:
+            return await self.receive()
+        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+            return await self.receive()
+        return None
 
     async def receive(self) -> M:
         msg = await self._recv.receive()

@@ -229,13 +229,7 @@ class ECRouter:
                     tg.start_soon(self._serve_router)
                 task_status.started()
                 while True:
-                    deadline = self.deadlines.next_time()
-                    msg: Any = None
-                    if deadline is None:
-                        msg = await self.mailbox.receive()
-                    else:
-                        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                            msg = await self.mailbox.receive()
+                    msg: Any = await self.mailbox.receive_before(self.deadlines.next_time())
                     if msg is not None:
                         self._dispatch(msg)
                     for mm_hash, _ in self.deadlines.pop_due(time.monotonic()):

@@ -127,13 +127,7 @@ class Reaper:
             self._tg = tg
             task_status.started()
             while True:
-                deadline = self.next_deadline()
-                msg: Any = None
-                if deadline is None:
-                    msg = await self.mailbox.receive()
-                else:
-                    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                        msg = await self.mailbox.receive()
+                msg: Any = await self.mailbox.receive_before(self.next_deadline())
                 if msg is not None:
                     self._dispatch(msg)
                 self._on_time(time.monotonic())

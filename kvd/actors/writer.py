@@ -157,13 +157,7 @@ class Writer:
             self._tg = tg
             task_status.started()
             while True:
-                deadline = self.watchdogs.next_time()
-                msg: Any = None
-                if deadline is None:
-                    msg = await self.mailbox.receive()
-                else:
-                    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-                        msg = await self.mailbox.receive()
+                msg: Any = await self.mailbox.receive_before(self.watchdogs.next_time())
                 if msg is not None and msg is not _REARM:
                     await self._dispatch(msg)
                 for rid, _ in self.watchdogs.pop_due(time.monotonic()):
