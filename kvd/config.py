@@ -373,6 +373,13 @@ class TransferConfig(_Section):
     transfer_timeout: float = _opt(
         30.0, "Seconds a posted transfer may stay in flight before it fails.", gt=0
     )
+    lease_wait_timeout: float = _opt(
+        5.0,
+        "Seconds P keeps D's pull completion that arrived before P's engine finished the "
+        "request (D's READ overtook P's `finished` on its way to P's daemon), waiting for "
+        "the lease; then the pull is refused and D fails the request.",
+        gt=0,
+    )
     expired_tombstones: int = _opt(
         65536,
         "How many expired request ids P remembers, so that a late registration or pull "

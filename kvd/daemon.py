@@ -19,7 +19,7 @@ import structlog
 from kvd_client import wire
 
 from kvd import __version__
-from kvd.actors.base import Mailbox
+from kvd.actors.base import Clock, Mailbox
 from kvd.actors.ecrouter import ECRouter
 from kvd.actors.gateway import Gateway
 from kvd.actors.messages import EventOut, LocalRegionsChanged, Snapshot
@@ -44,11 +44,12 @@ class Daemon:
         self.socket_path = str(resolve_socket_path(cfg))
         self.agent_name = resolve_agent_name(cfg)
         size = cfg.daemon.mailbox_size
-        self.registrar_box: Mailbox[Any] = Mailbox("registrar", size)
-        self.writer_box: Mailbox[Any] = Mailbox("writer", size)
-        self.reaper_box: Mailbox[Any] = Mailbox("reaper", size)
-        self.ec_box: Mailbox[Any] = Mailbox("ecrouter", size)
-        self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536))
+        self.clock = Clock()
+        self.registrar_box: Mailbox[Any] = Mailbox("registrar", size, self.clock)
+        self.writer_box: Mailbox[Any] = Mailbox("writer", size, self.clock)
+        self.reaper_box: Mailbox[Any] = Mailbox("reaper", size, self.clock)
+        self.ec_box: Mailbox[Any] = Mailbox("ecrouter", size, self.clock)
+        self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536), self.clock)
         self.engine = NixlEngine(
             self.agent_name,
             backend=cfg.nixl.backend,
@@ -96,6 +97,7 @@ class Daemon:
             emit=self._emit,
             lease_duration=cfg.transfer.kv_lease_duration,
             probe_interval=cfg.transfer.peer_probe_interval,
+            lease_wait_timeout=cfg.transfer.lease_wait_timeout,
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
         )
@@ -136,6 +138,8 @@ class Daemon:
             counters=self.counters,
             status=self.status,
             welcome=self._welcome,
+            clock=self.clock,
+            close_bound=cfg.transfer.transfer_timeout + cfg.side_channel.handshake_timeout + 5.0,
         )
 
     # ---------------------------------------------------------------- wiring
@@ -173,6 +177,9 @@ class Daemon:
             kv_lease_duration=self.cfg.transfer.kv_lease_duration,
             ec_host=self.cfg.side_channel.advertised_host if self.ecrouter.producing else "",
             ec_port=self.ecrouter.port if self.ecrouter.producing else 0,
+            incarnation=self.registrar.incarnation,
+            client_timeout=self.cfg.daemon.client_timeout,
+            push_registration_timeout=self.cfg.transfer.push_registration_timeout,
         )
 
     async def status(self, section: str) -> dict[str, Any]:
@@ -193,7 +200,10 @@ class Daemon:
         out: dict[str, Any] = {
             "version": __version__,
             "agent_name": self.agent_name,
+            "incarnation": f"{self.registrar.incarnation:016x}",
             "uptime_s": round(time.time() - self.started, 3),
+            "stalled_s": round(self.clock.core.stalled, 3),
+            "stalls": self.clock.stall_count,
             "socket": self.socket_path,
             "side_channel": f"{self.cfg.side_channel.advertised_host}:{self.side.port}",
             "mailboxes": {name: box.stats() for name, box in boxes.items()}
@@ -214,6 +224,7 @@ class Daemon:
         ok = False
         try:
             async with anyio.create_task_group() as tg:
+                await tg.start(self.clock.run)
                 await self.engine.start(self.notifier.sink)
                 await tg.start(self.registrar.run)
                 self.side.bind()
@@ -246,6 +257,7 @@ class Daemon:
                 await self._cleanup()
             if scope.cancelled_caught:
                 log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)
+            self.gateway.close()
             log.info("daemon_stopped", clean=ok)
 
     def _start_metrics(self) -> None:
@@ -270,10 +282,12 @@ class Daemon:
         log.info("metrics_serving", addr=f"{self.cfg.metrics.host}:{self.cfg.metrics.port}")
 
     async def _cleanup(self) -> None:
+        """Peers told, memory deregistered, the NIXL agent destroyed, and only then the IPC
+        socket closed: a client counts its requests lost when its connection to us drops,
+        so that must not happen while a transfer could still read its blocks."""
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics = None
-        self.gateway.close()
         try:
             await self.registrar.cleanup()
         except Exception as exc:

@@ -6,15 +6,27 @@
   never blocks either; a refused request becomes a failure event for that request, so
   every announced request still ends in exactly one terminal event.
 - `drain_events` returns only events about ids this client announced.
-- A keep-alive thread with its own socket pings the daemon; if the daemon restarted (it
-  no longer knows the session) or died (its socket refuses connections), the next
-  `drain_events` fails every request that was in flight, and reconnects and
-  re-registers the regions once a daemon listens again (never waiting for one).
 - Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply.
+
+Sessions (the rule that keeps engine and daemon agreeing on who owns which blocks): a
+request announced in a session belongs to that session until the daemon ends it. The
+client reports a request failed without the daemon's word only when the daemon can no
+longer transfer it:
+- the daemon process is gone: the keep-alive thread's connection to it dropped (a
+  process that died or shut down closes its sockets; a frozen one does not), or
+- the daemon says it no longer knows the session: it answers NOT_FOUND to a keep-alive
+  only once it has ended everything the session announced (or it is a new incarnation
+  that never knew it).
+Anything else (a daemon that is slow, frozen or busy) is waited out: the client never
+gives up on a session the daemon still holds, and never opens a second one meanwhile.
+After a loss, the next `drain_events` fails what was in flight and opens one new session
+without blocking (Hello, then the regions registered again, each answered later); calls
+made before it is up fail at once, locally, and reach no daemon.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import itertools
 import os
@@ -29,6 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvd_client import __version__, wire
 from kvd_client.errors import ErrorCode, KvdError, ProtocolError, Timeout, error_from_code
@@ -54,6 +67,12 @@ EVENT_TYPES: Final = (
 )
 
 __all__ = ["EVENT_TYPES", "Event", "KvdClient", "default_socket_path"]
+
+LOST_REASON: Final = "kvd daemon restarted or died, or ended this session; the transfer was lost"
+DOWN_REASON: Final = "kvd daemon unavailable (reconnecting); the request was not sent"
+REGION_RETRIES: Final = 10
+"""Times a region is registered again after a reconnection before the client gives up on
+it (one try per second); the daemon then refuses the engine's requests clearly."""
 
 
 def daemon_listening(path: str) -> bool:
@@ -83,11 +102,23 @@ def default_socket_path() -> str:
     return "/run/kvd/kvd.sock"
 
 
+class _Phase(enum.Enum):
+    UP = "up"
+    """The session is established: calls go to the daemon."""
+    DOWN = "down"
+    """The session was lost and no daemon listens yet: calls fail locally."""
+    HELLO = "hello"
+    """A new session's Hello is on its way: calls fail locally until it is up."""
+    REGISTERING = "registering"
+    """Welcomed; the regions are being registered again."""
+
+
 @dataclass
 class _Pending:
-    kind: str  # "recv", "send", "other"
+    kind: str  # "recv", "send", "ec", "other", "hello", "region"
     request_id: str
     block_ids: tuple[int, ...] = ()
+    region: int = -1
 
 
 @dataclass
@@ -95,6 +126,9 @@ class _RegionArgs:
     region: SharedRegion | None
     msg: wire.RegisterRegion
     region_id: int = 0
+    retries: int = 0
+    retry_at: float = 0.0
+    ok: bool = True
 
 
 class KvdClient:
@@ -116,7 +150,7 @@ class KvdClient:
         self.tp_rank = tp_rank
         self.timeout = timeout
         self.keepalive_interval = keepalive_interval
-        self.session = f"{role}-{os.getpid()}-{secrets.token_hex(6)}"
+        self.session = self._new_session_id()
         self.welcome: wire.Welcome | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
@@ -127,10 +161,17 @@ class KvdClient:
         self._announced_send: set[str] = set()
         self._announced_ec: dict[str, int] = {}
         self._regions: list[_RegionArgs] = []
+        self._phase = _Phase.DOWN
+        self._live_session: str | None = None
+        """The session the keep-alive thread pings: set only once the daemon welcomed it."""
         self._lost = threading.Event()
         self._stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self.reconnects = 0
+        self.sessions_opened = 0
+
+    def _new_session_id(self) -> str:
+        return f"{self.role}-{os.getpid()}-{secrets.token_hex(6)}"
 
     # ---------------------------------------------------------------- connection
 
@@ -143,10 +184,13 @@ class KvdClient:
             )
             self._ka_thread.start()
         welcome = self._hello()
-        self._lost.clear()
+        self._welcomed(welcome)
+        self._phase = _Phase.UP
         return welcome
 
     def _open(self) -> None:
+        """A fresh DEALER whose routing identity is the session id (the daemon's ROUTER
+        hands an identity over to its newest connection, so reopening is safe)."""
         if self._sock is not None:
             self._sock.close(0)
         sock = self._ctx.socket(zmq.DEALER)
@@ -154,20 +198,27 @@ class KvdClient:
         sock.setsockopt(zmq.IDENTITY, self.session.encode())
         sock.connect(f"ipc://{self.socket_path}")
         self._sock = sock
+        self.sessions_opened += 1
 
-    def _hello(self) -> wire.Welcome:
-        hello = wire.Hello(
+    def _hello_msg(self) -> wire.Hello:
+        return wire.Hello(
             self.session, self.role, self.engine_id, self.tp_rank, os.getpid(), __version__
         )
-        reply = self.request(hello)
+
+    def _hello(self) -> wire.Welcome:
+        reply = self.request(self._hello_msg())
         if not isinstance(reply, wire.Welcome):
             raise ProtocolError(f"expected Welcome, got {type(reply).__name__}")
-        self.welcome = reply
         return reply
+
+    def _welcomed(self, welcome: wire.Welcome) -> None:
+        self.welcome = welcome
+        self._live_session = self.session
 
     def close(self) -> None:
         """Say goodbye (the daemon releases this session's regions) and close."""
         self._stop.set()
+        self._live_session = None
         if self._sock is not None:
             try:
                 if daemon_listening(self.socket_path):  # never wait on a dead daemon
@@ -188,26 +239,64 @@ class KvdClient:
         self.close()
 
     def _keepalive(self) -> None:
+        """Ping the live session; watch the connection to the daemon (see the module
+        docstring). Runs on its own socket and thread; touches only `_lost`."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(f"ipc://{self.socket_path}")
+        connected = False
+        sent: dict[int, str] = {}  # keep-alive corr -> the session it pinged
+        seq = itertools.count(1)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        next_ping = time.monotonic()
         try:
-            while not self._stop.wait(self.keepalive_interval):
-                if not daemon_listening(self.socket_path):
-                    self._lost.set()  # died: nothing in flight will ever complete
+            while not self._stop.is_set():
+                wait = max(0.0, next_ping - time.monotonic())
+                ready = dict(poller.poll(int(min(wait, 0.2) * 1000)))
+                if monitor in ready:
+                    ev = recv_monitor_message(monitor)
+                    if ev["event"] == zmq.EVENT_CONNECTED:
+                        connected = True
+                    elif ev["event"] == zmq.EVENT_DISCONNECTED and connected:
+                        # the daemon closed its end: it died or shut down, and its NIXL
+                        # agent with it. Nothing in flight can complete any more.
+                        connected = False
+                        if self._live_session is not None:
+                            self._lost.set()
+                if sock in ready:
+                    while sock.poll(0):
+                        try:
+                            corr, msg = wire.decode(sock.recv())
+                        except ProtocolError:
+                            continue
+                        pinged = sent.pop(corr, None)
+                        if (
+                            isinstance(msg, wire.ErrorReply)
+                            and msg.code == ErrorCode.NOT_FOUND
+                            and pinged is not None
+                            and pinged == self._live_session
+                        ):
+                            self._lost.set()  # the daemon ended this session (or never knew it)
+                if time.monotonic() < next_ping:
                     continue
+                next_ping = time.monotonic() + self.keepalive_interval
+                live = self._live_session
+                if live is None or not connected:
+                    continue
+                corr = next(seq)
+                sent[corr] = live
+                if len(sent) > 64:  # unanswered pings of a frozen daemon: keep the newest
+                    del sent[min(sent)]
                 try:
-                    sock.send(wire.encode(wire.KeepAlive(self.session)), flags=zmq.NOBLOCK)
+                    sock.send(wire.encode(wire.KeepAlive(live), corr), flags=zmq.NOBLOCK)
                 except zmq.Again:
-                    continue
-                while sock.poll(0):
-                    try:
-                        _, msg = wire.decode(sock.recv())
-                    except ProtocolError:
-                        continue
-                    if isinstance(msg, wire.ErrorReply) and msg.code == ErrorCode.NOT_FOUND:
-                        self._lost.set()
+                    sent.pop(corr, None)
         finally:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
 
     # ---------------------------------------------------------------- request/reply
@@ -237,13 +326,17 @@ class KvdClient:
     def _send(self, msg: wire.Record, pending: _Pending) -> None:
         if self._sock is None:
             raise ProtocolError("not connected")
+        if self._lost.is_set() or self._phase is not _Phase.UP:
+            # no live session: nothing is sent, so no daemon will ever act on it
+            self._fail(pending, int(ErrorCode.TRANSFER), DOWN_REASON)
+            return
         corr = next(self._corr)
         self._pending[corr] = pending
         try:
             self._sock.send(wire.encode(msg, corr), flags=zmq.NOBLOCK)
-        except zmq.Again:  # the daemon is gone and the queue to it is full: never block
-            why = "kvd daemon unreachable (send queue full)"
-            self._absorb(corr, wire.ErrorReply.of(ErrorCode.BUSY, why))
+        except zmq.Again:  # the queue to a frozen daemon is full: never block, never sent
+            self._pending.pop(corr, None)
+            self._fail(pending, int(ErrorCode.BUSY), "kvd daemon unreachable (send queue full)")
 
     def _absorb(self, corr: int, msg: wire.Record) -> None:
         """Handle a frame that is not the reply being waited for."""
@@ -252,17 +345,26 @@ class KvdClient:
                 self._accept_event(msg)
             return
         p = self._pending.pop(corr, None)
-        if p is None or not isinstance(msg, wire.ErrorReply):
-            return
-        # A refused request still ends: turn the refusal into its terminal event.
+        if p is None:
+            return  # a reply to a call made in an earlier session: its request already ended
+        if p.kind == "hello":
+            self._hello_answered(msg)
+        elif p.kind == "region":
+            self._region_answered(p.region, msg)
+        elif isinstance(msg, wire.ErrorReply):
+            # A refused request still ends: turn the refusal into its terminal event.
+            self._fail(p, msg.code, msg.message)
+
+    def _fail(self, p: _Pending, code: int, reason: str) -> None:
+        """End an announced request that the daemon refused or that was never sent."""
         if p.kind == "ec" and self._announced_ec.get(p.request_id, 0) > 0:
             self._ec_done(p.request_id)
-            self._events.append(wire.ECUnavailable(p.request_id, msg.code, msg.message))
+            self._events.append(wire.ECUnavailable(p.request_id, code, reason))
         elif p.kind == "recv" and self._announced_recv.pop(p.request_id, None) is not None:
-            self._events.append(wire.RecvFailed(p.request_id, msg.code, msg.message, p.block_ids))
+            self._events.append(wire.RecvFailed(p.request_id, code, reason, p.block_ids))
         elif p.kind == "send" and p.request_id in self._announced_send:
             self._announced_send.discard(p.request_id)
-            self._events.append(wire.SendFailed(p.request_id, msg.code, msg.message))
+            self._events.append(wire.SendFailed(p.request_id, code, reason))
 
     def _ec_done(self, mm_hash: str) -> None:
         left = self._announced_ec.get(mm_hash, 0) - 1
@@ -292,7 +394,9 @@ class KvdClient:
     def drain_events(self) -> list[Event]:
         """Every event received so far, without blocking."""
         if self._lost.is_set():
-            self._recover()
+            self._session_lost()
+        if self._phase is _Phase.DOWN:
+            self._reopen()
         sock = self._sock
         if sock is not None:
             while True:
@@ -305,6 +409,8 @@ class KvdClient:
                 except ProtocolError:
                     continue
                 self._absorb(corr, msg)
+        if self._phase is _Phase.REGISTERING:
+            self._retry_regions()
         out = list(self._events)
         self._events.clear()
         return out
@@ -323,40 +429,80 @@ class KvdClient:
             if self._sock is not None:
                 self._sock.poll(int(min(left, 0.1) * 1000) + 1)
 
-    def _recover(self) -> None:
-        """The daemon restarted or died: fail what was in flight, then reconnect if one listens.
-
-        Never waits for a daemon that is not listening: the failures are returned at once
-        and the reconnection is tried again by the next `drain_events`.
-        """
-        reason = "kvd daemon restarted or died; the transfer was lost"
+    def _session_lost(self) -> None:
+        """The daemon died or ended our session: nothing in flight can complete any more
+        (see the module docstring), so fail it, then open a new session."""
+        self._lost.clear()
+        self._live_session = None
         for rid, blocks in self._announced_recv.items():
-            self._events.append(wire.RecvFailed(rid, int(ErrorCode.TRANSFER), reason, blocks))
+            self._events.append(wire.RecvFailed(rid, int(ErrorCode.TRANSFER), LOST_REASON, blocks))
         for rid in self._announced_send:
-            self._events.append(wire.SendFailed(rid, int(ErrorCode.TRANSFER), reason))
+            self._events.append(wire.SendFailed(rid, int(ErrorCode.TRANSFER), LOST_REASON))
         for mm_hash, n in self._announced_ec.items():
             for _ in range(n):
-                self._events.append(wire.ECUnavailable(mm_hash, int(ErrorCode.TRANSFER), reason))
+                self._events.append(
+                    wire.ECUnavailable(mm_hash, int(ErrorCode.TRANSFER), LOST_REASON)
+                )
         self._announced_recv.clear()
         self._announced_send.clear()
         self._announced_ec.clear()
         self._pending.clear()
+        self._phase = _Phase.DOWN
+
+    def _reopen(self) -> None:
+        """Start a new session if a daemon listens (never waits: the Welcome and the region
+        replies are read by later drains)."""
         if not daemon_listening(self.socket_path):
-            return  # still lost: new requests fail on the next drain, until a daemon is back
-        # A new identity: the ROUTER may still hold the old socket's connection (it
-        # reconnected on its own), and it ignores a second peer with the same identity.
-        self.session = f"{self.role}-{os.getpid()}-{secrets.token_hex(6)}"
+            return  # still gone: new requests fail locally until a daemon is back
+        self.session = self._new_session_id()
         self._open()
+        self._phase = _Phase.HELLO
+        self._send_setup(self._hello_msg(), _Pending("hello", self.session))
+
+    def _send_setup(self, msg: wire.Record, pending: _Pending) -> None:
+        """Send one step of opening a session without waiting (its answer is absorbed)."""
+        assert self._sock is not None
+        corr = next(self._corr)
+        self._pending[corr] = pending
         try:
-            self._hello()
-            for r in self._regions:
-                reply = self.request(r.msg)
-                assert isinstance(reply, wire.RegionRegistered)
-                r.region_id = reply.region_id
-        except KvdError:
-            return  # it went away again: try once more on the next drain
-        self._lost.clear()
-        self.reconnects += 1
+            self._sock.send(wire.encode(msg, corr), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self._pending.pop(corr, None)
+            self._phase = _Phase.DOWN  # the new daemon does not take it: start over later
+
+    def _hello_answered(self, msg: wire.Record) -> None:
+        if not isinstance(msg, wire.Welcome):
+            self._phase = _Phase.DOWN  # refused (e.g. shutting down): try again later
+            return
+        self._welcomed(msg)
+        now = time.monotonic()
+        for r in self._regions:
+            r.retries, r.retry_at, r.ok = 0, now, False
+        self._phase = _Phase.REGISTERING
+        self._retry_regions()
+
+    def _retry_regions(self) -> None:
+        now = time.monotonic()
+        for i, r in enumerate(self._regions):
+            if r.ok or r.retry_at > now or r.retries > REGION_RETRIES:
+                continue
+            r.retries += 1
+            r.retry_at = float("inf")  # until answered
+            self._send_setup(r.msg, _Pending("region", "", region=i))
+        if all(r.ok or r.retries > REGION_RETRIES for r in self._regions):
+            self._phase = _Phase.UP
+            self.reconnects += 1
+
+    def _region_answered(self, index: int, msg: wire.Record) -> None:
+        if index >= len(self._regions):
+            return
+        r = self._regions[index]
+        if isinstance(msg, wire.RegionRegistered):
+            r.region_id, r.ok = msg.region_id, True
+        else:
+            r.retry_at = time.monotonic() + 1.0
+        if self._phase is _Phase.REGISTERING:
+            self._retry_regions()
 
     @property
     def outstanding(self) -> int:
@@ -375,8 +521,12 @@ class KvdClient:
         *,
         remote_engine_id: str = "",
         remote_request_id: str = "",
+        remote_incarnation: int = 0,
     ) -> None:
-        """D: a request that will load remote KV arrived; heartbeats to P start now."""
+        """D: a request that will load remote KV arrived; heartbeats to P start now.
+
+        It belongs to this session: closing the session (or an `abort`) stops them and
+        tells P, which frees the blocks at once."""
         self._send(
             wire.Track(
                 request_id,
@@ -385,6 +535,7 @@ class KvdClient:
                 peer_port,
                 remote_engine_id,
                 remote_request_id,
+                remote_incarnation,
             ),
             _Pending("other", request_id),
         )
@@ -398,8 +549,12 @@ class KvdClient:
         *,
         remote_engine_id: str = "",
         remote_request_id: str = "",
+        remote_incarnation: int = 0,
     ) -> None:
-        """D (push): P will WRITE into these logical blocks; ends in RecvFinished or RecvFailed."""
+        """D (push): P will WRITE into these logical blocks; ends in RecvFinished or RecvFailed.
+
+        `remote_incarnation` (from kv_transfer_params) lets the daemon fail the request at
+        once if P's daemon restarted since it leased the blocks."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
@@ -411,6 +566,7 @@ class KvdClient:
                 peer_port,
                 remote_engine_id,
                 remote_request_id,
+                remote_incarnation,
             ),
             _Pending("recv", request_id, blocks),
         )
@@ -425,6 +581,7 @@ class KvdClient:
         remote_request_id: str,
         remote_block_ids: Sequence[int],
         remote_engine_id: str = "",
+        remote_incarnation: int = 0,
     ) -> None:
         """D (pull): READ P's blocks into ours; empty lists just tell P to free."""
         blocks = tuple(block_ids)
@@ -439,6 +596,7 @@ class KvdClient:
                 remote_engine_id,
                 remote_request_id,
                 tuple(remote_block_ids),
+                remote_incarnation,
             ),
             _Pending("recv", request_id, blocks),
         )

@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -417,6 +417,11 @@ class Welcome(Record):
     kv_lease_duration: NonNegFloat
     ec_host: Text
     ec_port: U16
+    incarnation: U64
+    """Random per daemon start (as in the peer handshake): a P engine puts it in
+    kv_transfer_params, so that D fails at once a request whose P daemon restarted."""
+    client_timeout: NonNegFloat
+    push_registration_timeout: NonNegFloat
 
 
 @message(3)
@@ -494,6 +499,8 @@ class Track(Record):
     peer_port: U16
     remote_engine_id: OptId
     remote_request_id: OptId
+    remote_incarnation: U64 = 0
+    """P daemon's incarnation from kv_transfer_params; 0 = not known (no check)."""
 
 
 @message(21)
@@ -508,6 +515,8 @@ class RegisterPush(Record):
     peer_port: U16
     remote_engine_id: OptId
     remote_request_id: OptId
+    remote_incarnation: U64 = 0
+    """P daemon's incarnation from kv_transfer_params; 0 = not known (no check)."""
 
 
 @message(22)
@@ -524,6 +533,8 @@ class Pull(Record):
     remote_engine_id: OptId
     remote_request_id: Id
     remote_block_ids: BlockIds
+    remote_incarnation: U64 = 0
+    """P daemon's incarnation from kv_transfer_params; 0 = not known (no check)."""
 
 
 @message(23)
@@ -722,6 +733,23 @@ class Probe(Record):
 
     nonce: U64
     reply: bool
+
+
+@message(69)
+@dataclasses.dataclass(frozen=True)
+class Resync(Record):
+    """P -> D after P's daemon stalled: answer with ResyncAck once everything you sent me
+    before this arrived (notifications between two agents arrive in order)."""
+
+    nonce: U64
+
+
+@message(70)
+@dataclasses.dataclass(frozen=True)
+class ResyncAck(Record):
+    """D -> P: every cancel D decided before the Resync is now ahead of this ack."""
+
+    nonce: U64
 
 
 # --------------------------------------------------------------------------------------

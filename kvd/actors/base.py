@@ -4,6 +4,10 @@ A mailbox is a bounded anyio memory stream. `post` never blocks: a full mailbox 
 `Busy`, which the gateway turns into a BUSY reply. `call` posts a message carrying an
 asyncio future and awaits the answer (a one-shot reply channel).
 
+Time: every actor reads the daemon's one `Clock` (daemon time, which does not count the
+daemon's own stalls: `kvd.core.clock`), never `time.monotonic()` itself, and sleeps until
+its next deadline in that time with `receive_before`.
+
 `post_internal` is for notices between actors that must not be lost (a lease staged or
 released, a request tracked or delivered): their number follows requests already
 accepted, not outside load, and refusing one would leave two actors disagreeing (or
@@ -18,11 +22,14 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import anyio
+from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from kvd_client.errors import Busy
+
+from kvd.core.clock import StallClock
 
 M = TypeVar("M")
 R = TypeVar("R")
@@ -45,12 +52,57 @@ class Call(Generic[R]):
             self.reply.set_exception(exc)
 
 
+class Clock:
+    """The daemon's clock: daemon time from the raw monotonic clock (see `StallClock`).
+
+    `run` observes it every `tick` so that a stall is measured even while every actor
+    sleeps; any read (`now`) observes it too, so the first code to run after a stall
+    already sees daemon time, not the jump.
+    """
+
+    def __init__(self, *, tick: float = 0.1, max_gap: float = 1.0) -> None:
+        self.core = StallClock(time.monotonic(), tick=tick, max_gap=max_gap)
+
+    def now(self) -> float:
+        return self.core.observe(time.monotonic())
+
+    @property
+    def stall_count(self) -> int:
+        return self.core.stall_count
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        seen = 0
+        while True:
+            self.now()
+            if self.core.stall_count != seen:
+                seen = self.core.stall_count
+                stall = self.core.last_stall
+                if stall is not None:
+                    _log_stall(stall.seconds, self.core.stalled)
+            await anyio.sleep(self.core.tick)
+
+
+def _log_stall(seconds: float, total: float) -> None:
+    import structlog
+
+    structlog.get_logger("kvd.clock").warning(
+        "daemon_stalled", seconds=round(seconds, 3), total_stalled_s=round(total, 3)
+    )
+
+
+SYSTEM_CLOCK: Final = Clock(max_gap=float("inf"))
+"""For mailboxes built without a daemon (tests): plain monotonic time. Nothing ticks it,
+so it must not take the gaps between its reads for stalls."""
+
+
 class Mailbox(Generic[M]):
     """A bounded mailbox owned by one actor."""
 
-    def __init__(self, name: str, size: int) -> None:
+    def __init__(self, name: str, size: int, clock: Clock | None = None) -> None:
         self.name = name
         self.size = size
+        self.clock = clock or SYSTEM_CLOCK
         send, recv = anyio.create_memory_object_stream[M](max_buffer_size=size)
         self._send: MemoryObjectSendStream[M] = send
         self._recv: MemoryObjectReceiveStream[M] = recv
@@ -98,15 +150,19 @@ class Mailbox(Generic[M]):
             yield msg
 
     async def receive_before(self, deadline: float | None) -> M | None:
-        """The next message, or None once `deadline` (time.monotonic()) passes first.
+        """The next message, or None once `deadline` (daemon time) passes first.
 
-        This is how an actor sleeps until either its next timer or its next message.
+        This is how an actor sleeps until either its next timer or its next message. A
+        stall during the sleep does not count: the deadline is re-checked in daemon time.
         """
         if deadline is None:
             return await self.receive()
-        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-            return await self.receive()
-        return None
+        while True:
+            left = deadline - self.clock.now()
+            if left <= 0:
+                return None
+            with anyio.move_on_after(left):
+                return await self.receive()
 
     async def receive(self) -> M:
         msg = await self._recv.receive()

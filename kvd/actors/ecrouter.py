@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,7 +118,6 @@ class _Fetch:
     producer: tuple[str, int]
     nbytes: int
     waiters: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
 
 
 class ECRouter:
@@ -144,6 +142,7 @@ class ECRouter:
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
+        self.clock = mailbox.clock
         self.registrar = registrar
         self.emit = emit
         self.role = role
@@ -232,7 +231,7 @@ class ECRouter:
                     msg: Any = await self.mailbox.receive_before(self.deadlines.next_time())
                     if msg is not None:
                         self._dispatch(msg)
-                    for mm_hash, _ in self.deadlines.pop_due(time.monotonic()):
+                    for mm_hash, _ in self.deadlines.pop_due(self.clock.now()):
                         self._fetch_failed(
                             mm_hash, Timeout(f"no answer from the producer in {self.xfer_timeout}s")
                         )
@@ -268,6 +267,7 @@ class ECRouter:
                     self._unpin_consumer(mm_hash)
             for f in self.fetches.values():
                 f.waiters = [w for w in f.waiters if w != msg.session]
+            msg.resolve(None)
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot())
         else:
@@ -366,7 +366,7 @@ class ECRouter:
         self._count("ec_evicted", len(alloc.evicted))
         f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, [session])
         self.fetches[m.mm_hash] = f
-        self.deadlines.set(m.mm_hash, time.monotonic() + self.xfer_timeout)
+        self.deadlines.set(m.mm_hash, self.clock.now() + self.xfer_timeout)
         assert self._tg is not None and self.local is not None
         req = wire.ECXferReq(
             mm_hash=m.mm_hash,

@@ -7,8 +7,17 @@ Rules:
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
   a BUSY reply. Replies are sent when the actor resolves the request's future.
 - Events go to the session that announced the request and to the engine's workers.
-- A session that neither sends nor pings for `client_timeout` is closed: its regions,
-  leases and requests are released by their owners.
+- A session that neither sends nor pings for `client_timeout` (daemon time: a stall of
+  the daemon itself does not count) is closed: its regions, leases and requests are
+  released by their owners.
+- Closing a session has two phases: it stops taking requests at once, then every owner
+  ends what the session announced (a transfer in flight from or into its blocks finishes
+  first). Only then is the session *closed*: a keep-alive naming it is answered
+  NOT_FOUND, which is what lets its client report its requests failed and its engine
+  reuse the blocks. While closing, keep-alives get no answer (the client waits).
+- A Hello from an engine rank whose previous process is gone (a restarted engine, its
+  old session not yet timed out) closes the old session first, so the new process can
+  register its regions at once.
 """
 
 from __future__ import annotations
@@ -18,10 +27,10 @@ import contextlib
 import io
 import os
 import socket
-import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import msgpack
@@ -32,12 +41,14 @@ from anyio.abc import TaskStatus
 from kvd_client import wire
 from kvd_client.errors import ErrorCode, KvdError, NotFound, RemoteProtocolError
 
-from kvd.actors.base import Mailbox
+from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
 
 ROLES = ("scheduler", "worker", "cli")
+CLOSED_SESSIONS: Final = 65536
+"""Closed session ids remembered (answered NOT_FOUND either way; kept for `kvd status`)."""
 
 
 @dataclass
@@ -50,6 +61,8 @@ class _Session:
     pid: int
     last_seen: float
     requests: int = 0
+    closing: str = ""
+    """Why it is closing ("" while open)."""
 
 
 class Gateway:
@@ -68,6 +81,8 @@ class Gateway:
         counters: dict[str, int],
         status: Callable[[str], Awaitable[dict[str, Any]]],
         welcome: Callable[[], wire.Welcome],
+        clock: Clock,
+        close_bound: float,
     ) -> None:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -81,7 +96,13 @@ class Gateway:
         self.counters = counters
         self._status = status
         self._welcome = welcome
+        self.clock = clock
+        self.close_bound = close_bound
+        """Longest an owner may take to end a closing session's requests before the
+        session is declared closed anyway (and an error logged)."""
         self.sessions: dict[str, _Session] = {}
+        self.closing: dict[str, _Session] = {}
+        self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
         self._rejected_by_ident: dict[bytes, int] = {}
         self._sock: zmq.asyncio.Socket | None = None
@@ -116,6 +137,8 @@ class Gateway:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         sock.setsockopt(zmq.SNDHWM, 100_000)
+        # a client that reopens its socket (same identity) takes the identity over
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         sock.bind(f"ipc://{path}")
         os.chmod(path, self.socket_mode)
         self._sock = sock
@@ -175,12 +198,14 @@ class Gateway:
             self._log_rejected(ident, exc.message)
             self._error(ident, salvage_corr(frame), exc)
             return
-        now = time.monotonic()
+        now = self.clock.now()
         if isinstance(msg, wire.KeepAlive):
             s = self.sessions.get(msg.session)
             if s is not None:
                 s.last_seen = now
-            else:  # e.g. we restarted: tell the client to reconnect
+            elif msg.session not in self.closing:
+                # closed (everything it announced has ended), or we restarted: the client
+                # may now report its requests failed and open a new session
                 self._error(ident, corr, NotFound(f"unknown session {msg.session!r}"))
             return
         if isinstance(msg, wire.Hello):
@@ -190,13 +215,17 @@ class Gateway:
         s = self.sessions.get(sid) if sid is not None else None
         if s is None:
             self._count("ipc_rejected")
-            self._error(ident, corr, RemoteProtocolError(f"{type(msg).__name__} before Hello"))
+            why = (
+                f"session {sid!r} is closed"
+                if sid is not None
+                else f"{type(msg).__name__} before Hello"
+            )
+            self._error(ident, corr, RemoteProtocolError(why))
             return
         s.last_seen = now
         s.requests += 1
         if isinstance(msg, wire.Goodbye):
-            self._close(s, "goodbye")
-            self._send(ident, wire.Ok(), corr)
+            self._close(s, "goodbye", reply_to=(ident, corr))
             return
         if isinstance(msg, (wire.GetStatus, wire.PingPeer)):
             self._tg.start_soon(self._status_request, ident, corr, msg)
@@ -234,21 +263,44 @@ class Gateway:
             self._count("ipc_rejected")
             self._error(ident, corr, RemoteProtocolError(f"unknown role {msg.role!r}"))
             return
+        if msg.session in self.closing or msg.session in self.closed:
+            self._count("ipc_rejected")
+            self._error(ident, corr, NotFound(f"session {msg.session!r} was closed"))
+            return
         old = self.sessions.get(msg.session)
         if old is not None and old.ident != ident:
             self.by_ident.pop(old.ident, None)
+        if old is None and msg.role != "cli" and msg.engine_id:
+            for other in list(self.sessions.values()):
+                if (
+                    (other.role, other.engine_id, other.tp_rank)
+                    == (msg.role, msg.engine_id, msg.tp_rank)
+                    and other.pid != msg.pid
+                    and not _pid_alive(other.pid)
+                ):
+                    log.warning(
+                        "session_replaced",
+                        session=other.session,
+                        by=msg.session,
+                        engine_id=msg.engine_id,
+                        tp_rank=msg.tp_rank,
+                        old_pid=other.pid,
+                    )
+                    self._count("sessions_replaced")
+                    self._close(other, "replaced: its process is gone")
         s = _Session(msg.session, ident, msg.role, msg.engine_id, msg.tp_rank, msg.pid, now)
         self.sessions[msg.session] = s
         self.by_ident[ident] = msg.session
-        self._count("sessions_opened")
-        log.info(
-            "session_opened",
-            session=msg.session,
-            role=msg.role,
-            engine_id=msg.engine_id,
-            tp_rank=msg.tp_rank,
-            pid=msg.pid,
-        )
+        if old is None:
+            self._count("sessions_opened")
+            log.info(
+                "session_opened",
+                session=msg.session,
+                role=msg.role,
+                engine_id=msg.engine_id,
+                tp_rank=msg.tp_rank,
+                pid=msg.pid,
+            )
         self._send(ident, self._welcome(), corr)
 
     async def _status_request(
@@ -265,25 +317,43 @@ class Gateway:
 
     # ---------------------------------------------------------------- sessions and events
 
-    def _close(self, s: _Session, why: str) -> None:
+    def _close(self, s: _Session, why: str, reply_to: tuple[bytes, int] | None = None) -> None:
+        """Stop taking the session's requests now; it is closed once its owners ended
+        everything it announced (see the module docstring)."""
         self.sessions.pop(s.session, None)
+        s.closing = why
+        self.closing[s.session] = s
+        self._count("sessions_closed")
+        log.info("session_closing", session=s.session, reason=why)
+        self._tg.start_soon(self._end_session, s, reply_to)
+
+    async def _end_session(self, s: _Session, reply_to: tuple[bytes, int] | None) -> None:
+        calls: list[SessionClosed] = []
+        if s.role != "cli":
+            for box in (self.registrar, self.writer, self.reaper, self.ecrouter):
+                call = SessionClosed(s.session)
+                box.post_internal(call)
+                calls.append(call)
+        with anyio.move_on_after(self.close_bound) as scope:
+            for call in calls:
+                await call.reply
+        if scope.cancelled_caught:
+            self._count("session_close_overdue")
+            log.error("session_close_overdue", session=s.session, bound_s=self.close_bound)
+        self.closing.pop(s.session, None)
         if self.by_ident.get(s.ident) == s.session:
             del self.by_ident[s.ident]
-        self._count("sessions_closed")
-        log.info("session_closed", session=s.session, reason=why)
-        if s.role == "cli":
-            return
-        closed = SessionClosed(s.session)
-        for box in (self.registrar, self.writer, self.reaper, self.ecrouter):
-            try:
-                box.post(closed)
-            except KvdError:
-                self._tg.start_soon(_post_later, box, closed)
+        self.closed[s.session] = None
+        while len(self.closed) > CLOSED_SESSIONS:
+            self.closed.popitem(last=False)
+        log.info("session_closed", session=s.session, reason=s.closing)
+        if reply_to is not None:
+            self._send(reply_to[0], wire.Ok(), reply_to[1])
 
     async def _sweep(self) -> None:
         while True:
             await anyio.sleep(min(1.0, self.client_timeout / 4))
-            cutoff = time.monotonic() - self.client_timeout
+            cutoff = self.clock.now() - self.client_timeout
             for s in [s for s in self.sessions.values() if s.last_seen < cutoff]:
                 log.warning("session_timed_out", session=s.session, role=s.role, pid=s.pid)
                 self._close(s, "timeout")
@@ -301,8 +371,12 @@ class Gateway:
             self._count("events_sent" if sent else "events_orphaned")
 
     def snapshot(self) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock.now()
         return {
+            "closing": [
+                {"session": s.session, "role": s.role, "reason": s.closing}
+                for s in self.closing.values()
+            ],
             "sessions": [
                 {
                     "session": s.session,
@@ -314,18 +388,8 @@ class Gateway:
                     "requests": s.requests,
                 }
                 for s in self.sessions.values()
-            ]
+            ],
         }
-
-
-async def _post_later(box: Mailbox[Any], msg: Any) -> None:
-    for _ in range(100):
-        try:
-            box.post(msg)
-            return
-        except KvdError:
-            await anyio.sleep(0.05)
-    log.error("session_close_lost", mailbox=box.name)
 
 
 def transport_cap(max_frame: int) -> int:
@@ -364,6 +428,19 @@ def salvage_corr(frame: bytes) -> int:
     if isinstance(corr, int) and not isinstance(corr, bool) and 0 < corr < (1 << 64):
         return corr
     return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    """Is there a process `pid` (in our pid namespace)? Unknown (0) counts as alive."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _socket_alive(path: str) -> bool:

@@ -54,6 +54,7 @@ class PeerInfo:
     """What a handshake taught us about a peer daemon."""
 
     agent: str
+    incarnation: int
     host: str
     port: int
     lease_duration: float
@@ -85,9 +86,13 @@ class ClientRequest(Call[wire.Record]):
     msg: wire.Record
 
 
-@dataclass(frozen=True)
-class SessionClosed:
-    """A client said goodbye or stopped pinging: release what it owned."""
+@dataclass
+class SessionClosed(Call[None]):
+    """A client said goodbye, stopped pinging or was replaced: end everything it announced.
+
+    The owner resolves it only once nothing can still transfer from or into the blocks
+    the session's requests named (the gateway declares the session closed after every
+    owner answered; only then may its client reuse those blocks)."""
 
     session: str
 
@@ -244,6 +249,15 @@ class Delivered:
     ok: bool
     code: int = 0
     reason: str = ""
+
+
+@dataclass(frozen=True)
+class CancelLease:
+    """Writer -> reaper: D cancelled this request (P's id or D's): free its lease now and
+    refuse a finish or pull that comes later."""
+
+    request_id: str
+    agent: str
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,14 @@ from kvd.actors.messages import NotifReceived, ProbeReceived
 
 log = structlog.get_logger("kvd.notifier", actor="notifier")
 
-_TO_WRITER = (wire.PushRegistration, wire.PushDone, wire.PullAck, wire.CancelRegistration)
+_TO_WRITER = (
+    wire.PushRegistration,
+    wire.PushDone,
+    wire.PullAck,
+    wire.CancelRegistration,
+    wire.Resync,
+    wire.ResyncAck,
+)
 _TO_REAPER = (wire.Heartbeat, wire.PullDone)
 
 

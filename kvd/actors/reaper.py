@@ -6,14 +6,25 @@ the earliest deadline and expires leases then (heap, no scans). A WRITE claims i
 first so it cannot expire under the copy; a pull's `PullDone` is acknowledged ok only if
 the lease was still held (fail closed) and releases it.
 
+A pull completion (`PullDone`) that arrives before P's engine finished the request (D's
+READ overtook P's `finished` on its way here) waits for the lease up to
+`lease_wait_timeout`: it is acknowledged the moment the lease is granted, and refused
+only after that. A cancel from D (it aborted the request, or its session ended) releases
+the lease at once and tombstones the id: a `finished` that comes later fails at once.
+
 D side: a tracked request is heartbeated every lease/6 from arrival until its transfer
 ends, one batched `HB` per P daemon. Peers with tracked requests are probed every
 `peer_probe_interval`; a send that fails means the peer is gone and its requests fail.
+A track belongs to the client session that made it: when that session closes (or the
+client aborts the request) before the writer took the request over, heartbeats stop and
+P is told to free the blocks now (a cancel), instead of keeping them for a whole lease.
+
+Sessions: closing a session releases its leases; one whose WRITE is under way (claimed)
+ends when the WRITE does, and the session's close is answered only then.
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +38,7 @@ from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
+    CancelLease,
     Claim,
     ClientRequest,
     Delivered,
@@ -56,6 +68,8 @@ log = structlog.get_logger("kvd.reaper", actor="reaper")
 
 MAX_HB_IDS: Final = 8192
 """Ids per heartbeat message (a larger batch is split)."""
+_CANCELLED: Final = -1
+"""Tombstone code of an id D cancelled (a later finish or pull fails at once)."""
 
 
 @dataclass
@@ -70,7 +84,15 @@ class _Tracked:
     hb_id: str
     host: str
     port: int
-    agent: str = ""
+    session: str
+    by_writer: bool = False
+    """The writer owns the request (it registered or pulls): it untracks and cancels."""
+
+
+@dataclass
+class _EarlyPull:
+    agent: str
+    msg: wire.PullDone
 
 
 class Reaper:
@@ -84,19 +106,27 @@ class Reaper:
         emit: Callable[[EventOut], None],
         lease_duration: float,
         probe_interval: float,
+        lease_wait_timeout: float,
         tombstones: int,
         counters: dict[str, int],
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
+        self.clock = mailbox.clock
         self.writer = writer
         self.registrar = registrar
         self.emit = emit
         self.leases = LeaseTable(lease_duration)
         self.owners: dict[str, _Owner] = {}
         self.claimed: dict[str, Lease] = {}
-        self.expired: OrderedDict[str, None] = OrderedDict()
+        self.expired: OrderedDict[str, int] = OrderedDict()
+        """Base ids P will never send, with the error code a late pull or finish gets."""
         self._max_tombstones = tombstones
+        self.lease_wait_timeout = lease_wait_timeout
+        self.early_pulls: dict[str, _EarlyPull] = {}
+        """Pull completions waiting for their lease, by base id."""
+        self.early_deadlines: TimerHeap[str] = TimerHeap()
+        self.closing: dict[str, SessionClosed] = {}
         self.heartbeats = HeartbeatSchedule()
         self.tracked: dict[str, _Tracked] = {}
         self.peers: dict[str, PeerInfo] = {}
@@ -117,6 +147,7 @@ class Reaper:
                 self.leases.next_deadline(),
                 self.heartbeats.next_deadline(),
                 self.probes.next_time(),
+                self.early_deadlines.next_time(),
             )
             if t is not None
         ]
@@ -130,15 +161,20 @@ class Reaper:
                 msg: Any = await self.mailbox.receive_before(self.next_deadline())
                 if msg is not None:
                     self._dispatch(msg)
-                self._on_time(time.monotonic())
+                self._on_time(self.clock.now())
 
     # ---------------------------------------------------------------- timers
 
     def _on_time(self, now: float) -> None:
+        for base, _ in self.early_deadlines.pop_due(now):
+            early = self.early_pulls.pop(base, None)
+            if early is not None:
+                why = f"no lease for this request within {self.lease_wait_timeout}s"
+                self._refuse_pull(early.agent, early.msg, int(ErrorCode.NOT_FOUND), why)
         for lease in self.leases.expire(now):
             self.expiry_lag_max = max(self.expiry_lag_max, now - lease.deadline)
             self._count("leases_expired")
-            self._tombstone(lease.request_id)
+            self._tombstone(lease.request_id, int(ErrorCode.LEASE_EXPIRED))
             owner = self.owners.pop(lease.request_id, None)
             self.writer.post_internal(Unstage(lease.request_id, expired=True))
             if owner is not None:
@@ -207,7 +243,7 @@ class Reaper:
     # ---------------------------------------------------------------- messages
 
     def _dispatch(self, msg: Any) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         if isinstance(msg, ClientRequest):
             self._client(msg, now)
         elif isinstance(msg, NotifReceived):
@@ -224,8 +260,12 @@ class Reaper:
                 msg.resolve(True)
         elif isinstance(msg, Delivered):
             self._delivered(msg)
+            self._maybe_closed()
+        elif isinstance(msg, CancelLease):
+            self._cancelled(msg.request_id, msg.agent)
         elif isinstance(msg, TrackRequest):
-            self._track(msg.request_id, msg.remote_request_id, msg.host, msg.port, now)
+            self._track(msg.request_id, msg.remote_request_id, msg.host, msg.port, msg.session, now)
+            self.tracked[msg.request_id].by_writer = True
         elif isinstance(msg, Untrack):
             self.heartbeats.untrack(msg.request_id)
             self.tracked.pop(msg.request_id, None)
@@ -241,6 +281,11 @@ class Reaper:
             for rid, owner in list(self.owners.items()):
                 if owner.session == msg.session:
                     self._end_lease(rid, None)
+            for t in list(self.tracked.values()):
+                if t.session == msg.session and not t.by_writer:
+                    self._drop_track(t)
+            self.closing[msg.session] = msg
+            self._maybe_closed()
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot(msg.section))
         else:
@@ -253,6 +298,15 @@ class Reaper:
                 if m.request_id in self.leases or m.request_id in self.claimed:
                     raise InvalidRequest(f"request {m.request_id!r} already holds a lease")
                 self._check_blocks(m.engine_id, m.block_ids)
+                if self.expired.get(base_request_id(m.request_id)) == _CANCELLED:
+                    # nothing will read these blocks: end the request now (an event, so
+                    # that the engine's workers see it too), lease nothing
+                    self._count("finishes_after_cancel")
+                    req.resolve(wire.Ok())
+                    why = "D cancelled the request before P finished it"
+                    ev = wire.SendFailed(m.request_id, int(ErrorCode.TRANSFER), why)
+                    self.emit(EventOut(req.session, m.engine_id, ev))
+                    return
                 self.leases.grant(m.request_id, now, owner=req.session)
                 self.owners[m.request_id] = _Owner(req.session, m.engine_id)
                 self._count("leases_granted")
@@ -260,12 +314,19 @@ class Reaper:
                     Stage(m.request_id, m.engine_id, m.block_ids, req.session)
                 )
                 req.resolve(wire.Ok())
+                early = self._take_early_pull(m.request_id)
+                if early is not None:
+                    self._count("early_pulls_served")
+                    self._pull_done(early.agent, early.msg)
             elif isinstance(m, wire.Track):
-                self._track(m.request_id, m.remote_request_id, m.peer_host, m.peer_port, now)
+                self._track(
+                    m.request_id, m.remote_request_id, m.peer_host, m.peer_port, req.session, now
+                )
                 req.resolve(wire.Ok())
             elif isinstance(m, wire.Abort):
-                self.heartbeats.untrack(m.request_id)
-                self.tracked.pop(m.request_id, None)
+                t = self.tracked.get(m.request_id)
+                if t is not None and t.session == req.session and not t.by_writer:
+                    self._drop_track(t)  # D gave up before registering or pulling: tell P
                 owner = self.owners.get(m.request_id)
                 if (
                     owner is not None
@@ -293,19 +354,63 @@ class Reaper:
         for r in regions:
             check_blocks(r.geometry, expand_logical(block_ids, r.layout.physical_per_logical))
 
-    def _track(self, rid: str, remote_rid: str, host: str, port: int, now: float) -> None:
+    def _track(
+        self, rid: str, remote_rid: str, host: str, port: int, session: str, now: float
+    ) -> None:
         if rid in self.tracked:
             return
         peer = f"{host}:{port}"
-        self.tracked[rid] = _Tracked(rid, remote_rid or rid, host, port)
+        self.tracked[rid] = _Tracked(rid, remote_rid or rid, host, port, session)
         agent = next((a for a, p in self.peers.items() if p.addr == peer), None)
         lease = self.peers[agent].lease_duration if agent else self.leases.duration
         self.heartbeats.track(rid, peer, now, max(lease / 6.0, 0.01))
         if peer not in self.probes:
             self.probes.set(peer, now + self.probe_interval)
 
+    def _drop_track(self, t: _Tracked) -> None:
+        """Stop heartbeating a request its client gave up on, and tell P to free it now."""
+        self.heartbeats.untrack(t.request_id)
+        self.tracked.pop(t.request_id, None)
+        agent = next((a for a, p in self.peers.items() if p.addr == f"{t.host}:{t.port}"), None)
+        if agent is None:
+            return  # never handshaked: P's lease (if any) runs out without our beats
+        self._count("tracks_cancelled")
+        assert self._tg is not None
+        self._tg.start_soon(self._send_cancel, agent, t.hb_id)
+
+    async def _send_cancel(self, agent: str, rid: str) -> None:
+        try:
+            await self.engine.send_notif(agent, wire.encode(wire.CancelRegistration(rid)))
+        except KvdError as exc:
+            log.warning("cancel_not_delivered", request_id=rid, peer=agent, error=exc.message)
+
+    def _cancelled(self, rid: str, agent: str) -> None:
+        """P: D cancelled `rid` (by P's id or its own): free the lease now, and fail a
+        finish or a pull that comes later."""
+        key = self.leases.find(rid)
+        if key is not None:
+            self._count("leases_cancelled")
+            log.info("lease_cancelled_by_d", request_id=key, peer=agent)
+            self._end_lease(key, wire.SendFailed(key, int(ErrorCode.TRANSFER), "cancelled by D"))
+            self._tombstone(key, _CANCELLED)
+        self._tombstone(rid, _CANCELLED)
+        early = self._take_early_pull(rid)
+        if early is not None:
+            self._refuse_pull(early.agent, early.msg, int(ErrorCode.TRANSFER), "cancelled by D")
+
+    def _maybe_closed(self) -> None:
+        """Answer closing sessions that own no lease under a WRITE any more."""
+        if not self.closing:
+            return
+        busy = {self.owners[rid].session for rid in self.claimed if rid in self.owners}
+        for session in [s for s in self.closing if s not in busy]:
+            self.closing.pop(session).resolve(None)
+
     def _end_lease(self, rid: str, event: wire.Record | None) -> None:
-        """Release a lease early (P aborted, or its client went away): it will never be sent."""
+        """Release a lease early (P aborted, its client went away, or D cancelled): it will
+        never be sent, and a pull that comes later is refused at once."""
+        if rid in self.leases:
+            self._tombstone(rid, int(ErrorCode.NOT_FOUND))
         self.leases.release(rid)
         owner = self.owners.pop(rid, None)
         self.writer.post_internal(Unstage(rid, expired=False, aborted=True))
@@ -344,31 +449,56 @@ class Reaper:
             if unknown:
                 self._count("heartbeat_unknown_ids", unknown)
         elif isinstance(msg, wire.PullDone):
-            key = self.leases.find(msg.request_id)
-            if key is not None:
-                owner = self.owners.pop(key, None)
-                self.leases.release(key)
-                self.writer.post_internal(Unstage(key, expired=False))
-                ack = wire.PullAck(msg.d_request_id, True, 0, "")
-                self._count("pulls_acked")
-                if owner is not None:
-                    self.emit(EventOut(owner.session, owner.engine_id, wire.SendFinished(key)))
-            else:
-                expired = base_request_id(msg.request_id) in self.expired
-                code = ErrorCode.LEASE_EXPIRED if expired else ErrorCode.NOT_FOUND
-                why = (
-                    "the lease expired before the pull completed"
-                    if expired
-                    else "no lease for this request"
-                )
-                ack = wire.PullAck(msg.d_request_id, False, int(code), why)
-                self._count("pulls_refused")
-                log.warning("pull_refused", request_id=msg.request_id, peer=agent, reason=why)
-            assert self._tg is not None
-            self._tg.start_soon(self._send_ack, agent, ack)
+            self._pull_done(agent, msg, now)
         else:
             self._count("notifs_rejected")
             log.warning("notif_rejected", peer=agent, reason=f"unexpected {type(msg).__name__}")
+
+    def _pull_done(self, agent: str, msg: wire.PullDone, now: float | None = None) -> None:
+        """D finished READing P's blocks: ack ok only if the lease is held (fail closed)."""
+        key = self.leases.find(msg.request_id)
+        if key is not None:
+            owner = self.owners.pop(key, None)
+            self.leases.release(key)
+            self.writer.post_internal(Unstage(key, expired=False))
+            self._count("pulls_acked")
+            if owner is not None:
+                self.emit(EventOut(owner.session, owner.engine_id, wire.SendFinished(key)))
+            self._ack(agent, wire.PullAck(msg.d_request_id, True, 0, ""))
+            return
+        base = base_request_id(msg.request_id)
+        code = self.expired.get(base)
+        if code is None and now is not None and base not in self.early_pulls:
+            # P's engine may not have finished yet (its `finished` is on its way): wait
+            self._count("early_pulls")
+            self.early_pulls[base] = _EarlyPull(agent, msg)
+            self.early_deadlines.set(base, now + self.lease_wait_timeout)
+            return
+        if code == int(ErrorCode.LEASE_EXPIRED):
+            why = "the lease expired before the pull completed"
+        elif code == _CANCELLED:
+            code, why = int(ErrorCode.TRANSFER), "D cancelled the request"
+        elif code is not None:
+            why = "P gave up on the request"
+        else:
+            code, why = int(ErrorCode.NOT_FOUND), "no lease for this request"
+        self._refuse_pull(agent, msg, code, why)
+
+    def _take_early_pull(self, rid: str) -> _EarlyPull | None:
+        base = base_request_id(rid)
+        early = self.early_pulls.pop(base, None)
+        if early is not None:
+            self.early_deadlines.discard(base)
+        return early
+
+    def _refuse_pull(self, agent: str, msg: wire.PullDone, code: int, why: str) -> None:
+        self._count("pulls_refused")
+        log.warning("pull_refused", request_id=msg.request_id, peer=agent, reason=why)
+        self._ack(agent, wire.PullAck(msg.d_request_id, False, code, why))
+
+    def _ack(self, agent: str, ack: wire.PullAck) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._send_ack, agent, ack)
 
     async def _send_ack(self, agent: str, ack: wire.PullAck) -> None:
         try:
@@ -376,15 +506,15 @@ class Reaper:
         except KvdError as exc:
             log.warning("pull_ack_failed", peer=agent, error=exc.message)
 
-    def _tombstone(self, rid: str) -> None:
+    def _tombstone(self, rid: str, code: int) -> None:
         if self._max_tombstones <= 0:
             return
-        self.expired[base_request_id(rid)] = None
+        self.expired[base_request_id(rid)] = code
         while len(self.expired) > self._max_tombstones:
             self.expired.popitem(last=False)
 
     def snapshot(self, section: str) -> dict[str, Any]:
-        now = time.monotonic()
+        now = self.clock.now()
         if section == "leases":
             return {
                 "leases": [

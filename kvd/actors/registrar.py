@@ -121,6 +121,7 @@ class Registrar:
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
+        self.clock = mailbox.clock
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.lease_duration = lease_duration
@@ -202,6 +203,7 @@ class Registrar:
                 if r.view.session == msg.session:
                     log.info("region_released_with_session", region_id=rid, session=msg.session)
                     await self._drop_region(rid, notify_peers=True, drain=True)
+            msg.resolve(None)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
             if p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view
@@ -437,13 +439,14 @@ class Registrar:
                     known.loaded_regions.add(key)
         info = PeerInfo(
             agent=hs.agent_name,
+            incarnation=hs.incarnation,
             host=host,
             port=port,
             lease_duration=hs.kv_lease_duration,
             regions=regions,
             canary_addr=hs.canary_addr,
             canary_bytes=hs.canary_bytes,
-            handshaked_at=time.monotonic(),
+            handshaked_at=self.clock.now(),
         )
         known.info = info
         self.peers[hs.agent_name] = known
@@ -642,7 +645,7 @@ class Registrar:
                             }
                             for r in p.info.regions.values()
                         ],
-                        "age_s": round(time.monotonic() - p.info.handshaked_at, 3),
+                        "age_s": round(self.clock.now() - p.info.handshaked_at, 3),
                     }
                     for p in self.peers.values()
                 ]

@@ -11,13 +11,24 @@ Rules:
   acknowledges that the lease was still held (fail closed).
 - Every descriptor comes from the planner, from a validated (region, block id) pair.
 - Each D request ends in exactly one event: RecvFinished or RecvFailed (with its blocks).
-- The writer sleeps on its mailbox; the only timers are registration watchdogs.
+- A request whose kv_transfer_params name a P daemon incarnation other than the one the
+  handshake finds fails at once (P restarted: its blocks are gone).
+- D aborting a request (or its session closing) before its registration reached P still
+  tells P (a cancel), so P frees the blocks now; a closing session is answered once all
+  its requests ended.
+- After P's daemon stalled (frozen, starved), P re-syncs with each D before WRITing a
+  matched request into it: it sends `Resync` and waits for D's `ResyncAck`; notifications
+  arrive in order, so every cancel D decided while P was stalled is processed first, and
+  P never WRITEs into blocks D gave up on while P could not hear it.
+- The writer sleeps on its mailbox; the only timers are registration watchdogs and
+  re-sync deadlines.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -42,6 +53,7 @@ from kvd_client.errors import (
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
+    CancelLease,
     Claim,
     ClientRequest,
     Delivered,
@@ -74,6 +86,8 @@ log = structlog.get_logger("kvd.writer", actor="writer")
 RECENT_TRANSFERS: Final = 256
 _REARM: Final = object()
 """Posted to our own mailbox to wake the loop when a task sets a watchdog."""
+_RESYNC: Final = "\0resync:"
+"""Watchdog key prefix of a peer's re-sync deadline (request ids never start with NUL)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,7 @@ class Writer:
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
+        self.clock = mailbox.clock
         self.registrar = registrar
         self.reaper = reaper
         self.emit = emit
@@ -145,6 +160,14 @@ class Writer:
         self._drain_wakeup: anyio.Event | None = None
         self.pushing: dict[tuple[str, str], int] = {}
         """(D agent, registration key) of each push under way on P (see CancelRegistration)."""
+        self.closing: dict[str, SessionClosed] = {}
+        self._stall_seen = self.clock.stall_count
+        self.suspect: set[str] = set()
+        """P: peers not re-synced since our last stall (their matches wait in `parked`)."""
+        self.parked: dict[str, list[Match[_PushReg, Stage]]] = {}
+        self.resyncing: dict[str, int] = {}
+        """Peer agent -> nonce of the Resync sent to it."""
+        self.resync_timeout = 5.0
         self._tg: anyio.abc.TaskGroup | None = None
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -160,7 +183,10 @@ class Writer:
                 msg: Any = await self.mailbox.receive_before(self.watchdogs.next_time())
                 if msg is not None and msg is not _REARM:
                     await self._dispatch(msg)
-                for rid, _ in self.watchdogs.pop_due(time.monotonic()):
+                for rid, _ in self.watchdogs.pop_due(self.clock.now()):
+                    if rid.startswith(_RESYNC):
+                        self._resync_failed(rid[len(_RESYNC) :])
+                        continue
                     r = self.recvs.get(rid)
                     if r is not None and r.aborted:
                         self._end_recv(r, _aborted("aborted; P did not answer the cancel"))
@@ -180,7 +206,7 @@ class Writer:
         elif isinstance(msg, NotifReceived):
             self._notif(msg.agent, msg.msg)
         elif isinstance(msg, Stage):
-            m = self.matcher.add_finished(msg.request_id, msg, time.monotonic())
+            m = self.matcher.add_finished(msg.request_id, msg, self.clock.now())
             if m is not None:
                 self._start_push(m)
         elif isinstance(msg, Unstage):
@@ -208,8 +234,10 @@ class Writer:
             assert self._tg is not None
             self._tg.start_soon(self._drain, msg)
         elif isinstance(msg, SessionClosed):
+            self.closing[msg.session] = msg
             for r in [r for r in self.recvs.values() if r.session == msg.session]:
                 self._abort_recv(r)
+            self._maybe_closed()
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot(msg.section))
         else:
@@ -309,7 +337,7 @@ class Writer:
     ) -> _Recv:
         if rid in self.recvs:
             raise InvalidRequest(f"request {rid!r} is already receiving")
-        r = _Recv(rid, engine_id, session, mode, blocks, host, port, remote_rid, time.monotonic())
+        r = _Recv(rid, engine_id, session, mode, blocks, host, port, remote_rid, self.clock.now())
         self.recvs[rid] = r
         self._count(f"{mode}_requests")
         self.reaper.post_internal(TrackRequest(rid, remote_rid, host, port, session, engine_id))
@@ -338,6 +366,15 @@ class Writer:
             f"need {tp} (equal TP)"
         )
 
+    @staticmethod
+    def _check_incarnation(info: PeerInfo, wanted: int) -> None:
+        if wanted and info.incarnation != wanted:
+            raise TransferError(
+                f"P's daemon {info.agent} restarted since it leased the blocks "
+                f"(incarnation {info.incarnation:016x}, kv_transfer_params name "
+                f"{wanted:016x}): its KV is gone"
+            )
+
     def _bind(self, r: _Recv, info: PeerInfo, ranks: int) -> None:
         r.agent, r.since, r.expected_ranks = info.agent, info.handshaked_at, ranks
 
@@ -358,9 +395,12 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
+                self._check_incarnation(info, m.remote_incarnation)
                 _check_compat(local, remote)
                 self._bind(r, info, len(remote))
                 if r.aborted:
+                    # P may hold a lease already: free it now rather than after a lease
+                    self._start_cancel(r)
                     self._end_recv(r, _aborted())
                     return
                 reg = wire.PushRegistration(
@@ -381,7 +421,7 @@ class Writer:
                         raise
                     self._stale_peer(r, info, exc)
             r.state = "registered"
-            self._arm(r.request_id, time.monotonic() + self.push_registration_timeout)
+            self._arm(r.request_id, self.clock.now() + self.push_registration_timeout)
         except KvdError as exc:
             self._end_recv(r, exc)
 
@@ -394,6 +434,7 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
+                self._check_incarnation(info, m.remote_incarnation)
                 _check_compat(local, remote)
                 self._bind(r, info, len(remote))
                 r.state = "reading"
@@ -537,8 +578,64 @@ class Writer:
     # ---------------------------------------------------------------- P side push
 
     def _start_push(self, m: Match[_PushReg, Stage]) -> None:
+        if self.clock.stall_count != self._stall_seen:
+            # we were stalled: D may have given up on registrations meanwhile, and its
+            # cancels may still sit unread behind our own backlog. Re-sync with each D
+            # before WRITing into it (see the module docstring).
+            self._stall_seen = self.clock.stall_count
+            self.suspect = set(self.peers)
+            self._count("stall_resyncs")
+            log.warning("resync_after_stall", peers=len(self.suspect))
+        agent = m.registration.agent
+        if agent in self.suspect:
+            self.parked.setdefault(agent, []).append(m)
+            if agent not in self.resyncing:
+                nonce = int.from_bytes(os.urandom(8), "little")
+                self.resyncing[agent] = nonce
+                self._arm(_RESYNC + agent, self.clock.now() + self.resync_timeout)
+                assert self._tg is not None
+                self._tg.start_soon(self._send_resync, agent, nonce)
+            return
         assert self._tg is not None
         self._tg.start_soon(self._push, m)
+
+    async def _send_resync(self, agent: str, nonce: int) -> None:
+        try:
+            await self.engine.send_notif(agent, wire.encode(wire.Resync(nonce)))
+        except KvdError as exc:
+            log.warning("resync_not_delivered", peer=agent, error=exc.message)
+            self._resync_failed(agent)
+
+    def _resynced(self, agent: str, nonce: int) -> None:
+        if self.resyncing.get(agent) != nonce:
+            self._reject(agent, "resync ack with an unknown nonce")
+            return
+        del self.resyncing[agent]
+        self.watchdogs.discard(_RESYNC + agent)
+        self.suspect.discard(agent)
+        for m in self.parked.pop(agent, []):
+            assert self._tg is not None
+            self._tg.start_soon(self._push, m)
+
+    def _resync_failed(self, agent: str) -> None:
+        """D did not answer: it may have given up on any of these; fail them closed."""
+        if self.resyncing.pop(agent, None) is None:
+            return
+        self.watchdogs.discard(_RESYNC + agent)
+        self._count("resyncs_failed")
+        exc = TransferError(f"peer {agent} did not re-sync after our stall")
+        for m in self.parked.pop(agent, []):
+            self.reaper.post_internal(Delivered(m.finished_id, False, int(exc.code), exc.message))
+            assert self._tg is not None
+            self._tg.start_soon(self._tell_push_failed, agent, m.registration.msg.request_id, exc)
+
+    def _unpark(self, agent: str, key: str) -> Match[_PushReg, Stage] | None:
+        """Take a parked match by its registration key (a cancel arrived for it)."""
+        parked = self.parked.get(agent, [])
+        for i, m in enumerate(parked):
+            if m.registration_id == key:
+                return parked.pop(i)
+        return None
 
     async def _push(self, m: Match[_PushReg, Stage]) -> None:
         reg, fin = m.registration, m.finished
@@ -639,7 +736,7 @@ class Writer:
                 return
             key = msg.remote_request_id or msg.request_id
             try:
-                match = self.matcher.add_registration(key, _PushReg(agent, msg), time.monotonic())
+                match = self.matcher.add_registration(key, _PushReg(agent, msg), self.clock.now())
             except KvdError as exc:
                 self._reject(agent, exc.message)
                 return
@@ -668,23 +765,42 @@ class Writer:
         elif isinstance(msg, wire.CancelRegistration):
             got = self.matcher.remove_registration(msg.request_id)
             if got is not None and got.agent != agent:
-                self.matcher.add_registration(msg.request_id, got, time.monotonic())
+                self.matcher.add_registration(msg.request_id, got, self.clock.now())
                 self._reject(agent, "cancel for another peer's registration")
                 return
-            if got is None and (agent, msg.request_id) in self.pushing:
-                return  # its WRITE is under way: that WRITE's PushDone answers D, after it lands
-            assert self._tg is not None
-            # D keys the cancel by P's id when it registered with one; answer under D's own
-            d_rid = got.msg.request_id if got is not None else msg.request_id
-            self._tg.start_soon(
-                self._tell_push_failed, agent, d_rid, TransferError("cancelled by D")
-            )
-            if got is not None:
+            self._count("cancels_received")
+            # the lease (if P finished) is freed now, and a later finish or pull fails
+            self.reaper.post_internal(CancelLease(msg.request_id, agent))
+            self._tombstone(msg.request_id, TransferError("cancelled by D"))
+            parked = self._unpark(agent, msg.request_id)
+            if parked is not None:
+                got = parked.registration
                 self.reaper.post_internal(
-                    Delivered(msg.request_id, False, int(ErrorCode.TRANSFER), "cancelled by D")
+                    Delivered(parked.finished_id, False, int(ErrorCode.TRANSFER), "cancelled by D")
                 )
+            if got is None:
+                # nothing waits here: a WRITE under way answers D itself (its PushDone
+                # lands after the bytes), an ended one already did, and a cancel for a
+                # request never registered needs no answer
+                return
+            assert self._tg is not None
+            # answer under D's own id
+            self._tg.start_soon(
+                self._tell_push_failed, agent, got.msg.request_id, TransferError("cancelled by D")
+            )
+        elif isinstance(msg, wire.Resync):
+            assert self._tg is not None
+            self._tg.start_soon(self._send_resync_ack, agent, msg.nonce)
+        elif isinstance(msg, wire.ResyncAck):
+            self._resynced(agent, msg.nonce)
         else:
             self._reject(agent, f"unexpected {type(msg).__name__}")
+
+    async def _send_resync_ack(self, agent: str, nonce: int) -> None:
+        try:
+            await self.engine.send_notif(agent, wire.encode(wire.ResyncAck(nonce)))
+        except KvdError as exc:
+            log.warning("resync_ack_not_delivered", peer=agent, error=exc.message)
 
     def _reject(self, agent: str, why: str) -> None:
         self._count("notifs_rejected")
@@ -704,6 +820,10 @@ class Writer:
         elif r.state == "handshake" and r.mode == "push":
             pass  # _register_push sees the flag and ends it
         # pull: the READ in flight (ours) finishes first; _pull then ends it as aborted.
+
+    def _start_cancel(self, r: _Recv) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._send_cancel, r)
 
     async def _send_cancel(self, r: _Recv) -> None:
         cancel = wire.CancelRegistration(r.remote_request_id or r.request_id)
@@ -727,7 +847,7 @@ class Writer:
             r.request_id,
             min(
                 self.watchdogs.get(r.request_id) or float("inf"),
-                time.monotonic() + min(self.transfer_timeout, 10.0),
+                self.clock.now() + min(self.transfer_timeout, 10.0),
             ),
         )
 
@@ -747,7 +867,9 @@ class Writer:
             r.ack.set_exception(TransferError("the request already ended"))
             r.ack.exception()  # retrieved here; _pull still sees it if it awaits
         self.reaper.post_internal(Untrack(r.request_id))
-        dur = time.monotonic() - r.started
+        if r.session in self.closing:
+            self._maybe_closed()
+        dur = self.clock.now() - r.started
         if exc is None:
             self._count("recv_ok")
             self.emit(EventOut(r.session, r.engine_id, wire.RecvFinished(r.request_id)))
@@ -762,6 +884,12 @@ class Writer:
                 )
             )
             log.info("recv_failed", request_id=r.request_id, peer=r.agent, error=exc.message)
+
+    def _maybe_closed(self) -> None:
+        """Answer closing sessions none of whose requests is still receiving."""
+        busy = {r.session for r in self.recvs.values()}
+        for session in [s for s in self.closing if s not in busy]:
+            self.closing.pop(session).resolve(None)
 
     # ---------------------------------------------------------------- drains and status
 
@@ -810,7 +938,7 @@ class Writer:
                         "ranks_done": len(r.done_ranks),
                         "ranks": r.expected_ranks,
                         "blocks": len(r.block_ids),
-                        "age_s": round(time.monotonic() - r.started, 3),
+                        "age_s": round(self.clock.now() - r.started, 3),
                     }
                     for r in self.recvs.values()
                 ],

@@ -47,12 +47,11 @@ async def test_call_round_trip_and_failure() -> None:
 
 
 async def test_receive_before_returns_a_message_or_none_at_the_deadline() -> None:
-    import time
-
     box: Mailbox[int] = Mailbox("timer", 4)
-    assert await box.receive_before(time.monotonic() + 0.02) is None
-    assert await box.receive_before(time.monotonic() - 1) is None  # already past: no wait
+    now = box.clock.now  # deadlines are in daemon time
+    assert await box.receive_before(now() + 0.02) is None
+    assert await box.receive_before(now() - 1) is None  # already past: no wait
     box.post(7)
-    assert await box.receive_before(time.monotonic() + 5) == 7
+    assert await box.receive_before(now() + 5) == 7
     box.post(8)
     assert await box.receive_before(None) == 8

@@ -183,6 +183,9 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
             for ev in cons.client.wait_events(0.5):
                 ended[ev.mm_hash] = type(ev).__name__
         assert len(ended) == 6, ended  # every outstanding request ended, none hangs
+        # the client opens its new session without blocking: it is up a few drains later
+        while cons.client.reconnects == 0 and time.monotonic() < deadline:
+            cons.client.wait_events(0.1)
         assert cons.client.reconnects == 1
         assert "ECUnavailable" in ended.values()
         # new requests work against the restarted daemon

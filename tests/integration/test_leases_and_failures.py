@@ -514,7 +514,7 @@ def test_aborts_end_once_and_leave_nothing_pinned(pair: tuple[Side, Side]) -> No
     d0 = counters(d)
 
     # (a) D aborts a push P has not finished (registered under D's id, and under P's):
-    # one RecvFailed once P confirms the registration is gone; P's later lease just expires
+    # one RecvFailed once P confirms the registration is gone; P's later finish fails at once
     for style in ("own-id", "p-id"):
         key_a, pa, da = ids(f"abort-push-{style}")
         d.client.track(da, HOST, port)
@@ -530,11 +530,14 @@ def test_aborts_end_once_and_leave_nothing_pinned(pair: tuple[Side, Side]) -> No
         assert ev.block_ids == (1, 2) and "aborted" in ev.reason, ev
         assert p.status()["writer"]["pending_registrations"] == 0
         fill(p, key_a, [1, 2])
+        t_fin = time.monotonic()
         p.client.finished(pa, [1, 2])
         ev = p.sched.wait([pa], TERMINAL_SEND, LEASE + 3.0)[pa]
-        # D stopped heartbeating when it aborted, and the cancelled registration is gone, so
-        # nothing matches P's blocks: the lease runs out (P hears nothing else from D).
-        assert isinstance(ev, wire.SendExpired), ev
+        # D's cancel left a tombstone at P: nothing will ever read these blocks, so P's
+        # finish is refused at once instead of holding them for a whole lease
+        assert isinstance(ev, wire.SendFailed) and "cancelled" in ev.reason, ev
+        assert p.sched.when(pa) - t_fin < LEASE / 2, p.sched.when(pa) - t_fin
+        assert pa not in {x["request_id"] for x in p_leases(p)}
 
     # (b) D aborts a pull in flight. P is frozen, so the pull is stuck in its READ or
     # waiting for P's ack: the abort must not end it before the READ is over, and then
@@ -601,7 +604,7 @@ def test_aborts_end_once_and_leave_nothing_pinned(pair: tuple[Side, Side]) -> No
     exactly_once(d.worker, d_ids, TERMINAL_RECV)
     exactly_once(p.worker, p_ids, TERMINAL_SEND)
     assert Counter(type(e).__name__ for _, e in d.worker.events) == {"RecvFailed": 4}
-    assert Counter(type(e).__name__ for _, e in p.worker.events)["SendFailed"] == 1
+    assert Counter(type(e).__name__ for _, e in p.worker.events)["SendFailed"] == 3  # (a) twice, (c)
     assert (counters(d) - d0)["recv_ok"] == 0
 
 

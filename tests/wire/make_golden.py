@@ -96,6 +96,9 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             kv_lease_duration=30.5,
             ec_host="::1",
             ec_port=0xFFFF,
+            incarnation=0xFEDCBA9876543210,
+            client_timeout=10.0,
+            push_registration_timeout=480.0,
         ),
     ),
     "KeepAlive": (0, wire.KeepAlive(session="sess-é-1")),
@@ -131,6 +134,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             peer_port=5600,
             remote_engine_id=ENGINE,
             remote_request_id="",
+            remote_incarnation=0,
         ),
     ),
     "RegisterPush": (
@@ -143,6 +147,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             peer_port=5600,
             remote_engine_id="",
             remote_request_id=REMOTE_REQ,
+            remote_incarnation=(1 << 64) - 1,
         ),
     ),
     "Pull": (
@@ -156,6 +161,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             remote_engine_id=ENGINE,
             remote_request_id=REMOTE_REQ,
             remote_block_ids=REMOTE_BLOCKS,
+            remote_incarnation=0x0123456789ABCDEF,
         ),
     ),
     "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
@@ -246,6 +252,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
         ),
     ),
     "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
+    "Resync": (0, wire.Resync(nonce=0x0102030405060708)),
+    "ResyncAck": (0, wire.ResyncAck(nonce=(1 << 64) - 1)),
     "ECAllocate": (31, wire.ECAllocate(mm_hash="mm-ï-9f8e", nbytes=4_718_592)),
     "ECBlocks": (
         31,

@@ -253,7 +253,7 @@ def pack(value: Any) -> bytes:
 @fuzz(20)
 @given(corr=any_corr, fields=st.lists(msgpack_values, max_size=14))
 def test_random_fields(type_id: int, corr: Any, fields: list[Any]) -> None:
-    check_total(pack([1, type_id, corr, *fields]))
+    check_total(pack([wire.PROTOCOL_VERSION, type_id, corr, *fields]))
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -280,20 +280,20 @@ def test_one_golden_field_replaced(name: str, data: st.DataObject) -> None:
 def test_wrong_header_values() -> None:
     frame = GOLDEN_FRAMES["Probe"]
     raw = msgpack.unpackb(frame, raw=False)
-    for version in (0, 2, 255, -1, U64_MAX):
+    for version in (0, 1, 3, 255, -1, U64_MAX):
         with pytest.raises(VersionMismatch):
             wire.decode(pack([version, *raw[1:]]))
-    for version in (True, 1.0, "1", None, [1]):
+    for version in (True, 2.0, "2", None, [2]):
         with pytest.raises(RemoteProtocolError) as info:
             wire.decode(pack([version, *raw[1:]]))
         assert type(info.value) is RemoteProtocolError
-    for type_id in (0, 7, 69, 255, -1, U64_MAX, True, 68.0, "68", None):
+    for type_id in (0, 7, 71, 255, -1, U64_MAX, True, 68.0, "68", None):
         with pytest.raises(RemoteProtocolError):
-            wire.decode(pack([1, type_id, *raw[2:]]))
+            wire.decode(pack([wire.PROTOCOL_VERSION, type_id, *raw[2:]]))
     for corr in (-1, I64_MIN, True, 1.0, "1", None, b"\x00"):
         with pytest.raises(RemoteProtocolError):
-            wire.decode(pack([1, 68, corr, *raw[3:]]))
-    assert wire.decode(pack([1, 68, U64_MAX, *raw[3:]]))[0] == U64_MAX
+            wire.decode(pack([wire.PROTOCOL_VERSION, 68, corr, *raw[3:]]))
+    assert wire.decode(pack([wire.PROTOCOL_VERSION, 68, U64_MAX, *raw[3:]]))[0] == U64_MAX
     for not_a_frame in ([], [1], [1, 68], {"a": 1}, 1, "x", None):
         with pytest.raises(RemoteProtocolError):
             wire.decode(pack(not_a_frame))
@@ -344,7 +344,7 @@ def test_frame_exactly_at_the_limit() -> None:
 
 def test_msgpack_container_limits() -> None:
     def status(data: Any) -> bytes:
-        return pack([1, wire.StatusReply.TYPE, 0, data])
+        return pack([wire.PROTOCOL_VERSION, wire.StatusReply.TYPE, 0, data])
 
     at_limit = [0] * wire.MAX_LIST_LEN
     assert check_total(status({"k": at_limit})) is not None

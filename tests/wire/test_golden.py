@@ -45,6 +45,8 @@ TYPE_IDS = {
     "CancelRegistration": 66,
     "RegionDropped": 67,
     "Probe": 68,
+    "Resync": 69,
+    "ResyncAck": 70,
     "ECAllocate": 80,
     "ECBlocks": 81,
     "ECCommit": 82,
@@ -76,7 +78,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 1
+    assert wire.PROTOCOL_VERSION == 2
 
 
 def test_type_ids_are_pinned() -> None:

@@ -116,6 +116,26 @@ class _Remote:
     engine_id: str
     request_id: str
     block_ids: tuple[int, ...] | None
+    incarnation: int = 0
+    """P daemon's incarnation (0: not given): a restarted P fails the request at once."""
+
+    def ids(self) -> dict[str, Any]:
+        return {
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_incarnation": self.incarnation,
+        }
+
+
+def _incarnation(raw: Any) -> int:
+    """kv_transfer_params carry it as 16 hex digits (a JSON number could lose bits)."""
+    if isinstance(raw, str):
+        try:
+            value = int(raw, 16)
+        except ValueError:
+            return 0
+        return value if 0 <= value < (1 << 64) else 0
+    return 0
 
 
 @dataclass
@@ -154,6 +174,7 @@ def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
         str(params.get("remote_engine_id") or ""),
         str(params.get("remote_request_id") or ""),
         blocks,
+        _incarnation(params.get("remote_incarnation")),
     )
 
 
@@ -192,6 +213,12 @@ class _SchedulerSide:
         return w.side_host if w is not None else self.shared.welcome.side_host
 
     @property
+    def incarnation(self) -> int:
+        """P's daemon incarnation, as its latest Welcome says."""
+        w = self.shared.client.welcome
+        return w.incarnation if w is not None else self.shared.welcome.incarnation
+
+    @property
     def side_port(self) -> int:
         w = self.shared.client.welcome
         return w.side_port if w is not None else self.shared.welcome.side_port
@@ -216,14 +243,7 @@ class _SchedulerSide:
             mode = "push"
         self._d[rid] = _DReq(remote, mode)
         c = self.shared.client
-        self.shared.call(
-            c.track,
-            rid,
-            remote.host,
-            remote.port,
-            remote_engine_id=remote.engine_id,
-            remote_request_id=remote.request_id,
-        )
+        self.shared.call(c.track, rid, remote.host, remote.port, **remote.ids())
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -275,26 +295,11 @@ class _SchedulerSide:
             remote_ids = r.block_ids[hashed : hashed + count]
             if len(local) == count and len(remote_ids) == count:
                 self.shared.call(
-                    c.pull,
-                    rid,
-                    local,
-                    r.host,
-                    r.port,
-                    remote_request_id=r.request_id,
-                    remote_block_ids=remote_ids,
-                    remote_engine_id=r.engine_id,
+                    c.pull, rid, local, r.host, r.port, remote_block_ids=remote_ids, **r.ids()
                 )
                 return
         elif len(local) == count and reaches_end:
-            self.shared.call(
-                c.register_push,
-                rid,
-                local,
-                r.host,
-                r.port,
-                remote_engine_id=r.engine_id,
-                remote_request_id=r.request_id,
-            )
+            self.shared.call(c.register_push, rid, local, r.host, r.port, **r.ids())
             return
         # P's blocks cannot be lined up with ours: fail the load (vLLM's policy applies) and
         # stop heartbeating, so that P's lease on them runs out.
@@ -309,26 +314,9 @@ class _SchedulerSide:
         c = self.shared.client
         r = st.remote
         if st.mode == "pull":
-            self.shared.call(
-                c.pull,
-                rid,
-                (),
-                r.host,
-                r.port,
-                remote_request_id=r.request_id,
-                remote_block_ids=(),
-                remote_engine_id=r.engine_id,
-            )
+            self.shared.call(c.pull, rid, (), r.host, r.port, remote_block_ids=(), **r.ids())
         else:
-            self.shared.call(
-                c.register_push,
-                rid,
-                (),
-                r.host,
-                r.port,
-                remote_engine_id=r.engine_id,
-                remote_request_id=r.request_id,
-            )
+            self.shared.call(c.register_push, rid, (), r.host, r.port, **r.ids())
         st.phase = "orphaned"
         self._orphans.add(rid)
         self._meta.ignore.append(rid)
@@ -386,6 +374,7 @@ class _SchedulerSide:
             "remote_request_id": rid,
             "remote_host": self.side_host,
             "remote_port": self.side_port,
+            "remote_incarnation": f"{self.incarnation:016x}",
             "tp_size": self.tp_size,
             "transfer_mode": self.cfg.transfer_mode,
             "remote_num_tokens": n_prompt,
