@@ -8,9 +8,10 @@ Producer (role producer/both):
   could be evicted is pinned, allocation fails clearly and evicts nothing); `ECCommit`
   unpins them and returns the `ec_transfer_params` entry for the hash.
 - A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons: the hash must
-  exist and be committed, the compatibility hash must match, the destination blocks must
-  lie in the consumer's EC region (the planner refuses anything else). The output is
-  pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then unpinned.
+  exist and be committed, the compatibility hash must equal the committed one (a refusal
+  names both), the destination blocks must lie in the consumer's EC region (the planner
+  refuses anything else). The output is pinned, WRITten into the consumer's blocks,
+  acked (`ECXferAck`), then unpinned.
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
@@ -19,6 +20,11 @@ Consumer (role consumer/both):
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
   its pins dropped.
+
+Compat: `ECCommit` and `ECEnsure` must carry a non-empty `compat` (the string producer
+and consumer agree on, e.g. a hash of the model): one without is refused at the door.
+An output is served only to an ask under the compat it was committed with. The EC
+region itself declares `ec_region_compat(block_bytes)`, as every region declares one.
 """
 
 from __future__ import annotations
@@ -74,6 +80,19 @@ EC_ENGINE: Final = "kvd-ec"
 
 
 EC_SEGMENT_PREFIX: Final = "kvd-ec-"
+
+EC_NEEDS_COMPAT: Final = (
+    "compat must identify the model and the encoder output's format: producer and "
+    "consumer pass the same non-empty string (the vLLM connector: "
+    "kvd_client.vllm.ec.ec_compat)"
+)
+
+
+def ec_region_compat(block_bytes: int) -> str:
+    """The compat of a daemon's EC region, derived from what it is: kvd's EC region of
+    raw bytes, and its block size (all that two EC regions must share). It never equals
+    a KV region's `compat_hash`, so no KV request can pair with an EC region."""
+    return f"{EC_ENGINE}:block_bytes={block_bytes}"
 
 
 def reap_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
@@ -219,7 +238,16 @@ class ECRouter:
                 kv_layout="EC",
             )
             reg = wire.RegisterRegion(
-                "shm", name, self.region_bytes, EC_ENGINE, 0, 1, layout, "", b"", -1
+                kind="shm",
+                name=name,
+                nbytes=self.region_bytes,
+                engine_id=EC_ENGINE,
+                tp_rank=0,
+                tp_size=1,
+                layout=layout,
+                compat=ec_region_compat(self.block_bytes),
+                ipc_handle=b"",
+                device=-1,
             )
             self.local = await self.registrar.call(RegisterDaemonRegion(reg))
         try:
@@ -293,6 +321,8 @@ class ECRouter:
             )
         elif isinstance(m, wire.ECCommit):
             pool = self._need(self.prod_pool, "producer")
+            if not m.compat:
+                raise InvalidRequest(EC_NEEDS_COMPAT)
             p = self.produced.get(m.mm_hash)
             if p is None:
                 raise NotFound(f"{m.mm_hash!r} was not allocated (or was evicted)")
@@ -317,6 +347,8 @@ class ECRouter:
             req.resolve(p.params)
         elif isinstance(m, wire.ECEnsure):
             self._need(self.cons_pool, "consumer")
+            if not m.compat:
+                raise InvalidRequest(EC_NEEDS_COMPAT)
             req.resolve(wire.Ok())
             self._ensure(req.session, m)
         elif isinstance(m, wire.ECRelease):
@@ -508,8 +540,11 @@ class ECRouter:
             if p is None or not p.committed or mm_hash not in pool:
                 raise NotFound(f"unknown encoder output {mm_hash!r}")
             assert p.params is not None
-            if p.params.compat != req.compat:
-                raise Incompatible("compatibility hash differs")
+            if p.params.compat != req.compat:  # never empty: ECCommit refuses that
+                raise Incompatible(
+                    f"encoder output compatibility differs: producer {p.params.compat!r} "
+                    f"vs consumer {req.compat!r}"
+                )
             blocks = pool.get(mm_hash)
             assert blocks is not None
             if len(req.dst_block_ids) != len(blocks):

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -358,7 +358,7 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
-                _check_compat(local, remote)
+                _check_compat(p=remote, d=local)
                 self._bind(r, info, len(remote))
                 if r.aborted:
                     self._end_recv(r, _aborted())
@@ -394,7 +394,7 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
-                _check_compat(local, remote)
+                _check_compat(p=remote, d=local)
                 self._bind(r, info, len(remote))
                 r.state = "reading"
                 if not n or r.aborted:
@@ -557,7 +557,7 @@ class Writer:
             remote = info.ranks(reg.msg.engine_id)
             if len(remote) != len(local) or reg.msg.tp_size != len(local):
                 raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
-            _check_compat(local, remote)
+            _check_compat(p=local, d=remote)
             d_blocks = reg.msg.block_ids
             if len(d_blocks) > len(fin.block_ids):
                 raise InvalidRequest(
@@ -830,13 +830,22 @@ def _physical(geo: Any, logical: tuple[int, ...], ratio: int) -> Any:
     return check_blocks(geo, expand_logical(logical, ratio))
 
 
-def _check_compat(local: list[LocalRegion], remote: list[RemoteRegion]) -> None:
-    for loc, rem in zip(local, remote, strict=True):
-        if loc.compat and rem.compat and loc.compat != rem.compat:
-            raise Incompatible(
-                f"compatibility hash differs (rank {loc.tp_rank}: "
-                f"{loc.compat[:12]} vs {rem.compat[:12]})"
-            )
+def _check_compat(
+    *, p: Sequence[LocalRegion | RemoteRegion], d: Sequence[LocalRegion | RemoteRegion]
+) -> None:
+    """Refuse unless each P rank and its D rank declare the same, non-empty compat.
+
+    Our own regions always have one (the registrar refuses an empty compat); a peer's
+    empty one (a peer from before that rule) matches nothing. The reason names both
+    values in full, so an operator sees which side to fix.
+    """
+    for pr, dr in zip(p, d, strict=True):
+        if pr.compat and pr.compat == dr.compat:
+            continue
+        raise Incompatible(
+            f"KV compatibility differs: P rank {pr.tp_rank} {pr.compat!r} "
+            f"vs D rank {dr.tp_rank} {dr.compat!r}"
+        )
 
 
 def _aborted(reason: str = "aborted by the client") -> KvdError:

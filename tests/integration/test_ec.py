@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
+import pytest
 import zmq
 from kvd_client import wire
-from kvd_client.errors import ErrorCode
+from kvd_client.errors import ErrorCode, InvalidRequest
 
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
@@ -172,7 +174,7 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         for i in range(6):
             blocks = prod.client.ec_allocate(f"r{i}", 4 * MiB)
             prod.write(blocks.block_ids, output_bytes(i, 4 * MiB))
-            outs.append(prod.client.ec_commit(f"r{i}", 4 * MiB))
+            outs.append(prod.client.ec_commit(f"r{i}", 4 * MiB, compat="ec-ok"))
         for p in outs:
             cons.client.ec_ensure(p)
         c.kill()  # mid-stream: some fetches may have completed, the rest are in flight
@@ -199,3 +201,55 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         cons.close()
         if restarted is not None:
             assert restarted.stop() == 0
+
+
+def test_compat_is_required_and_a_mismatch_names_both_values(daemons: StartDaemon) -> None:
+    """No empty compat anywhere: the daemons' own EC regions derive theirs, a commit or an
+    ensure without one is refused at the door (counted); a consumer asking under another
+    compat than the producer committed gets nothing, and is told both values."""
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        for s in (prod, cons):
+            regions = [r for r in s.client.status()["regions"] if r["engine_id"] == "kvd-ec"]
+            assert [r["compat"] for r in regions] == [f"kvd-ec:block_bytes={MiB}"]
+
+        blocks = prod.client.ec_allocate("img", 2 * MiB)
+        prod.write(blocks.block_ids, output_bytes(5, 2 * MiB))
+        before = prod.client.status()["counters"]
+        with pytest.raises(InvalidRequest, match="compat must identify the model"):
+            prod.client.ec_commit("img", 2 * MiB, compat="")
+        after = prod.client.status()["counters"]
+        assert after["ec_requests_rejected"] - before.get("ec_requests_rejected", 0) == 1
+        assert after.get("ec_committed", 0) == before.get("ec_committed", 0)
+        assert prod.client.status("ec")["produced"] == []
+        params = prod.client.ec_commit("img", 2 * MiB, compat="model-a")
+
+        # refused by the consumer's own daemon: nothing is asked of the producer
+        before = cons.client.status()["counters"]
+        cons.client.ec_ensure(replace(params, compat=""))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INVALID, ev
+        assert "compat must identify the model" in ev.reason
+        after = cons.client.status()["counters"]
+        assert after["ec_requests_rejected"] - before.get("ec_requests_rejected", 0) == 1
+        assert after.get("ec_xfer_requests", 0) == before.get("ec_xfer_requests", 0)
+
+        # another compat: the producer refuses, naming both; not a byte arrives
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INCOMPATIBLE, ev
+        assert "producer 'model-a' vs consumer 'model-b'" in ev.reason, ev.reason
+        assert not cons.buf.any()
+        assert prod.client.status()["counters"].get("ec_served", 0) == 0
+
+        # the same compat is served, every byte
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady), ev
+        assert cons.matches(ev.block_ids, output_bytes(5, 2 * MiB))
+        cons.client.ec_release("img")
+    finally:
+        prod.close()
+        cons.close()
