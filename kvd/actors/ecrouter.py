@@ -15,7 +15,8 @@ Producer (role producer/both):
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
-  in-flight fetch, or allocates blocks (LRU eviction, never a pinned output) and sends
+  in-flight fetch (both only under the compat the output was fetched with: another is
+  refused), or allocates blocks (LRU eviction, never a pinned output) and sends
   `ECXferReq` through a lazily created DEALER per producer. The answer is an event:
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
@@ -23,8 +24,9 @@ Consumer (role consumer/both):
 
 Compat: `ECCommit` and `ECEnsure` must carry a non-empty `compat` (the string producer
 and consumer agree on, e.g. a hash of the model): one without is refused at the door.
-An output is served only to an ask under the compat it was committed with. The EC
-region itself declares `ec_region_compat(block_bytes)`, as every region declares one.
+An output is handed only to an ask under the compat it was committed with, by the
+producer and from the consumer's cache alike. The EC region itself declares
+`ec_region_compat(block_bytes)`, as every region declares one.
 """
 
 from __future__ import annotations
@@ -137,6 +139,7 @@ class _Fetch:
     mm_hash: str
     producer: tuple[str, int]
     nbytes: int
+    compat: str
     waiters: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
@@ -193,6 +196,7 @@ class ECRouter:
         self.fetches: dict[str, _Fetch] = {}
         self.deadlines: TimerHeap[str] = TimerHeap()
         self.cached_nbytes: dict[str, int] = {}
+        self.cached_compat: dict[str, str] = {}
         self.pins: dict[str, Counter[str]] = {}
         self.dealers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._router: zmq.asyncio.Socket | None = None
@@ -374,12 +378,16 @@ class ECRouter:
         pool = self.cons_pool
         assert pool is not None
         if m.mm_hash in self.cached_nbytes:
+            if not self._same_compat(session, m, self.cached_compat[m.mm_hash], "cached"):
+                return
             self.hits += 1
             self._count("ec_hits")
             self._ready(session, m.mm_hash, local_hit=True)
             return
         f = self.fetches.get(m.mm_hash)
         if f is not None:
+            if not self._same_compat(session, m, f.compat, "being fetched"):
+                return
             f.waiters.append(session)
             return
         self.misses += 1
@@ -395,8 +403,9 @@ class ECRouter:
             return
         for key in alloc.evicted:
             self.cached_nbytes.pop(key, None)
+            self.cached_compat.pop(key, None)
         self._count("ec_evicted", len(alloc.evicted))
-        f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, [session])
+        f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, m.compat, [session])
         self.fetches[m.mm_hash] = f
         self.deadlines.set(m.mm_hash, time.monotonic() + self.xfer_timeout)
         assert self._tg is not None and self.local is not None
@@ -411,6 +420,24 @@ class ECRouter:
             dst_block_ids=tuple(b + self.cons_offset for b in alloc.blocks),
         )
         self._tg.start_soon(self._send_req, f.producer, req)
+
+    def _same_compat(self, session: str, m: wire.ECEnsure, held: str, how: str) -> bool:
+        """Whether an output cached or being fetched under `held` may answer `m`.
+
+        The consumer holds one output per hash, under the compat it was fetched with;
+        an ask under another compat is refused (naming both), never handed those bytes.
+        """
+        if held == m.compat:
+            return True
+        exc = Incompatible(
+            f"encoder output compatibility differs: {how} under {held!r} "
+            f"vs asked under {m.compat!r}"
+        )
+        self._count("ec_compat_refused")
+        self._count("ec_unavailable")
+        log.info("ec_compat_refused", mm_hash=m.mm_hash, held=held, asked=m.compat)
+        self.emit(EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(exc.code), exc.message)))
+        return False
 
     def _ready(self, session: str, mm_hash: str, *, local_hit: bool) -> None:
         pool = self.cons_pool
@@ -443,6 +470,7 @@ class ECRouter:
             self._fetch_failed_entry(f, error_from_code(ack.code, ack.reason))
             return
         self.cached_nbytes[f.mm_hash] = f.nbytes
+        self.cached_compat[f.mm_hash] = f.compat
         pool.unpin(f.mm_hash)  # the transfer's pin; each waiter takes its own
         self._count("ec_fetched")
         self._count("ec_bytes_fetched", f.nbytes)

@@ -253,3 +253,49 @@ def test_compat_is_required_and_a_mismatch_names_both_values(daemons: StartDaemo
     finally:
         prod.close()
         cons.close()
+
+
+def test_consumer_cache_serves_an_output_only_under_its_compat(daemons: StartDaemon) -> None:
+    """The consumer's cache (and a fetch in flight) holds an output under the compat it was
+    fetched with: asking for the same hash under another compat is refused naming both,
+    never answered with the other model's bytes."""
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        blocks = prod.client.ec_allocate("img", 2 * MiB)
+        prod.write(blocks.block_ids, output_bytes(9, 2 * MiB))
+        params = prod.client.ec_commit("img", 2 * MiB, compat="model-a")
+
+        # in flight: both asks go out together, the second joins nothing
+        cons.client.ec_ensure(params)
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        evs = cons.client.wait_events(10)
+        deadline = time.monotonic() + 10
+        while len(evs) < 2 and time.monotonic() < deadline:
+            evs += cons.client.wait_events(0.5)
+        ready = [x for x in evs if isinstance(x, wire.ECReady)]
+        refused = [x for x in evs if isinstance(x, wire.ECUnavailable)]
+        assert len(ready) == 1 and len(refused) == 1, evs
+        assert refused[0].code == ErrorCode.INCOMPATIBLE, refused[0]
+        assert "'model-a'" in refused[0].reason and "'model-b'" in refused[0].reason
+        assert cons.matches(ready[0].block_ids, output_bytes(9, 2 * MiB))
+        cons.client.ec_release("img")
+
+        # cached: a hit only under the same compat
+        before = cons.client.status()["counters"]
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INCOMPATIBLE, ev
+        assert "cached under 'model-a'" in ev.reason and "'model-b'" in ev.reason, ev.reason
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady) and ev.local_hit, ev
+        cons.client.ec_release("img")
+        after = cons.client.status()["counters"]
+        assert after["ec_hits"] - before.get("ec_hits", 0) == 1
+        assert after["ec_compat_refused"] - before.get("ec_compat_refused", 0) == 1
+        assert cons.client.status("ec")["consumer"]["pinned"] == 0
+    finally:
+        prod.close()
+        cons.close()
