@@ -122,6 +122,7 @@ def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
                 "blocks",
                 "nbytes",
                 "name",
+                "compat",
             ],
         )
     )

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from kvd_client import layout as kvlayout
@@ -131,6 +131,10 @@ def _toml_value(v: Any) -> str:
 
 # ------------------------------------------------------------------ engines
 
+DEMO_COMPAT: Final = "kvd-demo-simulated-model"
+"""The compat every simulated engine declares by default: one simulated model, one KV
+format (two regions exchange blocks only when their compat strings are equal)."""
+
 
 _PATTERN_BASE = np.random.default_rng(2026).integers(0, 256, size=32 << 20, dtype=np.uint8)
 
@@ -198,7 +202,7 @@ def make_engine(
     chunk_bytes: int,
     tp: int = 1,
     workers: bool = False,
-    compat: str = "demo",
+    compat: str = DEMO_COMPAT,
 ) -> Engine:
     lay = kvlayout.block_major(num_blocks, num_layers, chunk_bytes)
     nbytes = kvlayout.region_bytes(lay)

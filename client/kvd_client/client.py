@@ -632,9 +632,13 @@ class KvdClient:
         shape: Sequence[int] = (),
         dtype: str = "uint8",
         modality: str = "image",
-        compat: str = "",
+        compat: str,
     ) -> wire.ECParams:
-        """Producer: the bytes are in place; returns the `ec_transfer_params` entry for the hash."""
+        """Producer: the bytes are in place; returns the `ec_transfer_params` entry for the hash.
+
+        `compat` (non-empty; the daemon refuses an empty one) is what a consumer must present
+        to be served this output: the same string on both sides, e.g. a hash of the model.
+        """
         reply = self.request(wire.ECCommit(mm_hash, nbytes, tuple(shape), dtype, modality, compat))
         if not isinstance(reply, wire.ECParams):
             raise ProtocolError(f"expected ECParams, got {type(reply).__name__}")
@@ -661,16 +665,22 @@ class KvdClient:
         region: SharedRegion | None,
         *,
         layout: wire.RegionLayout,
+        compat: str,
         tp_rank: int = 0,
         tp_size: int = 1,
-        compat: str = "",
         kind: str = "shm",
         name: str = "",
         nbytes: int = 0,
         ipc_handle: bytes = b"",
         device: int = -1,
     ) -> int:
-        """Register a KV region (a SharedRegion for host staging); returns its region id."""
+        """Register a KV region (a SharedRegion for host staging); returns its region id.
+
+        `compat` names what must agree between the two ends of a transfer (model, dtype,
+        KV heads, head size, layers, block size, token layout): build it with
+        `kvd_client.layout.compat_hash`. The daemon refuses an empty one, and fails any
+        transfer between regions whose compat strings differ.
+        """
         msg = wire.RegisterRegion(
             kind=kind,
             name=region.name if region is not None else name,

@@ -461,7 +461,8 @@ class ErrorReply(Record):
 @dataclasses.dataclass(frozen=True)
 class RegisterRegion(Record):
     """Register a worker's KV region. kind "shm": `name` is a POSIX shm name
-    (mapped read-write by the daemon). kind "cuda-ipc": `ipc_handle` is a CUDA IPC handle."""
+    (mapped read-write by the daemon). kind "cuda-ipc": `ipc_handle` is a CUDA IPC handle.
+    `compat` (layout.compat_hash) must not be empty: the daemon refuses that."""
 
     kind: Annotated[str, Len(1, 16)]
     name: Annotated[str, Len(0, 255)]
@@ -782,7 +783,8 @@ class ECBlocks(Record):
 @message(82)
 @dataclasses.dataclass(frozen=True)
 class ECCommit(Record):
-    """Producer: the bytes are in place; serve them to consumers."""
+    """Producer: the bytes are in place; serve them to consumers asking under `compat`
+    (not empty: the daemon refuses that)."""
 
     mm_hash: Id
     nbytes: Annotated[int, Range(1, 1 << 40)]
@@ -810,7 +812,8 @@ class ECParams(Record):
 @message(84)
 @dataclasses.dataclass(frozen=True)
 class ECEnsure(Record):
-    """Consumer: make this encoder output available locally (answered later by an event)."""
+    """Consumer: make this encoder output available locally (answered later by an event).
+    `compat` must equal the producer's committed one (not empty: the daemon refuses that)."""
 
     mm_hash: Id
     peer_host: Text

@@ -8,17 +8,25 @@ Producer (role producer/both):
   could be evicted is pinned, allocation fails clearly and evicts nothing); `ECCommit`
   unpins them and returns the `ec_transfer_params` entry for the hash.
 - A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons: the hash must
-  exist and be committed, the compatibility hash must match, the destination blocks must
-  lie in the consumer's EC region (the planner refuses anything else). The output is
-  pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then unpinned.
+  exist and be committed, the compatibility hash must equal the committed one (a refusal
+  names both), the destination blocks must lie in the consumer's EC region (the planner
+  refuses anything else). The output is pinned, WRITten into the consumer's blocks,
+  acked (`ECXferAck`), then unpinned.
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
-  in-flight fetch, or allocates blocks (LRU eviction, never a pinned output) and sends
+  in-flight fetch (both only under the compat the output was fetched with: another is
+  refused), or allocates blocks (LRU eviction, never a pinned output) and sends
   `ECXferReq` through a lazily created DEALER per producer. The answer is an event:
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
   its pins dropped.
+
+Compat: `ECCommit` and `ECEnsure` must carry a non-empty `compat` (the string producer
+and consumer agree on, e.g. a hash of the model): one without is refused at the door.
+An output is handed only to an ask under the compat it was committed with, by the
+producer and from the consumer's cache alike. The EC region itself declares
+`ec_region_compat(block_bytes)`, as every region declares one.
 """
 
 from __future__ import annotations
@@ -74,6 +82,19 @@ EC_ENGINE: Final = "kvd-ec"
 
 EC_SEGMENT_PREFIX: Final = "kvd-ec-"
 
+EC_NEEDS_COMPAT: Final = (
+    "compat must identify the model and the encoder output's format: producer and "
+    "consumer pass the same non-empty string (the vLLM connector: "
+    "kvd_client.vllm.ec.ec_compat)"
+)
+
+
+def ec_region_compat(block_bytes: int) -> str:
+    """The compat of a daemon's EC region, derived from what it is: kvd's EC region of
+    raw bytes, and its block size (all that two EC regions must share). It never equals
+    a KV region's `compat_hash`, so no KV request can pair with an EC region."""
+    return f"{EC_ENGINE}:block_bytes={block_bytes}"
+
 
 def reap_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink EC segments left by daemons that died without cleanup (SIGKILL, power loss).
@@ -117,6 +138,7 @@ class _Fetch:
     mm_hash: str
     producer: tuple[str, int]
     nbytes: int
+    compat: str
     waiters: list[str] = field(default_factory=list)
 
 
@@ -173,6 +195,7 @@ class ECRouter:
         self.fetches: dict[str, _Fetch] = {}
         self.deadlines: TimerHeap[str] = TimerHeap()
         self.cached_nbytes: dict[str, int] = {}
+        self.cached_compat: dict[str, str] = {}
         self.pins: dict[str, Counter[str]] = {}
         self.dealers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._router: zmq.asyncio.Socket | None = None
@@ -218,7 +241,16 @@ class ECRouter:
                 kv_layout="EC",
             )
             reg = wire.RegisterRegion(
-                "shm", name, self.region_bytes, EC_ENGINE, 0, 1, layout, "", b"", -1
+                kind="shm",
+                name=name,
+                nbytes=self.region_bytes,
+                engine_id=EC_ENGINE,
+                tp_rank=0,
+                tp_size=1,
+                layout=layout,
+                compat=ec_region_compat(self.block_bytes),
+                ipc_handle=b"",
+                device=-1,
             )
             self.local = await self.registrar.call(RegisterDaemonRegion(reg))
         try:
@@ -293,6 +325,8 @@ class ECRouter:
             )
         elif isinstance(m, wire.ECCommit):
             pool = self._need(self.prod_pool, "producer")
+            if not m.compat:
+                raise InvalidRequest(EC_NEEDS_COMPAT)
             p = self.produced.get(m.mm_hash)
             if p is None:
                 raise NotFound(f"{m.mm_hash!r} was not allocated (or was evicted)")
@@ -317,6 +351,8 @@ class ECRouter:
             req.resolve(p.params)
         elif isinstance(m, wire.ECEnsure):
             self._need(self.cons_pool, "consumer")
+            if not m.compat:
+                raise InvalidRequest(EC_NEEDS_COMPAT)
             req.resolve(wire.Ok())
             self._ensure(req.session, m)
         elif isinstance(m, wire.ECRelease):
@@ -342,12 +378,16 @@ class ECRouter:
         pool = self.cons_pool
         assert pool is not None
         if m.mm_hash in self.cached_nbytes:
+            if not self._same_compat(session, m, self.cached_compat[m.mm_hash], "cached"):
+                return
             self.hits += 1
             self._count("ec_hits")
             self._ready(session, m.mm_hash, local_hit=True)
             return
         f = self.fetches.get(m.mm_hash)
         if f is not None:
+            if not self._same_compat(session, m, f.compat, "being fetched"):
+                return
             f.waiters.append(session)
             return
         self.misses += 1
@@ -363,8 +403,9 @@ class ECRouter:
             return
         for key in alloc.evicted:
             self.cached_nbytes.pop(key, None)
+            self.cached_compat.pop(key, None)
         self._count("ec_evicted", len(alloc.evicted))
-        f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, [session])
+        f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, m.compat, [session])
         self.fetches[m.mm_hash] = f
         self.deadlines.set(m.mm_hash, self.clock.now() + self.xfer_timeout)
         assert self._tg is not None and self.local is not None
@@ -379,6 +420,24 @@ class ECRouter:
             dst_block_ids=tuple(b + self.cons_offset for b in alloc.blocks),
         )
         self._tg.start_soon(self._send_req, f.producer, req)
+
+    def _same_compat(self, session: str, m: wire.ECEnsure, held: str, how: str) -> bool:
+        """Whether an output cached or being fetched under `held` may answer `m`.
+
+        The consumer holds one output per hash, under the compat it was fetched with;
+        an ask under another compat is refused (naming both), never handed those bytes.
+        """
+        if held == m.compat:
+            return True
+        exc = Incompatible(
+            f"encoder output compatibility differs: {how} under {held!r} "
+            f"vs asked under {m.compat!r}"
+        )
+        self._count("ec_compat_refused")
+        self._count("ec_unavailable")
+        log.info("ec_compat_refused", mm_hash=m.mm_hash, held=held, asked=m.compat)
+        self.emit(EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(exc.code), exc.message)))
+        return False
 
     def _ready(self, session: str, mm_hash: str, *, local_hit: bool) -> None:
         pool = self.cons_pool
@@ -411,6 +470,7 @@ class ECRouter:
             self._fetch_failed_entry(f, error_from_code(ack.code, ack.reason))
             return
         self.cached_nbytes[f.mm_hash] = f.nbytes
+        self.cached_compat[f.mm_hash] = f.compat
         pool.unpin(f.mm_hash)  # the transfer's pin; each waiter takes its own
         self._count("ec_fetched")
         self._count("ec_bytes_fetched", f.nbytes)
@@ -508,8 +568,11 @@ class ECRouter:
             if p is None or not p.committed or mm_hash not in pool:
                 raise NotFound(f"unknown encoder output {mm_hash!r}")
             assert p.params is not None
-            if p.params.compat != req.compat:
-                raise Incompatible("compatibility hash differs")
+            if p.params.compat != req.compat:  # never empty: ECCommit refuses that
+                raise Incompatible(
+                    f"encoder output compatibility differs: producer {p.params.compat!r} "
+                    f"vs consumer {req.compat!r}"
+                )
             blocks = pool.get(mm_hash)
             assert blocks is not None
             if len(req.dst_block_ids) != len(blocks):

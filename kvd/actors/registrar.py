@@ -2,7 +2,9 @@
 
 - Regions: maps a worker's shared-memory segment read-write, validates its layout
   (no descriptor can ever leave it), registers it with NIXL as DRAM and gives it an id
-  and a generation. Before a region is unmapped, peers are told to drop it (side
+  and a generation. Every region declares a non-empty `compat` (what must agree between
+  the two ends of a transfer); one without is refused, so no region is exempt from the
+  writer's compat check. Before a region is unmapped, peers are told to drop it (side
   channel, with a reply) and transfers touching it drain; only then is it deregistered.
 - Peers: one handshake per peer daemon (not per rank), cached; concurrent requests for
   the same peer wait on one handshake and all get its result; a failure is reported to
@@ -234,6 +236,11 @@ class Registrar:
     # ---------------------------------------------------------------- regions
 
     async def _register(self, session: str, m: wire.RegisterRegion) -> wire.RegionRegistered:
+        if not m.compat:
+            raise InvalidRequest(
+                "compat must identify the model and KV format: use "
+                "kvd_client.layout.compat_hash(...) (the same on both ends of a transfer)"
+            )
         if m.kind not in ("shm", "cuda-ipc"):
             raise InvalidRequest(f"unknown region kind {m.kind!r} (shm or cuda-ipc)")
         if m.tp_rank >= m.tp_size:
@@ -642,6 +649,7 @@ class Registrar:
                                 "region_id": r.region_id,
                                 "generation": r.generation,
                                 "blocks": r.geometry.num_blocks,
+                                "compat": r.compat,
                             }
                             for r in p.info.regions.values()
                         ],
@@ -661,6 +669,7 @@ class Registrar:
                     "name": r.view.name,
                     "nbytes": r.nbytes,
                     "blocks": r.view.layout.num_blocks,
+                    "compat": r.view.compat,
                     "session": r.view.session,
                 }
                 for r in self.regions.values()

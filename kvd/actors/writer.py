@@ -31,7 +31,7 @@ import contextlib
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -395,12 +395,10 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
-                self._check_incarnation(info, m.remote_incarnation)
-                _check_compat(local, remote)
                 self._bind(r, info, len(remote))
+                self._check_incarnation(info, m.remote_incarnation)
+                _check_compat(p=remote, d=local)
                 if r.aborted:
-                    # P may hold a lease already: free it now rather than after a lease
-                    self._start_cancel(r)
                     self._end_recv(r, _aborted())
                     return
                 reg = wire.PushRegistration(
@@ -434,9 +432,9 @@ class Writer:
                 info, remote = await self._peer_ranks(
                     r, m.remote_engine_id, len(local), refresh=attempt > 0
                 )
-                self._check_incarnation(info, m.remote_incarnation)
-                _check_compat(local, remote)
                 self._bind(r, info, len(remote))
+                self._check_incarnation(info, m.remote_incarnation)
+                _check_compat(p=remote, d=local)
                 r.state = "reading"
                 if not n or r.aborted:
                     break
@@ -654,7 +652,7 @@ class Writer:
             remote = info.ranks(reg.msg.engine_id)
             if len(remote) != len(local) or reg.msg.tp_size != len(local):
                 raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
-            _check_compat(local, remote)
+            _check_compat(p=local, d=remote)
             d_blocks = reg.msg.block_ids
             if len(d_blocks) > len(fin.block_ids):
                 raise InvalidRequest(
@@ -861,6 +859,10 @@ class Writer:
     def _end_recv(self, r: _Recv, exc: KvdError | None) -> None:
         if self.recvs.pop(r.request_id, None) is None:
             return
+        if exc is not None and r.agent and r.state in ("handshake", "reading"):
+            # P has not heard the request's fate (no registration, no PullDone): a cancel
+            # frees its lease now instead of after a whole lease without heartbeats
+            self._start_cancel(r)
         self.watchdogs.discard(r.request_id)
         if r.ack is not None and not r.ack.done():
             # not cancel(): a child task ending in CancelledError cancels the whole task group
@@ -958,13 +960,22 @@ def _physical(geo: Any, logical: tuple[int, ...], ratio: int) -> Any:
     return check_blocks(geo, expand_logical(logical, ratio))
 
 
-def _check_compat(local: list[LocalRegion], remote: list[RemoteRegion]) -> None:
-    for loc, rem in zip(local, remote, strict=True):
-        if loc.compat and rem.compat and loc.compat != rem.compat:
-            raise Incompatible(
-                f"compatibility hash differs (rank {loc.tp_rank}: "
-                f"{loc.compat[:12]} vs {rem.compat[:12]})"
-            )
+def _check_compat(
+    *, p: Sequence[LocalRegion | RemoteRegion], d: Sequence[LocalRegion | RemoteRegion]
+) -> None:
+    """Refuse unless each P rank and its D rank declare the same, non-empty compat.
+
+    Our own regions always have one (the registrar refuses an empty compat); a peer's
+    empty one (a peer from before that rule) matches nothing. The reason names both
+    values in full, so an operator sees which side to fix.
+    """
+    for pr, dr in zip(p, d, strict=True):
+        if pr.compat and pr.compat == dr.compat:
+            continue
+        raise Incompatible(
+            f"KV compatibility differs: P rank {pr.tp_rank} {pr.compat!r} "
+            f"vs D rank {dr.tp_rank} {dr.compat!r}"
+        )
 
 
 def _aborted(reason: str = "aborted by the client") -> KvdError:

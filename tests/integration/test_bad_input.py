@@ -45,7 +45,15 @@ from nixl._api import nixl_agent, nixl_agent_config
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd.actors.registrar import handshake_mac
-from kvd.demo import DaemonProc, Engine, make_engine, pattern, run_mode, start_daemon
+from kvd.demo import (
+    DEMO_COMPAT,
+    DaemonProc,
+    Engine,
+    make_engine,
+    pattern,
+    run_mode,
+    start_daemon,
+)
 
 from .conftest import StartDaemon
 
@@ -55,7 +63,7 @@ FRAME_LIMIT = 4096
 NUM_BLOCKS = 64
 NUM_LAYERS = 2
 CHUNK = 4096
-COMPAT = "demo"  # make_engine's default
+COMPAT = DEMO_COMPAT  # make_engine's default
 FAKE_ENGINE = "kvdt-fake-engine"
 FAKE_BLOCKS = 8
 
@@ -541,7 +549,7 @@ def test_ipc_client_gets_typed_error_for_a_frame_the_decoder_refuses(env: Env) -
     ) as c:
         t0 = time.monotonic()
         with pytest.raises(ProtocolError, match="num_blocks"):
-            c.register_region(None, layout=lay, name="kvdt-zero", nbytes=1 << 20)
+            c.register_region(None, layout=lay, compat=COMPAT, name="kvdt-zero", nbytes=1 << 20)
         assert time.monotonic() - t0 < 2.0
         assert all(r["engine_id"] != "kvdt-zero" for r in c.status()["regions"])
     after = counters(env.d)
@@ -1096,11 +1104,12 @@ def test_forged_push_done_cannot_complete_a_real_request(env: Env) -> None:
 
 
 def _push_from_fake(
-    env: Env, d_blocks: tuple[int, ...], n_p_blocks: int
+    env: Env, d_blocks: tuple[int, ...], n_p_blocks: int, **handshake: Any
 ) -> tuple[str, wire.PushDone, list[Event]]:
-    """The fake peer registers d_blocks of its region for a request P then finishes."""
+    """The fake peer (handshaking with `handshake` changes) registers d_blocks of its
+    region for a request P then finishes."""
     p, fake = env.p_eng, env.fake
-    fake.connect(env.p)
+    fake.connect(env.p, **handshake)
     rid = _rid("fakepush")
     p_blocks = p.alloc(random.Random(11), n_p_blocks)
     for j, b in enumerate(p_blocks):
@@ -1157,6 +1166,33 @@ def test_push_registration_with_blocks_outside_the_peer_region_builds_no_descrip
     assert delta(before["counters"], after["counters"], "push_failed") == 1
     assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
     assert after["writer"]["sending"] == 0
+    assert not env.fake.buf.any()
+
+
+@pytest.mark.parametrize("compat", ["", "sha256:another-model"])
+def test_push_registration_from_a_peer_with_another_compat_writes_nothing(
+    env: Env, compat: str
+) -> None:
+    """P checks compat too (a D that skipped the check, or one that declares none, as a
+    peer built before the rule would): the push fails on P naming both values, and not
+    one byte is written into the peer's region."""
+    env.fake.buf[:] = 0
+    before = status(env.p)
+    try:
+        rid, done, p_evs = _push_from_fake(
+            env, (6, 2), 2, regions=(env.fake.region(compat=compat),)
+        )
+    finally:
+        env.fake.connect(env.p)  # P's view of the fake peer back as the other tests expect
+    want = f"KV compatibility differs: P rank 0 {COMPAT!r} vs D rank 0 {compat!r}"
+    assert (done.ok, done.code) == (False, ErrorCode.INCOMPATIBLE), done
+    assert want in done.reason, done.reason
+    assert [(type(e), getattr(e, "request_id", None)) for e in p_evs] == [(wire.SendFailed, rid)]
+    assert isinstance(p_evs[0], wire.SendFailed) and want in p_evs[0].reason
+    after = status(env.p)
+    assert delta(before["counters"], after["counters"], "push_failed") == 1
+    assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
+    assert after["reaper"]["leases"] == 0 and after["writer"]["sending"] == 0
     assert not env.fake.buf.any()
 
 

@@ -11,7 +11,7 @@ from kvd_client.client import KvdClient
 from kvd_client.errors import InvalidRequest
 from kvd_client.layout import block_major, region_bytes
 
-from kvd.demo import make_engine
+from kvd.demo import DEMO_COMPAT, make_engine
 
 from .conftest import StartDaemon
 
@@ -41,6 +41,7 @@ def test_cuda_ipc_region_refused_clearly_without_gpu(daemons: StartDaemon) -> No
                 nbytes=region_bytes(lay),
                 device=0,
                 layout=lay,
+                compat=DEMO_COMPAT,
             )
         with pytest.raises(InvalidRequest, match="fields"):
             c.register_region(
@@ -50,6 +51,7 @@ def test_cuda_ipc_region_refused_clearly_without_gpu(daemons: StartDaemon) -> No
                 nbytes=region_bytes(lay),
                 device=0,
                 layout=lay,
+                compat=DEMO_COMPAT,
             )
         assert c.status()["regions"] == []
 
@@ -69,7 +71,13 @@ def test_push_into_gpu_region(daemons: StartDaemon) -> None:  # pragma: no cover
     d.connect()
     try:
         d.register_region(
-            None, kind="cuda-ipc", ipc_handle=blob, nbytes=nbytes, device=dev, layout=lay
+            None,
+            kind="cuda-ipc",
+            ipc_handle=blob,
+            nbytes=nbytes,
+            device=dev,
+            layout=lay,
+            compat=DEMO_COMPAT,  # P's engine declares make_engine's default
         )
         p.block(0, 3)[:] = 7
         d.register_push("r-aaaaaaaa", [5], "127.0.0.1", p_d.side_port)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
+import pytest
 import zmq
 from kvd_client import wire
-from kvd_client.errors import ErrorCode
+from kvd_client.errors import ErrorCode, InvalidRequest
 
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
@@ -172,7 +174,7 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         for i in range(6):
             blocks = prod.client.ec_allocate(f"r{i}", 4 * MiB)
             prod.write(blocks.block_ids, output_bytes(i, 4 * MiB))
-            outs.append(prod.client.ec_commit(f"r{i}", 4 * MiB))
+            outs.append(prod.client.ec_commit(f"r{i}", 4 * MiB, compat="ec-ok"))
         for p in outs:
             cons.client.ec_ensure(p)
         c.kill()  # mid-stream: some fetches may have completed, the rest are in flight
@@ -202,3 +204,101 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         cons.close()
         if restarted is not None:
             assert restarted.stop() == 0
+
+
+def test_compat_is_required_and_a_mismatch_names_both_values(daemons: StartDaemon) -> None:
+    """No empty compat anywhere: the daemons' own EC regions derive theirs, a commit or an
+    ensure without one is refused at the door (counted); a consumer asking under another
+    compat than the producer committed gets nothing, and is told both values."""
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        for s in (prod, cons):
+            regions = [r for r in s.client.status()["regions"] if r["engine_id"] == "kvd-ec"]
+            assert [r["compat"] for r in regions] == [f"kvd-ec:block_bytes={MiB}"]
+
+        blocks = prod.client.ec_allocate("img", 2 * MiB)
+        prod.write(blocks.block_ids, output_bytes(5, 2 * MiB))
+        before = prod.client.status()["counters"]
+        with pytest.raises(InvalidRequest, match="compat must identify the model"):
+            prod.client.ec_commit("img", 2 * MiB, compat="")
+        after = prod.client.status()["counters"]
+        assert after["ec_requests_rejected"] - before.get("ec_requests_rejected", 0) == 1
+        assert after.get("ec_committed", 0) == before.get("ec_committed", 0)
+        assert prod.client.status("ec")["produced"] == []
+        params = prod.client.ec_commit("img", 2 * MiB, compat="model-a")
+
+        # refused by the consumer's own daemon: nothing is asked of the producer
+        before = cons.client.status()["counters"]
+        cons.client.ec_ensure(replace(params, compat=""))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INVALID, ev
+        assert "compat must identify the model" in ev.reason
+        after = cons.client.status()["counters"]
+        assert after["ec_requests_rejected"] - before.get("ec_requests_rejected", 0) == 1
+        assert after.get("ec_xfer_requests", 0) == before.get("ec_xfer_requests", 0)
+
+        # another compat: the producer refuses, naming both; not a byte arrives
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INCOMPATIBLE, ev
+        assert "producer 'model-a' vs consumer 'model-b'" in ev.reason, ev.reason
+        assert not cons.buf.any()
+        assert prod.client.status()["counters"].get("ec_served", 0) == 0
+
+        # the same compat is served, every byte
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady), ev
+        assert cons.matches(ev.block_ids, output_bytes(5, 2 * MiB))
+        cons.client.ec_release("img")
+    finally:
+        prod.close()
+        cons.close()
+
+
+def test_consumer_cache_serves_an_output_only_under_its_compat(daemons: StartDaemon) -> None:
+    """The consumer's cache (and a fetch in flight) holds an output under the compat it was
+    fetched with: asking for the same hash under another compat is refused naming both,
+    never answered with the other model's bytes."""
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        blocks = prod.client.ec_allocate("img", 2 * MiB)
+        prod.write(blocks.block_ids, output_bytes(9, 2 * MiB))
+        params = prod.client.ec_commit("img", 2 * MiB, compat="model-a")
+
+        # in flight: both asks go out together, the second joins nothing
+        cons.client.ec_ensure(params)
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        evs = cons.client.wait_events(10)
+        deadline = time.monotonic() + 10
+        while len(evs) < 2 and time.monotonic() < deadline:
+            evs += cons.client.wait_events(0.5)
+        ready = [x for x in evs if isinstance(x, wire.ECReady)]
+        refused = [x for x in evs if isinstance(x, wire.ECUnavailable)]
+        assert len(ready) == 1 and len(refused) == 1, evs
+        assert refused[0].code == ErrorCode.INCOMPATIBLE, refused[0]
+        assert "'model-a'" in refused[0].reason and "'model-b'" in refused[0].reason
+        assert cons.matches(ready[0].block_ids, output_bytes(9, 2 * MiB))
+        cons.client.ec_release("img")
+
+        # cached: a hit only under the same compat
+        before = cons.client.status()["counters"]
+        cons.client.ec_ensure(replace(params, compat="model-b"))
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.INCOMPATIBLE, ev
+        assert "cached under 'model-a'" in ev.reason and "'model-b'" in ev.reason, ev.reason
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady) and ev.local_hit, ev
+        cons.client.ec_release("img")
+        after = cons.client.status()["counters"]
+        assert after["ec_hits"] - before.get("ec_hits", 0) == 1
+        assert after["ec_compat_refused"] - before.get("ec_compat_refused", 0) == 1
+        assert cons.client.status("ec")["consumer"]["pinned"] == 0
+    finally:
+        prod.close()
+        cons.close()

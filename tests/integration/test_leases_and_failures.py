@@ -656,7 +656,7 @@ c = KvdClient(sys.argv[1], role="worker", engine_id="doomed", tp_rank=0, keepali
 c.connect()
 lay = layout.block_major(16, 2, 4096)
 reg = SharedRegion(unique_name("kvd-doomed"), layout.region_bytes(lay))
-c.register_region(reg, layout=lay)
+c.register_region(reg, layout=lay, compat="kvdt-doomed-model")
 print(reg.name, flush=True)
 time.sleep(120)
 """
