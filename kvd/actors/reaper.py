@@ -371,18 +371,18 @@ class Reaper:
         """Stop heartbeating a request its client gave up on, and tell P to free it now."""
         self.heartbeats.untrack(t.request_id)
         self.tracked.pop(t.request_id, None)
-        agent = next((a for a, p in self.peers.items() if p.addr == f"{t.host}:{t.port}"), None)
-        if agent is None:
-            return  # never handshaked: P's lease (if any) runs out without our beats
         self._count("tracks_cancelled")
         assert self._tg is not None
-        self._tg.start_soon(self._send_cancel, agent, t.hb_id)
+        self._tg.start_soon(self._send_cancel, f"{t.host}:{t.port}", t.hb_id)
 
-    async def _send_cancel(self, agent: str, rid: str) -> None:
+    async def _send_cancel(self, peer: str, rid: str) -> None:
+        """Tell P (at `peer`, handshaking first if need be: a handshake may still be under
+        way) that nothing will take `rid`'s blocks."""
         try:
-            await self.engine.send_notif(agent, wire.encode(wire.CancelRegistration(rid)))
+            info = await self._info(peer)
+            await self.engine.send_notif(info.agent, wire.encode(wire.CancelRegistration(rid)))
         except KvdError as exc:
-            log.warning("cancel_not_delivered", request_id=rid, peer=agent, error=exc.message)
+            log.warning("cancel_not_delivered", request_id=rid, peer=peer, error=exc.message)
 
     def _cancelled(self, rid: str, agent: str) -> None:
         """P: D cancelled `rid` (by P's id or its own): free the lease now, and fail a

@@ -347,10 +347,16 @@ class Writer:
         return await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
 
     async def _peer_ranks(
-        self, r: _Recv, engine_id: str, tp: int, refresh: bool = False
+        self, r: _Recv, engine_id: str, tp: int, incarnation: int, refresh: bool = False
     ) -> tuple[PeerInfo, list[RemoteRegion]]:
-        """The peer's regions for `engine_id`, re-handshaking once if they are not (yet) known."""
+        """The peer's regions for `engine_id`, re-handshaking once if they are not (yet)
+        known. The peer must be the daemon `incarnation` names (if given): a cached view
+        of an older one is refreshed once, a newer one fails the request at once."""
         info = await self._peer(r.host, r.port, refresh=refresh)
+        if incarnation and info.incarnation != incarnation and not refresh:
+            info = await self._peer(r.host, r.port, refresh=True)
+            refresh = True
+        self._check_incarnation(info, incarnation)
         for attempt in range(2):
             if engine_id:
                 ranks = info.ranks(engine_id)
@@ -393,10 +399,9 @@ class Writer:
             local = self._local_ranks(m.engine_id)
             for attempt in range(2):
                 info, remote = await self._peer_ranks(
-                    r, m.remote_engine_id, len(local), refresh=attempt > 0
+                    r, m.remote_engine_id, len(local), m.remote_incarnation, refresh=attempt > 0
                 )
                 self._bind(r, info, len(remote))
-                self._check_incarnation(info, m.remote_incarnation)
                 _check_compat(p=remote, d=local)
                 if r.aborted:
                     self._end_recv(r, _aborted())
@@ -430,10 +435,9 @@ class Writer:
             p_blocks = m.remote_block_ids[len(m.remote_block_ids) - n :] if n else ()
             for attempt in range(2):
                 info, remote = await self._peer_ranks(
-                    r, m.remote_engine_id, len(local), refresh=attempt > 0
+                    r, m.remote_engine_id, len(local), m.remote_incarnation, refresh=attempt > 0
                 )
                 self._bind(r, info, len(remote))
-                self._check_incarnation(info, m.remote_incarnation)
                 _check_compat(p=remote, d=local)
                 r.state = "reading"
                 if not n or r.aborted:

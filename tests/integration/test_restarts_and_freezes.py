@@ -12,13 +12,23 @@ request ends exactly once on each side, within a bound.
 from __future__ import annotations
 
 import random
+import secrets
 import signal
-from collections.abc import Iterator
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
+from kvd_client import wire
+from kvd_client.client import Event, KvdClient
+from kvd_client.errors import ErrorCode
 
-from kvd.demo import DaemonProc, Engine, make_engine
+from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
 from .conftest import StartDaemon
 from .traffic import Traffic
@@ -77,3 +87,373 @@ def test_p_daemon_frozen_under_load_never_reports_wrong_bytes(
     assert p.client.reconnects == 0
     # the stream recovered: requests after the freeze completed
     assert t.ok() > 20, (t.ok(), t.p_events, t.d_events)
+
+
+# ------------------------------------------------------------------ helpers for the tests below
+
+
+HOST = "127.0.0.1"
+TERMINAL_RECV = (wire.RecvFinished, wire.RecvFailed)
+TERMINAL_SEND = (wire.SendFinished, wire.SendFailed, wire.SendExpired)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def rid_pair(tag: str) -> tuple[str, str, str]:
+    """(key, P's id, D's id): vLLM-style ids that share a base id."""
+    key = f"cmpl-{secrets.token_hex(8)}-{tag}-0"
+    return key, f"{key}-{secrets.token_hex(4)}", f"{key}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class Events:
+    """Terminal events one client saw, with when."""
+
+    client: KvdClient
+    seen: dict[str, tuple[float, Event]] = field(default_factory=dict)
+    extra: list[Event] = field(default_factory=list)
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for ev in self.client.drain_events():
+            rid = getattr(ev, "request_id", "")
+            if rid in self.seen:
+                self.extra.append(ev)
+            else:
+                self.seen[rid] = (now, ev)
+
+    def wait(self, rids: list[str], timeout: float) -> dict[str, Event]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if all(r in self.seen for r in rids):
+                return {r: self.seen[r][1] for r in rids}
+            if time.monotonic() > deadline:
+                missing = [r for r in rids if r not in self.seen]
+                raise AssertionError(f"no terminal event within {timeout}s for {missing}")
+            time.sleep(0.02)
+
+    def when(self, rid: str) -> float:
+        return self.seen[rid][0]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
+        time.sleep(0.02)
+
+
+def d_holds(eng: Engine) -> tuple[int, int]:
+    s = eng.client.status()
+    return s["reaper"]["tracked"], s["writer"]["receiving"]
+
+
+def p_leases(eng: Engine) -> set[str]:
+    return {x["request_id"] for x in eng.client.status("leases")["leases"]}
+
+
+def fill(eng: Engine, key: str, blocks: list[int]) -> None:
+    for j, b in enumerate(blocks):
+        eng.block(0, b)[:] = pattern(f"{key}/0", j, eng.block_bytes)
+
+
+def arrived(eng: Engine, key: str, blocks: list[int]) -> bool:
+    return all(
+        np.array_equal(eng.block(0, b), pattern(f"{key}/0", j, eng.block_bytes))
+        for j, b in enumerate(blocks)
+    )
+
+
+# ------------------------------------------------------------------ item 2: P restarted
+
+
+def test_p_daemon_restarted_by_systemd_fails_d_push_requests_within_5s(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """P's daemon is SIGKILLed and started again 2 s later on the same name and port (as
+    systemd's Restart=on-failure, RestartSec=2 does) while D's push requests wait: some
+    registered at the old P before it died, some registering with the new P after. Every
+    D request ends failed within 5 s of the restart (the new P never heard of them: their
+    kv_transfer_params name the old incarnation), and D holds nothing afterwards."""
+    port = free_port()
+    p_cfg: dict[str, Any] = {"side_channel": {"port": port}}
+    pd = daemons("kvd-p", overrides=p_cfg)
+    dd = daemons("kvd-d")
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    assert p.client.welcome is not None
+    old = p.client.welcome.incarnation
+    d_ev = Events(d.client)
+    waiting = [rid_pair(f"waiting{i}") for i in range(4)]  # registered, P not finished yet
+    leased = [rid_pair(f"leased{i}") for i in range(4)]  # P finished, D not registered yet
+    for _, p_id, d_id in waiting + leased:
+        d.client.track(d_id, HOST, port, remote_request_id=p_id, remote_incarnation=old)
+    for i, (_, p_id, d_id) in enumerate(waiting):
+        d.client.register_push(
+            d_id, [2 * i, 2 * i + 1], HOST, port, remote_request_id=p_id, remote_incarnation=old
+        )
+    for i, (key, p_id, _) in enumerate(leased):
+        fill(p, key, [10 + i])
+        p.client.finished(p_id, [10 + i])
+    wait_until(lambda: len(p_leases(p)) == 4, 5.0, "P's leases")
+    wait_until(
+        lambda: p.client.status()["writer"]["pending_registrations"] == 4, 5.0, "registrations"
+    )
+
+    pd.kill()
+    time.sleep(2.0)
+    pd2 = daemons("kvd-p", overrides=p_cfg)
+    t_restart = time.monotonic()
+    for i, (_, p_id, d_id) in enumerate(leased):
+        d.client.register_push(
+            d_id, [20 + i], HOST, port, remote_request_id=p_id, remote_incarnation=old
+        )
+    d_ids = [d_id for _, _, d_id in waiting + leased]
+    got = d_ev.wait(d_ids, 8.0)
+    late = {r: round(d_ev.when(r) - t_restart, 3) for r in d_ids}
+    assert max(late.values()) < 5.0, late
+    for ev in got.values():
+        assert isinstance(ev, wire.RecvFailed), ev
+    restarted = [got[d_id] for _, _, d_id in leased]
+    assert all("restarted" in ev.reason for ev in restarted), restarted
+    assert d_ev.extra == []
+    wait_until(lambda: d_holds(d) == (0, 0), 5.0, "D holding nothing")
+
+    # P's engine learned that its daemon died (its sends failed), reconnected to the new
+    # one, and transfers work again with the new incarnation; bytes verified
+    p_ev = Events(p.client)
+    p_ev.wait([p_id for _, p_id, _ in leased], 5.0)
+    wait_until(lambda: (p.client.drain_events(), p.client.reconnects)[1] == 1, 5.0, "reconnect")
+    assert p.client.welcome is not None and p.client.welcome.incarnation != old
+    new = p.client.welcome.incarnation
+    key, p_id, d_id = rid_pair("after")
+    fill(p, key, [40, 41])
+    d.client.track(d_id, HOST, port, remote_request_id=p_id, remote_incarnation=new)
+    p.client.finished(p_id, [40, 41])
+    d.client.register_push(
+        d_id, [50, 51], HOST, port, remote_request_id=p_id, remote_incarnation=new
+    )
+    ev = d_ev.wait([d_id], 10.0)[d_id]
+    assert isinstance(ev, wire.RecvFinished), ev
+    assert arrived(d, key, [50, 51])
+    assert pd2.proc.poll() is None
+
+
+def test_pull_naming_a_dead_incarnation_fails_before_reading(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    pd, dd = daemons("kvd-p"), daemons("kvd-d")
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    assert p.client.welcome is not None
+    stale = p.client.welcome.incarnation ^ 0x5A5A
+    key, p_id, d_id = rid_pair("stale")
+    fill(p, key, [3])
+    p.client.finished(p_id, [3])
+    posted = d.client.status()["nixl"]["transfers_posted"]
+    d.client.pull(
+        d_id,
+        [7],
+        HOST,
+        pd.side_port,
+        remote_request_id=p_id,
+        remote_block_ids=[3],
+        remote_incarnation=stale,
+    )
+    ev = Events(d.client).wait([d_id], 5.0)[d_id]
+    assert isinstance(ev, wire.RecvFailed) and "restarted" in ev.reason, ev
+    assert d.client.status()["nixl"]["transfers_posted"] == posted  # nothing was read
+
+
+# ------------------------------------------------------------ item 3: tracks end with sessions
+
+
+_D_ENGINE = """
+import sys, time
+from kvd.demo import make_engine
+eng = make_engine(sys.argv[1], "decode-doomed", num_blocks=16, num_layers=2, chunk_bytes=4096)
+eng.client.keepalive_interval = 0.2
+for rid in sys.argv[3:]:
+    eng.client.track(rid, "127.0.0.1", int(sys.argv[2]))
+print("tracked", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["goodbye", "killed"])
+def test_tracks_end_with_their_session_and_p_is_freed(
+    daemons: StartDaemon, engines: list[Engine], how: str
+) -> None:
+    """A `track` not yet followed by a registration or a pull belongs to its session: when
+    D's engine says goodbye, or dies and its session times out, D stops heartbeating and
+    tells P, which frees the blocks at once (not after a lease, and not never)."""
+    pd = daemons("kvd-p", overrides={"transfer": {"kv_lease_duration": 6.0}})
+    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 1.0}})
+    p = engine(pd, "prefill")
+    engines.append(p)
+    reqs = [rid_pair(f"tracked{i}") for i in range(3)]
+    for i, (_, p_id, _) in enumerate(reqs):
+        p.client.finished(p_id, [i])
+    p_ev = Events(p.client)
+    if how == "goodbye":
+        d = engine(dd, "decode")
+        for _, p_id, d_id in reqs:
+            d.client.track(d_id, HOST, pd.side_port, remote_request_id=p_id)
+        wait_until(lambda: d_holds(d)[0] == 3, 5.0, "D tracking")
+        time.sleep(1.5)  # heartbeats flow and keep P's leases
+        assert len(p_leases(p)) == 3
+        t0 = time.monotonic()
+        d.close()
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _D_ENGINE, dd.socket, str(pd.side_port)]
+            + [p_id for _, p_id, _ in reqs],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == b"tracked"
+            time.sleep(1.5)
+            assert len(p_leases(p)) == 3
+            t0 = time.monotonic()
+            proc.kill()
+            proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    got = p_ev.wait([p_id for _, p_id, _ in reqs], 6.0)
+    took = max(p_ev.when(p_id) for _, p_id, _ in reqs) - t0
+    assert all(isinstance(ev, wire.SendFailed) and "cancelled" in ev.reason for ev in got.values())
+    assert took < 4.0, took  # well inside one lease (6 s)
+    assert p_leases(p) == set()
+    cli = KvdClient(dd.socket, role="cli", keepalive_interval=0)
+    cli.connect()
+    try:
+        st = cli.status()
+        assert (st["reaper"]["tracked"], st["reaper"]["heartbeat_peers"]) == (0, 0)
+    finally:
+        cli.close()
+
+
+# ------------------------------------------------------------ item 4: abort before registration
+
+
+def test_d_abort_before_its_registration_reached_p_frees_p_now(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D aborts push requests whose registration has not reached P yet (P's daemon is
+    frozen, so D's handshake is still pending), and a request it only tracked. P frees
+    each at once when it hears, instead of holding the blocks for the whole lease."""
+    pd, dd = daemons("kvd-p"), daemons("kvd-d")  # the default 30 s lease
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    (_, p1, d1), (_, p2, d2) = rid_pair("abort-reg"), rid_pair("abort-track")
+    p.client.finished(p1, [1])
+    p.client.finished(p2, [2])
+    wait_until(lambda: len(p_leases(p)) == 2, 5.0, "P's leases")
+    d_ev, p_ev = Events(d.client), Events(p.client)
+    pd.proc.send_signal(signal.SIGSTOP)
+    try:
+        d.client.track(d1, HOST, pd.side_port, remote_request_id=p1)
+        d.client.register_push(d1, [5], HOST, pd.side_port, remote_request_id=p1)
+        d.client.track(d2, HOST, pd.side_port, remote_request_id=p2)
+        time.sleep(0.3)
+        d.client.abort(d1)
+        d.client.abort(d2)
+        time.sleep(0.3)
+    finally:
+        pd.proc.send_signal(signal.SIGCONT)
+    t0 = time.monotonic()
+    ev = d_ev.wait([d1], 10.0)[d1]
+    assert isinstance(ev, wire.RecvFailed) and "aborted" in ev.reason, ev
+    got = p_ev.wait([p1, p2], 10.0)
+    assert all(isinstance(e, wire.SendFailed) and "cancelled" in e.reason for e in got.values())
+    assert max(p_ev.when(p1), p_ev.when(p2)) - t0 < 5.0
+    assert p_leases(p) == set()
+    wait_until(lambda: d_holds(d) == (0, 0), 5.0, "D holding nothing")
+
+
+# ------------------------------------------------------------------ item 9: pull before finish
+
+
+def test_pull_that_overtakes_p_finish_waits_for_the_lease(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D's READ and its completion reach P's daemon before P's `finished` does (as when
+    P's response overtakes the scheduler's message): P waits for the lease instead of
+    refusing, then acknowledges; bytes verified. A finish that never comes fails the pull
+    after lease_wait_timeout."""
+    pd = daemons("kvd-p", overrides={"transfer": {"lease_wait_timeout": 2.0}})
+    dd = daemons("kvd-d")
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    key, p_id, d_id = rid_pair("early")
+    fill(p, key, [4, 5])
+    _, p_never, d_never = rid_pair("never")
+    d_ev, p_ev = Events(d.client), Events(p.client)
+    for p_rid, d_rid, blocks in ((p_id, d_id, [8, 9]), (p_never, d_never, [10])):
+        d.client.track(d_rid, HOST, pd.side_port, remote_request_id=p_rid)
+        d.client.pull(
+            d_rid,
+            blocks,
+            HOST,
+            pd.side_port,
+            remote_request_id=p_rid,
+            remote_block_ids=[4, 5][: len(blocks)],
+        )
+    wait_until(lambda: p.client.status()["counters"].get("early_pulls", 0) == 2, 5.0, "early pulls")
+    time.sleep(0.5)
+    d_ev.poll()
+    assert d_ev.seen == {}, d_ev.seen  # nothing refused while P's finish is on its way
+    p.client.finished(p_id, [4, 5])
+    ev = d_ev.wait([d_id], 5.0)[d_id]
+    assert isinstance(ev, wire.RecvFinished), ev
+    assert arrived(d, key, [8, 9])
+    assert isinstance(p_ev.wait([p_id], 5.0)[p_id], wire.SendFinished)
+    ev = d_ev.wait([d_never], 5.0)[d_never]
+    assert isinstance(ev, wire.RecvFailed) and ev.code == ErrorCode.NOT_FOUND, ev
+    assert p_leases(p) == set()
+
+
+# ------------------------------------------------------------------ an engine restarted
+
+
+_W_ENGINE = """
+import sys, time
+from kvd.demo import make_engine
+eng = make_engine(sys.argv[1], "decode", num_blocks=16, num_layers=2, chunk_bytes=4096)
+print("registered", flush=True)
+time.sleep(120)
+"""
+
+
+def test_engine_restarted_while_its_daemon_lives_registers_at_once(daemons: StartDaemon) -> None:
+    """An engine process dies (SIGKILL) and is restarted at once with the same engine id
+    and rank, well inside client_timeout: its registration must succeed now (the old
+    session's process is gone, so that session is closed first), not be refused with
+    "already has region" until the old session times out."""
+    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 30.0}})
+    proc = subprocess.Popen([sys.executable, "-c", _W_ENGINE, dd.socket], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"registered"
+    finally:
+        proc.kill()
+        proc.wait()
+    t0 = time.monotonic()
+    eng = engine(dd, "decode", num_blocks=16)
+    try:
+        assert time.monotonic() - t0 < 5.0
+        st = eng.client.status()
+        mine = [r for r in st["regions"] if r["engine_id"] == "decode"]
+        assert [r["session"] for r in mine] == [eng.client.session]
+        assert st["counters"]["sessions_replaced"] == 1
+    finally:
+        eng.close()
