@@ -88,6 +88,9 @@ class Daemon:
             transfer_timeout=cfg.transfer.transfer_timeout,
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
+            incarnation=self.registrar.incarnation,
+            side_host=cfg.side_channel.advertised_host,
+            side_port_ref=lambda: self.side.port,
         )
         self.reaper = Reaper(
             engine=self.engine,

@@ -664,6 +664,12 @@ class PushRegistration(Record):
     block_ids: BlockIds
     side_host: Text
     side_port: U16
+    """D's side channel, where P re-handshakes if its view of D's regions is stale."""
+    incarnation: U64
+    """D's daemon incarnation."""
+    generations: Annotated[tuple[U32, ...], Len(1, 4096)]
+    """Generation of D's region of each rank, in rank order: P WRITEs only if its view of
+    D has exactly these (else it handshakes with D again, then fails closed)."""
 
 
 @message(62)
@@ -693,6 +699,10 @@ class PullDone(Record):
 
     request_id: Id
     d_request_id: Id
+    generations: Annotated[tuple[U32, ...], Len(0, 4096)]
+    """Generation of P's region of each rank that D READ from (empty: D read nothing). P
+    acknowledges only if they are its regions' current generations: a READ through a
+    stale view of P is never reported done."""
 
 
 @message(65)

@@ -89,6 +89,10 @@ class _Tracked:
     """The writer owns the request (it registered or pulls): it untracks and cancels."""
 
 
+def _rank(r: LocalRegion) -> int:
+    return r.tp_rank
+
+
 @dataclass
 class _EarlyPull:
     agent: str
@@ -457,6 +461,17 @@ class Reaper:
     def _pull_done(self, agent: str, msg: wire.PullDone, now: float | None = None) -> None:
         """D finished READing P's blocks: ack ok only if the lease is held (fail closed)."""
         key = self.leases.find(msg.request_id)
+        if key is not None and msg.generations:
+            owner = self.owners.get(key)
+            have = self._generations(owner.engine_id) if owner is not None else ()
+            if have != msg.generations:
+                # D read through a view of regions we no longer have (our engine
+                # re-registered and D missed the drop notice): its bytes are not ours
+                why = f"D read generations {msg.generations}, P's regions are {have}"
+                self._count("pulls_stale_view")
+                self._end_lease(key, wire.SendFailed(key, int(ErrorCode.TRANSFER), why))
+                self._refuse_pull(agent, msg, int(ErrorCode.TRANSFER), why)
+                return
         if key is not None:
             owner = self.owners.pop(key, None)
             self.leases.release(key)
@@ -483,6 +498,10 @@ class Reaper:
         else:
             code, why = int(ErrorCode.NOT_FOUND), "no lease for this request"
         self._refuse_pull(agent, msg, code, why)
+
+    def _generations(self, engine_id: str) -> tuple[int, ...]:
+        regs = sorted((r for (e, _), r in self.local.items() if e == engine_id), key=_rank)
+        return tuple(r.generation for r in regs)
 
     def _take_early_pull(self, rid: str) -> _EarlyPull | None:
         base = base_request_id(rid)

@@ -134,8 +134,14 @@ class Writer:
         transfer_timeout: float,
         tombstones: int,
         counters: dict[str, int],
+        incarnation: int,
+        side_host: str,
+        side_port_ref: Callable[[], int],
     ) -> None:
         self.engine = engine
+        self.incarnation = incarnation
+        self.side_host = side_host
+        self._side_port_ref = side_port_ref
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.registrar = registrar
@@ -413,8 +419,10 @@ class Writer:
                     remote_engine_id=remote[0].engine_id,
                     tp_size=len(local),
                     block_ids=m.block_ids,
-                    side_host="",
-                    side_port=0,
+                    side_host=self.side_host,
+                    side_port=self._side_port_ref(),
+                    incarnation=self.incarnation,
+                    generations=tuple(loc.generation for loc in local),
                 )
                 try:
                     await self.engine.send_notif(info.agent, wire.encode(reg))
@@ -472,7 +480,14 @@ class Writer:
             loop = asyncio.get_running_loop()
             r.ack = loop.create_future()
             await self.engine.send_notif(
-                info.agent, wire.encode(wire.PullDone(m.remote_request_id, m.request_id))
+                info.agent,
+                wire.encode(
+                    wire.PullDone(
+                        m.remote_request_id,
+                        m.request_id,
+                        tuple(rem.generation for rem in remote) if n else (),
+                    )
+                ),
             )
             with anyio.fail_after(self.transfer_timeout):
                 ack = await r.ack
@@ -646,14 +661,11 @@ class Writer:
         pushing = (reg.agent, reg.msg.remote_request_id or d_rid)
         self.pushing[pushing] = self.pushing.get(pushing, 0) + 1
         try:
+            remote = await self._d_view(reg)
             claimed = await self.reaper.call(Claim(m.finished_id))
             if not claimed:
                 raise LeaseExpired(f"the lease of {m.finished_id!r} expired before the WRITE")
-            info = self.peers.get(reg.agent)
-            if info is None:
-                raise NotFound(f"peer {reg.agent} is unknown (no handshake)")
             local = self._local_ranks(fin.engine_id)
-            remote = info.ranks(reg.msg.engine_id)
             if len(remote) != len(local) or reg.msg.tp_size != len(local):
                 raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
             _check_compat(p=local, d=remote)
@@ -692,6 +704,39 @@ class Writer:
             left = self.pushing.pop(pushing) - 1
             if left:
                 self.pushing[pushing] = left
+
+    async def _d_view(self, reg: _PushReg) -> list[RemoteRegion]:
+        """D's regions exactly as its registration names them (incarnation, and each rank's
+        generation). A stale or missing view (D's engine re-registered, D restarted) is
+        refreshed once by a handshake with D; never WRITE through a view D did not name."""
+        msg = reg.msg
+
+        def fits(info: PeerInfo | None) -> list[RemoteRegion] | None:
+            if info is None or info.incarnation != msg.incarnation:
+                return None
+            ranks = info.ranks(msg.engine_id)
+            return ranks if tuple(r.generation for r in ranks) == msg.generations else None
+
+        info = self.peers.get(reg.agent)
+        ranks = fits(info)
+        if ranks is not None:
+            return ranks
+        if not msg.side_host or not msg.side_port:
+            raise Incompatible(f"D {reg.agent} named regions we do not know, and no address")
+        self._count("peer_view_refreshes")
+        info = await self.registrar.call(EnsurePeer(msg.side_host, msg.side_port, refresh=True))
+        if info.agent != reg.agent:
+            raise Incompatible(
+                f"{msg.side_host}:{msg.side_port} is {info.agent}, not {reg.agent} who registered"
+            )
+        ranks = fits(info)
+        if ranks is None:
+            have = tuple(r.generation for r in info.ranks(msg.engine_id))
+            raise Incompatible(
+                f"D {reg.agent} registered into generations {msg.generations} of engine "
+                f"{msg.engine_id!r}, its daemon announces {have}"
+            )
+        return ranks
 
     async def _tell_push_failed(self, agent: str, d_rid: str, exc: KvdError) -> None:
         try:

@@ -1104,7 +1104,11 @@ def test_forged_push_done_cannot_complete_a_real_request(env: Env) -> None:
 
 
 def _push_from_fake(
-    env: Env, d_blocks: tuple[int, ...], n_p_blocks: int, **handshake: Any
+    env: Env,
+    d_blocks: tuple[int, ...],
+    n_p_blocks: int,
+    generations: tuple[int, ...] = (1,),
+    **handshake: Any,
 ) -> tuple[str, wire.PushDone, list[Event]]:
     """The fake peer (handshaking with `handshake` changes) registers d_blocks of its
     region for a request P then finishes."""
@@ -1115,7 +1119,9 @@ def _push_from_fake(
     for j, b in enumerate(p_blocks):
         p.block(0, b)[:] = pattern(f"{rid}/0", j, p.block_bytes)
     try:
-        reg = wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, d_blocks, "", 0)
+        reg = wire.PushRegistration(
+            rid, "", FAKE_ENGINE, "prefill", 1, d_blocks, "", 0, fake.incarnation, generations
+        )
         fake.send(env.p, wire.encode(reg))
         p.client.finished(rid, p_blocks)
         done = fake.wait_for(
@@ -1211,7 +1217,7 @@ def test_heartbeat_with_unknown_ids_extends_nothing(env: Env) -> None:
 def test_pull_done_for_an_unknown_request_is_refused(env: Env) -> None:
     env.fake.connect(env.p)
     before = counters(env.p)
-    env.fake.send(env.p, wire.encode(wire.PullDone(_rid("nobody"), "kvdt-d-side-id")))
+    env.fake.send(env.p, wire.encode(wire.PullDone(_rid("nobody"), "kvdt-d-side-id", ())))
     ack = env.fake.wait_for(
         lambda m: isinstance(m, wire.PullAck) and m.d_request_id == "kvdt-d-side-id", "P's PullAck"
     )
@@ -1236,9 +1242,9 @@ def test_notifications_from_an_agent_that_never_handshaked_are_rejected(env: Env
             "P's lease",
         )
         msgs = [
-            wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, (1,), "", 0),
+            wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, (1,), "", 0, 0, (1,)),
             wire.Heartbeat((rid,)),
-            wire.PullDone(rid, rid),
+            wire.PullDone(rid, rid, ()),
             wire.CancelRegistration(rid),
         ]
         before = status(env.p)
@@ -1303,3 +1309,53 @@ def test_daemons_still_move_verified_bytes(env: Env) -> None:
     for dp in (env.p, env.d):
         assert dp.proc.poll() is None
         assert status(dp)["agent_name"] == dp.name
+
+
+# ------------------------------------------------------------------ stale views of regions
+
+
+def test_push_registration_naming_a_generation_p_does_not_know_writes_nothing(env: Env) -> None:
+    """D registers into a generation of its region that P's view does not hold (D's engine
+    re-registered, or the view is stale): P may not WRITE through its old view. With no
+    address to handshake again (this peer gives none), it fails closed at once."""
+    env.fake.connect(env.p)
+    env.fake.buf[:] = 0
+    before = status(env.p)
+    _, done, p_evs = _push_from_fake(env, (6, 2), 2, generations=(7,))
+    assert (done.ok, done.code) == (False, ErrorCode.INCOMPATIBLE), done
+    assert "no address" in done.reason, done.reason
+    assert [type(e) for e in p_evs] == [wire.SendFailed], p_evs
+    after = status(env.p)
+    assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
+    assert after["reaper"]["leases"] == 0 and after["writer"]["sending"] == 0
+    assert not env.fake.buf.any()
+
+
+def test_pull_done_naming_a_stale_generation_is_refused_and_frees_the_lease(env: Env) -> None:
+    """D READ P's blocks through a view of a region generation P no longer has (its engine
+    re-registered and D missed the drop notice): the bytes D got are not the request's,
+    so P refuses the ack (D reports failure, never done) and ends its send."""
+    env.fake.connect(env.p)
+    p = env.p_eng
+    rid = _rid("stalegen")
+    blocks = p.alloc(random.Random(5), 2)
+    try:
+        p.client.finished(rid, blocks)
+        eventually(
+            lambda: any(x["request_id"] == rid for x in status(env.p, "leases")["leases"]),
+            "P's lease",
+        )
+        have = [r["generation"] for r in status(env.p)["regions"] if r["engine_id"] == "prefill"]
+        env.fake.send(env.p, wire.encode(wire.PullDone(rid, "kvdt-d-stale", (have[0] + 1,))))
+        ack = env.fake.wait_for(
+            lambda m: isinstance(m, wire.PullAck) and m.d_request_id == "kvdt-d-stale", "ack"
+        )
+        assert isinstance(ack, wire.PullAck)
+        assert (ack.ok, ack.code) == (False, ErrorCode.TRANSFER), ack
+        assert f"P's regions are ({have[0]},)" in ack.reason, ack.reason
+        evs = eventually(lambda: p.client.drain_events(), "P's terminal event", pump=env.fake.pump)
+        assert [(type(e), e.request_id) for e in evs] == [(wire.SendFailed, rid)], evs
+        assert status(env.p)["reaper"]["leases"] == 0
+        assert counters(env.p)["pulls_stale_view"] >= 1
+    finally:
+        p.release(blocks)

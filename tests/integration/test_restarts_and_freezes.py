@@ -457,3 +457,45 @@ def test_engine_restarted_while_its_daemon_lives_registers_at_once(daemons: Star
         assert st["counters"]["sessions_replaced"] == 1
     finally:
         eng.close()
+
+
+# ------------------------------------------------------------ item 5: regions change under peers
+
+
+def test_push_and_pull_after_either_engine_re_registers(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """An engine restarted while both daemons live registers its region again (a new
+    generation). P learned D's regions only in a handshake, and D's registration now names
+    generations P's view lacks: P handshakes with D again and WRITEs through the new view.
+    Likewise D's view of a re-registered P. Bytes verified every time."""
+    pd, dd = daemons("kvd-p"), daemons("kvd-d")
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    rng = random.Random(5)
+
+    def both_ways(n: int) -> None:
+        t = Traffic(p, d, pd.side_port, rng, window=8)
+        while t.started < n:
+            t.step()
+            time.sleep(0.002)
+        t.settle(15.0)
+        assert t.unfinished() == [] and t.wrong == [] and t.stray == [], t.unfinished()
+        fails = [r.d_reason for r in t.reqs.values() if r.d_end != "RecvFinished"]
+        assert fails == [] and t.ok() == n, (t.ok(), fails[:3])
+
+    both_ways(8)
+    for side in ("decode", "prefill"):
+        old = d if side == "decode" else p
+        daemon = dd if side == "decode" else pd
+        old.client.timeout = 2.0
+        old.close()
+        engines.remove(old)
+        new = engine(daemon, side)
+        engines.append(new)
+        if side == "decode":
+            d = new
+        else:
+            p = new
+        both_ways(8)
+    assert p.client.status()["counters"].get("peer_view_refreshes", 0) >= 1

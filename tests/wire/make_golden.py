@@ -231,6 +231,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             block_ids=BLOCKS,
             side_host="decode-1.example",
             side_port=5601,
+            incarnation=0x1122334455667788,
+            generations=(7, 8, 0xFFFFFFFF, 0),
         ),
     ),
     "Heartbeat": (0, wire.Heartbeat(request_ids=(REQ, REMOTE_REQ, "r-3"))),
@@ -238,7 +240,10 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
         0,
         wire.PushDone(request_id=REQ, tp_rank=3, ok=False, code=8, reason="write failed: ✗"),
     ),
-    "PullDone": (0, wire.PullDone(request_id=REMOTE_REQ, d_request_id=REQ)),
+    "PullDone": (
+        0,
+        wire.PullDone(request_id=REMOTE_REQ, d_request_id=REQ, generations=(40001, 40002)),
+    ),
     "PullAck": (0, wire.PullAck(d_request_id=REQ, ok=True, code=0, reason="")),
     "CancelRegistration": (0, wire.CancelRegistration(request_id=REQ)),
     "RegionDropped": (
