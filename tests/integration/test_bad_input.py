@@ -949,6 +949,39 @@ def test_handshake_with_impossible_regions_is_refused(env: Env, case: str) -> No
     assert_peer_serves(env.p, env.d)
 
 
+@pytest.mark.parametrize(
+    "side_host,side_port,field",
+    [
+        ("not a host", None, "side_host"),
+        ("p0\x00.local", None, "side_host"),
+        (None, 0, "side_port"),
+    ],
+    ids=["spaces", "nul", "port-0"],
+)
+def test_handshake_announcing_an_address_that_cannot_be_one_is_refused(
+    env: Env, side_host: str | None, side_port: int | None, field: str
+) -> None:
+    """A peer's side-channel address is dialled later (region drops): a handshake that is
+    otherwise good (the fake peer's own, signed) is refused at once, nothing learned."""
+    changes: dict[str, Any] = {}
+    if side_host is not None:
+        changes["side_host"] = side_host
+    if side_port is not None:
+        changes["side_port"] = side_port
+    hs = env.fake.handshake_msg(**changes)
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, wire.encode(hs, 24))
+    assert got is not None
+    corr, reply = got
+    assert corr == 24 and isinstance(reply, wire.ErrorReply), reply
+    assert reply.code == ErrorCode.INVALID and reply.message.startswith(f"Handshake.{field} ")
+    after = counters(env.d)
+    assert delta(before, after, "handshakes_rejected") == 1
+    assert delta(before, after, "handshakes_accepted") == 0
+    bad = f"{hs.side_host}:{hs.side_port}"
+    assert all(p["addr"] != bad for p in status(env.d, "peers")["peers"])
+
+
 def test_handshake_with_bad_nixl_metadata_is_refused_and_harms_no_peer(env: Env) -> None:
     """Garbage metadata, metadata of a known peer under another name, the daemon's own name."""
     assert_peer_serves(env.d, env.p)  # D knows P now
@@ -1719,6 +1752,19 @@ def test_frames_beyond_the_transport_cap_are_counted_on_every_socket(daemons: St
             assert sock.poll(10_000), "the EC router no longer answers"
             _, ack = wire.decode(sock.recv())
             assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.NOT_FOUND, ack
+            # A request for an output it has, from a consumer announcing an address that
+            # cannot be one: refused without dialling it.
+            cli.ec_allocate("kvdt-held", 1000)
+            cli.ec_commit("kvdt-held", 1000, compat="c")
+            before = count("ec_xfer_failed")
+            req = wire.ECXferReq("kvdt-held", "c", "kvdt-a", "not a host", 5600, 1, 1, (0,))
+            sock.send(wire.encode(req))
+            assert sock.poll(10_000), "the EC router no longer answers"
+            _, ack = wire.decode(sock.recv())
+            assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.INVALID, ack
+            assert ack.reason.startswith("ECXferReq.side_host "), ack
+            assert count("ec_xfer_failed") == before + 1
+            assert count("handshakes_failed") == 0
         finally:
             sock.close(0)
     finally:
