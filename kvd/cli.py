@@ -217,9 +217,14 @@ def ping(
     if not host or not port.isdigit():
         err.print("[red]expected HOST:PORT[/red]")
         raise typer.Exit(2)
+    from kvd_client.errors import InvalidRequest
+
     c = _client(socket)
     try:
         data = c.ping_peer(host, int(port), timeout)
+    except InvalidRequest as exc:  # an address no daemon would dial
+        err.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(2) from None
     finally:
         c.close()
     if as_json:

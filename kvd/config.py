@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal, NoReturn, get_type_hints
 
+from kvd.core.addresses import host_problem
+
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
 GiB: Final = 1024 * MiB
@@ -255,7 +257,9 @@ class DaemonConfig(_Section):
     )
     max_frame_bytes: int = _opt(
         16 * MiB,
-        "Largest message accepted on any socket, in bytes; a bigger one is rejected.",
+        "Largest message accepted on any socket, in bytes; a bigger one is rejected and "
+        "counted. Above twice this, the transport drops the sender's connection before "
+        "reading the message (counted as a lost connection).",
         ge=4096,
         le=GiB,
         fmt="bytes",
@@ -275,7 +279,8 @@ class SideChannelConfig(_Section):
     )
     advertise_host: str = _opt(
         "",
-        "Address peers should use to reach this daemon. Empty: `host`. Required when "
+        "Address peers should use to reach this daemon: an IP address or an RFC 1123 "
+        "host name (peers refuse to dial anything else). Empty: `host`. Required when "
         "`host` is a wildcard address (0.0.0.0, :: or *).",
     )
     handshake_timeout: float = _opt(
@@ -304,6 +309,11 @@ class SideChannelConfig(_Section):
                 "advertise_host",
                 f"must be set when host is a wildcard address (host is {self.host!r})",
             )
+        # Peers (and their clients' daemons) refuse to dial anything else, so a daemon
+        # advertising it could never be reached: refuse it here, at start.
+        if (why := host_problem(self.advertised_host)) is not None:
+            key = "advertise_host" if self.advertise_host else "host"
+            self._fail(key, f"must be an IP address or RFC 1123 host name peers can dial: {why}")
 
 
 @dataclass(frozen=True)
@@ -456,6 +466,15 @@ class LogConfig(_Section):
         "auto",
         "Log format: `console`, `json`, or `auto` (console on a TTY, JSON otherwise).",
         choices=("auto", "json", "console"),
+    )
+    rejection_interval: float = _opt(
+        10.0,
+        "Seconds between log lines about the same kind of rejected input (malformed "
+        "frames, refused requests and handshakes, lost connections) at the same place: "
+        "the first is logged at once, then at most one summary line per interval with the "
+        "number not logged. Every rejection is counted in `kvd status` either way.",
+        gt=0,
+        le=86_400,
     )
 
 

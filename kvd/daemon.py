@@ -31,6 +31,7 @@ from kvd.actors.writer import Writer
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.daemon")
 
@@ -40,6 +41,7 @@ class Daemon:
         self.cfg = cfg
         self.started = time.time()
         self.counters: dict[str, int] = {}
+        self.rejects = RejectLog(self.counters, cfg.log.rejection_interval)
         self._metrics: Any = None
         self.socket_path = str(resolve_socket_path(cfg))
         self.agent_name = resolve_agent_name(cfg)
@@ -65,6 +67,7 @@ class Daemon:
             writer=self.writer_box,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
+            rejects=self.rejects,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -77,6 +80,7 @@ class Daemon:
             publish=self._publish,
             drain_writer=self.writer_box.call,
             counters=self.counters,
+            rejects=self.rejects,
         )
         self.writer = Writer(
             engine=self.engine,
@@ -120,6 +124,7 @@ class Daemon:
             side_port_ref=lambda: self.side.port,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
+            rejects=self.rejects,
         )
         self.notifier = Notifier(
             writer=self.writer_box,
@@ -127,6 +132,7 @@ class Daemon:
             registrar=self.registrar_box,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
+            rejects=self.rejects,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,
@@ -139,6 +145,7 @@ class Daemon:
             client_timeout=cfg.daemon.client_timeout,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
+            rejects=self.rejects,
             status=self.status,
             welcome=self._welcome,
             clock=self.clock,
@@ -228,6 +235,7 @@ class Daemon:
         try:
             async with anyio.create_task_group() as tg:
                 await tg.start(self.clock.run)
+                tg.start_soon(self.rejects.run)
                 await self.engine.start(self.notifier.sink)
                 await tg.start(self.registrar.run)
                 self.side.bind()
@@ -288,6 +296,7 @@ class Daemon:
         """Peers told, memory deregistered, the NIXL agent destroyed, and only then the IPC
         socket closed: a client counts its requests lost when its connection to us drops,
         so that must not happen while a transfer could still read its blocks."""
+        self.rejects.close()  # the last summaries: what was counted but not yet logged
         if self._metrics is not None:
             self._metrics.shutdown()
             self._metrics = None

@@ -9,9 +9,12 @@ Producer (role producer/both):
   unpins them and returns the `ec_transfer_params` entry for the hash.
 - A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons: the hash must
   exist and be committed, the compatibility hash must equal the committed one (a refusal
-  names both), the destination blocks must lie in the consumer's EC region (the planner
-  refuses anything else). The output is pinned, WRITten into the consumer's blocks,
-  acked (`ECXferAck`), then unpinned.
+  names both), the consumer's address must be one we could dial, the destination blocks
+  must lie in the consumer's EC region (the planner refuses anything else). The output is
+  pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then unpinned.
+  Malformed and refused requests are counted and logged at a bounded rate (`RejectLog`);
+  frames above twice `max_frame_bytes` are cut off by libzmq with their connection
+  (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import structlog
 import zmq
 import zmq.asyncio
@@ -58,6 +62,7 @@ from kvd_client.layout import block_major
 from kvd_client.shm import SharedRegion
 
 from kvd.actors.base import Mailbox
+from kvd.actors.gateway import transport_cap
 from kvd.actors.messages import (
     ClientRequest,
     EnsurePeer,
@@ -70,9 +75,12 @@ from kvd.actors.messages import (
     Snapshot,
 )
 from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
 from kvd.core.planner import plan_transfer
 from kvd.core.timers import TimerHeap
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.ecrouter", actor="ecrouter")
 
@@ -161,6 +169,7 @@ class ECRouter:
         side_port_ref: Callable[[], int],
         max_frame: int,
         counters: dict[str, int],
+        rejects: RejectLog,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -178,6 +187,7 @@ class ECRouter:
         self._side_port_ref = side_port_ref
         self.max_frame = max_frame
         self.counters = counters
+        self.rejects = rejects
         nblocks = region_bytes // block_bytes
         self.producing = role in ("producer", "both")
         self.consuming = role in ("consumer", "both")
@@ -217,7 +227,7 @@ class ECRouter:
             return 0
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
+        sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         if self.port == 0:
             self.port = sock.bind_to_random_port(f"tcp://{self.host}")
         else:
@@ -258,6 +268,7 @@ class ECRouter:
                 self._tg = tg
                 if self._router is not None:
                     tg.start_soon(self._serve_router)
+                    tg.start_soon(watch_disconnects, self._router, self._disconnected)
                 task_status.started()
                 while True:
                     msg: Any = await self.mailbox.receive_before(self.deadlines.next_time())
@@ -286,8 +297,14 @@ class ECRouter:
             try:
                 self._client(msg)
             except KvdError as exc:
-                self._count("ec_requests_rejected")
-                log.warning("ec_request_rejected", session=msg.session, error=exc.message)
+                self.rejects.reject(
+                    "ecrouter",
+                    "ec_requests_rejected",
+                    "ec_request_rejected",
+                    type(exc).__name__,
+                    session=msg.session,
+                    error=exc.message,
+                )
                 msg.fail(exc)
         elif isinstance(msg, _AckArrived):
             self._fetch_done(msg.ack)
@@ -519,22 +536,30 @@ class ECRouter:
 
     async def _recv_acks(self, producer: tuple[str, int], sock: zmq.asyncio.Socket) -> None:
         while True:
+            await anyio.lowlevel.checkpoint()  # a ready frame is received without suspending
             frame = await sock.recv()
             try:
                 _, msg = wire.decode(frame, self.max_frame)
             except RemoteProtocolError as exc:
-                self._count("ec_acks_malformed")
-                log.warning(
-                    "ec_ack_malformed", producer=f"{producer[0]}:{producer[1]}", error=exc.message
-                )
+                self._ack_malformed(producer, type(exc).__name__, exc.message)
                 continue
             if not isinstance(msg, wire.ECXferAck):
-                self._count("ec_acks_malformed")
+                self._ack_malformed(producer, "not_an_ack", f"{type(msg).__name__} is not an ack")
                 continue
             try:
                 self.mailbox.post(_AckArrived(msg))
             except Busy:
                 self._count("ec_acks_dropped_busy")
+
+    def _ack_malformed(self, producer: tuple[str, int], kind: str, why: str) -> None:
+        self.rejects.reject(
+            "ecrouter",
+            "ec_acks_malformed",
+            "ec_ack_malformed",
+            kind,
+            producer=f"{producer[0]}:{producer[1]}",
+            error=why,
+        )
 
     # ---------------------------------------------------------------- producer
 
@@ -544,26 +569,40 @@ class ECRouter:
         while True:
             frames = await sock.recv_multipart()
             if len(frames) != 2:
-                self._count("ec_xfer_rejected")
-                continue
-            self._tg.start_soon(self._serve_one, frames[0], frames[1])
+                self._xfer_rejected("multipart", f"{len(frames) - 1} frames, expected 1")
+            else:
+                # Bad frames are dropped here, without a task each.
+                try:
+                    _, req = wire.decode(frames[1], self.max_frame)
+                except RemoteProtocolError as exc:
+                    self._xfer_rejected(type(exc).__name__, exc.message)
+                else:
+                    if isinstance(req, wire.ECXferReq):
+                        self._tg.start_soon(self._serve_one, frames[0], req)
+                    else:
+                        why = f"{type(req).__name__} is not an ECXferReq"
+                        self._xfer_rejected("not_a_request", why)
+            # A ready frame is received without suspending: without this, a consumer that
+            # keeps the socket busy would starve every other task.
+            await anyio.lowlevel.checkpoint()
 
-    async def _serve_one(self, ident: bytes, frame: bytes) -> None:
-        mm_hash = "?"
+    def _xfer_rejected(self, kind: str, why: str) -> None:
+        """A request that is not one: dropped (there is nothing to ack), counted, logged."""
+        self.rejects.reject("ecrouter", "ec_xfer_rejected", "ec_xfer_malformed", kind, error=why)
+
+    def _disconnected(self) -> None:
+        # Consumers' connections closing, and connections libzmq dropped for a frame
+        # above the transport cap: libzmq reports both alike (see zmq_monitor).
+        self.rejects.reject(
+            "ecrouter", "ec_disconnects", "ec_connection_lost", "disconnected", level="info"
+        )
+
+    async def _serve_one(self, ident: bytes, req: wire.ECXferReq) -> None:
+        mm_hash = req.mm_hash
         pinned = False
         pool = self.prod_pool
         assert pool is not None and self._router is not None
         try:
-            try:
-                _, req = wire.decode(frame, self.max_frame)
-            except RemoteProtocolError:
-                self._count("ec_xfer_rejected")
-                log.warning("ec_xfer_malformed")
-                return  # no usable request: dropped and counted
-            if not isinstance(req, wire.ECXferReq):
-                self._count("ec_xfer_rejected")
-                return
-            mm_hash = req.mm_hash
             p = self.produced.get(mm_hash)
             if p is None or not p.committed or mm_hash not in pool:
                 raise NotFound(f"unknown encoder output {mm_hash!r}")
@@ -575,6 +614,11 @@ class ECRouter:
                 )
             blocks = pool.get(mm_hash)
             assert blocks is not None
+            where = address_problem(
+                req.side_host, req.side_port, "ECXferReq.side_host", "ECXferReq.side_port"
+            )
+            if where is not None:  # never dial an address that cannot be one
+                raise InvalidRequest(where)
             if len(req.dst_block_ids) != len(blocks):
                 raise InvalidRequest(
                     f"{len(req.dst_block_ids)} destination blocks for {len(blocks)} source blocks"
@@ -617,8 +661,14 @@ class ECRouter:
             self._count("ec_bytes_served", plan.total_bytes)
             ack = wire.ECXferAck(mm_hash, True, 0, "", p.nbytes)
         except KvdError as exc:
-            self._count("ec_xfer_failed")
-            log.warning("ec_xfer_failed", mm_hash=mm_hash, error=exc.message)
+            self.rejects.reject(
+                "ecrouter",
+                "ec_xfer_failed",
+                "ec_xfer_failed",
+                type(exc).__name__,
+                mm_hash=mm_hash,
+                error=exc.message,
+            )
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
         finally:
             if pinned and mm_hash in pool:

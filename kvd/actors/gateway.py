@@ -3,6 +3,12 @@
 Rules:
 - Every frame is decoded and validated before anything acts on it. A malformed frame gets
   an ErrorReply (PROTOCOL) and is counted; the gateway keeps serving everyone else.
+  Rejections are logged through `RejectLog` (rate-limited: a flood is a few lines).
+- A request naming a peer address that could never be dialled (`kvd.core.addresses`) is
+  refused (INVALID, naming the field) before it is routed: nothing is tracked, retried
+  or handshaked for it.
+- Frames above twice `max_frame_bytes` are cut off by libzmq with their connection;
+  that is only visible as a lost connection (`ipc_disconnects`, `kvd.adapters.zmq_monitor`).
 - A session starts with Hello; requests from an unknown identity are refused.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
   a BUSY reply. Replies are sent when the actor resolves the request's future.
@@ -33,16 +39,20 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import msgpack
 import structlog
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, KvdError, NotFound, RemoteProtocolError
+from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound, RemoteProtocolError
 
 from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
+from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.core.addresses import peer_address_problem
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
 
@@ -79,6 +89,7 @@ class Gateway:
         client_timeout: float,
         max_frame: int,
         counters: dict[str, int],
+        rejects: RejectLog,
         status: Callable[[str], Awaitable[dict[str, Any]]],
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
@@ -94,6 +105,7 @@ class Gateway:
         self.client_timeout = client_timeout
         self.max_frame = max_frame
         self.counters = counters
+        self.rejects = rejects
         self._status = status
         self._welcome = welcome
         self.clock = clock
@@ -104,7 +116,6 @@ class Gateway:
         self.closing: dict[str, _Session] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
-        self._rejected_by_ident: dict[bytes, int] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
@@ -155,15 +166,22 @@ class Gateway:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._send_events)
             tg.start_soon(self._sweep)
+            tg.start_soon(watch_disconnects, self._sock, self._disconnected)
             self._tg = tg
             task_status.started()
             sock = self._sock
             while True:
                 frames = await sock.recv_multipart(copy=True)
                 if len(frames) != 2:
-                    self._count("ipc_malformed")
-                    continue
-                self._handle(frames[0], frames[1])
+                    self._reject(
+                        frames[0], "ipc_malformed", "multipart", f"{len(frames) - 1} frames, not 1"
+                    )
+                else:
+                    self._handle(frames[0], frames[1])
+                # A ready frame is received without suspending: without this, clients
+                # that keep the socket busy would starve every other task (replies,
+                # events, status calls).
+                await anyio.lowlevel.checkpoint()
 
     # ---------------------------------------------------------------- requests
 
@@ -176,14 +194,24 @@ class Gateway:
             self._count("ipc_send_dropped")
             log.debug("ipc_send_dropped", error=str(exc))
 
-    def _log_rejected(self, ident: bytes, why: str) -> None:
-        """Log a client's bad frames once, then every 1000th (no log flood from one client)."""
-        n = self._rejected_by_ident.get(ident, 0) + 1
-        if len(self._rejected_by_ident) < 4096 or ident in self._rejected_by_ident:
-            self._rejected_by_ident[ident] = n
-        if n == 1 or n % 1000 == 0:
-            sid = self.by_ident.get(ident, "")
-            log.warning("ipc_frame_rejected", session=sid, error=why, rejected_from_client=n)
+    def _reject(self, ident: bytes, counter: str, kind: str, why: str) -> None:
+        """Count a client's bad input under `counter` and log it (rate-limited)."""
+        sid = self.by_ident.get(ident, "")
+        self.rejects.reject(
+            "gateway", counter, "ipc_request_rejected", kind, session=sid, error=why
+        )
+
+    def _refuse(self, ident: bytes, corr: int, counter: str, kind: str, exc: KvdError) -> None:
+        """Reject a client's bad input and tell it why."""
+        self._reject(ident, counter, kind, exc.message)
+        self._error(ident, corr, exc)
+
+    def _disconnected(self) -> None:
+        # Clients closing, and connections libzmq dropped for a frame above the
+        # transport cap: libzmq reports both alike (see kvd.adapters.zmq_monitor).
+        self.rejects.reject(
+            "gateway", "ipc_disconnects", "ipc_connection_lost", "disconnected", level="info"
+        )
 
     def _error(self, ident: bytes, corr: int, exc: KvdError) -> None:
         code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.INTERNAL
@@ -194,9 +222,7 @@ class Gateway:
         try:
             corr, msg = wire.decode(frame, self.max_frame)
         except RemoteProtocolError as exc:
-            self._count("ipc_rejected")
-            self._log_rejected(ident, exc.message)
-            self._error(ident, salvage_corr(frame), exc)
+            self._refuse(ident, salvage_corr(frame), "ipc_rejected", type(exc).__name__, exc)
             return
         now = self.clock.now()
         if isinstance(msg, wire.KeepAlive):
@@ -214,28 +240,29 @@ class Gateway:
         sid = self.by_ident.get(ident)
         s = self.sessions.get(sid) if sid is not None else None
         if s is None:
-            self._count("ipc_rejected")
             why = (
                 f"session {sid!r} is closed"
                 if sid is not None
                 else f"{type(msg).__name__} before Hello"
             )
-            self._error(ident, corr, RemoteProtocolError(why))
+            self._refuse(ident, corr, "ipc_rejected", "no_session", RemoteProtocolError(why))
             return
         s.last_seen = now
         s.requests += 1
         if isinstance(msg, wire.Goodbye):
             self._close(s, "goodbye", reply_to=(ident, corr))
             return
+        if (problem := peer_address_problem(msg)) is not None:
+            refusal = InvalidRequest(problem)
+            self._refuse(ident, corr, "requests_invalid_peer", "invalid_peer", refusal)
+            return
         if isinstance(msg, (wire.GetStatus, wire.PingPeer)):
             self._tg.start_soon(self._status_request, ident, corr, msg)
             return
         box = self._routes.get(type(msg))
         if box is None:
-            self._count("ipc_rejected")
-            self._error(
-                ident, corr, RemoteProtocolError(f"{type(msg).__name__} is not a client request")
-            )
+            why = f"{type(msg).__name__} is not a client request"
+            self._refuse(ident, corr, "ipc_rejected", "not_a_request", RemoteProtocolError(why))
             return
         req = ClientRequest(s.session, msg)
         try:
@@ -260,8 +287,8 @@ class Gateway:
 
     def _hello(self, ident: bytes, corr: int, msg: wire.Hello, now: float) -> None:
         if msg.role not in ROLES:
-            self._count("ipc_rejected")
-            self._error(ident, corr, RemoteProtocolError(f"unknown role {msg.role!r}"))
+            why = f"unknown role {msg.role!r}"
+            self._refuse(ident, corr, "ipc_rejected", "unknown_role", RemoteProtocolError(why))
             return
         if msg.session in self.closing or msg.session in self.closed:
             self._count("ipc_rejected")

@@ -2,24 +2,23 @@
 
 The NIXL thread hands each batch to `sink` on the event loop; the notifier decodes every
 message (a peer's bytes are untrusted: anything malformed is dropped, counted and logged
-once per peer) and routes the rest to the actor that owns them (which drops messages
-from agents that never handshaked). It never blocks. Heartbeats and probes are dropped
-(and counted) when their mailbox is full: the next one comes. Completions, acks and
-registrations are never dropped: they take the overflow path of `post_internal`.
+at a bounded rate through `RejectLog`) and routes the rest to the actor that owns them
+(which drops messages from agents that never handshaked). It never blocks. Heartbeats
+and probes are dropped (and counted) when their mailbox is full: the next one comes.
+Completions, acks and registrations are never dropped: they take the overflow path of
+`post_internal`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import structlog
 from kvd_client import wire
 from kvd_client.errors import Busy, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import NotifReceived, ProbeReceived
-
-log = structlog.get_logger("kvd.notifier", actor="notifier")
+from kvd.logs import RejectLog
 
 _TO_WRITER = (
     wire.PushRegistration,
@@ -41,13 +40,14 @@ class Notifier:
         registrar: Mailbox[Any],
         max_frame: int,
         counters: dict[str, int],
+        rejects: RejectLog,
     ) -> None:
         self.writer = writer
         self.reaper = reaper
         self.registrar = registrar
         self.max_frame = max_frame
         self.counters = counters
-        self._logged_bad: set[str] = set()
+        self.rejects = rejects
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -63,10 +63,14 @@ class Notifier:
         try:
             _, msg = wire.decode(raw, self.max_frame)
         except RemoteProtocolError as exc:
-            self._count("notifs_malformed")
-            if agent not in self._logged_bad:
-                self._logged_bad.add(agent)
-                log.warning("notif_malformed", peer=agent, error=exc.message)
+            self.rejects.reject(
+                "notifier",
+                "notifs_malformed",
+                "notif_malformed",
+                type(exc).__name__,
+                peer=agent,
+                error=exc.message,
+            )
             return
         try:
             if isinstance(msg, wire.Probe):
@@ -80,7 +84,13 @@ class Notifier:
             elif isinstance(msg, _TO_REAPER):
                 self.reaper.post_internal(NotifReceived(agent, msg))
             else:
-                self._count("notifs_rejected")
-                log.warning("notif_unexpected_type", peer=agent, type=type(msg).__name__)
+                self.rejects.reject(
+                    "notifier",
+                    "notifs_rejected",
+                    "notif_unexpected_type",
+                    "not_a_notification",
+                    peer=agent,
+                    type=type(msg).__name__,
+                )
         except Busy:
             self._count("notifs_dropped_busy")

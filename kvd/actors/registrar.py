@@ -9,6 +9,9 @@
 - Peers: one handshake per peer daemon (not per rank), cached; concurrent requests for
   the same peer wait on one handshake and all get its result; a failure is reported to
   every waiter and not cached. Optional HMAC authentication with a shared secret.
+  A handshake is refused if it fails authentication, names an address we could never
+  dial, or describes impossible regions; refusals are counted and logged at a bounded
+  rate (`RejectLog`), as are refused region requests of local clients.
 - The canary: a small buffer with a pattern derived from the agent name, which
   `kvd ping` READs to prove the data path end to end.
 """
@@ -63,7 +66,9 @@ from kvd.actors.messages import (
 from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.shm import AnonRegion, MappedRegion
+from kvd.core.addresses import address_problem
 from kvd.core.planner import Geometry
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
@@ -120,6 +125,7 @@ class Registrar:
         publish: Callable[[Any], None],
         drain_writer: Callable[[Any], Awaitable[None]],
         counters: dict[str, int],
+        rejects: RejectLog,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -132,6 +138,7 @@ class Registrar:
         self._publish = publish
         self._drain_writer = drain_writer
         self.counters = counters
+        self.rejects = rejects
         self.regions: dict[int, _Region] = {}
         self._next_region_id = 1
         self._generation = int(time.time()) & 0xFFFF  # survives restarts as a different range
@@ -229,8 +236,14 @@ class Registrar:
             else:
                 raise TypeError(f"registrar got {type(m).__name__}")
         except KvdError as exc:
-            self.counters["region_rejected"] = self.counters.get("region_rejected", 0) + 1
-            log.warning("region_request_rejected", session=req.session, error=exc.message)
+            self.rejects.reject(
+                "registrar",
+                "region_rejected",
+                "region_request_rejected",
+                type(exc).__name__,
+                session=req.session,
+                error=exc.message,
+            )
             req.fail(exc)
 
     # ---------------------------------------------------------------- regions
@@ -529,6 +542,11 @@ class Registrar:
         assert isinstance(hs, wire.Handshake)
         try:
             self._check_mac(hs, b"req")
+            where = address_problem(
+                hs.side_host, hs.side_port, "Handshake.side_host", "Handshake.side_port"
+            )
+            if where is not None:  # we dial it to tell the peer about dropped regions
+                raise InvalidRequest(where)
             await self._learn(hs, hs.side_host, hs.side_port, dialed=False)
             reply = await self._our_handshake(b"rep" + hs.nonce)
             self.counters["handshakes_accepted"] = self.counters.get("handshakes_accepted", 0) + 1
@@ -536,8 +554,14 @@ class Registrar:
             msg.resolve(reply)
         except KvdError as exc:
             key = "auth_rejected" if isinstance(exc, AuthError) else "handshakes_rejected"
-            self.counters[key] = self.counters.get(key, 0) + 1
-            log.warning("peer_handshake_rejected", peer=hs.agent_name, error=exc.message)
+            self.rejects.reject(
+                "registrar",
+                key,
+                "peer_handshake_rejected",
+                type(exc).__name__,
+                peer=hs.agent_name,
+                error=exc.message,
+            )
             msg.resolve(wire.ErrorReply.of(exc.code, exc.message))
 
     def _peer_region_dropped(self, msg: PeerRegionDropped) -> None:
@@ -549,9 +573,13 @@ class Registrar:
                 or not hmac.compare_digest(good, n.mac)
                 or abs(time.time() - n.timestamp) > AUTH_WINDOW_S
             ):
-                self.counters["auth_rejected"] = self.counters.get("auth_rejected", 0) + 1
-                log.warning(
-                    "region_drop_rejected", peer=n.agent_name, reason="authentication failed"
+                self.rejects.reject(
+                    "registrar",
+                    "auth_rejected",
+                    "region_drop_rejected",
+                    "AuthError",
+                    peer=n.agent_name,
+                    reason="authentication failed",
                 )
                 msg.fail(AuthError(f"region drop from {n.agent_name!r} failed authentication"))
                 return

@@ -1,10 +1,13 @@
 """Side channel: the ZMQ ROUTER on TCP where peer daemons handshake and announce drops.
 
 Each request is decoded and validated (bounded frame size); a malformed one gets an
-ErrorReply when it carries a usable identity, and is counted. Handshakes go to the
-registrar, region drops to the registrar and the writer (which drains transfers into
-the region before the peer frees it). Replies are sent as they complete, so a slow
-handshake never blocks the socket.
+ErrorReply when it carries a usable identity, and is counted (`side_rejected`, or
+`side_malformed` when it is not one frame) and logged at a bounded rate (`RejectLog`).
+Frames above twice `max_frame_bytes` never reach the socket: libzmq drops their
+connection, which is only visible as a lost connection (`side_disconnects`, see
+`kvd.adapters.zmq_monitor`). Handshakes go to the registrar, region drops to the
+registrar and the writer (which drains transfers into the region before the peer frees
+it). Replies are sent as they complete, so a slow handshake never blocks the socket.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
 import structlog
 import zmq
 import zmq.asyncio
@@ -22,6 +27,8 @@ from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, DrainRemoteRegion, PeerRegionDropped
+from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sidechannel", actor="sidechannel")
 
@@ -36,6 +43,7 @@ class SideChannel:
         writer: Mailbox[Any],
         max_frame: int,
         counters: dict[str, int],
+        rejects: RejectLog,
     ) -> None:
         self.host = host
         self.port = port
@@ -43,10 +51,19 @@ class SideChannel:
         self.writer = writer
         self.max_frame = max_frame
         self.counters = counters
+        self.rejects = rejects
         self._sock: zmq.asyncio.Socket | None = None
 
-    def _count(self, key: str) -> None:
-        self.counters[key] = self.counters.get(key, 0) + 1
+    def _disconnected(self) -> None:
+        # Peers' handshake connections closing, and connections libzmq dropped for a
+        # frame above the transport cap: libzmq reports both alike (zmq_monitor).
+        self.rejects.reject(
+            "sidechannel",
+            "side_disconnects",
+            "side_connection_lost",
+            "disconnected",
+            level="info",
+        )
 
     def bind(self) -> int:
         ctx = zmq.asyncio.Context.instance()
@@ -66,36 +83,67 @@ class SideChannel:
         sock = self._sock
         try:
             async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_disconnects, sock, self._disconnected)
                 task_status.started()
                 while True:
                     frames = await sock.recv_multipart()
                     if len(frames) != 2:
-                        self._count("side_malformed")
-                        continue
-                    tg.start_soon(self._handle, frames[0], frames[1])
+                        self.rejects.reject(
+                            "sidechannel",
+                            "side_malformed",
+                            "side_frame_rejected",
+                            "multipart",
+                            error=f"{len(frames) - 1} frames, expected 1",
+                        )
+                    else:
+                        await self._receive(tg, frames[0], frames[1])
+                    # A ready frame is received without suspending: without this, a peer
+                    # that keeps the socket busy would starve every other task.
+                    await anyio.lowlevel.checkpoint()
         finally:
             sock.close(0)
 
-    async def _handle(self, ident: bytes, frame: bytes) -> None:
-        assert self._sock is not None
-        corr = 0
+    async def _receive(self, tg: anyio.abc.TaskGroup, ident: bytes, frame: bytes) -> None:
+        """Refuse a bad frame here (no task per bad frame); hand a request to its task."""
         try:
             corr, msg = wire.decode(frame, self.max_frame)
+        except RemoteProtocolError as exc:
+            await self._refuse(ident, salvage_corr(frame), exc)
+            return
+        if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
+            why = f"{type(msg).__name__} is not a side-channel request"
+            await self._refuse(ident, corr, RemoteProtocolError(why))
+            return
+        tg.start_soon(self._handle, ident, corr, msg)
+
+    async def _handle(
+        self, ident: bytes, corr: int, msg: wire.Handshake | wire.RegionDropped
+    ) -> None:
+        try:
             if isinstance(msg, wire.Handshake):
                 reply: wire.Record = await self.registrar.call(AcceptHandshake(msg))
-            elif isinstance(msg, wire.RegionDropped):
+            else:
                 await self.registrar.call(PeerRegionDropped(msg))
                 await self.writer.call(DrainRemoteRegion(msg.agent_name, msg.region_id))
                 reply = wire.Ok()
-            else:
-                raise RemoteProtocolError(f"{type(msg).__name__} is not a side-channel request")
         except KvdError as exc:
-            corr = corr or salvage_corr(frame)
-            self._count("side_rejected")
-            log.warning("side_request_rejected", error=exc.message)
-            reply = wire.ErrorReply.of(
-                exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL, exc.message
-            )
+            await self._refuse(ident, corr, exc)
+            return
+        await self._send(ident, reply, corr)
+
+    async def _refuse(self, ident: bytes, corr: int, exc: KvdError) -> None:
+        self.rejects.reject(
+            "sidechannel",
+            "side_rejected",
+            "side_request_rejected",
+            type(exc).__name__,
+            error=exc.message,
+        )
+        code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL
+        await self._send(ident, wire.ErrorReply.of(code, exc.message), corr)
+
+    async def _send(self, ident: bytes, reply: wire.Record, corr: int) -> None:
+        assert self._sock is not None
         try:
             await self._sock.send_multipart([ident, wire.encode(reply, corr)])
         except zmq.ZMQError as exc:

@@ -229,6 +229,13 @@ def test_value_error_names_file_and_key(tmp_path: Path) -> None:
         ('[side_channel]\nhost = ""', "side_channel.host", "address"),
         ('[side_channel]\nhost = "0.0.0.0"', "side_channel.advertise_host", "wildcard"),
         ('[side_channel]\nadvertise_host = "::"', "side_channel.advertise_host", "connect"),
+        ('[side_channel]\nhost = "my_host"', "side_channel.host", "RFC 1123"),
+        (
+            '[side_channel]\nhost = "0.0.0.0"\nadvertise_host = "p_0.local"',
+            "side_channel.advertise_host",
+            "RFC 1123",
+        ),
+        ("[log]\nrejection_interval = 0", "log.rejection_interval", "> 0"),
         ('[nixl]\nbackend = "ucx"', "nixl.backend", "(did you mean 'UCX'?)"),
         ('[nixl]\nucx_error_handling_mode = "peers"', "nixl.ucx_error_handling_mode", "peer"),
         ("[nixl]\npoll_max_idle_us = 5", "nixl.poll_max_idle_us", "between 10"),

@@ -1,19 +1,27 @@
-"""Bad input on every door of a real daemon: the IPC socket, the TCP side channel and
-NIXL notifications.
+"""Bad input on every door of a real daemon: the IPC socket, the TCP side channel, the EC
+port and NIXL notifications.
 
 Each bad input gets a typed error or is dropped and counted, and the daemon keeps serving
-well-behaved clients and peers throughout. Two daemons serve the whole module (starting
+well-behaved clients and peers throughout. Two daemons serve most of the module (starting
 them costs seconds): P, and D with a small frame limit; both require a shared secret. A
 NIXL agent created in this process (the "fake peer") handshakes with them over the side
 channel as a daemon would and then forges notifications; a second one (the "ghost")
 never handshakes. Every descriptor a daemon builds must come from a validated
 (region, block id) pair: the forged registrations below check that none is built, and a
 control case checks that the same path does WRITE when the ids are valid.
+
+Floods (10,000 bad frames, 1,000 forged handshakes) each go to a fresh daemon of their
+own, so that its counters and its log hold nothing else: every rejection is counted
+exactly, the log stays within the rate limit's bound, and a good client and a good peer
+are served while the flood lasts. Requests naming a peer address that cannot be one are
+refused at once and never dialled; frames beyond the transport cap are counted as the
+lost connections libzmq makes of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import secrets
@@ -949,6 +957,39 @@ def test_handshake_with_impossible_regions_is_refused(env: Env, case: str) -> No
     assert_peer_serves(env.p, env.d)
 
 
+@pytest.mark.parametrize(
+    "side_host,side_port,field",
+    [
+        ("not a host", None, "side_host"),
+        ("p0\x00.local", None, "side_host"),
+        (None, 0, "side_port"),
+    ],
+    ids=["spaces", "nul", "port-0"],
+)
+def test_handshake_announcing_an_address_that_cannot_be_one_is_refused(
+    env: Env, side_host: str | None, side_port: int | None, field: str
+) -> None:
+    """A peer's side-channel address is dialled later (region drops): a handshake that is
+    otherwise good (the fake peer's own, signed) is refused at once, nothing learned."""
+    changes: dict[str, Any] = {}
+    if side_host is not None:
+        changes["side_host"] = side_host
+    if side_port is not None:
+        changes["side_port"] = side_port
+    hs = env.fake.handshake_msg(**changes)
+    before = counters(env.d)
+    got = side_exchange(env.d.side_port, wire.encode(hs, 24))
+    assert got is not None
+    corr, reply = got
+    assert corr == 24 and isinstance(reply, wire.ErrorReply), reply
+    assert reply.code == ErrorCode.INVALID and reply.message.startswith(f"Handshake.{field} ")
+    after = counters(env.d)
+    assert delta(before, after, "handshakes_rejected") == 1
+    assert delta(before, after, "handshakes_accepted") == 0
+    bad = f"{hs.side_host}:{hs.side_port}"
+    assert all(p["addr"] != bad for p in status(env.d, "peers")["peers"])
+
+
 def test_handshake_with_bad_nixl_metadata_is_refused_and_harms_no_peer(env: Env) -> None:
     """Garbage metadata, metadata of a known peer under another name, the daemon's own name."""
     assert_peer_serves(env.d, env.p)  # D knows P now
@@ -1292,6 +1333,484 @@ def test_peer_cannot_claim_another_daemons_address(env: Env) -> None:
         assert reg == [], "D sent its registration to the impostor"
     finally:
         env.fake.connect(env.d)  # advertise its own side channel again
+
+
+# ------------------------------------------------------------------ floods
+
+FLOOD = 10_000
+REJECTION_INTERVAL = 10.0
+"""The daemons' log.rejection_interval (the default)."""
+FLOOD_FRAMES = (BAD_FRAMES["garbage"][0], BAD_FRAMES["wrong-version"][0])
+"""Two kinds of bad frame (a malformed frame and a foreign protocol version)."""
+
+
+def log_records(d: DaemonProc) -> list[dict[str, Any]]:
+    """The daemon's JSON log lines, parsed."""
+    out = []
+    for line in d.log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def warnings_logged(d: DaemonProc) -> list[dict[str, Any]]:
+    return [r for r in log_records(d) if r.get("level") == "warning"]
+
+
+def accounted(records: list[dict[str, Any]], event: str) -> int:
+    """Occurrences the lines of `event` account for: one per line written for an
+    occurrence, plus the number not logged that each line reports (`suppressed`)."""
+    return sum(
+        (0 if r.get("summary") else 1) + int(r.get("suppressed", 0))
+        for r in records
+        if r.get("event") == event
+    )
+
+
+def line_bound(kinds: int, elapsed: float) -> float:
+    """The most lines a flood of `kinds` kinds lasting `elapsed` seconds may cost: per kind
+    the first at once, then one per rejection interval, plus the last summary."""
+    return kinds * (2 + elapsed / REJECTION_INTERVAL)
+
+
+class KeptServing:
+    """While bad input floods `d`, a good client (a status call on a fresh IPC session) and
+    a good peer (`peer` handshakes afresh, round-trips a notification and READs `d`'s
+    canary) are served, round after round, without a single failure."""
+
+    def __init__(self, d: DaemonProc, peer: DaemonProc) -> None:
+        self.d, self.peer = d, peer
+        self.rounds = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kept-serving", daemon=True)
+
+    def __enter__(self) -> KeptServing:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                assert status(self.d)["agent_name"] == self.d.name
+                res = ping(self.peer, self.d)
+                assert res["ok"] is True and res["canary_match"] is True, res
+                self.rounds += 1
+            except Exception as exc:
+                self.errors.append(repr(exc))
+                return
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "a status call or ping hung"
+        assert self.errors == [], self.errors
+
+
+def flood_until_served(
+    send: Callable[[int], None], served: KeptServing, at_least: int = FLOOD, rounds: int = 2
+) -> int:
+    """Send at least `at_least` bad frames, and go on until `served` completed `rounds`
+    rounds meanwhile (so the good client and peer were served during the flood, not after
+    it). `send(i)` sends the i-th frame; returns how many were sent."""
+    sent = 0
+    deadline = time.monotonic() + 120
+    while sent < at_least or served.rounds < rounds:
+        assert not served.errors, served.errors
+        assert time.monotonic() < deadline, f"{served.rounds} rounds served after {sent} frames"
+        for _ in range(250):
+            send(sent)
+            sent += 1
+    return sent
+
+
+def counted(d: DaemonProc, key: str, target: int) -> dict[str, int]:
+    """The daemon's counters once counter `key` reached `target` (generous deadline)."""
+
+    def reached() -> dict[str, int] | None:
+        c = counters(d)
+        return c if c.get(key, 0) >= target else None
+
+    return eventually(reached, f"{d.name} {key} >= {target}", timeout=120)
+
+
+def test_side_channel_flood_is_counted_exactly_and_logged_in_a_few_lines(
+    env: Env, daemons: StartDaemon
+) -> None:
+    x = daemons("kvdt-flood-side", env.auth)
+    before = counters(x)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{x.side_port}")
+    replies: list[wire.Record] = []
+
+    def send(i: int) -> None:
+        sock.send(FLOOD_FRAMES[i % 2])
+        while sock.poll(0):
+            replies.append(wire.decode(sock.recv())[1])
+
+    t0 = time.monotonic()
+    try:
+        with KeptServing(x, env.p) as served:
+            sent = flood_until_served(send, served)
+            after = counted(x, "side_rejected", before.get("side_rejected", 0) + sent)
+    finally:
+        sock.close(0)
+    elapsed = time.monotonic() - t0
+    assert delta(before, after, "side_rejected") == sent
+    assert delta(before, counters(x), "side_rejected") == sent  # exactly: nothing more came
+    assert replies and all(isinstance(r, wire.ErrorReply) for r in replies)
+    warnings = warnings_logged(x)
+    assert len(warnings) <= line_bound(2, elapsed), (len(warnings), elapsed, warnings[:5])
+    # Once the windows close, the lines account for every rejection, none twice.
+    eventually(
+        lambda: accounted(log_records(x), "side_request_rejected") == sent,
+        "the summary lines",
+        timeout=REJECTION_INTERVAL * 3 + 30,
+    )
+
+
+def test_ipc_flood_from_many_connections_is_counted_exactly_and_logged_in_a_few_lines(
+    env: Env, daemons: StartDaemon
+) -> None:
+    x = daemons("kvdt-flood-ipc", env.auth)
+    before = counters(x)
+    conns = [RawIpc(x.socket) for _ in range(50)]
+    t0 = time.monotonic()
+    try:
+        with KeptServing(x, env.p) as served:
+            sent = flood_until_served(
+                lambda i: conns[(i // 2) % len(conns)].send(FLOOD_FRAMES[i % 2]), served
+            )
+            after = counted(x, "ipc_rejected", before.get("ipc_rejected", 0) + sent)
+        for c in conns:  # every connection got its typed errors
+            _, reply = c.recv()
+            assert isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.PROTOCOL
+    finally:
+        for c in conns:
+            c.close()
+    elapsed = time.monotonic() - t0
+    assert delta(before, after, "ipc_rejected") == sent
+    assert delta(before, counters(x), "ipc_rejected") == sent
+    warnings = warnings_logged(x)
+    assert len(warnings) <= line_bound(2, elapsed), (len(warnings), elapsed, warnings[:5])
+
+
+def test_handshake_flood_failing_authentication_is_counted_exactly_and_logged_in_a_few_lines(
+    env: Env, daemons: StartDaemon
+) -> None:
+    x = daemons("kvdt-flood-auth", env.auth)
+    base = env.fake.handshake_msg(sign_with=b"not the secret")
+    before = counters(x)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{x.side_port}")
+    codes: dict[int, int] = {}
+
+    def take_reply() -> None:
+        corr, reply = wire.decode(sock.recv())
+        assert isinstance(reply, wire.ErrorReply), reply
+        codes[corr] = reply.code
+
+    def send(i: int) -> None:
+        hs = replace(base, agent_name=f"kvdt-intruder-{i}", nonce=os.urandom(16))
+        sock.send(wire.encode(hs, i + 1))
+        # At most 200 unanswered, as a client waiting for its answers would be: beyond
+        # the registrar's mailbox the daemon would answer BUSY (and beyond the socket's
+        # queue drop the answers to a peer that does not read them).
+        while sock.poll(0) or i + 1 - len(codes) > 200:
+            assert sock.poll(30_000), f"{len(codes)} of {i + 1} handshakes answered"
+            take_reply()
+
+    t0 = time.monotonic()
+    try:
+        with KeptServing(x, env.p) as served:
+            sent = flood_until_served(send, served, at_least=1000)
+            while len(codes) < sent:
+                assert sock.poll(30_000), f"{len(codes)} of {sent} handshakes answered"
+                take_reply()
+    finally:
+        sock.close(0)
+    elapsed = time.monotonic() - t0
+    assert set(codes) == set(range(1, sent + 1)) and set(codes.values()) == {ErrorCode.AUTH}
+    after = counters(x)
+    assert delta(before, after, "auth_rejected") == sent
+    assert delta(before, after, "handshakes_accepted") == served.rounds  # the good peer's
+    assert all(p["agent"] == env.p.name for p in status(x, "peers")["peers"])
+    warnings = warnings_logged(x)
+    assert len(warnings) <= line_bound(1, elapsed), (len(warnings), elapsed, warnings[:5])
+
+
+EC_PRODUCER = '[ec]\nrole = "producer"\nregion_bytes = 4194304\nblock_bytes = 1048576\n'
+
+
+def test_ec_router_flood_is_counted_exactly_and_logged_in_a_few_lines(
+    env: Env, daemons: StartDaemon
+) -> None:
+    x = daemons("kvdt-flood-ec", env.auth + EC_PRODUCER)
+    port = int(status(x, "ec")["port"])
+    before = counters(x)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    frames = (*FLOOD_FRAMES, wire.encode(wire.Probe(1, False)))  # and a message of the wrong type
+    t0 = time.monotonic()
+    try:
+        with KeptServing(x, env.p) as served:
+            sent = flood_until_served(lambda i: sock.send(frames[i % 3]), served)
+            after = counted(x, "ec_xfer_rejected", before.get("ec_xfer_rejected", 0) + sent)
+        # the router still answers a request (for an output it does not have)
+        sock.send(
+            wire.encode(wire.ECXferReq("kvdt-none", "", "kvdt-a", "127.0.0.1", 1, 1, 1, (0,)))
+        )
+        assert sock.poll(10_000), "the EC router no longer answers"
+        _, ack = wire.decode(sock.recv())
+        assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.NOT_FOUND, ack
+    finally:
+        sock.close(0)
+    elapsed = time.monotonic() - t0
+    assert delta(before, after, "ec_xfer_rejected") == sent
+    assert delta(before, counters(x), "ec_xfer_rejected") == sent
+    warnings = warnings_logged(x)
+    # three kinds of bad frame, and the one refused request
+    assert len(warnings) <= line_bound(3, elapsed) + 1, (len(warnings), elapsed, warnings[:5])
+
+
+def test_flood_of_messages_that_are_not_notifications_is_logged_in_a_few_lines(env: Env) -> None:
+    n = 500
+    env.fake.connect(env.d)
+    before = counters(env.d)
+    lines_before = len(warnings_logged(env.d))
+    t0 = time.monotonic()
+    for _ in range(n):
+        env.fake.agent.send_notif(env.d.name, wire.encode(wire.GetStatus("status")))
+    env.fake.pump()
+    after = env.counters_until(env.d, "notifs_rejected", before.get("notifs_rejected", 0) + n)
+    elapsed = time.monotonic() - t0
+    assert delta(before, after, "notifs_rejected") == n
+    new_lines = warnings_logged(env.d)[lines_before:]
+    # earlier tests may have opened this kind's window: then even the first is summarised
+    assert len(new_lines) <= line_bound(1, elapsed), (len(new_lines), new_lines[:5])
+
+
+# ------------------------------------------------------------------ peer addresses
+
+BAD_PEERS: dict[str, tuple[str, int, str]] = {
+    "spaces": ("not a host", 5600, "host"),
+    "control": ("p0.kvd\x1b[2J.local", 5600, "host"),
+    "nul": ("p0\x00.local", 5600, "host"),
+    "bad-ip": ("10.0.0.300", 5600, "host"),
+    "too-long": ("a" * 254, 5600, "host"),
+    "port-0": ("127.0.0.1", 0, "port"),
+}
+
+
+def naming_peer(kind: str, rid: str, host: str, port: int) -> tuple[wire.Record, str]:
+    """A request of `kind` naming the peer (host, port), and the prefix of its fields."""
+    if kind == "Track":
+        return wire.Track(rid, "decode", host, port, "", ""), "Track.peer_"
+    if kind == "RegisterPush":
+        return wire.RegisterPush(rid, "decode", (1,), host, port, "", ""), "RegisterPush.peer_"
+    if kind == "Pull":
+        return wire.Pull(rid, "decode", (1,), host, port, "", rid, (1,)), "Pull.peer_"
+    if kind == "ECEnsure":
+        return wire.ECEnsure(rid, host, port, 4096, ""), "ECEnsure.peer_"
+    assert kind == "PingPeer"
+    return wire.PingPeer(host, port, 1.0), "PingPeer."
+
+
+PEER_REQUESTS = ["Track", "RegisterPush", "Pull", "ECEnsure", "PingPeer"]
+
+
+@pytest.mark.parametrize("case", list(BAD_PEERS))
+@pytest.mark.parametrize("kind", PEER_REQUESTS)
+def test_request_naming_an_impossible_peer_is_refused_at_once(
+    env: Env, kind: str, case: str
+) -> None:
+    host, port, field = BAD_PEERS[case]
+    rid = _rid(f"badpeer-{kind}")
+    msg, prefix = naming_peer(kind, rid, host, port)
+    before = counters(env.d)
+    raw = RawIpc(env.d.socket)
+    try:
+        raw.hello()
+        reply = raw.request(msg, 31)
+    finally:
+        raw.close()
+    assert isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.INVALID, reply
+    assert reply.message.startswith(f"{prefix}{field} "), reply.message
+    after = counters(env.d)
+    assert delta(before, after, "requests_invalid_peer") == 1
+    assert delta(before, after, "handshakes_failed") == 0
+    leases = status(env.d, "leases")
+    assert rid not in json.dumps(leases) and rid not in json.dumps(status(env.d, "transfers"))
+
+
+def test_client_requests_naming_an_impossible_peer_end_in_their_failure_event(env: Env) -> None:
+    c = env.d_eng.client
+    outstanding = c.outstanding
+    rids = {kind: _rid(f"badpeer-client-{kind}") for kind in ("push", "pull", "track")}
+    c.register_push(rids["push"], [1, 2], "not a host", 5600)
+    c.pull(rids["pull"], [3], "10.0.0.300", 5600, remote_request_id="x", remote_block_ids=[4])
+    c.track(rids["track"], "p0\x00.local", 5600)
+    c.ec_ensure(wire.ECParams("kvdt-mm-badpeer", "127.0.0.1", 0, 4096, (), "uint8", "image", ""))
+    got: list[Event] = []
+
+    def three_events() -> bool:
+        got.extend(c.drain_events())
+        return len(got) >= 3
+
+    eventually(three_events, "three failure events")
+    by_id = {getattr(e, "request_id", None) or getattr(e, "mm_hash", None): e for e in got}
+    push, pull, ec = by_id[rids["push"]], by_id[rids["pull"]], by_id["kvdt-mm-badpeer"]
+    assert isinstance(push, wire.RecvFailed) and push.code == ErrorCode.INVALID
+    assert push.reason.startswith("RegisterPush.peer_host") and push.block_ids == (1, 2)
+    assert isinstance(pull, wire.RecvFailed) and pull.reason.startswith("Pull.peer_host")
+    assert isinstance(ec, wire.ECUnavailable) and ec.code == ErrorCode.INVALID
+    assert ec.reason.startswith("ECEnsure.peer_port 0 ")
+    assert rids["track"] not in by_id  # a refused track has no event: it left nothing
+    assert rids["track"] not in json.dumps(status(env.d, "leases"))
+    assert c.outstanding == outstanding
+    with pytest.raises(InvalidRequest, match=r"PingPeer\.host"):
+        c.ping_peer("not a host", 5600, timeout=1.0)
+
+
+def test_refused_peer_addresses_are_never_dialled(env: Env, daemons: StartDaemon) -> None:
+    """Nothing is tracked, probed, heartbeated or handshaked for a refused address. A
+    control request tracked afterwards against a real (closed) address shows what an
+    accepted request costs: handshake attempts in the log, at once."""
+    x = daemons(
+        "kvdt-badpeer",
+        overrides={
+            "transfer": {"peer_probe_interval": 0.2},
+            "side_channel": {"handshake_timeout": 0.5},
+        },
+    )
+    c = KvdClient(x.socket, role="scheduler", engine_id="decode", timeout=5.0)
+    c.connect()
+    control = _rid("control")
+    try:
+        for case, (host, port, _) in BAD_PEERS.items():
+            c.track(_rid(f"never-{case}"), host, port)
+            c.register_push(_rid(f"never-push-{case}"), [1], host, port)
+            c.pull(
+                _rid(f"never-pull-{case}"),
+                [1],
+                host,
+                port,
+                remote_request_id="x",
+                remote_block_ids=[1],
+            )
+        c.track(control, "127.0.0.1", 1)
+
+        def control_attempts() -> list[dict[str, Any]]:
+            return [
+                r
+                for r in log_records(x)
+                if r.get("event") == "peer_handshake_failed" and r.get("addr") == "127.0.0.1:1"
+            ]
+
+        eventually(lambda: len(control_attempts()) >= 2, "two handshake attempts of the control")
+        dialled = {
+            str(r.get("addr") or r.get("peer"))
+            for r in log_records(x)
+            if r.get("event") in ("peer_handshake_failed", "peer_handshake_ok", "peer_unreachable")
+        }
+        assert dialled == {"127.0.0.1:1"}, dialled
+        assert counters(x)["requests_invalid_peer"] == 3 * len(BAD_PEERS)
+        tracked = [r["request_id"] for r in status(x, "leases")["tracked"]]
+        assert tracked == [control], tracked
+    finally:
+        c.abort(control)
+        c.close()
+
+
+# ------------------------------------------------------------------ frames beyond the transport cap
+
+
+def test_frames_beyond_the_transport_cap_are_counted_on_every_socket(daemons: StartDaemon) -> None:
+    """libzmq drops the connection of a frame above twice max_frame_bytes before reading
+    it; the daemon counts the lost connection (libzmq tells nothing more, see
+    kvd.adapters.zmq_monitor) and keeps serving. Only this test's connections reach
+    the daemon, so each count is exact."""
+    x = daemons(
+        "kvdt-oversized", EC_PRODUCER, overrides={"daemon": {"max_frame_bytes": FRAME_LIMIT}}
+    )
+    cli = KvdClient(x.socket, role="cli", timeout=5.0, keepalive_interval=0)
+    welcome = cli.connect()
+    huge = _msgpack(wire.PROTOCOL_VERSION, wire.GetStatus.TYPE, 8, "x" * (64 * FRAME_LIMIT))
+
+    def count(key: str) -> int:
+        got: int = cli.status()["counters"].get(key, 0)
+        return got
+
+    def settled(key: str) -> int:
+        """The count once connections closed earlier (the start-up checks' clients) are
+        in: two reads a while apart agree."""
+        last = count(key)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.3)
+            now = count(key)
+            if now == last:
+                return now
+            last = now
+        raise AssertionError(f"{key} kept moving for 30 s")
+
+    def check(key: str, endpoint: str, event: str) -> None:
+        before = settled(key)
+        sock = dealer(endpoint)
+        try:
+            wait_disconnected(sock, lambda: sock.send(huge))
+            eventually(lambda: count(key) >= before + 1, f"{key} to count it")
+            assert count(key) == before + 1, key
+        finally:
+            sock.close(0)
+        assert any(r.get("event") == event for r in log_records(x)), event
+
+    def dealer(endpoint: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    try:
+        cases = [
+            ("ipc_disconnects", f"ipc://{x.socket}", "ipc_connection_lost"),
+            ("side_disconnects", f"tcp://127.0.0.1:{x.side_port}", "side_connection_lost"),
+            ("ec_disconnects", f"tcp://127.0.0.1:{welcome.ec_port}", "ec_connection_lost"),
+        ]
+        for key, endpoint, event in cases:
+            check(key, endpoint, event)
+        # Everyone else is still served: this client, a new one, and the EC router.
+        assert cli.status()["agent_name"] == x.name
+        assert status(x)["agent_name"] == x.name
+        sock = dealer(f"tcp://127.0.0.1:{welcome.ec_port}")
+        try:
+            req = wire.ECXferReq("kvdt-none", "", "kvdt-a", "127.0.0.1", 1, 1, 1, (0,))
+            sock.send(wire.encode(req))
+            assert sock.poll(10_000), "the EC router no longer answers"
+            _, ack = wire.decode(sock.recv())
+            assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.NOT_FOUND, ack
+            # A request for an output it has, from a consumer announcing an address that
+            # cannot be one: refused without dialling it.
+            cli.ec_allocate("kvdt-held", 1000)
+            cli.ec_commit("kvdt-held", 1000, compat="c")
+            before = count("ec_xfer_failed")
+            req = wire.ECXferReq("kvdt-held", "c", "kvdt-a", "not a host", 5600, 1, 1, (0,))
+            sock.send(wire.encode(req))
+            assert sock.poll(10_000), "the EC router no longer answers"
+            _, ack = wire.decode(sock.recv())
+            assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.INVALID, ack
+            assert ack.reason.startswith("ECXferReq.side_host "), ack
+            assert count("ec_xfer_failed") == before + 1
+            assert count("handshakes_failed") == 0
+        finally:
+            sock.close(0)
+    finally:
+        cli.close()
 
 
 # ------------------------------------------------------------------ and after all that

@@ -102,6 +102,9 @@ def test_ping_unreachable_peer_fails_cleanly(daemons: StartDaemon) -> None:
     res = kvd("ping", "127.0.0.1:1", "--socket", a.socket, "--json", "--timeout", "1.5")
     assert res.returncode == 1
     assert json.loads(res.stdout)["ok"] is False
+    res = kvd("ping", "not a host:5600", "--socket", a.socket, "--json")  # never dialled
+    assert res.returncode == 2, res
+    assert "PingPeer.host 'not a host'" in res.stderr and res.stdout == ""
     with KvdClient(a.socket, role="cli") as c:  # still serving
         assert c.status()["agent_name"] == "kvd-a"
 
