@@ -34,7 +34,15 @@ import anyio
 import structlog
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound
+from kvd_client.errors import (
+    AuthError,
+    ErrorCode,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+)
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -68,6 +76,8 @@ log = structlog.get_logger("kvd.reaper", actor="reaper")
 
 MAX_HB_IDS: Final = 8192
 """Ids per heartbeat message (a larger batch is split)."""
+_REFUSED: Final = (AuthError, Incompatible, InvalidRequest, RemoteProtocolError)
+"""Handshake failures that retrying cannot mend (VersionMismatch is a RemoteProtocolError)."""
 _CANCELLED: Final = -1
 """Tombstone code of an id D cancelled (a later finish or pull fails at once)."""
 
@@ -131,6 +141,8 @@ class Reaper:
         """Pull completions waiting for their lease, by base id."""
         self.early_deadlines: TimerHeap[str] = TimerHeap()
         self.closing: dict[str, SessionClosed] = {}
+        self.failing_since: dict[str, float] = {}
+        """Peer address -> when its handshake or sends began failing (cleared on success)."""
         self.heartbeats = HeartbeatSchedule()
         self.tracked: dict[str, _Tracked] = {}
         self.peers: dict[str, PeerInfo] = {}
@@ -208,6 +220,7 @@ class Reaper:
                 await self.engine.send_notif(info.agent, wire.encode(beat))
             self._count("heartbeats_sent")
             self._count("heartbeat_ids_sent", len(hb_ids))
+            self.failing_since.pop(peer, None)
         except KvdError as exc:
             self._peer_failed(peer, exc, info)
 
@@ -216,6 +229,7 @@ class Reaper:
         try:
             info = await self._info(peer)
             await self.engine.send_notif(info.agent, wire.encode(wire.Probe(0, True)))
+            self.failing_since.pop(peer, None)
         except KvdError as exc:
             self._peer_failed(peer, exc, info)
 
@@ -225,8 +239,20 @@ class Reaper:
         return info
 
     def _peer_failed(self, peer: str, exc: KvdError, info: PeerInfo | None) -> None:
-        log.warning("peer_unreachable", peer=peer, error=exc.message)
         self._count("peer_failures")
+        now = self.clock.now()
+        first = self.failing_since.setdefault(peer, now)
+        if first == now:
+            log.warning("peer_unreachable", peer=peer, error=exc.message)
+        if info is None and (
+            isinstance(exc, _REFUSED) or now - first >= self.leases.duration
+        ):
+            # The handshake itself cannot succeed (refused: another secret, version or
+            # model), or has not for a whole lease (any lease P granted has expired): stop
+            # beating it instead of retrying forever. A request that registers or pulls
+            # later fails through its own handshake.
+            self._give_up_on(peer, exc)
+            return
         if info is not None:  # the view the failure was seen through
             agent, since = info.agent, info.handshaked_at
         else:
@@ -236,13 +262,28 @@ class Reaper:
             )
         if agent and isinstance(exc, PeerDisconnected):
             lost = PeerLost(agent, exc.message, since)
-            self.writer.post(lost)
-            self.registrar.post(lost)
+            self.writer.post_internal(lost)
+            self.registrar.post_internal(lost)
         elif agent:
-            self.writer.post(PeerLost(agent, exc.message, since))
+            self.writer.post_internal(PeerLost(agent, exc.message, since))
         else:
             # never reached: the requests waiting on it fail through the writer's handshake
             pass
+
+    def _give_up_on(self, peer: str, exc: KvdError) -> None:
+        self.failing_since.pop(peer, None)
+        dropped = [
+            t
+            for rid in self.heartbeats.requests_of(peer)
+            if (t := self.tracked.get(rid)) is not None and not t.by_writer
+        ]
+        for t in dropped:
+            self.heartbeats.untrack(t.request_id)
+            self.tracked.pop(t.request_id, None)
+        self.probes.discard(peer)
+        self._count("peers_given_up")
+        self._count("tracks_dropped", len(dropped))
+        log.warning("peer_given_up", peer=peer, tracks_dropped=len(dropped), error=exc.message)
 
     # ---------------------------------------------------------------- messages
 

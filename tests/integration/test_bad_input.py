@@ -1878,3 +1878,41 @@ def test_pull_done_naming_a_stale_generation_is_refused_and_frees_the_lease(env:
         assert counters(env.p)["pulls_stale_view"] >= 1
     finally:
         p.release(blocks)
+
+
+# ------------------------------------------------------------------ nothing retried forever
+
+
+def test_d_stops_heartbeating_a_p_that_refuses_its_handshake(env: Env, workdir: Path) -> None:
+    """A D without the secret tracks requests against an authenticated P: the handshake
+    is refused (AUTH), which retrying cannot mend, so D stops heartbeating those requests
+    at once instead of trying every second forever; a request that then registers fails
+    with the refusal."""
+    d = start_daemon(workdir, "kvdt-noauth-d")
+    try:
+        eng = make_engine(
+            d.socket, "decode", num_blocks=NUM_BLOCKS, num_layers=NUM_LAYERS, chunk_bytes=CHUNK
+        )
+        try:
+            for i in range(3):
+                eng.client.track(_rid(f"noauth{i}"), "127.0.0.1", env.p.side_port)
+            st = eventually(
+                lambda: (s := status(d))["counters"].get("peers_given_up", 0) == 1 and s,
+                "D giving up on P",
+            )
+            assert st["reaper"]["tracked"] == 0 and st["reaper"]["heartbeat_peers"] == 0
+            assert st["counters"]["tracks_dropped"] == 3
+            tries = st["counters"].get("handshakes_failed", 0)
+            time.sleep(3.0)
+            assert counters(d).get("handshakes_failed", 0) == tries  # no retry since
+            rid = _rid("noauth-push")
+            eng.client.track(rid, "127.0.0.1", env.p.side_port)
+            eng.client.register_push(rid, [1], "127.0.0.1", env.p.side_port)
+            (ev,) = eventually(lambda: eng.client.drain_events(), "D's terminal event")
+            assert isinstance(ev, wire.RecvFailed) and ev.code == ErrorCode.AUTH, ev
+            log_lines = d.log.read_text().count('"peer_unreachable"')
+            assert log_lines <= 2, log_lines
+        finally:
+            eng.close()
+    finally:
+        assert d.stop() == 0

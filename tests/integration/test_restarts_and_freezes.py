@@ -499,3 +499,34 @@ def test_push_and_pull_after_either_engine_re_registers(
             p = new
         both_ways(8)
     assert p.client.status()["counters"].get("peer_view_refreshes", 0) >= 1
+
+
+def test_d_stops_heartbeating_a_p_that_never_answers(daemons: StartDaemon) -> None:
+    """Requests tracked against an address where no daemon answers: D keeps trying for one
+    lease (any lease P could have granted is gone by then), then stops, instead of
+    retrying every second forever."""
+    dd = daemons(
+        "kvd-d",
+        overrides={
+            "transfer": {"kv_lease_duration": 2.0},
+            "side_channel": {"handshake_timeout": 0.5},
+        },
+    )
+    d = engine(dd, "decode")
+    try:
+        port = free_port()
+        for i in range(2):
+            d.client.track(rid_pair(f"nobody{i}")[2], HOST, port)
+        wait_until(lambda: d_holds(d)[0] == 2, 5.0, "D tracking")
+        st = wait_until(
+            lambda: (s := d.client.status())["counters"].get("peers_given_up", 0) == 1 and s,
+            15.0,
+            "D giving up",
+        )
+        assert st["reaper"]["tracked"] == 0 and st["counters"]["tracks_dropped"] == 2
+        tries = st["counters"]["handshakes_failed"]
+        time.sleep(2.0)
+        assert d.client.status()["counters"]["handshakes_failed"] == tries
+    finally:
+        d.client.timeout = 2.0
+        d.close()
