@@ -550,11 +550,13 @@ class KvdClient:
         remote_engine_id: str = "",
         remote_request_id: str = "",
         remote_incarnation: int = 0,
+        remote_session: str = "",
     ) -> None:
         """D (push): P will WRITE into these logical blocks; ends in RecvFinished or RecvFailed.
 
-        `remote_incarnation` (from kv_transfer_params) lets the daemon fail the request at
-        once if P's daemon restarted since it leased the blocks."""
+        `remote_incarnation` and `remote_session` (from kv_transfer_params) let the daemons
+        fail the request at once if P's daemon restarted, or P's client session ended,
+        since the blocks were leased."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
@@ -567,6 +569,7 @@ class KvdClient:
                 remote_engine_id,
                 remote_request_id,
                 remote_incarnation,
+                remote_session,
             ),
             _Pending("recv", request_id, blocks),
         )
@@ -582,6 +585,7 @@ class KvdClient:
         remote_block_ids: Sequence[int],
         remote_engine_id: str = "",
         remote_incarnation: int = 0,
+        remote_session: str = "",
     ) -> None:
         """D (pull): READ P's blocks into ours; empty lists just tell P to free."""
         blocks = tuple(block_ids)
@@ -597,19 +601,23 @@ class KvdClient:
                 remote_request_id,
                 tuple(remote_block_ids),
                 remote_incarnation,
+                remote_session,
             ),
             _Pending("recv", request_id, blocks),
         )
 
-    def finished(self, request_id: str, block_ids: Sequence[int]) -> None:
+    def finished(self, request_id: str, block_ids: Sequence[int]) -> bool:
         """P: prefill done; the daemon leases these blocks until they are sent.
 
-        Ends in SendFinished, SendFailed or SendExpired.
+        Ends in SendFinished, SendFailed or SendExpired. Returns False when it was not sent
+        (no live session: it has already ended, SendFailed is queued): then no D should be
+        told to fetch it.
         """
         self._announced_send.add(request_id)
         self._send(
             wire.Finish(request_id, self.engine_id, tuple(block_ids)), _Pending("send", request_id)
         )
+        return request_id in self._announced_send
 
     def abort(self, request_id: str) -> None:
         """Either side: give up on a request; its terminal event still comes."""

@@ -518,6 +518,9 @@ class RegisterPush(Record):
     remote_request_id: OptId
     remote_incarnation: U64 = 0
     """P daemon's incarnation from kv_transfer_params; 0 = not known (no check)."""
+    remote_session: OptId = ""
+    """P client session that finished the request (kv_transfer_params); "" = not known. P's
+    daemon fails the request at once if that session has ended."""
 
 
 @message(22)
@@ -536,6 +539,9 @@ class Pull(Record):
     remote_block_ids: BlockIds
     remote_incarnation: U64 = 0
     """P daemon's incarnation from kv_transfer_params; 0 = not known (no check)."""
+    remote_session: OptId = ""
+    """P client session that finished the request (kv_transfer_params); "" = not known. P's
+    daemon fails the request at once if that session has ended."""
 
 
 @message(23)
@@ -670,6 +676,9 @@ class PushRegistration(Record):
     generations: Annotated[tuple[U32, ...], Len(1, 4096)]
     """Generation of D's region of each rank, in rank order: P WRITEs only if its view of
     D has exactly these (else it handshakes with D again, then fails closed)."""
+    p_session: OptId
+    """P's client session that finished the request ("" = not known): if it has ended, the
+    request will never be finished, and P fails the registration at once."""
 
 
 @message(62)
@@ -703,6 +712,9 @@ class PullDone(Record):
     """Generation of P's region of each rank that D READ from (empty: D read nothing). P
     acknowledges only if they are its regions' current generations: a READ through a
     stale view of P is never reported done."""
+    p_session: OptId
+    """P's client session that finished the request ("" = not known): if it has ended and
+    no lease is held, P refuses at once instead of waiting for a finish."""
 
 
 @message(65)

@@ -72,6 +72,9 @@ from kvd.core.leases import Lease, LeaseTable
 from kvd.core.planner import check_blocks, expand_logical
 from kvd.core.timers import TimerHeap
 
+ENDED_SESSIONS: Final = 65536
+"""Ended client sessions remembered (bounded; oldest forgotten first)."""
+
 log = structlog.get_logger("kvd.reaper", actor="reaper")
 
 MAX_HB_IDS: Final = 8192
@@ -141,6 +144,8 @@ class Reaper:
         """Pull completions waiting for their lease, by base id."""
         self.early_deadlines: TimerHeap[str] = TimerHeap()
         self.closing: dict[str, SessionClosed] = {}
+        self.ended_sessions: OrderedDict[str, None] = OrderedDict()
+        """Client sessions that ended (a pull naming one will never get its lease)."""
         self.failing_since: dict[str, float] = {}
         """Peer address -> when its handshake or sends began failing (cleared on success)."""
         self.heartbeats = HeartbeatSchedule()
@@ -323,6 +328,9 @@ class Reaper:
                 interval = max(msg.info.lease_duration / 6.0, 0.01)
                 self.heartbeats.set_interval(msg.info.addr, interval, now)
         elif isinstance(msg, SessionClosed):
+            self.ended_sessions[msg.session] = None
+            while len(self.ended_sessions) > ENDED_SESSIONS:
+                self.ended_sessions.popitem(last=False)
             for rid, owner in list(self.owners.items()):
                 if owner.session == msg.session:
                     self._end_lease(rid, None)
@@ -524,6 +532,8 @@ class Reaper:
             return
         base = base_request_id(msg.request_id)
         code = self.expired.get(base)
+        if code is None and msg.p_session in self.ended_sessions:
+            code = int(ErrorCode.TRANSFER)  # its engine session ended: no finish will come
         if code is None and now is not None and base not in self.early_pulls:
             # P's engine may not have finished yet (its `finished` is on its way): wait
             self._count("early_pulls")
@@ -534,6 +544,8 @@ class Reaper:
             why = "the lease expired before the pull completed"
         elif code == _CANCELLED:
             code, why = int(ErrorCode.TRANSFER), "D cancelled the request"
+        elif code is not None and msg.p_session in self.ended_sessions:
+            why = "P's engine session ended before it finished the request"
         elif code is not None:
             why = "P gave up on the request"
         else:

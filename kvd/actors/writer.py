@@ -167,6 +167,8 @@ class Writer:
         self.pushing: dict[tuple[str, str], int] = {}
         """(D agent, registration key) of each push under way on P (see CancelRegistration)."""
         self.closing: dict[str, SessionClosed] = {}
+        self.ended_sessions: OrderedDict[str, None] = OrderedDict()
+        """P: client sessions that ended (a registration naming one is never finished)."""
         self._stall_seen = self.clock.stall_count
         self.suspect: set[str] = set()
         """P: peers not re-synced since our last stall (their matches wait in `parked`)."""
@@ -240,6 +242,7 @@ class Writer:
             assert self._tg is not None
             self._tg.start_soon(self._drain, msg)
         elif isinstance(msg, SessionClosed):
+            _remember(self.ended_sessions, msg.session)
             self.closing[msg.session] = msg
             for r in [r for r in self.recvs.values() if r.session == msg.session]:
                 self._abort_recv(r)
@@ -423,6 +426,7 @@ class Writer:
                     side_port=self._side_port_ref(),
                     incarnation=self.incarnation,
                     generations=tuple(loc.generation for loc in local),
+                    p_session=m.remote_session,
                 )
                 try:
                     await self.engine.send_notif(info.agent, wire.encode(reg))
@@ -486,6 +490,7 @@ class Writer:
                         m.remote_request_id,
                         m.request_id,
                         tuple(rem.generation for rem in remote) if n else (),
+                        m.remote_session,
                     )
                 ),
             )
@@ -776,6 +781,9 @@ class Writer:
             gone = self.expired.get(base_request_id(msg.remote_request_id or msg.request_id))
             if gone is None:
                 gone = self.expired.get(base_request_id(msg.request_id))
+            if gone is None and msg.p_session in self.ended_sessions:
+                # the P engine session that was to finish it is gone: it never will
+                gone = TransferError("P's engine session ended before it finished the request")
             if gone is not None:
                 assert self._tg is not None
                 self._tg.start_soon(self._tell_push_failed, agent, msg.request_id, gone)
@@ -1001,6 +1009,16 @@ class Writer:
             "staged_blocks": self.matcher.pending_finished(),
             "tombstones": len(self.expired),
         }
+
+
+ENDED_SESSIONS: Final = 65536
+"""Ended client sessions each actor remembers (bounded; oldest forgotten first)."""
+
+
+def _remember(ended: OrderedDict[str, None], session: str) -> None:
+    ended[session] = None
+    while len(ended) > ENDED_SESSIONS:
+        ended.popitem(last=False)
 
 
 def _physical(geo: Any, logical: tuple[int, ...], ratio: int) -> Any:

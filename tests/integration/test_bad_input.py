@@ -1161,7 +1161,7 @@ def _push_from_fake(
         p.block(0, b)[:] = pattern(f"{rid}/0", j, p.block_bytes)
     try:
         reg = wire.PushRegistration(
-            rid, "", FAKE_ENGINE, "prefill", 1, d_blocks, "", 0, fake.incarnation, generations
+            rid, "", FAKE_ENGINE, "prefill", 1, d_blocks, "", 0, fake.incarnation, generations, ""
         )
         fake.send(env.p, wire.encode(reg))
         p.client.finished(rid, p_blocks)
@@ -1258,7 +1258,7 @@ def test_heartbeat_with_unknown_ids_extends_nothing(env: Env) -> None:
 def test_pull_done_for_an_unknown_request_is_refused(env: Env) -> None:
     env.fake.connect(env.p)
     before = counters(env.p)
-    env.fake.send(env.p, wire.encode(wire.PullDone(_rid("nobody"), "kvdt-d-side-id", ())))
+    env.fake.send(env.p, wire.encode(wire.PullDone(_rid("nobody"), "kvdt-d-side-id", (), "")))
     ack = env.fake.wait_for(
         lambda m: isinstance(m, wire.PullAck) and m.d_request_id == "kvdt-d-side-id", "P's PullAck"
     )
@@ -1283,9 +1283,9 @@ def test_notifications_from_an_agent_that_never_handshaked_are_rejected(env: Env
             "P's lease",
         )
         msgs = [
-            wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, (1,), "", 0, 0, (1,)),
+            wire.PushRegistration(rid, "", FAKE_ENGINE, "prefill", 1, (1,), "", 0, 0, (1,), ""),
             wire.Heartbeat((rid,)),
-            wire.PullDone(rid, rid, ()),
+            wire.PullDone(rid, rid, (), ""),
             wire.CancelRegistration(rid),
         ]
         before = status(env.p)
@@ -1865,7 +1865,7 @@ def test_pull_done_naming_a_stale_generation_is_refused_and_frees_the_lease(env:
             "P's lease",
         )
         have = [r["generation"] for r in status(env.p)["regions"] if r["engine_id"] == "prefill"]
-        env.fake.send(env.p, wire.encode(wire.PullDone(rid, "kvdt-d-stale", (have[0] + 1,))))
+        env.fake.send(env.p, wire.encode(wire.PullDone(rid, "kvdt-d-stale", (have[0] + 1,), "")))
         ack = env.fake.wait_for(
             lambda m: isinstance(m, wire.PullAck) and m.d_request_id == "kvdt-d-stale", "ack"
         )

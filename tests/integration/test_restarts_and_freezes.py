@@ -11,12 +11,14 @@ request ends exactly once on each side, within a bound.
 
 from __future__ import annotations
 
+import queue
 import random
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -530,3 +532,181 @@ def test_d_stops_heartbeating_a_p_that_never_answers(daemons: StartDaemon) -> No
     finally:
         d.client.timeout = 2.0
         d.close()
+
+
+# ------------------------------------------------------------ engines and D frozen
+
+
+def test_d_daemon_frozen_under_load_never_reports_wrong_bytes(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D's daemon frozen past its client timeout while both engines keep sending: P's
+    leases may run out meanwhile (D's heartbeats stop); D must then fail the requests,
+    never report them done, and must not drop its own live session for its stall."""
+    pd = daemons("kvd-p", overrides={"transfer": {"kv_lease_duration": 3.0}})
+    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 2.0}})
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    t = Traffic(p, d, pd.side_port, random.Random(13))
+    t.run_for(1.5)
+    opened = counter(d, "sessions_opened")
+    dd.proc.send_signal(signal.SIGSTOP)
+    try:
+        t.run_for(5.0)  # longer than P's lease and D's client timeout
+    finally:
+        dd.proc.send_signal(signal.SIGCONT)
+    t.run_for(3.0)
+    t.settle(30.0)
+    assert t.wrong == [], f"{len(t.wrong)} requests reported done with wrong bytes: {t.wrong[:5]}"
+    assert t.unfinished() == [] and t.stray == [], (t.unfinished()[:5], t.stray[:5])
+    assert counter(d, "sessions_opened") == opened and d.client.reconnects == 0
+    assert t.ok() > 20, (t.ok(), t.p_events, t.d_events)
+
+
+_P_ENGINE = """
+import sys, time, random
+from kvd.demo import make_engine, pattern
+from kvd_client import wire
+eng = make_engine(sys.argv[1], "prefill", num_blocks=256, num_layers=2, chunk_bytes=4096)
+eng.client.keepalive_interval = 0.2
+rng = random.Random(3)
+live = {}
+n = 0
+while True:
+    while len(live) < 16:
+        blocks = eng.alloc(rng, rng.randint(1, 3))
+        key = f"cmpl-{n:08x}-0"
+        rid = f"{key}-{rng.getrandbits(32):08x}"
+        n += 1
+        for j, b in enumerate(blocks):
+            eng.block(0, b)[:] = pattern(f"{key}/0", j, eng.block_bytes)
+        live[rid] = blocks
+        # as KvdConnector: offered to D (with its session) only if it reached the daemon
+        if eng.client.finished(rid, blocks):
+            print("req", rid, key, ",".join(map(str, blocks)), eng.client.session, flush=True)
+    for ev in eng.client.drain_events():
+        blocks = live.pop(ev.request_id, None)
+        if blocks is None:
+            print("stray", ev.request_id, flush=True)
+            continue
+        for b in blocks:
+            eng.block(0, b)[:] = 0xEE  # vLLM reuses a block the moment its send ends
+        eng.release(blocks)
+        print("end", ev.request_id, type(ev).__name__, eng.client.reconnects, flush=True)
+    time.sleep(0.002)
+"""
+
+
+def test_p_engine_frozen_past_its_client_timeout(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """P's engine process is SIGSTOPped for longer than its daemon's client timeout while D
+    pulls and registers its requests. The daemon ends the engine's session (its leases
+    are released, D's requests fail); when the engine resumes, its client learns the
+    session is over, fails its sends (the engine reuses the blocks) and opens a new one.
+    No D request is ever reported done with bytes the engine got back."""
+    pd = daemons("kvd-p", overrides={"daemon": {"client_timeout": 1.5}})
+    dd = daemons("kvd-d")
+    d = engine(dd, "decode")
+    engines.append(d)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", _P_ENGINE, pd.socket],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()], daemon=True)
+    reader.start()
+    rng = random.Random(4)
+    reqs: dict[str, tuple[str, list[int], list[int], str]] = {}  # D id -> key, P, D blocks, mode
+    p_of: dict[str, str] = {}
+    d_end: dict[str, wire.Record] = {}
+    p_end: dict[str, str] = {}
+    strays: list[str] = []
+    wrong: list[str] = []
+    i = 0
+
+    def pump(seconds: float) -> None:
+        nonlocal i
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                while True:
+                    f = lines.get_nowait().split()
+                    if f[0] == "req" and len(d.free) >= len(f[3].split(",")):
+                        p_blocks = [int(x) for x in f[3].split(",")]
+                        d_id = f"{f[2]}-d{i:04x}"
+                        mode = "push" if i % 2 else "pull"
+                        i += 1
+                        d_blocks = d.alloc(rng, len(p_blocks))
+                        reqs[d_id] = (f[2], p_blocks, d_blocks, mode)
+                        p_of[f[1]] = d_id
+                        d.client.track(d_id, HOST, pd.side_port, remote_request_id=f[1])
+                        if mode == "push":
+                            d.client.register_push(
+                                d_id,
+                                d_blocks,
+                                HOST,
+                                pd.side_port,
+                                remote_request_id=f[1],
+                                remote_session=f[4],
+                            )
+                        else:
+                            d.client.pull(
+                                d_id,
+                                d_blocks,
+                                HOST,
+                                pd.side_port,
+                                remote_request_id=f[1],
+                                remote_block_ids=p_blocks,
+                                remote_session=f[4],
+                            )
+                    elif f[0] == "end":
+                        p_end[f[1]] = f[2]
+                    elif f[0] == "stray":
+                        strays.append(f[1])
+            except queue.Empty:
+                pass
+            for ev in d.client.drain_events():
+                rid = getattr(ev, "request_id", "")
+                if rid in d_end:
+                    strays.append(rid)
+                    continue
+                d_end[rid] = ev
+                key, _, d_blocks, _ = reqs[rid]
+                if isinstance(ev, wire.RecvFinished) and not arrived(d, key, d_blocks):
+                    wrong.append(rid)
+                d.release(d_blocks)
+            time.sleep(0.002)
+
+    try:
+        pump(2.0)
+        assert len(d_end) > 10, len(d_end)
+        proc.send_signal(signal.SIGSTOP)
+        pump(4.0)  # more than twice the client timeout
+        proc.send_signal(signal.SIGCONT)
+        pump(4.0)
+        proc.send_signal(signal.SIGSTOP)  # hold it still while the last ones settle
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(d_end) < len(reqs):
+            pump(0.2)
+        assert wrong == [], f"{len(wrong)} D requests done with bytes P got back: {wrong[:5]}"
+        assert strays == [], strays[:5]
+        missing = [r for r in reqs if r not in d_end]
+        assert missing == [], (len(missing), missing[:5])
+        failed = [r for r, ev in d_end.items() if isinstance(ev, wire.RecvFailed)]
+        assert failed, "the freeze should have ended some requests"
+        done_after = [r for r, ev in d_end.items() if isinstance(ev, wire.RecvFinished)]
+        assert len(done_after) > 10
+        st = d.client.status()
+        assert st["counters"].get("recv_ok", 0) == len(done_after)
+        pst = KvdClient(pd.socket, role="cli", keepalive_interval=0)
+        pst.connect()
+        try:
+            assert pst.status()["counters"]["sessions_closed"] >= 1
+        finally:
+            pst.close()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()

@@ -148,6 +148,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             remote_engine_id="",
             remote_request_id=REMOTE_REQ,
             remote_incarnation=(1 << 64) - 1,
+            remote_session="scheduler-1-abcdef012345",
         ),
     ),
     "Pull": (
@@ -162,6 +163,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             remote_request_id=REMOTE_REQ,
             remote_block_ids=REMOTE_BLOCKS,
             remote_incarnation=0x0123456789ABCDEF,
+            remote_session="",
         ),
     ),
     "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
@@ -233,6 +235,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             side_port=5601,
             incarnation=0x1122334455667788,
             generations=(7, 8, 0xFFFFFFFF, 0),
+            p_session="scheduler-4242-a1b2c3d4e5f6",
         ),
     ),
     "Heartbeat": (0, wire.Heartbeat(request_ids=(REQ, REMOTE_REQ, "r-3"))),
@@ -242,7 +245,12 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "PullDone": (
         0,
-        wire.PullDone(request_id=REMOTE_REQ, d_request_id=REQ, generations=(40001, 40002)),
+        wire.PullDone(
+            request_id=REMOTE_REQ,
+            d_request_id=REQ,
+            generations=(40001, 40002),
+            p_session="scheduler-ü-1",
+        ),
     ),
     "PullAck": (0, wire.PullAck(d_request_id=REQ, ok=True, code=0, reason="")),
     "CancelRegistration": (0, wire.CancelRegistration(request_id=REQ)),

@@ -118,6 +118,8 @@ class _Remote:
     block_ids: tuple[int, ...] | None
     incarnation: int = 0
     """P daemon's incarnation (0: not given): a restarted P fails the request at once."""
+    session: str = ""
+    """P's client session that finished the request: if it ended, P fails it at once."""
 
     def ids(self) -> dict[str, Any]:
         return {
@@ -125,6 +127,9 @@ class _Remote:
             "remote_request_id": self.request_id,
             "remote_incarnation": self.incarnation,
         }
+
+    def load_ids(self) -> dict[str, Any]:
+        return self.ids() | {"remote_session": self.session}
 
 
 def _incarnation(raw: Any) -> int:
@@ -175,6 +180,7 @@ def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
         str(params.get("remote_request_id") or ""),
         blocks,
         _incarnation(params.get("remote_incarnation")),
+        str(params.get("remote_session") or ""),
     )
 
 
@@ -295,11 +301,11 @@ class _SchedulerSide:
             remote_ids = r.block_ids[hashed : hashed + count]
             if len(local) == count and len(remote_ids) == count:
                 self.shared.call(
-                    c.pull, rid, local, r.host, r.port, remote_block_ids=remote_ids, **r.ids()
+                    c.pull, rid, local, r.host, r.port, remote_block_ids=remote_ids, **r.load_ids()
                 )
                 return
         elif len(local) == count and reaches_end:
-            self.shared.call(c.register_push, rid, local, r.host, r.port, **r.ids())
+            self.shared.call(c.register_push, rid, local, r.host, r.port, **r.load_ids())
             return
         # P's blocks cannot be lined up with ours: fail the load (vLLM's policy applies) and
         # stop heartbeating, so that P's lease on them runs out.
@@ -314,9 +320,9 @@ class _SchedulerSide:
         c = self.shared.client
         r = st.remote
         if st.mode == "pull":
-            self.shared.call(c.pull, rid, (), r.host, r.port, remote_block_ids=(), **r.ids())
+            self.shared.call(c.pull, rid, (), r.host, r.port, remote_block_ids=(), **r.load_ids())
         else:
-            self.shared.call(c.register_push, rid, (), r.host, r.port, **r.ids())
+            self.shared.call(c.register_push, rid, (), r.host, r.port, **r.load_ids())
         st.phase = "orphaned"
         self._orphans.add(rid)
         self._meta.ignore.append(rid)
@@ -363,7 +369,13 @@ class _SchedulerSide:
                 n_prompt,
             )
             return False, None
-        self.shared.call(c.finished, rid, blocks)
+        if not self.shared.call(c.finished, rid, blocks):
+            # no live session with the daemon (it restarted or ended ours): the send ended
+            # already (SendFailed); do not send D after blocks nobody leased
+            log.warning("kvd: request %s not offered to D: the daemon is unavailable", rid)
+            self._orphans.add(rid)
+            self._meta.ignore.append(rid)
+            return False, None
         self._sending.add(rid)
         self._meta.send.append(rid)
         return True, {
@@ -375,6 +387,7 @@ class _SchedulerSide:
             "remote_host": self.side_host,
             "remote_port": self.side_port,
             "remote_incarnation": f"{self.incarnation:016x}",
+            "remote_session": self.shared.client.session,
             "tp_size": self.tp_size,
             "transfer_mode": self.cfg.transfer_mode,
             "remote_num_tokens": n_prompt,
