@@ -1,7 +1,7 @@
 """The supervisor: one task group runs every actor; one signal ends them all.
 
 Start order follows dependencies: the NIXL engine, then the registrar (canary
-registered), the side channel (bound), writer and reaper, and last the gateway (IPC
+registered), the side channel (bound), sender and receiver, and last the gateway (IPC
 socket bound). Only then is the daemon ready (logged, and READY=1 to systemd). SIGTERM
 or SIGINT cancels the group; cleanup (peers told, regions deregistered and unmapped,
 socket removed) runs shielded and bounded by `daemon.shutdown_timeout`. An actor that
@@ -22,12 +22,18 @@ from kvd import __version__
 from kvd.actors.base import Clock, Mailbox
 from kvd.actors.ecrouter import ECRouter
 from kvd.actors.gateway import Gateway
-from kvd.actors.messages import EventOut, LocalRegionsChanged, Snapshot
+from kvd.actors.messages import (
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EventOut,
+    LocalRegionsChanged,
+    Snapshot,
+)
 from kvd.actors.notifier import Notifier
-from kvd.actors.reaper import Reaper
+from kvd.actors.receiver import Receiver
 from kvd.actors.registrar import Registrar
+from kvd.actors.sender import Sender
 from kvd.actors.sidechannel import SideChannel
-from kvd.actors.writer import Writer
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
@@ -48,8 +54,8 @@ class Daemon:
         size = cfg.daemon.mailbox_size
         self.clock = Clock()
         self.registrar_box: Mailbox[Any] = Mailbox("registrar", size, self.clock)
-        self.writer_box: Mailbox[Any] = Mailbox("writer", size, self.clock)
-        self.reaper_box: Mailbox[Any] = Mailbox("reaper", size, self.clock)
+        self.sender_box: Mailbox[Any] = Mailbox("sender", size, self.clock)
+        self.receiver_box: Mailbox[Any] = Mailbox("receiver", size, self.clock)
         self.ec_box: Mailbox[Any] = Mailbox("ecrouter", size, self.clock)
         self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536), self.clock)
         self.engine = NixlEngine(
@@ -64,7 +70,7 @@ class Daemon:
             host=cfg.side_channel.host,
             port=cfg.side_channel.port,
             registrar=self.registrar_box,
-            writer=self.writer_box,
+            drain_remote=self._drain_remote,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
             rejects=self.rejects,
@@ -78,35 +84,35 @@ class Daemon:
             handshake_timeout=cfg.side_channel.handshake_timeout,
             secret=cfg.auth.load_secret(),
             publish=self._publish,
-            drain_writer=self.writer_box.call,
+            drain_local=self._drain_local,
             counters=self.counters,
             rejects=self.rejects,
         )
-        self.writer = Writer(
-            engine=self.engine,
-            mailbox=self.writer_box,
+        self.sender = Sender(
+            transport=self.engine,
+            mailbox=self.sender_box,
             registrar=self.registrar_box,
-            reaper=self.reaper_box,
             emit=self._emit,
-            push_registration_timeout=cfg.transfer.push_registration_timeout,
+            lease_duration=cfg.transfer.kv_lease_duration,
+            lease_wait_timeout=cfg.transfer.lease_wait_timeout,
+            registration_timeout=cfg.transfer.push_registration_timeout,
             transfer_timeout=cfg.transfer.transfer_timeout,
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
-            incarnation=self.registrar.incarnation,
-            side_host=cfg.side_channel.advertised_host,
-            side_port_ref=lambda: self.side.port,
         )
-        self.reaper = Reaper(
-            engine=self.engine,
-            mailbox=self.reaper_box,
-            writer=self.writer_box,
+        self.receiver = Receiver(
+            transport=self.engine,
+            mailbox=self.receiver_box,
             registrar=self.registrar_box,
             emit=self._emit,
             lease_duration=cfg.transfer.kv_lease_duration,
             probe_interval=cfg.transfer.peer_probe_interval,
-            lease_wait_timeout=cfg.transfer.lease_wait_timeout,
-            tombstones=cfg.transfer.expired_tombstones,
+            push_registration_timeout=cfg.transfer.push_registration_timeout,
+            transfer_timeout=cfg.transfer.transfer_timeout,
             counters=self.counters,
+            incarnation=self.registrar.incarnation,
+            side_host=cfg.side_channel.advertised_host,
+            side_port_ref=lambda: self.side.port,
         )
         self.ecrouter = ECRouter(
             engine=self.engine,
@@ -127,8 +133,8 @@ class Daemon:
             rejects=self.rejects,
         )
         self.notifier = Notifier(
-            writer=self.writer_box,
-            reaper=self.reaper_box,
+            sender=self.sender_box,
+            receiver=self.receiver_box,
             registrar=self.registrar_box,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
@@ -138,8 +144,8 @@ class Daemon:
             socket_path=self.socket_path,
             socket_mode=cfg.daemon.socket_mode,
             registrar=self.registrar_box,
-            writer=self.writer_box,
-            reaper=self.reaper_box,
+            sender=self.sender_box,
+            receiver=self.receiver_box,
             ecrouter=self.ec_box,
             events=self.events,
             client_timeout=cfg.daemon.client_timeout,
@@ -155,21 +161,24 @@ class Daemon:
     # ---------------------------------------------------------------- wiring
 
     def _publish(self, msg: Any) -> None:
-        """Registrar views: local regions to the writer, the reaper (it checks finished
-        blocks) and the EC router; peer views to the writer and the reaper."""
-        boxes = (
-            (self.writer_box, self.reaper_box, self.ec_box)
-            if isinstance(msg, LocalRegionsChanged)
-            else (self.writer_box, self.reaper_box)
-        )
+        """Registrar views: local regions to the sender (it checks finished blocks), the
+        receiver and the EC router; peer views to the sender and the receiver. Notices
+        between actors: never refused."""
+        boxes: tuple[Mailbox[Any], ...] = (self.sender_box, self.receiver_box)
+        if isinstance(msg, LocalRegionsChanged):
+            boxes += (self.ec_box,)
         for box in boxes:
-            try:
-                box.post(msg)
-            except Exception:
-                log.error("view_update_dropped", mailbox=box.name, type=type(msg).__name__)
-                self.counters["view_updates_dropped"] = (
-                    self.counters.get("view_updates_dropped", 0) + 1
-                )
+            box.post(msg)
+
+    async def _drain_local(self, region_id: int) -> None:
+        """Before a local region goes: the transfers of both actors that touch it end."""
+        await self.sender_box.call(DrainLocalRegion(region_id))
+        await self.receiver_box.call(DrainLocalRegion(region_id))
+
+    async def _drain_remote(self, agent: str, region_id: int) -> None:
+        """Before a peer frees a region: our transfers into or out of it end."""
+        await self.sender_box.call(DrainRemoteRegion(agent, region_id))
+        await self.receiver_box.call(DrainRemoteRegion(agent, region_id))
 
     def _emit(self, ev: EventOut) -> None:
         try:
@@ -195,16 +204,23 @@ class Daemon:
     async def status(self, section: str) -> dict[str, Any]:
         boxes = {
             "registrar": self.registrar_box,
-            "writer": self.writer_box,
-            "reaper": self.reaper_box,
+            "sender": self.sender_box,
+            "receiver": self.receiver_box,
             "ecrouter": self.ec_box,
         }
         if section in ("peers",):
             return await self.registrar_box.call(Snapshot(section))
-        if section == "leases":
-            return await self.reaper_box.call(Snapshot(section))
+        if section == "leases":  # P: leases held; D: requests heartbeated
+            sent = await self.sender_box.call(Snapshot(section))
+            return sent | await self.receiver_box.call(Snapshot(section))
         if section == "transfers":
-            return await self.writer_box.call(Snapshot(section))
+            sent = await self.sender_box.call(Snapshot(section))
+            got = await self.receiver_box.call(Snapshot(section))
+            return {
+                "in_flight": sent["in_flight"] + got["in_flight"],
+                "recent": sorted(sent["recent"] + got["recent"], key=lambda t: t["started"]),
+                "receiving": got["receiving"],
+            }
         if section == "ec":
             return await self.ec_box.call(Snapshot(section))
         out: dict[str, Any] = {
@@ -240,8 +256,8 @@ class Daemon:
                 await tg.start(self.registrar.run)
                 self.side.bind()
                 await tg.start(self.side.run)
-                await tg.start(self.writer.run)
-                await tg.start(self.reaper.run)
+                await tg.start(self.sender.run)
+                await tg.start(self.receiver.run)
                 self.ecrouter.bind()
                 await tg.start(self.ecrouter.run)
                 self.gateway.bind()
@@ -278,8 +294,8 @@ class Daemon:
 
         boxes = {
             "registrar": self.registrar_box,
-            "writer": self.writer_box,
-            "reaper": self.reaper_box,
+            "sender": self.sender_box,
+            "receiver": self.receiver_box,
             "ecrouter": self.ec_box,
             "events": self.events,
         }

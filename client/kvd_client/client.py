@@ -619,9 +619,17 @@ class KvdClient:
         )
         return request_id in self._announced_send
 
-    def abort(self, request_id: str) -> None:
-        """Either side: give up on a request; its terminal event still comes."""
-        self._send(wire.Abort(request_id, self.engine_id), _Pending("other", request_id))
+    def abort(self, request_id: str, side: str | None = None) -> None:
+        """Give up on a request; its terminal event still comes.
+
+        `side` is "send" (P: a request this client finished) or "recv" (D: one it tracked,
+        registered or pulls); by default "send" if this client finished `request_id`,
+        else "recv"."""
+        if side is None:
+            side = "send" if request_id in self._announced_send else "recv"
+        if side not in ("send", "recv"):
+            raise ValueError(f"side must be 'send' or 'recv', not {side!r}")
+        self._send(wire.Abort(request_id, self.engine_id, side), _Pending("other", request_id))
 
     # ---------------------------------------------------------------- encoder cache
 

@@ -557,8 +557,11 @@ class Finish(Record):
 @message(24)
 @dataclasses.dataclass(frozen=True)
 class Abort(Record):
+    """Give up on a request: `side` "send" (P's engine) or "recv" (D's)."""
+
     request_id: Id
     engine_id: Id
+    side: Annotated[str, Len(4, 4)]
 
 
 @message(30)

@@ -1,18 +1,22 @@
 """Mailboxes and calls: the only way actors talk to each other.
 
-A mailbox is a bounded anyio memory stream. `post` never blocks: a full mailbox raises
-`Busy`, which the gateway turns into a BUSY reply. `call` posts a message carrying an
-asyncio future and awaits the answer (a one-shot reply channel).
+A mailbox is a bounded anyio memory stream with one rule for what may be refused, by
+the message's type, never by the call site:
+- input from outside the daemon (`Outside`: a client request, a peer's heartbeat or
+  probe, a side-channel request) is refused when the mailbox is full: `post` raises
+  `Busy`, which the edge answers BUSY (or drops a heartbeat: the next one comes);
+- every other message is a notice between actors (a session closed, a region changed,
+  a peer lost, an answer to our own transfer): it is never refused or dropped. Their
+  number follows work already accepted, not outside load, and refusing one would leave
+  two actors disagreeing. Beyond the bound they wait, in order, in an overflow queue
+  that refills the mailbox as the receiver takes messages; outside input is refused
+  meanwhile.
+`call` posts a message carrying an asyncio future and awaits the answer (a one-shot
+reply channel).
 
 Time: every actor reads the daemon's one `Clock` (daemon time, which does not count the
 daemon's own stalls: `kvd.core.clock`), never `time.monotonic()` itself, and sleeps until
 its next deadline in that time with `receive_before`.
-
-`post_internal` is for notices between actors that must not be lost (a lease staged or
-released, a request tracked or delivered): their number follows requests already
-accepted, not outside load, and refusing one would leave two actors disagreeing (or
-crash the sender). Beyond the bound they wait, in order, in an overflow queue that
-refills the mailbox as the receiver takes messages; outside posts are refused meanwhile.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ from kvd.core.clock import StallClock
 
 M = TypeVar("M")
 R = TypeVar("R")
+
+
+class Outside:
+    """Marker base of messages that carry input from outside the daemon: a full mailbox
+    refuses them (`Mailbox.post` raises Busy). Everything else is never refused."""
+
+    __slots__ = ()
 
 
 @dataclass
@@ -110,22 +121,20 @@ class Mailbox(Generic[M]):
         self.rejected = 0
 
     def post(self, msg: M) -> None:
-        """Enqueue without blocking; raise Busy when full."""
+        """Enqueue without blocking. Outside input is refused with Busy when the mailbox is
+        full; a notice between actors never is (see the module docstring)."""
+        if self._overflow or not self._offer(msg):
+            if isinstance(msg, Outside):
+                self.rejected += 1
+                raise Busy(f"the {self.name} mailbox is full ({self.size})")
+            self._overflow.append(msg)
+
+    def _offer(self, msg: M) -> bool:
         try:
             self._send.send_nowait(msg)
         except anyio.WouldBlock:
-            self.rejected += 1
-            raise Busy(f"the {self.name} mailbox is full ({self.size})") from None
-
-    def post_internal(self, msg: M) -> None:
-        """Enqueue an actor-to-actor notice without blocking and without ever refusing it."""
-        if not self._overflow:
-            try:
-                self._send.send_nowait(msg)
-                return
-            except anyio.WouldBlock:
-                pass
-        self._overflow.append(msg)
+            return False
+        return True
 
     def _refill(self) -> None:
         overflow = self._overflow

@@ -82,8 +82,8 @@ class Gateway:
         socket_path: str,
         socket_mode: int,
         registrar: Mailbox[Any],
-        writer: Mailbox[Any],
-        reaper: Mailbox[Any],
+        sender: Mailbox[Any],
+        receiver: Mailbox[Any],
         ecrouter: Mailbox[Any],
         events: Mailbox[EventOut],
         client_timeout: float,
@@ -98,8 +98,8 @@ class Gateway:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
         self.registrar = registrar
-        self.writer = writer
-        self.reaper = reaper
+        self.sender = sender
+        self.receiver = receiver
         self.ecrouter = ecrouter
         self.events = events
         self.client_timeout = client_timeout
@@ -120,11 +120,10 @@ class Gateway:
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
             wire.DeregisterRegion: registrar,
-            wire.RegisterPush: writer,
-            wire.Pull: writer,
-            wire.Finish: reaper,
-            wire.Track: reaper,
-            wire.Abort: reaper,
+            wire.RegisterPush: receiver,
+            wire.Pull: receiver,
+            wire.Track: receiver,
+            wire.Finish: sender,
             wire.ECAllocate: ecrouter,
             wire.ECCommit: ecrouter,
             wire.ECEnsure: ecrouter,
@@ -260,6 +259,12 @@ class Gateway:
             self._tg.start_soon(self._status_request, ident, corr, msg)
             return
         box = self._routes.get(type(msg))
+        if isinstance(msg, wire.Abort):
+            box = {"send": self.sender, "recv": self.receiver}.get(msg.side)
+            if box is None:
+                why = f"Abort side must be 'send' or 'recv', not {msg.side!r}"
+                self._refuse(ident, corr, "ipc_rejected", "bad_abort_side", InvalidRequest(why))
+                return
         if box is None:
             why = f"{type(msg).__name__} is not a client request"
             self._refuse(ident, corr, "ipc_rejected", "not_a_request", RemoteProtocolError(why))
@@ -357,9 +362,9 @@ class Gateway:
     async def _end_session(self, s: _Session, reply_to: tuple[bytes, int] | None) -> None:
         calls: list[SessionClosed] = []
         if s.role != "cli":
-            for box in (self.registrar, self.writer, self.reaper, self.ecrouter):
+            for box in (self.registrar, self.sender, self.receiver, self.ecrouter):
                 call = SessionClosed(s.session)
-                box.post_internal(call)
+                box.post(call)  # a notice between actors: never refused
                 calls.append(call)
         with anyio.move_on_after(self.close_bound) as scope:
             for call in calls:

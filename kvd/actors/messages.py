@@ -7,12 +7,12 @@ frozen snapshots: the registrar owns the live state and publishes copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvd_client import wire
 
-from kvd.actors.base import Call
+from kvd.actors.base import Call, Outside
 from kvd.core.planner import Geometry
 
 # ------------------------------------------------------------------ shared views
@@ -79,7 +79,7 @@ class PeerInfo:
 
 
 @dataclass
-class ClientRequest(Call[wire.Record]):
+class ClientRequest(Outside, Call[wire.Record]):
     """A decoded, validated client request routed to the actor that owns it."""
 
     session: str
@@ -131,21 +131,21 @@ class RegisterDaemonRegion(Call[LocalRegion]):
 
 
 @dataclass
-class AcceptHandshake(Call[wire.Record]):
+class AcceptHandshake(Outside, Call[wire.Record]):
     """A handshake request that arrived on the side channel."""
 
     request: wire.Handshake
 
 
 @dataclass
-class PeerRegionDropped(Call[None]):
+class PeerRegionDropped(Outside, Call[None]):
     """A peer says one of its regions is going away (raises AuthError if it cannot prove it)."""
 
     notice: wire.RegionDropped
 
 
 @dataclass(frozen=True)
-class ProbeReceived:
+class ProbeReceived(Outside):
     agent: str
     probe: wire.Probe
 
@@ -172,42 +172,30 @@ class LocalRegionsChanged:
     regions: dict[tuple[str, int], LocalRegion]
 
 
-# ------------------------------------------------------------------ writer
-
-
-@dataclass(frozen=True)
-class Stage:
-    """Reaper -> writer: P finished these blocks (lease granted); push may match them."""
-
-    request_id: str
-    engine_id: str
-    block_ids: tuple[int, ...]
-    session: str
-
-
-@dataclass(frozen=True)
-class Unstage:
-    """Reaper -> writer: the lease ended; forget the staged blocks.
-
-    expired/aborted: the request will never be sent, so a D registration that arrives
-    later is failed at once instead of waiting for D's watchdog."""
-
-    request_id: str
-    expired: bool
-    aborted: bool = False
+# ------------------------------------------------------------------ sender and receiver
 
 
 @dataclass(frozen=True)
 class NotifReceived:
-    """Notifier -> owner: one decoded notification from a peer agent."""
+    """Notifier -> owner: one decoded notification from a peer agent (an answer to our own
+    transfer, a registration, a cancel): never refused."""
 
     agent: str
     msg: wire.Record
 
 
 @dataclass(frozen=True)
+class HeartbeatReceived(Outside):
+    """Notifier -> sender: a peer's heartbeat (refused when the mailbox is full: the next
+    one comes)."""
+
+    agent: str
+    msg: wire.Heartbeat
+
+
+@dataclass(frozen=True)
 class PeerLost:
-    """A peer agent is unreachable: fail what waits on it."""
+    """A peer agent is unreachable: fail what waits on it, forget its view."""
 
     agent: str
     reason: str
@@ -229,56 +217,3 @@ class DrainLocalRegion(Call[None]):
     """Before we free a local region, finish or fail every transfer that touches it."""
 
     region_id: int
-
-
-# ------------------------------------------------------------------ reaper
-
-
-@dataclass
-class Claim(Call[bool]):
-    """Writer -> reaper: take P's lease for a WRITE (False if expired or unknown)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Delivered:
-    """Writer -> reaper: a claimed lease's WRITE ended."""
-
-    request_id: str
-    ok: bool
-    code: int = 0
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class CancelLease:
-    """Writer -> reaper: D cancelled this request (P's id or D's): free its lease now and
-    refuse a finish or pull that comes later."""
-
-    request_id: str
-    agent: str
-
-
-@dataclass(frozen=True)
-class TrackRequest:
-    """Writer -> reaper: heartbeat P for this D request."""
-
-    request_id: str
-    remote_request_id: str
-    host: str
-    port: int
-    session: str
-    engine_id: str
-
-
-@dataclass(frozen=True)
-class Untrack:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Wakes an actor (used by tests and timers)."""
-
-    reason: str = field(default="")

@@ -3,10 +3,12 @@
 The NIXL thread hands each batch to `sink` on the event loop; the notifier decodes every
 message (a peer's bytes are untrusted: anything malformed is dropped, counted and logged
 at a bounded rate through `RejectLog`) and routes the rest to the actor that owns them
-(which drops messages from agents that never handshaked). It never blocks. Heartbeats
-and probes are dropped (and counted) when their mailbox is full: the next one comes.
-Completions, acks and registrations are never dropped: they take the overflow path of
-`post_internal`.
+(which drops messages from agents that never handshaked): what P's daemon hears from D
+(registrations, heartbeats, pull completions, cancels, re-sync acks) to the sender,
+what D's daemon hears from P (push completions, pull acks, re-sync requests) to the
+receiver, probes to the registrar. It never blocks. Heartbeats and probes are outside
+input (`HeartbeatReceived`, `ProbeReceived`): dropped and counted when their mailbox is
+full, the next one comes. Everything else is never dropped (`Mailbox.post`'s rule).
 """
 
 from __future__ import annotations
@@ -17,33 +19,26 @@ from kvd_client import wire
 from kvd_client.errors import Busy, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
-from kvd.actors.messages import NotifReceived, ProbeReceived
+from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
 from kvd.logs import RejectLog
 
-_TO_WRITER = (
-    wire.PushRegistration,
-    wire.PushDone,
-    wire.PullAck,
-    wire.CancelRegistration,
-    wire.Resync,
-    wire.ResyncAck,
-)
-_TO_REAPER = (wire.Heartbeat, wire.PullDone)
+_TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
+_TO_RECEIVER = (wire.PushDone, wire.PullAck, wire.Resync)
 
 
 class Notifier:
     def __init__(
         self,
         *,
-        writer: Mailbox[Any],
-        reaper: Mailbox[Any],
+        sender: Mailbox[Any],
+        receiver: Mailbox[Any],
         registrar: Mailbox[Any],
         max_frame: int,
         counters: dict[str, int],
         rejects: RejectLog,
     ) -> None:
-        self.writer = writer
-        self.reaper = reaper
+        self.sender = sender
+        self.receiver = receiver
         self.registrar = registrar
         self.max_frame = max_frame
         self.counters = counters
@@ -76,13 +71,11 @@ class Notifier:
             if isinstance(msg, wire.Probe):
                 self.registrar.post(ProbeReceived(agent, msg))
             elif isinstance(msg, wire.Heartbeat):
-                self.reaper.post(NotifReceived(agent, msg))  # droppable: the next beat comes
-            elif isinstance(msg, _TO_WRITER):
-                # answers to our own transfers, or a registration that D would otherwise
-                # only see fail at its watchdog: never dropped (see Mailbox.post_internal)
-                self.writer.post_internal(NotifReceived(agent, msg))
-            elif isinstance(msg, _TO_REAPER):
-                self.reaper.post_internal(NotifReceived(agent, msg))
+                self.sender.post(HeartbeatReceived(agent, msg))
+            elif isinstance(msg, _TO_SENDER):
+                self.sender.post(NotifReceived(agent, msg))
+            elif isinstance(msg, _TO_RECEIVER):
+                self.receiver.post(NotifReceived(agent, msg))
             else:
                 self.rejects.reject(
                     "notifier",

@@ -48,7 +48,6 @@ from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
     AcceptHandshake,
     ClientRequest,
-    DrainLocalRegion,
     EnsurePeer,
     LocalRegion,
     LocalRegionsChanged,
@@ -123,7 +122,7 @@ class Registrar:
         handshake_timeout: float,
         secret: bytes | None,
         publish: Callable[[Any], None],
-        drain_writer: Callable[[Any], Awaitable[None]],
+        drain_local: Callable[[int], Awaitable[None]],
         counters: dict[str, int],
         rejects: RejectLog,
     ) -> None:
@@ -136,7 +135,7 @@ class Registrar:
         self.handshake_timeout = handshake_timeout
         self.secret = secret
         self._publish = publish
-        self._drain_writer = drain_writer
+        self._drain_local = drain_local
         self.counters = counters
         self.rejects = rejects
         self.regions: dict[int, _Region] = {}
@@ -333,7 +332,7 @@ class Registrar:
         # 2. local transfers touching it finish or fail.
         if drain:
             with anyio.move_on_after(self.handshake_timeout):
-                await self._drain_writer(DrainLocalRegion(rid))
+                await self._drain_local(rid)
         del self.regions[rid]
         self._publish_regions()
         # 3. only now deregister and unmap.

@@ -6,12 +6,14 @@ ErrorReply when it carries a usable identity, and is counted (`side_rejected`, o
 Frames above twice `max_frame_bytes` never reach the socket: libzmq drops their
 connection, which is only visible as a lost connection (`side_disconnects`, see
 `kvd.adapters.zmq_monitor`). Handshakes go to the registrar, region drops to the
-registrar and the writer (which drains transfers into the region before the peer frees
-it). Replies are sent as they complete, so a slow handshake never blocks the socket.
+registrar and then to the sender and receiver (which drain transfers into the region
+before the peer frees it). Replies are sent as they complete, so a slow handshake never
+blocks the socket.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -26,7 +28,7 @@ from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
-from kvd.actors.messages import AcceptHandshake, DrainRemoteRegion, PeerRegionDropped
+from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.logs import RejectLog
 
@@ -40,7 +42,7 @@ class SideChannel:
         host: str,
         port: int,
         registrar: Mailbox[Any],
-        writer: Mailbox[Any],
+        drain_remote: Callable[[str, int], Awaitable[None]],
         max_frame: int,
         counters: dict[str, int],
         rejects: RejectLog,
@@ -48,7 +50,7 @@ class SideChannel:
         self.host = host
         self.port = port
         self.registrar = registrar
-        self.writer = writer
+        self.drain_remote = drain_remote
         self.max_frame = max_frame
         self.counters = counters
         self.rejects = rejects
@@ -124,7 +126,7 @@ class SideChannel:
                 reply: wire.Record = await self.registrar.call(AcceptHandshake(msg))
             else:
                 await self.registrar.call(PeerRegionDropped(msg))
-                await self.writer.call(DrainRemoteRegion(msg.agent_name, msg.region_id))
+                await self.drain_remote(msg.agent_name, msg.region_id)
                 reply = wire.Ok()
         except KvdError as exc:
             await self._refuse(ident, corr, exc)

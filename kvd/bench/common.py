@@ -225,7 +225,7 @@ def status(cli: KvdClient, section: str = "status", timeout: float = 30.0) -> di
 
 def leases(env: Env) -> int:
     """Leases P holds right now."""
-    return int(status(env.p_cli)["reaper"]["leases"])
+    return int(status(env.p_cli)["sender"]["leases"])
 
 
 def wait_leases(env: Env, at_least: int, timeout: float = 60.0) -> None:

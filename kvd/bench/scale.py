@@ -234,7 +234,7 @@ def live_leases(
     env: Env, pair: CtlPair, cfg: ScaleConfig, rng: random.Random, base_p50_ms: float | None
 ) -> dict[str, Any]:
     n = cfg.live_leases
-    before = int(status(env.p_cli)["reaper"]["leases"])
+    before = int(status(env.p_cli)["sender"]["leases"])
     holder = KvdClient(env.p_socket, role="scheduler", engine_id=pair.p.engine_id)
     holder.connect()
     tracker = KvdClient(env.d_socket, role="scheduler", engine_id=pair.d.engine_id)
@@ -255,7 +255,7 @@ def live_leases(
             while held < before + start + len(batch) and time.monotonic() < deadline:
                 time.sleep(0.002)
                 refused += [event_id(ev) for ev in holder.drain_events()]
-                held = int(status(env.p_cli)["reaper"]["leases"])
+                held = int(status(env.p_cli)["sender"]["leases"])
                 if held + len(refused) >= before + start + len(batch):
                     break
         granted_s = time.perf_counter() - t0
@@ -312,7 +312,7 @@ def live_leases(
         deadline = time.monotonic() + cfg.timeout
         while left > before and time.monotonic() < deadline:
             time.sleep(0.01)
-            left = int(status(env.p_cli)["reaper"]["leases"])
+            left = int(status(env.p_cli)["sender"]["leases"])
         res["release_s"] = round(time.perf_counter() - t, 4)
         res["left_after_release"] = left - before
     finally:

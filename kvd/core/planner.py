@@ -574,3 +574,29 @@ def plan_per_chunk(
     ra = _outer_sum(remote.base_addr, [d[1] for d in dims])
     lengths = np.full(la.shape[0], local.chunk_bytes, dtype=np.int64)
     return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
+
+
+def check_logical(geometry: Geometry, logical: Sequence[int]) -> Int64Array:
+    """Logical block ids of an engine expanded to this region's physical ids, validated
+    (raises InvalidRequest for anything outside the region)."""
+    return check_blocks(geometry, expand_logical(logical, geometry.physical_per_logical))
+
+
+def plan_ranks(
+    local: Sequence[Geometry],
+    local_blocks: Sequence[int],
+    remote: Sequence[Geometry],
+    remote_blocks: Sequence[int],
+) -> list[Plan]:
+    """One coalesced plan per TP rank pair (equal TP: rank i with rank i), from logical
+    block ids on each side (expanded and validated per region).
+
+    Raises Incompatible if the two sides have different rank counts, InvalidRequest for
+    a block outside a region.
+    """
+    if len(local) != len(remote):
+        raise Incompatible(f"TP mismatch: {len(local)} local ranks, {len(remote)} remote")
+    return [
+        plan_transfer(loc, check_logical(loc, local_blocks), rem, check_logical(rem, remote_blocks))
+        for loc, rem in zip(local, remote, strict=True)
+    ]

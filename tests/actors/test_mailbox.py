@@ -8,24 +8,31 @@ import anyio
 import pytest
 from kvd_client.errors import Busy
 
-from kvd.actors.base import Call, Mailbox
+from kvd.actors.base import Call, Mailbox, Outside
 
 
 @dataclass
-class Double(Call[int]):
+class Double(Outside, Call[int]):
     value: int
 
 
+@dataclass(frozen=True)
+class In(Outside):
+    """Input from outside the daemon: refused when the mailbox is full."""
+
+    n: int
+
+
 async def test_full_mailbox_is_busy_and_loses_nothing() -> None:
-    box: Mailbox[int] = Mailbox("t", 2)
-    box.post(1)
-    box.post(2)
+    box: Mailbox[In] = Mailbox("t", 2)
+    box.post(In(1))
+    box.post(In(2))
     with pytest.raises(Busy, match="t mailbox is full"):
-        box.post(3)
+        box.post(In(3))
     assert box.depth() == 2 and box.stats()["rejected"] == 1
-    assert [box.receive_nowait(), box.receive_nowait()] == [1, 2]
-    box.post(3)
-    assert box.receive_nowait() == 3
+    assert [box.receive_nowait(), box.receive_nowait()] == [In(1), In(2)]
+    box.post(In(3))
+    assert box.receive_nowait() == In(3)
 
 
 async def test_call_round_trip_and_failure() -> None:

@@ -725,7 +725,7 @@ def test_d_request_with_bad_block_ids_is_refused(env: Env, kind: str, case: str)
         with pytest.raises(InvalidRequest, match="block id") as err:
             c.request(msg)
         assert text in str(err.value)
-        assert c.status()["writer"]["receiving"] == 0
+        assert c.status()["receiver"]["receiving"] == 0
         assert c.drain_events() == []
     after = counters(env.d)
     assert delta(before, after, "requests_rejected") == 1
@@ -1212,7 +1212,7 @@ def test_push_registration_with_blocks_outside_the_peer_region_builds_no_descrip
     after = status(env.p)
     assert delta(before["counters"], after["counters"], "push_failed") == 1
     assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
-    assert after["writer"]["sending"] == 0
+    assert after["sender"]["sending"] == 0
     assert not env.fake.buf.any()
 
 
@@ -1239,7 +1239,7 @@ def test_push_registration_from_a_peer_with_another_compat_writes_nothing(
     after = status(env.p)
     assert delta(before["counters"], after["counters"], "push_failed") == 1
     assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
-    assert after["reaper"]["leases"] == 0 and after["writer"]["sending"] == 0
+    assert after["sender"]["leases"] == 0 and after["sender"]["sending"] == 0
     assert not env.fake.buf.any()
 
 
@@ -1252,7 +1252,7 @@ def test_heartbeat_with_unknown_ids_extends_nothing(env: Env) -> None:
         env.p, "heartbeats_received", before["counters"].get("heartbeats_received", 0) + 1
     )
     assert delta(before["counters"], after, "heartbeat_unknown_ids") == 10_000
-    assert status(env.p)["reaper"]["leases"] == before["reaper"]["leases"]
+    assert status(env.p)["sender"]["leases"] == before["sender"]["leases"]
 
 
 def test_pull_done_for_an_unknown_request_is_refused(env: Env) -> None:
@@ -1303,7 +1303,7 @@ def test_notifications_from_an_agent_that_never_handshaked_are_rejected(env: Env
         for key in ("push_registrations", "heartbeats_received", "pulls_refused", "pulls_acked"):
             assert delta(before["counters"], after, key) == 0, key
         now = status(env.p)
-        assert now["writer"]["pending_registrations"] == before["writer"]["pending_registrations"]
+        assert now["sender"]["pending_registrations"] == before["sender"]["pending_registrations"]
         assert any(lease["request_id"] == rid for lease in status(env.p, "leases")["leases"])
         assert p.client.drain_events() == []  # no SendFinished: P's blocks stay leased
     finally:
@@ -1846,7 +1846,7 @@ def test_push_registration_naming_a_generation_p_does_not_know_writes_nothing(en
     assert [type(e) for e in p_evs] == [wire.SendFailed], p_evs
     after = status(env.p)
     assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
-    assert after["reaper"]["leases"] == 0 and after["writer"]["sending"] == 0
+    assert after["sender"]["leases"] == 0 and after["sender"]["sending"] == 0
     assert not env.fake.buf.any()
 
 
@@ -1874,7 +1874,7 @@ def test_pull_done_naming_a_stale_generation_is_refused_and_frees_the_lease(env:
         assert f"P's regions are ({have[0]},)" in ack.reason, ack.reason
         evs = eventually(lambda: p.client.drain_events(), "P's terminal event", pump=env.fake.pump)
         assert [(type(e), e.request_id) for e in evs] == [(wire.SendFailed, rid)], evs
-        assert status(env.p)["reaper"]["leases"] == 0
+        assert status(env.p)["sender"]["leases"] == 0
         assert counters(env.p)["pulls_stale_view"] >= 1
     finally:
         p.release(blocks)
@@ -1900,7 +1900,7 @@ def test_d_stops_heartbeating_a_p_that_refuses_its_handshake(env: Env, workdir: 
                 lambda: (s := status(d))["counters"].get("peers_given_up", 0) == 1 and s,
                 "D giving up on P",
             )
-            assert st["reaper"]["tracked"] == 0 and st["reaper"]["heartbeat_peers"] == 0
+            assert st["receiver"]["tracked"] == 0 and st["receiver"]["heartbeat_peers"] == 0
             assert st["counters"]["tracks_dropped"] == 3
             tries = st["counters"].get("handshakes_failed", 0)
             time.sleep(3.0)

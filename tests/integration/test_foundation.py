@@ -76,7 +76,7 @@ def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: P
         ]  # the handshake taught B about A too
         assert st_a["peers"][0]["lease_duration"] == 40.0
         assert st_a["agent_name"] == "kvd-a" and st_a["uptime_s"] > 0
-        assert set(st_a["mailboxes"]) >= {"registrar", "writer", "reaper", "events"}
+        assert set(st_a["mailboxes"]) >= {"registrar", "sender", "receiver", "events"}
         peers_b = json.loads(kvd("peers", "--json", "--socket", b.socket).stdout)
         assert peers_b["peers"][0]["regions"][0]["engine_id"] == "engine-a"
 

@@ -160,20 +160,21 @@ def assert_clean(p: Side | None, d: Side | None, timeout: float = 5.0) -> None:
 
     def p_clean() -> Any:
         s = p.status()
-        r, w = s["reaper"], s["writer"]
+        p_ = s["sender"]
         held = (
-            r["leases"],
-            r["claimed"],
-            w["staged_blocks"],
-            w["pending_registrations"],
-            w["sending"],
+            p_["leases"],
+            p_["writing"],
+            p_["held"],
+            p_["pending_registrations"],
+            p_["early_pulls"],
+            p_["sending"],
         )
-        return held == (0, 0, 0, 0, 0) or held
+        return held == (0, 0, 0, 0, 0, 0) or held
 
     def d_clean() -> Any:
         s = d.status()
-        r, w = s["reaper"], s["writer"]
-        held = (r["tracked"], w["receiving"], w["sending"], r["heartbeat_peers"])
+        d_ = s["receiver"]
+        held = (d_["tracked"], d_["receiving"], d_["sending"], d_["heartbeat_peers"])
         return held == (0, 0, 0, 0) or held
 
     if p is not None:
@@ -408,7 +409,7 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
             d.client.track(d_id, HOST, port)
             d.client.register_push(d_id, [2 + 2 * i, 3 + 2 * i], HOST, port)
         wait_until(
-            lambda: p.status()["writer"]["pending_registrations"] == 4, 5.0, "registrations at P"
+            lambda: p.status()["sender"]["pending_registrations"] == 4, 5.0, "registrations at P"
         )
         # pulls in flight: P is frozen, so they stay in flight until it dies. Once both
         # sides have READ from each other before (kvd ping reads the peer's canary), at
@@ -522,13 +523,13 @@ def test_aborts_end_once_and_leave_nothing_pinned(pair: tuple[Side, Side]) -> No
             da, [1, 2], HOST, port, remote_request_id=pa if style == "p-id" else ""
         )
         wait_until(
-            lambda: p.status()["writer"]["pending_registrations"] == 1, 5.0, "registration at P"
+            lambda: p.status()["sender"]["pending_registrations"] == 1, 5.0, "registration at P"
         )
         d.client.abort(da)
         ev = d.sched.wait([da], TERMINAL_RECV, 5.0)[da]
         assert isinstance(ev, wire.RecvFailed) and ev.code == ErrorCode.TRANSFER, ev
         assert ev.block_ids == (1, 2) and "aborted" in ev.reason, ev
-        assert p.status()["writer"]["pending_registrations"] == 0
+        assert p.status()["sender"]["pending_registrations"] == 0
         fill(p, key_a, [1, 2])
         t_fin = time.monotonic()
         p.client.finished(pa, [1, 2])
@@ -591,7 +592,7 @@ def test_aborts_end_once_and_leave_nothing_pinned(pair: tuple[Side, Side]) -> No
     assert isinstance(ev, wire.RecvFailed) and ev.code == ErrorCode.NOT_FOUND, ev
 
     # (d) aborts of requests P never finished or D never announced change nothing
-    p.client.abort(f"cmpl-{secrets.token_hex(8)}-none-0")
+    p.client.abort(f"cmpl-{secrets.token_hex(8)}-none-0", side="send")
     d.client.abort(f"cmpl-{secrets.token_hex(8)}-none-0")
 
     # every request ended exactly once on each side, and nothing finished by accident

@@ -39,5 +39,5 @@ def test_metrics_exporter_reports_counters_and_mailboxes(daemons: StartDaemon) -
         d.close()
     assert 'kvd_events_total{agent="kvd-mp",name="leases_granted"} 1.0' in text
     assert 'kvd_events_total{agent="kvd-mp",name="sends_ok"} 1.0' in text
-    assert 'kvd_mailbox_depth{agent="kvd-mp",mailbox="writer"}' in text
+    assert 'kvd_mailbox_depth{agent="kvd-mp",mailbox="sender"}' in text
     assert 'kvd_nixl_transfers_done_total{agent="kvd-mp"} 1.0' in text

@@ -156,7 +156,7 @@ def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
 
 def d_holds(eng: Engine) -> tuple[int, int]:
     s = eng.client.status()
-    return s["reaper"]["tracked"], s["writer"]["receiving"]
+    return s["receiver"]["tracked"], s["receiver"]["receiving"]
 
 
 def p_leases(eng: Engine) -> set[str]:
@@ -208,7 +208,7 @@ def test_p_daemon_restarted_by_systemd_fails_d_push_requests_within_5s(
         p.client.finished(p_id, [10 + i])
     wait_until(lambda: len(p_leases(p)) == 4, 5.0, "P's leases")
     wait_until(
-        lambda: p.client.status()["writer"]["pending_registrations"] == 4, 5.0, "registrations"
+        lambda: p.client.status()["sender"]["pending_registrations"] == 4, 5.0, "registrations"
     )
 
     pd.kill()
@@ -340,7 +340,7 @@ def test_tracks_end_with_their_session_and_p_is_freed(
     cli.connect()
     try:
         st = cli.status()
-        assert (st["reaper"]["tracked"], st["reaper"]["heartbeat_peers"]) == (0, 0)
+        assert (st["receiver"]["tracked"], st["receiver"]["heartbeat_peers"]) == (0, 0)
     finally:
         cli.close()
 
@@ -525,7 +525,7 @@ def test_d_stops_heartbeating_a_p_that_never_answers(daemons: StartDaemon) -> No
             15.0,
             "D giving up",
         )
-        assert st["reaper"]["tracked"] == 0 and st["counters"]["tracks_dropped"] == 2
+        assert st["receiver"]["tracked"] == 0 and st["counters"]["tracks_dropped"] == 2
         tries = st["counters"]["handshakes_failed"]
         time.sleep(2.0)
         assert d.client.status()["counters"]["handshakes_failed"] == tries

@@ -37,9 +37,9 @@ def test_200_requests_random_order_every_byte(daemons: StartDaemon, mode: str) -
         d.close()
     # nothing left behind
     assert pl["leases"] == [] and dl["tracked"] == []
-    assert ps["reaper"]["leases"] == 0 and ps["reaper"]["claimed"] == 0
-    assert ds["writer"]["receiving"] == 0 and dt["receiving"] == [] and dt["in_flight"] == []
-    assert ps["writer"]["staged_blocks"] == 0 and ps["writer"]["pending_registrations"] == 0
+    assert ps["sender"]["leases"] == 0 and ps["sender"]["writing"] == 0
+    assert ds["receiver"]["receiving"] == 0 and dt["receiving"] == [] and dt["in_flight"] == []
+    assert ps["sender"]["held"] == 0 and ps["sender"]["pending_registrations"] == 0
     # the counters agree with what the engines saw
     pc, dc = ps["counters"], ds["counters"]
     assert pc["leases_granted"] == 200
@@ -128,10 +128,10 @@ def test_p_abort_fails_d_push_registration_at_once(daemons: StartDaemon) -> None
         # 1. D registered first; P never finishes and aborts
         d.client.register_push("ab-1-aaaaaaaa", [1, 2], "127.0.0.1", p_d.side_port)
         deadline = time.monotonic() + 10
-        while p.client.status()["writer"]["pending_registrations"] == 0:
+        while p.client.status()["sender"]["pending_registrations"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        p.client.abort("ab-1-bbbbbbbb")
+        p.client.abort("ab-1-bbbbbbbb", side="send")  # P never finished it: say which side
         (ev,) = d.client.wait_events(5)
         assert (
             isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason and ev.block_ids == (1, 2)
@@ -145,7 +145,7 @@ def test_p_abort_fails_d_push_registration_at_once(daemons: StartDaemon) -> None
         (ev,) = d.client.wait_events(5)
         assert isinstance(ev, wire.RecvFailed) and "P aborted" in ev.reason
         st = p.client.status()
-        assert st["writer"]["pending_registrations"] == 0 and st["reaper"]["leases"] == 0
+        assert st["sender"]["pending_registrations"] == 0 and st["sender"]["leases"] == 0
         assert st["counters"]["registrations_failed_p_abort"] == 1
         assert st["counters"]["late_registrations"] == 1
     finally:

@@ -167,7 +167,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
         ),
     ),
     "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
-    "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE)),
+    "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE, side="send")),
     "GetStatus": (12, wire.GetStatus(section="transfers")),
     "StatusReply": (
         12,

@@ -1,0 +1,495 @@
+"""Receiver: the D side of every KV transfer, a thin shell around `kvd.core.receiver.Receiver`.
+
+The protocol (tracking and heartbeats, registrations and pulls, answers from P, aborts,
+watchdogs, giving up on a peer) lives in the sans-IO machine; this actor feeds it what
+arrives (D's engine's track, register_push, pull and abort; P's PushDone, PullAck and
+Resync; peer views from the registrar; the outcome of its own work) with the daemon's
+time, and carries out the effects: events to clients, handshakes and checks of P's
+regions (the P daemon incarnation and compat named by the request), the registration or
+pull completion, the READs themselves, heartbeats and probes, through the transport
+port. Outcomes come back through the actor's own mailbox: only the loop touches the
+machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import (
+    AuthError,
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    RemoteProtocolError,
+    TransferError,
+)
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    ClientRequest,
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EnsurePeer,
+    EventOut,
+    LocalRegion,
+    LocalRegionsChanged,
+    NotifReceived,
+    PeerInfo,
+    PeerLost,
+    PeerUpdated,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.actors.transfers import TransferBook, Transport, check_compat, local_ranks
+from kvd.adapters.nixl import PeerDisconnected
+from kvd.core import receiver as proto
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.planner import check_logical, plan_ranks
+
+log = structlog.get_logger("kvd.receiver", actor="receiver")
+
+_REFUSED: Final = (AuthError, Incompatible, InvalidRequest, RemoteProtocolError)
+"""Handshake failures that retrying cannot mend (VersionMismatch is a RemoteProtocolError)."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    event: proto.Event
+
+
+@dataclass(frozen=True)
+class _View:
+    """What a resolved request's transfer needs (opaque to the machine)."""
+
+    local: list[LocalRegion]
+    remote: list[RemoteRegion]
+    plans: list[Any]
+
+
+class Receiver:
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        mailbox: Mailbox[Any],
+        registrar: Mailbox[Any],
+        emit: Callable[[EventOut], None],
+        lease_duration: float,
+        probe_interval: float,
+        push_registration_timeout: float,
+        transfer_timeout: float,
+        counters: dict[str, int],
+        incarnation: int,
+        side_host: str,
+        side_port_ref: Callable[[], int],
+    ) -> None:
+        self.transport = transport
+        self.mailbox = mailbox
+        self.clock = mailbox.clock
+        self.registrar = registrar
+        self.emit = emit
+        self.counters = counters
+        self.incarnation = incarnation
+        self.side_host = side_host
+        self._side_port_ref = side_port_ref
+        self.proto = proto.Receiver(
+            lease_duration=lease_duration,
+            probe_interval=probe_interval,
+            push_registration_timeout=push_registration_timeout,
+            transfer_timeout=transfer_timeout,
+            counters=counters,
+        )
+        self.book = TransferBook(transport, transfer_timeout, counters)
+        self.local: dict[tuple[str, int], LocalRegion] = {}
+        self.peers: dict[str, PeerInfo] = {}
+        self.closing: dict[str, list[SessionClosed]] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ---------------------------------------------------------------- loop
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                msg: Any = await self.mailbox.receive_before(self.proto.next_deadline())
+                now = self.clock.now()
+                if msg is not None:
+                    self._dispatch(msg, now)
+                self._carry_out(self.proto.handle_timer(now))
+
+    def _feed(self, event: proto.Event, now: float) -> None:
+        self._carry_out(self.proto.handle(event, now))
+
+    def _dispatch(self, msg: Any, now: float) -> None:
+        if isinstance(msg, _Outcome):
+            self._feed(msg.event, now)
+        elif isinstance(msg, ClientRequest):
+            self._client(msg, now)
+        elif isinstance(msg, NotifReceived):
+            self._notif(msg.agent, msg.msg, now)
+        elif isinstance(msg, LocalRegionsChanged):
+            self.local = msg.regions
+        elif isinstance(msg, PeerUpdated):
+            if msg.info is None:
+                old = self.peers.pop(msg.agent, None)
+                if old is not None:
+                    # forgotten (dead, or restarted as a new incarnation): what waits on the
+                    # view it had will never come
+                    lost = proto.PeerLost(msg.agent, "disconnected or restarted", old.handshaked_at)
+                    self._feed(lost, now)
+            else:
+                self.peers[msg.agent] = msg.info
+                self._feed(proto.PeerKnown(msg.info.addr, msg.info.lease_duration), now)
+        elif isinstance(msg, PeerLost):
+            self._feed(proto.PeerLost(msg.agent, msg.reason, msg.since), now)
+        elif isinstance(msg, SessionClosed):
+            self.closing.setdefault(msg.session, []).append(msg)
+            self._feed(proto.EndSession(msg.session), now)
+        elif isinstance(msg, DrainLocalRegion):
+            self._spawn(self._drain_local, msg)
+        elif isinstance(msg, DrainRemoteRegion):
+            info = self.peers.get(msg.agent)
+            if info is not None:  # never plan into it again
+                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
+                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
+            self._spawn(self._drain_remote, msg)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot(msg.section, now))
+        else:
+            raise TypeError(f"receiver got {type(msg).__name__}")
+
+    def _client(self, req: ClientRequest, now: float) -> None:
+        m = req.msg
+        try:
+            if isinstance(m, wire.Track):
+                hb_id = m.remote_request_id or m.request_id
+                ev: proto.Event = proto.Track(
+                    m.request_id, req.session, m.engine_id, m.peer_host, m.peer_port, hb_id
+                )
+            elif isinstance(m, (wire.RegisterPush, wire.Pull)):
+                ev = self._load(req.session, m)
+            elif isinstance(m, wire.Abort):
+                ev = proto.AbortRecv(m.request_id, req.session)
+            else:
+                raise TypeError(f"receiver got {type(m).__name__}")
+            self._feed(ev, now)
+        except KvdError as exc:
+            self._count("requests_rejected")
+            log.warning(
+                "request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message
+            )
+            req.fail(exc)
+            return
+        req.resolve(wire.Ok())
+
+    def _load(self, session: str, m: wire.RegisterPush | wire.Pull) -> proto.Load:
+        for reg in local_ranks(self.local, m.engine_id):
+            check_logical(reg.geometry, m.block_ids)  # bounds, before anything else
+        remote_blocks: tuple[int, ...] = ()
+        if isinstance(m, wire.Pull):
+            remote_blocks = m.remote_block_ids
+            if len(m.block_ids) > len(remote_blocks):
+                raise InvalidRequest(
+                    f"{len(m.block_ids)} local blocks but P offers only {len(remote_blocks)}"
+                )
+        return proto.Load(
+            request_id=m.request_id,
+            session=session,
+            engine_id=m.engine_id,
+            mode="push" if isinstance(m, wire.RegisterPush) else "pull",
+            block_ids=m.block_ids,
+            host=m.peer_host,
+            port=m.peer_port,
+            remote_engine_id=m.remote_engine_id,
+            remote_request_id=m.remote_request_id,
+            remote_block_ids=remote_blocks,
+            remote_incarnation=m.remote_incarnation,
+            remote_session=m.remote_session,
+        )
+
+    def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
+        if agent not in self.peers:
+            self._count("notifs_rejected")
+            log.warning(
+                "notif_rejected",
+                peer=agent,
+                reason=f"{type(msg).__name__} from an agent that never handshaked",
+            )
+            return
+        if isinstance(msg, wire.PushDone):
+            self._feed(proto.PushDoneArrived(agent, msg), now)
+        elif isinstance(msg, wire.PullAck):
+            self._feed(proto.PullAckArrived(agent, msg), now)
+        elif isinstance(msg, wire.Resync):
+            self._feed(proto.ResyncArrived(agent, msg.nonce), now)
+        else:
+            self._count("notifs_rejected")
+            log.warning("notif_rejected", peer=agent, reason=f"unexpected {type(msg).__name__}")
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- effects
+
+    def _carry_out(self, effects: list[proto.Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Emit):
+                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
+            elif isinstance(eff, Notify):
+                self._spawn(self._notify, eff)
+            elif isinstance(eff, proto.Resolve):
+                self._spawn(self._resolve, eff)
+            elif isinstance(eff, proto.SendFor):
+                self._spawn(self._send_for, eff)
+            elif isinstance(eff, proto.PostRead):
+                self._spawn(self._read, eff)
+            elif isinstance(eff, proto.Beat):
+                self._spawn(self._reach, eff.peer, wire.Heartbeat(eff.hb_ids), len(eff.hb_ids))
+            elif isinstance(eff, proto.ProbePeer):
+                self._spawn(self._reach, eff.peer, wire.Probe(0, True), 0)
+            elif isinstance(eff, proto.CancelAt):
+                self._spawn(self._cancel_at, eff)
+            elif isinstance(eff, SessionEnded):
+                for call in self.closing.pop(eff.session, []):
+                    call.resolve(None)
+            elif isinstance(eff, Log):
+                getattr(log, eff.level)(eff.event, **eff.fields)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, *args)
+
+    def _outcome(self, event: proto.Event) -> None:
+        self.mailbox.post(_Outcome(event))
+
+    async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
+        info: PeerInfo = await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
+        return info
+
+    async def _notify(self, eff: Notify) -> None:
+        try:
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+        except KvdError as exc:
+            log.warning(
+                "notification_not_delivered",
+                peer=eff.agent,
+                type=type(eff.record).__name__,
+                error=exc.message,
+            )
+
+    async def _resolve(self, eff: proto.Resolve) -> None:
+        """P's daemon and its regions for the request, checked, and what starts the transfer."""
+        load = eff.load
+        try:
+            local = local_ranks(self.local, load.engine_id)
+            info, remote = await self._peer_ranks(load, len(local), eff.refresh)
+        except KvdError as exc:
+            self._outcome(proto.PeerUnresolved(load.request_id, exc))
+            return
+        try:
+            check_compat(p=remote, d=local)
+            first: wire.Record
+            plans: list[Any] = []
+            if load.mode == "push":
+                first = wire.PushRegistration(
+                    request_id=load.request_id,
+                    remote_request_id=load.remote_request_id,
+                    engine_id=load.engine_id,
+                    remote_engine_id=remote[0].engine_id,
+                    tp_size=len(local),
+                    block_ids=load.block_ids,
+                    side_host=self.side_host,
+                    side_port=self._side_port_ref(),
+                    incarnation=self.incarnation,
+                    generations=tuple(r.generation for r in local),
+                    p_session=load.remote_session,
+                )
+            else:
+                n = len(load.block_ids)
+                p_blocks = load.remote_block_ids[len(load.remote_block_ids) - n :] if n else ()
+                if n:
+                    plans = plan_ranks(
+                        [r.geometry for r in local],
+                        load.block_ids,
+                        [r.geometry for r in remote],
+                        p_blocks,
+                    )
+                first = wire.PullDone(
+                    load.remote_request_id,
+                    load.request_id,
+                    tuple(r.generation for r in remote) if n else (),
+                    load.remote_session,
+                )
+        except KvdError as exc:
+            # P was reached and may hold a lease: the machine tells it
+            self._outcome(proto.PeerUnresolved(load.request_id, exc, info.agent))
+            return
+        self._outcome(
+            proto.PeerResolved(
+                load.request_id,
+                info.agent,
+                info.handshaked_at,
+                len(remote),
+                first,
+                _View(local, remote, plans),
+            )
+        )
+
+    async def _peer_ranks(
+        self, load: proto.Load, tp: int, refresh: bool
+    ) -> tuple[PeerInfo, list[RemoteRegion]]:
+        """The peer's regions for the request's engine, re-handshaking once if they are not
+        (yet) known. The peer must be the daemon the request's incarnation names (if
+        given): a cached view of an older one is refreshed once, a newer one fails."""
+        info = await self._peer(load.host, load.port, refresh=refresh)
+        wanted = load.remote_incarnation
+        if wanted and info.incarnation != wanted and not refresh:
+            info = await self._peer(load.host, load.port, refresh=True)
+            refresh = True
+        if wanted and info.incarnation != wanted:
+            raise TransferError(
+                f"P's daemon {info.agent} restarted since it leased the blocks "
+                f"(incarnation {info.incarnation:016x}, kv_transfer_params name "
+                f"{wanted:016x}): its KV is gone"
+            )
+        engine_id = load.remote_engine_id
+        ranks: list[RemoteRegion] = []
+        for attempt in range(2):
+            if engine_id:
+                ranks = info.ranks(engine_id)
+            else:
+                engines = {e for (e, _) in info.regions}
+                ranks = info.ranks(next(iter(engines))) if len(engines) == 1 else []
+            if len(ranks) == tp and [x.tp_rank for x in ranks] == list(range(tp)):
+                return info, ranks
+            if attempt == 0 and not refresh:
+                info = await self._peer(load.host, load.port, refresh=True)
+        raise Incompatible(
+            f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, "
+            f"need {tp} (equal TP)"
+        )
+
+    def _disconnected(self, agent: str, exc: KvdError) -> bool:
+        """A transfer or notification found the peer gone: the registrar forgets the view
+        (the next use handshakes afresh). True if it was posting (NIXL already knew)."""
+        if not isinstance(exc, PeerDisconnected):
+            return False
+        info = self.peers.get(agent)
+        since = info.handshaked_at if info is not None else float("inf")
+        self.registrar.post(PeerLost(agent, exc.message, since))
+        return exc.at_post
+
+    async def _send_for(self, eff: proto.SendFor) -> None:
+        try:
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+        except KvdError as exc:
+            stale = self._disconnected(eff.agent, exc) or isinstance(exc, PeerDisconnected)
+            self._outcome(proto.SendFailed(eff.request_id, exc, stale))
+            return
+        self._outcome(proto.Sent(eff.request_id))
+
+    async def _read(self, eff: proto.PostRead) -> None:
+        view = eff.view
+        assert isinstance(view, _View)
+        try:
+            await self.book.run(
+                "READ",
+                eff.request_id,
+                eff.agent,
+                view.local,
+                view.remote,
+                view.plans,
+                [b""] * len(view.plans),
+            )
+        except KvdError as exc:
+            # lost under a posted READ: fail; already gone when posting: handshake again
+            stale = self._disconnected(eff.agent, exc)
+            self._outcome(proto.ReadDone(eff.request_id, exc, stale))
+            return
+        self._outcome(proto.ReadDone(eff.request_id))
+
+    async def _reach(self, peer: str, msg: wire.Record, ids: int) -> None:
+        """One heartbeat (or probe) to the P at `peer`; its outcome feeds the give-up rule."""
+        host, _, port = peer.rpartition(":")
+        info: PeerInfo | None = None
+        try:
+            info = await self._peer(host, int(port))
+            await self.transport.send_notif(info.agent, wire.encode(msg))
+        except KvdError as exc:
+            if info is not None:
+                self._disconnected(info.agent, exc)
+                self._outcome(proto.PeerLost(info.agent, exc.message, info.handshaked_at))
+            refused = info is None and isinstance(exc, _REFUSED)
+            self._outcome(proto.PeerUnreachable(peer, exc, refused))
+            return
+        if ids:
+            self._count("heartbeats_sent")
+            self._count("heartbeat_ids_sent", ids)
+        self._outcome(proto.PeerReached(peer))
+
+    async def _cancel_at(self, eff: proto.CancelAt) -> None:
+        """Tell P (handshaking first if need be: a handshake may still be under way) that
+        nothing will take `hb_id`'s blocks."""
+        host, _, port = eff.peer.rpartition(":")
+        try:
+            info = await self._peer(host, int(port))
+            await self.transport.send_notif(
+                info.agent, wire.encode(wire.CancelRegistration(eff.hb_id))
+            )
+        except KvdError as exc:
+            log.warning(
+                "cancel_not_delivered", request_id=eff.hb_id, peer=eff.peer, error=exc.message
+            )
+
+    async def _drain_local(self, msg: DrainLocalRegion) -> None:
+        await self.book.drain_local(msg.region_id)
+        msg.resolve(None)
+
+    async def _drain_remote(self, msg: DrainRemoteRegion) -> None:
+        await self.book.drain_remote(msg.agent, msg.region_id)
+        msg.resolve(None)
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self, section: str, now: float) -> dict[str, Any]:
+        p = self.proto
+        if section == "leases":
+            return {
+                "tracked": [
+                    {"request_id": r.request_id, "peer": r.peer, "hb_id": r.hb_id}
+                    for r in p.reqs.values()
+                ]
+            }
+        if section == "transfers":
+            return self.book.snapshot() | {
+                "receiving": [
+                    {
+                        "request_id": r.request_id,
+                        "mode": r.mode,
+                        "peer": r.agent,
+                        "state": r.state.value,
+                        "ranks_done": len(r.done_ranks),
+                        "ranks": r.ranks,
+                        "blocks": len(r.blocks),
+                        "age_s": round(now - r.started, 3),
+                    }
+                    for r in p.reqs.values()
+                    if r.state is not proto.RecvState.TRACKED
+                ]
+            }
+        states = p.by_state()
+        return {
+            "tracked": len(p.reqs),
+            "receiving": len(p.reqs) - states["tracked"],
+            "states": states,
+            "sending": len(self.book.in_flight),
+            "heartbeat_peers": len(p.heartbeats.peers()),
+        }

@@ -1,0 +1,358 @@
+"""Sender: the P side of every KV transfer, a thin shell around `kvd.core.sender.Sender`.
+
+The protocol (leases, matching D's registration, claims, tombstones, re-sync after a
+stall) lives in the sans-IO machine; this actor feeds it what arrives (P's engine's
+`finished` and aborts, D's registrations, heartbeats, pull completions and cancels, the
+outcome of its own work) with the daemon's time, and carries out the effects: events to
+clients, notifications to peers, resolving D's regions (a handshake when our view is
+stale) and the WRITEs themselves, through the transport port. Outcomes of that work come
+back through the actor's own mailbox, so only the actor's loop touches the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import Incompatible, KvdError, NotFound
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    ClientRequest,
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EnsurePeer,
+    EventOut,
+    HeartbeatReceived,
+    LocalRegion,
+    LocalRegionsChanged,
+    NotifReceived,
+    PeerInfo,
+    PeerUpdated,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.actors.transfers import TransferBook, Transport, check_compat, local_ranks
+from kvd.core import sender as proto
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.planner import check_logical, plan_ranks
+
+log = structlog.get_logger("kvd.sender", actor="sender")
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """The outcome of the actor's own work, fed to the machine in the loop."""
+
+    event: proto.Event
+
+
+class Sender:
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        mailbox: Mailbox[Any],
+        registrar: Mailbox[Any],
+        emit: Callable[[EventOut], None],
+        lease_duration: float,
+        lease_wait_timeout: float,
+        registration_timeout: float,
+        transfer_timeout: float,
+        tombstones: int,
+        counters: dict[str, int],
+    ) -> None:
+        self.transport = transport
+        self.mailbox = mailbox
+        self.clock = mailbox.clock
+        self.registrar = registrar
+        self.emit = emit
+        self.counters = counters
+        self.proto = proto.Sender(
+            lease_duration=lease_duration,
+            lease_wait_timeout=lease_wait_timeout,
+            registration_timeout=registration_timeout,
+            max_tombstones=tombstones,
+            counters=counters,
+        )
+        self.book = TransferBook(transport, transfer_timeout, counters)
+        self.local: dict[tuple[str, int], LocalRegion] = {}
+        self.peers: dict[str, PeerInfo] = {}
+        self.closing: dict[str, list[SessionClosed]] = {}
+        self._stall_seen = self.clock.stall_count
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ---------------------------------------------------------------- loop
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                msg: Any = await self.mailbox.receive_before(self.proto.next_deadline())
+                now = self.clock.now()
+                if self.clock.stall_count != self._stall_seen:
+                    self._stall_seen = self.clock.stall_count
+                    self._feed(proto.Stalled(), now)
+                if msg is not None:
+                    self._dispatch(msg, now)
+                self._carry_out(self.proto.handle_timer(now))
+
+    def _feed(self, event: proto.Event, now: float) -> None:
+        self._carry_out(self.proto.handle(event, now))
+
+    def _dispatch(self, msg: Any, now: float) -> None:
+        if isinstance(msg, _Outcome):
+            self._feed(msg.event, now)
+        elif isinstance(msg, ClientRequest):
+            self._client(msg, now)
+        elif isinstance(msg, HeartbeatReceived):
+            if self._known(msg.agent, msg.msg):
+                self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
+        elif isinstance(msg, NotifReceived):
+            self._notif(msg.agent, msg.msg, now)
+        elif isinstance(msg, LocalRegionsChanged):
+            self.local = msg.regions
+            gens: dict[str, list[tuple[int, int]]] = {}
+            for (engine, rank), r in msg.regions.items():
+                gens.setdefault(engine, []).append((rank, r.generation))
+            by_engine = {e: tuple(g for _, g in sorted(v)) for e, v in gens.items()}
+            self._feed(proto.RegionsChanged(by_engine), now)
+        elif isinstance(msg, PeerUpdated):
+            if msg.info is None:
+                self.peers.pop(msg.agent, None)
+            else:
+                self.peers[msg.agent] = msg.info
+        elif isinstance(msg, SessionClosed):
+            self.closing.setdefault(msg.session, []).append(msg)
+            self._feed(proto.EndSession(msg.session), now)
+        elif isinstance(msg, DrainLocalRegion):
+            self._spawn(self._drain_local, msg)
+        elif isinstance(msg, DrainRemoteRegion):
+            info = self.peers.get(msg.agent)
+            if info is not None:  # never plan into it again
+                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
+                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
+            self._spawn(self._drain_remote, msg)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot(msg.section, now))
+        else:
+            raise TypeError(f"sender got {type(msg).__name__}")
+
+    def _client(self, req: ClientRequest, now: float) -> None:
+        m = req.msg
+        try:
+            if isinstance(m, wire.Finish):
+                self._check_blocks(m.engine_id, m.block_ids)
+                self._feed(proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session), now)
+            elif isinstance(m, wire.Abort):
+                self._feed(proto.AbortSend(m.request_id, req.session), now)
+            else:
+                raise TypeError(f"sender got {type(m).__name__}")
+        except KvdError as exc:
+            self._count("requests_rejected")
+            log.warning(
+                "request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message
+            )
+            req.fail(exc)
+            return
+        req.resolve(wire.Ok())
+
+    def _check_blocks(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
+        """Refuse a lease on blocks that are not in every one of the engine's regions (a bad
+        P block id is an error for the caller now, never an input to the planner)."""
+        regions = [r for (e, _), r in self.local.items() if e == engine_id]
+        if not regions:
+            raise NotFound(f"engine {engine_id!r} has no registered region on this daemon")
+        for r in regions:
+            check_logical(r.geometry, block_ids)
+
+    def _known(self, agent: str, msg: wire.Record) -> bool:
+        if agent in self.peers:
+            return True
+        self._count("notifs_rejected")
+        log.warning(
+            "notif_rejected",
+            peer=agent,
+            reason=f"{type(msg).__name__} from an agent that never handshaked",
+        )
+        return False
+
+    def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
+        if not self._known(agent, msg):
+            return
+        if isinstance(msg, wire.PushRegistration):
+            self._feed(proto.RegistrationArrived(agent, msg), now)
+        elif isinstance(msg, wire.PullDone):
+            self._feed(proto.PullDoneArrived(agent, msg), now)
+        elif isinstance(msg, wire.CancelRegistration):
+            self._feed(proto.CancelArrived(agent, msg.request_id), now)
+        elif isinstance(msg, wire.ResyncAck):
+            self._feed(proto.ResyncAcked(agent, msg.nonce), now)
+        else:
+            self._count("notifs_rejected")
+            log.warning("notif_rejected", peer=agent, reason=f"unexpected {type(msg).__name__}")
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- effects
+
+    def _carry_out(self, effects: list[proto.Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Emit):
+                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
+            elif isinstance(eff, Notify):
+                self._spawn(self._notify, eff)
+            elif isinstance(eff, proto.ResolveView):
+                self._spawn(self._resolve_view, eff)
+            elif isinstance(eff, proto.PostWrite):
+                self._spawn(self._write, eff)
+            elif isinstance(eff, SessionEnded):
+                for call in self.closing.pop(eff.session, []):
+                    call.resolve(None)
+            elif isinstance(eff, Log):
+                getattr(log, eff.level)(eff.event, **eff.fields)
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, *args)
+
+    def _outcome(self, event: proto.Event) -> None:
+        self.mailbox.post(_Outcome(event))
+
+    async def _notify(self, eff: Notify) -> None:
+        try:
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+        except KvdError as exc:
+            log.warning(
+                "notification_not_delivered",
+                peer=eff.agent,
+                type=type(eff.record).__name__,
+                error=exc.message,
+            )
+
+    async def _resolve_view(self, eff: proto.ResolveView) -> None:
+        try:
+            view = await self._d_view(eff.agent, eff.registration)
+        except KvdError as exc:
+            self._outcome(proto.ViewResolved(eff.key, error=exc))
+            return
+        self._outcome(proto.ViewResolved(eff.key, view=view))
+
+    async def _d_view(self, agent: str, msg: wire.PushRegistration) -> list[RemoteRegion]:
+        """D's regions exactly as its registration names them (incarnation, and each rank's
+        generation). A stale or missing view (D's engine re-registered, D restarted) is
+        refreshed once by a handshake with D; never WRITE through a view D did not name."""
+
+        def fits(info: PeerInfo | None) -> list[RemoteRegion] | None:
+            if info is None or info.incarnation != msg.incarnation:
+                return None
+            ranks = info.ranks(msg.engine_id)
+            return ranks if tuple(r.generation for r in ranks) == msg.generations else None
+
+        ranks = fits(self.peers.get(agent))
+        if ranks is not None:
+            return ranks
+        if not msg.side_host or not msg.side_port:
+            raise Incompatible(f"D {agent} named regions we do not know, and no address")
+        self._count("peer_view_refreshes")
+        info = await self.registrar.call(EnsurePeer(msg.side_host, msg.side_port, refresh=True))
+        if info.agent != agent:
+            raise Incompatible(
+                f"{msg.side_host}:{msg.side_port} is {info.agent}, not {agent} who registered"
+            )
+        ranks = fits(info)
+        if ranks is None:
+            have = tuple(r.generation for r in info.ranks(msg.engine_id))
+            raise Incompatible(
+                f"D {agent} registered into generations {msg.generations} of engine "
+                f"{msg.engine_id!r}, its daemon announces {have}"
+            )
+        return ranks
+
+    async def _write(self, eff: proto.PostWrite) -> None:
+        reg = eff.registration
+        try:
+            local = self._local_ranks(eff.engine_id)
+            remote: list[RemoteRegion] = eff.view  # type: ignore[assignment]
+            if len(remote) != len(local) or reg.tp_size != len(local):
+                raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
+            check_compat(p=local, d=remote)
+            plans = plan_ranks(
+                [r.geometry for r in local],
+                eff.p_blocks,
+                [r.geometry for r in remote],
+                reg.block_ids,
+            )
+            notifs = [
+                wire.encode(wire.PushDone(reg.request_id, rank, True, 0, ""))
+                for rank in range(len(local))
+            ]
+            await self.book.run("WRITE", eff.key, eff.agent, local, remote, plans, notifs)
+        except KvdError as exc:
+            self._outcome(proto.WriteDone(eff.key, exc))
+            return
+        log.debug("push_done", request_id=eff.key, peer=eff.agent)
+        self._outcome(proto.WriteDone(eff.key))
+
+    def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
+        return local_ranks(self.local, engine_id)
+
+    async def _drain_local(self, msg: DrainLocalRegion) -> None:
+        await self.book.drain_local(msg.region_id)
+        msg.resolve(None)
+
+    async def _drain_remote(self, msg: DrainRemoteRegion) -> None:
+        await self.book.drain_remote(msg.agent, msg.region_id)
+        msg.resolve(None)
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self, section: str, now: float) -> dict[str, Any]:
+        p = self.proto
+        if section == "leases":
+            leases = [
+                {
+                    "request_id": lease.request_id,
+                    "expires_in_s": round(lease.deadline - now, 3),
+                    "age_s": round(now - lease.granted_at, 3),
+                    "state": p.reqs[lease.request_id].state.value,
+                }
+                for lease in p.leases.leases()
+                if lease.request_id in p.reqs
+            ]
+            writing = [
+                {
+                    "request_id": r.key,
+                    "expires_in_s": None,
+                    "age_s": round(now - r.since, 3),
+                    "state": r.state.value,
+                }
+                for r in p.reqs.values()
+                if r.state is proto.SendState.WRITING
+            ]
+            return {"leases": leases + writing}
+        if section == "transfers":
+            return self.book.snapshot()
+        states = p.by_state()
+        return {
+            "leases": len(p.leases),
+            "states": states,
+            "held": states["held"],
+            "writing": states["writing"],
+            "pending_registrations": sum(
+                1 for r in p.reqs.values() if r.state is proto.SendState.AWAITING and r.registration
+            ),
+            "early_pulls": sum(
+                1 for r in p.reqs.values() if r.state is proto.SendState.AWAITING and r.early_pull
+            ),
+            "sending": len(self.book.in_flight),
+            "tombstones": len(p.tombstones),
+        }

@@ -1,0 +1,815 @@
+"""The D side of the KV transfer protocol: a sans-IO state machine per request.
+
+A `Receiver` owns every request D's daemon receives (or only tracks so far), each a
+`RecvRequest`, the heartbeat schedule that keeps P's leases on them alive, the probes of
+the peers they wait on, and the tombstones of those that ended. Events go in through
+`handle(event, now)`, effects come out (`kvd.core.effects` and those below);
+`next_deadline()` says when `handle_timer(now)` must run next. No IO, no clock.
+
+States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers):
+
+    TRACKED      the request arrived at D's engine: heartbeats to P start now
+    HANDSHAKING  the engine registered (push) or asked to pull: P's regions are being
+                 resolved (`Resolve`; the P daemon incarnation, compat and ranks checked)
+    REGISTERING  push: the registration is being sent (a view found dead when sending is
+                 handshaked afresh, once)
+    REGISTERED   push: P has the registration; waiting for a PushDone per rank
+    READING      pull: our READ of P's blocks is in flight
+    ACKING       pull: PullDone sent; P acknowledges only if its lease still held
+    CANCELLING   aborted while registered: P was told; waiting for its last word
+    FINISHED     every byte arrived (RecvFinished)
+    FAILED       RecvFailed, with the blocks to recompute
+    DROPPED      only tracked, then abandoned (no terminal event: none was announced)
+
+Rules it keeps:
+- Each registered or pulled request ends in exactly one terminal event to its session.
+- A request never ends while something may still write into its blocks: a READ in
+  flight finishes first, a registration at P is cancelled and P's answer awaited
+  (bounded), and an abort while handshaking cancels at P once P is known.
+- P is told (a cancel) whenever a request ends before P heard its fate, so P frees the
+  blocks at once instead of after a whole lease without heartbeats.
+- A peer that refuses our handshake, or has not answered for a whole lease, is no
+  longer heartbeated or probed (nothing is retried forever).
+- A closing session is answered (`SessionEnded`) once none of its requests is left.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from kvd_client import wire
+from kvd_client.errors import (
+    InvalidRequest,
+    KvdError,
+    LocalProtocolError,
+    Timeout,
+    TransferError,
+    error_from_code,
+)
+
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.heartbeats import HeartbeatSchedule
+from kvd.core.timers import TimerHeap
+
+MAX_HB_IDS: Final = 8192
+"""Ids per heartbeat message (a larger batch is split)."""
+ENDED: Final = 65536
+"""Ended request ids remembered (a late answer for one is counted, not warned about)."""
+
+
+class RecvState(enum.Enum):
+    TRACKED = "tracked"
+    HANDSHAKING = "handshaking"
+    REGISTERING = "registering"
+    REGISTERED = "registered"
+    READING = "reading"
+    ACKING = "acking"
+    CANCELLING = "cancelling"
+    FINISHED = "finished"
+    FAILED = "failed"
+    DROPPED = "dropped"
+
+
+R = RecvState
+TERMINAL: Final = frozenset({R.FINISHED, R.FAILED, R.DROPPED})
+TRANSITIONS: Final[Mapping[RecvState, frozenset[RecvState]]] = {
+    R.TRACKED: frozenset({R.HANDSHAKING, R.DROPPED}),
+    R.HANDSHAKING: frozenset({R.REGISTERING, R.READING, R.ACKING, R.FAILED}),
+    R.REGISTERING: frozenset({R.REGISTERED, R.HANDSHAKING, R.CANCELLING, R.FAILED}),
+    R.REGISTERED: frozenset({R.CANCELLING, R.FINISHED, R.FAILED}),
+    R.READING: frozenset({R.HANDSHAKING, R.ACKING, R.FAILED}),
+    R.ACKING: frozenset({R.FINISHED, R.FAILED}),
+    R.CANCELLING: frozenset({R.FINISHED, R.FAILED}),
+}
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class Track:
+    """D's engine got a request whose KV is at P: heartbeat P for it from now on."""
+
+    request_id: str
+    session: str
+    engine_id: str
+    host: str
+    port: int
+    hb_id: str
+    """The id P knows it by (P's id when given, else ours)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """D's engine registered blocks for a push, or asks to pull (validated blocks)."""
+
+    request_id: str
+    session: str
+    engine_id: str
+    mode: str
+    """"push" or "pull"."""
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    remote_engine_id: str
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    remote_incarnation: int
+    remote_session: str
+
+    @property
+    def hb_id(self) -> str:
+        return self.remote_request_id or self.request_id
+
+    @property
+    def peer(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRecv:
+    request_id: str
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndSession:
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerResolved:
+    """The answer to `Resolve`: P's daemon and its regions for the request.
+
+    `first` is the message that starts the transfer (the PushRegistration, or for a pull
+    the PullDone to send after the READ); `view` what `PostRead` needs."""
+
+    request_id: str
+    agent: str
+    since: float
+    """When the view was handshaked (a PeerLost about an older view spares it)."""
+    ranks: int
+    first: wire.Record
+    view: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerUnresolved:
+    """`Resolve` failed. `agent` is set when P was reached but refused (compat, a restarted
+    daemon): it may hold a lease, so it is told."""
+
+    request_id: str
+    error: KvdError
+    agent: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """A `SendFor` notification went out."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailed:
+    """A `SendFor` notification could not be sent. `stale`: our view of the peer was dead
+    when posting (it restarted while we were idle): one fresh handshake may mend it."""
+
+    request_id: str
+    error: KvdError
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """The answer to `PostRead` (`stale` as in SendFailed)."""
+
+    request_id: str
+    error: KvdError | None = None
+    stale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PushDoneArrived:
+    agent: str
+    msg: wire.PushDone
+
+
+@dataclass(frozen=True, slots=True)
+class PullAckArrived:
+    agent: str
+    msg: wire.PullAck
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncArrived:
+    agent: str
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLost:
+    """`agent` is gone (as seen through the view handshaked at `since`)."""
+
+    agent: str
+    reason: str
+    since: float = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerKnown:
+    """A handshake taught us the lease of the P at `peer` (host:port)."""
+
+    peer: str
+    lease_duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerReached:
+    """A heartbeat or probe to `peer` went out."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerUnreachable:
+    """A heartbeat or probe to `peer` failed. `refused`: its handshake was refused in a way
+    retrying cannot mend (another secret, version or model)."""
+
+    peer: str
+    error: KvdError
+    refused: bool
+
+
+Event = (
+    Track
+    | Load
+    | AbortRecv
+    | EndSession
+    | PeerResolved
+    | PeerUnresolved
+    | Sent
+    | SendFailed
+    | ReadDone
+    | PushDoneArrived
+    | PullAckArrived
+    | ResyncArrived
+    | PeerLost
+    | PeerKnown
+    | PeerReached
+    | PeerUnreachable
+)
+
+
+# ------------------------------------------------------------------ effects
+
+
+@dataclass(frozen=True, slots=True)
+class Resolve:
+    """Handshake with P if need be and check it can serve `load` (incarnation, ranks,
+    compat); answer with PeerResolved or PeerUnresolved."""
+
+    load: Load
+    refresh: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SendFor:
+    """A notification the request depends on; a failure comes back as `SendFailed`."""
+
+    request_id: str
+    agent: str
+    record: wire.Record
+
+
+@dataclass(frozen=True, slots=True)
+class PostRead:
+    """READ P's blocks into ours through `view`; answer with `ReadDone`."""
+
+    request_id: str
+    agent: str
+    view: object
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    """One heartbeat to the P at `peer` naming these ids (P's ids); answer with
+    PeerReached / PeerUnreachable."""
+
+    peer: str
+    hb_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePeer:
+    """Check the P at `peer` is alive (a notification round trip's first half)."""
+
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAt:
+    """Tell the P at `peer` (handshaking first if need be) that nothing will take `hb_id`."""
+
+    peer: str
+    hb_id: str
+
+
+Effect = (
+    Emit | Notify | SessionEnded | Log | Resolve | SendFor | PostRead | Beat | ProbePeer | CancelAt
+)
+
+
+# ------------------------------------------------------------------ state
+
+
+@dataclass(slots=True)
+class RecvRequest:
+    request_id: str
+    state: RecvState
+    session: str
+    engine_id: str
+    peer: str
+    hb_id: str
+    started: float
+    load: Load | None = None
+    agent: str = ""
+    since: float = 0.0
+    ranks: int = 0
+    done_ranks: set[int] = field(default_factory=set)
+    first: wire.Record | None = None
+    view: object = None
+    refreshed: bool = False
+    aborted: bool = False
+
+    @property
+    def mode(self) -> str:
+        return self.load.mode if self.load is not None else ""
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self.load.block_ids if self.load is not None else ()
+
+
+@dataclass
+class Receiver:
+    """Every request D's daemon receives (see the module docstring)."""
+
+    lease_duration: float
+    """Our own lease setting: the heartbeat period (lease/6) until a handshake teaches us
+    P's, and how long an unreachable P is tried."""
+    probe_interval: float
+    push_registration_timeout: float
+    transfer_timeout: float
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.reqs: dict[str, RecvRequest] = {}
+        self.heartbeats = HeartbeatSchedule()
+        self.intervals: dict[str, float] = {}
+        """Peer (host:port) -> heartbeat period learned from its lease."""
+        self.probes: TimerHeap[str] = TimerHeap()
+        self.watchdogs: TimerHeap[str] = TimerHeap()
+        self.failing_since: dict[str, float] = {}
+        self.ended: OrderedDict[str, None] = OrderedDict()
+        self.closing: set[str] = set()
+        self._out: list[Effect] = []
+
+    # ---------------------------------------------------------------- the interface
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        """Feed one event; returns the effects to carry out, in order.
+
+        Raises InvalidRequest for a client request the protocol refuses (the actor answers
+        it with the error); the machine is unchanged then.
+        """
+        self._out = []
+        _HANDLERS[type(event)](self, event, now)
+        out, self._out = self._out, []
+        return out
+
+    def handle_timer(self, now: float) -> list[Effect]:
+        """Heartbeats and probes that are due, and watchdogs that fired."""
+        self._out = []
+        for rid, _ in self.watchdogs.pop_due(now):
+            req = self.reqs.get(rid)
+            if req is not None:
+                self._watchdog(req, now)
+        for peer, rids in self.heartbeats.due(now).items():
+            ids = tuple(self.reqs[r].hb_id for r in rids if r in self.reqs)
+            for i in range(0, len(ids), MAX_HB_IDS):
+                self._out.append(Beat(peer, ids[i : i + MAX_HB_IDS]))
+        for peer, _ in self.probes.pop_due(now):
+            if self.heartbeats.requests_of(peer):
+                self._out.append(ProbePeer(peer))
+                self.probes.set(peer, now + self.probe_interval)
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = [
+            t
+            for t in (
+                self.watchdogs.next_time(),
+                self.heartbeats.next_deadline(),
+                self.probes.next_time(),
+            )
+            if t is not None
+        ]
+        return min(times) if times else None
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _log(self, level: str, event: str, **fields: Any) -> None:
+        self._out.append(Log(level, event, fields))
+
+    def _goto(self, req: RecvRequest, state: RecvState) -> None:
+        if state not in TRANSITIONS.get(req.state, frozenset()):
+            raise LocalProtocolError(
+                f"recv {req.request_id!r}: no transition {req.state} -> {state}"
+            )
+        req.state = state
+
+    def _beat(self, req: RecvRequest, now: float) -> None:
+        interval = self.intervals.get(req.peer, max(self.lease_duration / 6.0, 0.01))
+        self.heartbeats.track(req.request_id, req.peer, now, interval)
+        if req.peer not in self.probes:
+            self.probes.set(req.peer, now + self.probe_interval)
+
+    def _end(self, req: RecvRequest, state: RecvState) -> None:
+        self._goto(req, state)
+        del self.reqs[req.request_id]
+        self.heartbeats.untrack(req.request_id)
+        self.watchdogs.discard(req.request_id)
+        if state is not R.DROPPED:
+            self.ended[req.request_id] = None
+            while len(self.ended) > ENDED:
+                self.ended.popitem(last=False)
+        if req.session in self.closing:
+            self._maybe_session_ended(req.session)
+
+    def _finish(self, req: RecvRequest, now: float) -> None:
+        if req.aborted:
+            self._fail(req, _aborted(), now)
+            return
+        self._count("recv_ok")
+        self._out.append(Emit(req.session, req.engine_id, wire.RecvFinished(req.request_id)))
+        self._log(
+            "debug",
+            "recv_finished",
+            request_id=req.request_id,
+            peer=req.agent,
+            seconds=round(now - req.started, 6),
+        )
+        self._end(req, R.FINISHED)
+
+    def _fail(self, req: RecvRequest, exc: KvdError, now: float) -> None:
+        """End the request failed (its blocks to recompute). If P never heard its fate, tell
+        P to free the blocks now rather than after a whole lease."""
+        if req.agent and req.state in (R.HANDSHAKING, R.READING):
+            self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
+        self._count("recv_failed")
+        ev = wire.RecvFailed(req.request_id, int(exc.code), exc.message[:1000], req.blocks)
+        self._out.append(Emit(req.session, req.engine_id, ev))
+        self._log(
+            "info", "recv_failed", request_id=req.request_id, peer=req.agent, error=exc.message
+        )
+        self._end(req, R.FAILED)
+
+    def _maybe_session_ended(self, session: str) -> None:
+        if session not in self.closing or any(r.session == session for r in self.reqs.values()):
+            return
+        self.closing.discard(session)
+        self._out.append(SessionEnded(session))
+
+    def _reject(self, agent: str, why: str) -> None:
+        self._count("notifs_rejected")
+        self._log("warning", "notif_rejected", peer=agent, reason=why)
+
+    # ---------------------------------------------------------------- D's engine
+
+    def _on_track(self, ev: Track, now: float) -> None:
+        if ev.request_id in self.reqs:
+            return  # tracked already (or loading): nothing to add
+        req = RecvRequest(
+            ev.request_id,
+            R.TRACKED,
+            ev.session,
+            ev.engine_id,
+            f"{ev.host}:{ev.port}",
+            ev.hb_id,
+            now,
+        )
+        self.reqs[ev.request_id] = req
+        self._beat(req, now)
+
+    def _on_load(self, ev: Load, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is not None and req.state is not R.TRACKED:
+            raise InvalidRequest(f"request {ev.request_id!r} is already receiving")
+        if req is not None and req.session != ev.session:
+            raise InvalidRequest(f"request {ev.request_id!r} is tracked by another session")
+        self._count(f"{ev.mode}_requests")
+        if req is None:
+            req = RecvRequest(
+                ev.request_id, R.TRACKED, ev.session, ev.engine_id, ev.peer, ev.hb_id, now
+            )
+            self.reqs[ev.request_id] = req
+        elif req.peer != ev.peer or req.hb_id != ev.hb_id:
+            self.heartbeats.untrack(req.request_id)
+            req.peer, req.hb_id = ev.peer, ev.hb_id
+        req.load, req.engine_id, req.started = ev, ev.engine_id, now
+        self._beat(req, now)
+        self._goto(req, R.HANDSHAKING)
+        self._out.append(Resolve(ev, refresh=False))
+
+    def _on_abort(self, ev: AbortRecv, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None or req.session != ev.session:
+            return  # not ours, or ended already
+        self._abort(req, now)
+
+    def _abort(self, req: RecvRequest, now: float) -> None:
+        """The terminal event waits until nothing can still write into D's blocks."""
+        if req.aborted:
+            return
+        req.aborted = True
+        self._count("aborted")
+        handler = _ON_ABORT.get(req.state)
+        if handler is not None:
+            handler(self, req, now)
+
+    def _drop_tracked(self, req: RecvRequest, now: float) -> None:
+        """Only tracked: stop heartbeating, and tell P it can free the blocks now."""
+        self._count("tracks_cancelled")
+        self._out.append(CancelAt(req.peer, req.hb_id))
+        self._end(req, R.DROPPED)
+
+    def _cancel_registered(self, req: RecvRequest, now: float) -> None:
+        self._goto(req, R.CANCELLING)
+        self._out.append(SendFor(req.request_id, req.agent, wire.CancelRegistration(req.hb_id)))
+        # P answers with PushDone (failed, or ok if its WRITE already ran); bounded
+        due = min(
+            self.watchdogs.get(req.request_id) or float("inf"),
+            now + min(self.transfer_timeout, 10.0),
+        )
+        self.watchdogs.set(req.request_id, due)
+
+    def _on_end_session(self, ev: EndSession, now: float) -> None:
+        self.closing.add(ev.session)
+        for req in [r for r in self.reqs.values() if r.session == ev.session]:
+            self._abort(req, now)
+        self._maybe_session_ended(ev.session)
+
+    # ---------------------------------------------------------------- resolution
+
+    def _on_resolved(self, ev: PeerResolved, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None or req.state is not R.HANDSHAKING:
+            return
+        req.agent, req.since, req.ranks = ev.agent, ev.since, ev.ranks
+        req.first, req.view = ev.first, ev.view
+        if req.mode == "push":
+            if req.aborted:
+                self._fail(req, _aborted(), now)  # cancels at P: it may hold a lease
+                return
+            self._goto(req, R.REGISTERING)
+            self._out.append(SendFor(req.request_id, req.agent, ev.first))
+            return
+        assert req.load is not None
+        if req.load.block_ids and not req.aborted:
+            self._goto(req, R.READING)
+            self._out.append(PostRead(req.request_id, req.agent, ev.view))
+        else:
+            self._ack(req, now)  # nothing to read (a local hit, or aborted): P frees now
+
+    def _on_unresolved(self, ev: PeerUnresolved, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None or req.state is not R.HANDSHAKING:
+            return
+        req.agent = ev.agent
+        self._fail(req, _aborted() if req.aborted else ev.error, now)
+
+    def _ack(self, req: RecvRequest, now: float) -> None:
+        assert req.first is not None
+        self._goto(req, R.ACKING)
+        self._out.append(SendFor(req.request_id, req.agent, req.first))
+        self.watchdogs.set(req.request_id, now + self.transfer_timeout)
+
+    def _on_sent(self, ev: Sent, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None or req.state is not R.REGISTERING:
+            return  # a PullDone or a cancel went out: its answer decides
+        self._goto(req, R.REGISTERED)
+        self.watchdogs.set(req.request_id, now + self.push_registration_timeout)
+        if req.aborted:
+            self._cancel_registered(req, now)
+
+    def _on_send_failed(self, ev: SendFailed, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None:
+            return
+        if req.state is R.REGISTERING and ev.stale and not req.refreshed and not req.aborted:
+            self._rehandshake(req, ev.error, now)
+        elif req.state is R.CANCELLING:
+            self._fail(req, _aborted(f"aborted; cancel not delivered: {ev.error.message}"), now)
+        elif req.state is R.REGISTERING:
+            self._fail(req, _aborted() if req.aborted else ev.error, now)
+        elif req.state is R.ACKING:
+            self._fail(req, ev.error, now)
+
+    def _rehandshake(self, req: RecvRequest, exc: KvdError, now: float) -> None:
+        """Our cached view of P was dead (it died, maybe restarted, while we were idle):
+        handshake afresh, once."""
+        assert req.load is not None
+        self._count("peer_rehandshakes")
+        self._log(
+            "info",
+            "peer_gone_rehandshake",
+            request_id=req.request_id,
+            peer=req.agent,
+            error=exc.message,
+        )
+        req.refreshed = True
+        self.watchdogs.discard(req.request_id)
+        self._goto(req, R.HANDSHAKING)
+        self._out.append(Resolve(req.load, refresh=True))
+
+    def _on_read_done(self, ev: ReadDone, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None or req.state is not R.READING:
+            raise LocalProtocolError(f"ReadDone for {ev.request_id!r}, which is not reading")
+        if ev.error is None:
+            self._ack(req, now)
+        elif ev.stale and not req.refreshed and not req.aborted:
+            self._rehandshake(req, ev.error, now)
+        else:
+            self._fail(req, _aborted() if req.aborted else ev.error, now)
+
+    # ---------------------------------------------------------------- P's answers
+
+    def _on_push_done(self, ev: PushDoneArrived, now: float) -> None:
+        msg = ev.msg
+        req = self.reqs.get(msg.request_id)
+        if req is None or req.agent != ev.agent or req.mode != "push":
+            self._unknown_answer(ev.agent, msg.request_id, "push completion")
+            return
+        handler = _ON.get((req.state, PushDoneArrived))
+        if handler is None:
+            self._reject(ev.agent, f"push completion while {req.state.value}")
+            return
+        handler(self, req, ev, now)
+
+    def _pushed(self, req: RecvRequest, ev: PushDoneArrived, now: float) -> None:
+        msg = ev.msg
+        if not msg.ok:
+            exc = _aborted() if req.aborted else error_from_code(msg.code, msg.reason)
+            self._fail(req, exc, now)
+        elif msg.tp_rank >= req.ranks:
+            self._reject(ev.agent, f"push completion for rank {msg.tp_rank} of {req.ranks}")
+        else:
+            req.done_ranks.add(msg.tp_rank)
+            if len(req.done_ranks) == req.ranks:
+                self._finish(req, now)
+
+    def _on_pull_ack(self, ev: PullAckArrived, now: float) -> None:
+        msg = ev.msg
+        req = self.reqs.get(msg.d_request_id)
+        if req is None or req.agent != ev.agent or req.state is not R.ACKING:
+            self._unknown_answer(ev.agent, msg.d_request_id, "pull ack")
+            return
+        if msg.ok:
+            self._finish(req, now)
+        else:
+            self._fail(
+                req, _aborted() if req.aborted else error_from_code(msg.code, msg.reason), now
+            )
+
+    def _unknown_answer(self, agent: str, rid: str, what: str) -> None:
+        if rid in self.ended:
+            self._count("late_answers")  # the request ended first (watchdog, abort)
+            return
+        self._reject(agent, f"{what} for unknown request {rid!r}")
+
+    def _on_resync(self, ev: ResyncArrived, now: float) -> None:
+        # every cancel we decided so far is already ahead of this in the queue to P
+        self._out.append(Notify(ev.agent, wire.ResyncAck(ev.nonce)))
+
+    # ---------------------------------------------------------------- peers
+
+    def _on_peer_lost(self, ev: PeerLost, now: float) -> None:
+        """Fail what waits on `agent` as seen through views up to `since`. A READ in flight
+        ends by itself (it writes into D's blocks: it must return first)."""
+        exc = TransferError(f"peer {ev.agent} lost: {ev.reason}")
+        for req in list(self.reqs.values()):
+            if (
+                req.agent == ev.agent
+                and req.state in (R.REGISTERED, R.ACKING, R.CANCELLING)
+                and req.since <= ev.since
+            ):
+                self._fail(req, exc, now)
+
+    def _on_peer_known(self, ev: PeerKnown, now: float) -> None:
+        interval = max(ev.lease_duration / 6.0, 0.01)
+        self.intervals[ev.peer] = interval
+        self.heartbeats.set_interval(ev.peer, interval, now)
+
+    def _on_peer_reached(self, ev: PeerReached, now: float) -> None:
+        self.failing_since.pop(ev.peer, None)
+
+    def _on_peer_unreachable(self, ev: PeerUnreachable, now: float) -> None:
+        self._count("peer_failures")
+        first = self.failing_since.setdefault(ev.peer, now)
+        if first == now:
+            self._log("warning", "peer_unreachable", peer=ev.peer, error=ev.error.message)
+        if ev.refused or now - first >= self.lease_duration:
+            # The handshake cannot succeed, or has not for a whole lease (any lease P
+            # granted is gone): stop beating instead of retrying forever. A request that
+            # registers or pulls later fails through its own handshake.
+            self.failing_since.pop(ev.peer, None)
+            dropped = [
+                self.reqs[r]
+                for r in self.heartbeats.requests_of(ev.peer)
+                if self.reqs[r].state is R.TRACKED
+            ]
+            for req in dropped:
+                self._end(req, R.DROPPED)
+            self.probes.discard(ev.peer)
+            self._count("peers_given_up")
+            self._count("tracks_dropped", len(dropped))
+            self._log(
+                "warning",
+                "peer_given_up",
+                peer=ev.peer,
+                tracks_dropped=len(dropped),
+                error=ev.error.message,
+            )
+
+    # ---------------------------------------------------------------- time
+
+    def _watchdog(self, req: RecvRequest, now: float) -> None:
+        if req.state is R.REGISTERED:
+            self._count("registration_timeouts")
+            self._log(
+                "warning", "push_registration_timed_out", request_id=req.request_id, peer=req.agent
+            )
+            # P must not WRITE into these blocks later: withdraw the registration there
+            self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
+            why = f"no push completion within {self.push_registration_timeout}s"
+            self._fail(req, Timeout(why), now)
+        elif req.state is R.ACKING:
+            self._fail(req, Timeout("P did not acknowledge the pull in time"), now)
+        elif req.state is R.CANCELLING:
+            self._fail(req, _aborted("aborted; P did not answer the cancel"), now)
+
+    # ---------------------------------------------------------------- views
+
+    def by_state(self) -> dict[str, int]:
+        out = dict.fromkeys((s.value for s in R if s not in TERMINAL), 0)
+        for r in self.reqs.values():
+            out[r.state.value] += 1
+        return out
+
+
+def _aborted(reason: str = "aborted by the client") -> KvdError:
+    return TransferError(reason)
+
+
+_HANDLERS: Final[dict[type, Callable[[Receiver, Any, float], None]]] = {
+    Track: Receiver._on_track,
+    Load: Receiver._on_load,
+    AbortRecv: Receiver._on_abort,
+    EndSession: Receiver._on_end_session,
+    PeerResolved: Receiver._on_resolved,
+    PeerUnresolved: Receiver._on_unresolved,
+    Sent: Receiver._on_sent,
+    SendFailed: Receiver._on_send_failed,
+    ReadDone: Receiver._on_read_done,
+    PushDoneArrived: Receiver._on_push_done,
+    PullAckArrived: Receiver._on_pull_ack,
+    ResyncArrived: Receiver._on_resync,
+    PeerLost: Receiver._on_peer_lost,
+    PeerKnown: Receiver._on_peer_known,
+    PeerReached: Receiver._on_peer_reached,
+    PeerUnreachable: Receiver._on_peer_unreachable,
+}
+
+_ON: Final[dict[tuple[RecvState, type], Callable[[Receiver, RecvRequest, Any, float], None]]] = {
+    (R.REGISTERED, PushDoneArrived): Receiver._pushed,
+    (R.CANCELLING, PushDoneArrived): Receiver._pushed,
+}
+
+_ON_ABORT: Final[dict[RecvState, Callable[[Receiver, RecvRequest, float], None]]] = {
+    R.TRACKED: Receiver._drop_tracked,
+    R.REGISTERED: Receiver._cancel_registered,
+    # HANDSHAKING: ended (with a cancel at P) once P is resolved; REGISTERING: cancelled
+    # once P has the registration (or ended if it never gets it); READING: once the READ
+    # returns (it writes into our blocks); ACKING: once P answers; CANCELLING: already.
+}

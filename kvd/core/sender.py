@@ -1,0 +1,779 @@
+"""The P side of the KV transfer protocol: a sans-IO state machine per request.
+
+A `Sender` owns every request P's daemon is sending, each a `SendRequest` in one of the
+states below, and the tombstones of those that ended. Events go in through
+`handle(event, now)`, which returns the effects to carry out (`kvd.core.effects` and
+the two below); `next_deadline()` says when `handle_timer(now)` must run next. Nothing
+here does IO or reads a clock.
+
+States (`SendState`) and what moves them (`TRANSITIONS` lists every allowed move; the
+per-state handlers are in `_ON`):
+
+    AWAITING  D's registration, or its pull completion, arrived before P's engine
+              finished the request. Bounded: registration_timeout / lease_wait_timeout.
+    HELD      P's engine finished it: a lease is granted; D's heartbeats extend it.
+    MATCHED   held and D's registration is here: D's regions are being resolved (the
+              `ResolveView` effect), and after a stall of ours D must re-sync first.
+    WRITING   the lease is claimed (it cannot expire under the WRITE): `PostWrite`.
+    DELIVERED the WRITE landed, or D's READ was acknowledged with the lease held.
+    EXPIRED   the lease ran out (D stopped heartbeating).
+    ABORTED   P's engine aborted the request, or its session ended.
+    FAILED    D cancelled it, the WRITE failed, or D's view was stale.
+
+Rules it keeps:
+- Each request P's engine finished ends in exactly one terminal event to its session
+  (SendFinished, SendFailed, SendExpired); a D that registered or pulled gets exactly
+  one answer (PushDone or PullAck).
+- Fail closed: a pull is acknowledged only while the lease is held and only for the
+  region generations that are current; a WRITE happens only under a claimed lease,
+  through the exact view of D's regions D named, and never into a D that has not
+  re-synced since our last stall.
+- Tombstones: an ended request is remembered (bounded, by base id) so that a late
+  registration, pull or finish is answered at once instead of waiting.
+- A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Final
+
+from kvd_client import wire
+from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, LocalProtocolError
+
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.ids import base_request_id
+from kvd.core.leases import LeaseTable
+from kvd.core.timers import TimerHeap
+
+
+class SendState(enum.Enum):
+    AWAITING = "awaiting"
+    HELD = "held"
+    MATCHED = "matched"
+    WRITING = "writing"
+    DELIVERED = "delivered"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+S = SendState
+TERMINAL: Final = frozenset({S.DELIVERED, S.EXPIRED, S.ABORTED, S.FAILED})
+TRANSITIONS: Final[Mapping[SendState, frozenset[SendState]]] = {
+    S.AWAITING: frozenset({S.MATCHED, S.DELIVERED, S.FAILED, S.ABORTED}),
+    S.HELD: frozenset({S.MATCHED, S.DELIVERED, S.EXPIRED, S.ABORTED, S.FAILED}),
+    S.MATCHED: frozenset({S.WRITING, S.EXPIRED, S.ABORTED, S.FAILED}),
+    S.WRITING: frozenset({S.DELIVERED, S.FAILED}),
+}
+
+ENDED_SESSIONS: Final = 65536
+"""Ended client sessions remembered (a registration naming one fails at once)."""
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """P's engine finished the request: lease these (validated) blocks."""
+
+    request_id: str
+    engine_id: str
+    block_ids: tuple[int, ...]
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortSend:
+    """P's engine gave up on the request."""
+
+    request_id: str
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class EndSession:
+    """The client session went away: end what it owns (answered by `SessionEnded`)."""
+
+    session: str
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationArrived:
+    agent: str
+    msg: wire.PushRegistration
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatArrived:
+    agent: str
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PullDoneArrived:
+    agent: str
+    msg: wire.PullDone
+
+
+@dataclass(frozen=True, slots=True)
+class CancelArrived:
+    """D will not take the request (by P's id or D's own): free it now."""
+
+    agent: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ViewResolved:
+    """The answer to `ResolveView`: D's regions as the registration named them, or why not."""
+
+    key: str
+    view: object = None
+    error: KvdError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WriteDone:
+    """The answer to `PostWrite`."""
+
+    key: str
+    error: KvdError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncAcked:
+    agent: str
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stalled:
+    """Our daemon was stalled: every D must re-sync before we WRITE into it again."""
+
+
+@dataclass(frozen=True, slots=True)
+class RegionsChanged:
+    """The current generations of our regions, per engine, in rank order."""
+
+    generations: Mapping[str, tuple[int, ...]]
+
+
+Event = (
+    Finish
+    | AbortSend
+    | EndSession
+    | RegistrationArrived
+    | HeartbeatArrived
+    | PullDoneArrived
+    | CancelArrived
+    | ViewResolved
+    | WriteDone
+    | ResyncAcked
+    | Stalled
+    | RegionsChanged
+)
+
+
+# ------------------------------------------------------------------ effects
+
+
+@dataclass(frozen=True, slots=True)
+class ResolveView:
+    """Find D's regions exactly as `registration` names them (a handshake with D if our
+    view is stale), then feed `ViewResolved(key, ...)`."""
+
+    key: str
+    agent: str
+    registration: wire.PushRegistration
+
+
+@dataclass(frozen=True, slots=True)
+class PostWrite:
+    """WRITE P's `p_blocks` of `engine_id` into D's registered blocks through `view`,
+    with one PushDone(ok) notification per rank; then feed `WriteDone(key, ...)`."""
+
+    key: str
+    agent: str
+    engine_id: str
+    p_blocks: tuple[int, ...]
+    registration: wire.PushRegistration
+    view: object
+
+
+Effect = Emit | Notify | SessionEnded | Log | ResolveView | PostWrite
+
+
+# ------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True, slots=True)
+class Tombstone:
+    """How a request ended, for the late messages that name it."""
+
+    code: int
+    reason: str
+    refuses_finish: bool = False
+    """D gave up on it: a `finished` that comes later ends at once (nothing leased)."""
+    by_base: bool = True
+    """Found by an id sharing its base id too (the other engine's id for the same
+    request). An outcome that only matters to the exact request (it was delivered, its
+    WRITE failed) is found by its exact id only, so a new request whose id happens to
+    share the base is never answered with an old one's fate."""
+
+
+@dataclass(slots=True)
+class SendRequest:
+    key: str
+    """P's request id once P's engine finished it; the id D named while AWAITING."""
+    state: SendState
+    since: float
+    engine_id: str = ""
+    blocks: tuple[int, ...] = ()
+    session: str = ""
+    agent: str = ""
+    """D's agent: whoever registered for it or pulled it."""
+    registration: wire.PushRegistration | None = None
+    early_pull: wire.PullDone | None = None
+    view: object = None
+    view_ready: bool = False
+
+
+_RESYNC: Final = "\0resync:"
+"""Timer key prefix of a peer's re-sync deadline (request ids never start with NUL)."""
+
+
+@dataclass
+class Sender:
+    """Every request P's daemon is sending (see the module docstring)."""
+
+    lease_duration: float
+    lease_wait_timeout: float
+    registration_timeout: float
+    resync_timeout: float = 5.0
+    max_tombstones: int = 65536
+    counters: dict[str, int] = field(default_factory=dict)
+    nonce: Callable[[int], int] = field(default_factory=lambda: random.SystemRandom().getrandbits)
+    """Random bits for re-sync nonces (a test passes a deterministic source)."""
+
+    def __post_init__(self) -> None:
+        self.leases = LeaseTable(self.lease_duration)
+        self.reqs: dict[str, SendRequest] = {}
+        self._by_base: dict[str, dict[str, None]] = {}
+        self._timers: TimerHeap[str] = TimerHeap()
+        self.tombstones: OrderedDict[str, Tombstone] = OrderedDict()
+        """Ended requests by exact id, oldest first (bounded)."""
+        self._tomb_base: dict[str, str] = {}
+        """Base id -> the newest exact id buried `by_base` under it."""
+        self.ended_sessions: OrderedDict[str, None] = OrderedDict()
+        self.closing: set[str] = set()
+        self.generations: dict[str, tuple[int, ...]] = {}
+        self.stall_epoch = 0
+        self.synced: dict[str, int] = {}
+        self.resyncing: dict[str, int] = {}
+        self._out: list[Effect] = []
+
+    # ---------------------------------------------------------------- the interface
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        """Feed one event; returns the effects to carry out, in order.
+
+        Raises InvalidRequest for a client request the protocol refuses (the caller's
+        fault: the actor answers it with the error); the machine is unchanged then.
+        """
+        self._out = []
+        _HANDLERS[type(event)](self, event, now)
+        out, self._out = self._out, []
+        return out
+
+    def handle_timer(self, now: float) -> list[Effect]:
+        """Expire what is due at `now` (leases, waits, re-syncs)."""
+        self._out = []
+        for lease in self.leases.expire(now):
+            req = self.reqs.get(lease.request_id)
+            if req is not None:
+                self._expire(req, now)
+        for key, _ in self._timers.pop_due(now):
+            if key.startswith(_RESYNC):
+                self._resync_timed_out(key[len(_RESYNC) :], now)
+            elif (req := self.reqs.get(key)) is not None and req.state is S.AWAITING:
+                self._wait_timed_out(req, now)
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        times = [t for t in (self.leases.next_deadline(), self._timers.next_time()) if t]
+        return min(times) if times else None
+
+    # ---------------------------------------------------------------- bookkeeping
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _log(self, level: str, event: str, **fields: Any) -> None:
+        self._out.append(Log(level, event, fields))
+
+    def _goto(self, req: SendRequest, state: SendState) -> None:
+        if state not in TRANSITIONS.get(req.state, frozenset()):
+            raise LocalProtocolError(f"send {req.key!r}: no transition {req.state} -> {state}")
+        req.state = state
+
+    def _add(self, req: SendRequest) -> None:
+        self.reqs[req.key] = req
+        self._by_base.setdefault(base_request_id(req.key), {})[req.key] = None
+
+    def _drop(self, req: SendRequest) -> None:
+        if self.reqs.get(req.key) is req:
+            del self.reqs[req.key]
+            base = base_request_id(req.key)
+            keys = self._by_base.get(base)
+            if keys is not None:
+                keys.pop(req.key, None)
+                if not keys:
+                    del self._by_base[base]
+        self.leases.release(req.key)
+        self._timers.discard(req.key)
+
+    def _find(self, request_id: str) -> SendRequest | None:
+        """The live request D names: exact id first, then one sharing its base id."""
+        req = self.reqs.get(request_id)
+        if req is not None:
+            return req
+        keys = self._by_base.get(base_request_id(request_id))
+        return self.reqs[next(iter(keys))] if keys else None
+
+    def _tomb(self, request_id: str) -> Tombstone | None:
+        tomb = self.tombstones.get(request_id)
+        if tomb is not None:
+            return tomb
+        exact = self._tomb_base.get(base_request_id(request_id))
+        return self.tombstones.get(exact) if exact is not None else None
+
+    def _bury(self, request_id: str, tomb: Tombstone) -> None:
+        if self.max_tombstones <= 0:
+            return
+        old = self.tombstones.pop(request_id, None)
+        if old is not None and old.refuses_finish and not tomb.refuses_finish:
+            tomb = replace(tomb, refuses_finish=True)  # a cancel is never forgotten
+        self.tombstones[request_id] = tomb
+        if tomb.by_base:
+            self._tomb_base[base_request_id(request_id)] = request_id
+        while len(self.tombstones) > self.max_tombstones:
+            gone, _ = self.tombstones.popitem(last=False)
+            base = base_request_id(gone)
+            if self._tomb_base.get(base) == gone:
+                del self._tomb_base[base]
+
+    def _end(self, req: SendRequest, state: SendState, tomb: Tombstone | None) -> None:
+        """Move to a terminal state and forget the request (its tombstone stays)."""
+        self._goto(req, state)
+        self._drop(req)
+        if tomb is not None:
+            self._bury(req.key, tomb)
+        if req.session in self.closing:
+            self._maybe_session_ended(req.session)
+
+    def _emit(self, req: SendRequest, record: wire.Record) -> None:
+        if req.session:
+            self._out.append(Emit(req.session, req.engine_id, record))
+
+    def _push_failed(self, req: SendRequest, code: int, reason: str) -> None:
+        """Tell D its registration will not be written (one answer per registration)."""
+        reg = req.registration
+        if reg is not None:
+            self._out.append(
+                Notify(req.agent, wire.PushDone(reg.request_id, 0, False, code, reason[:1000]))
+            )
+
+    def _pull_refused(self, agent: str, msg: wire.PullDone, code: int, reason: str) -> None:
+        self._count("pulls_refused")
+        self._log("warning", "pull_refused", request_id=msg.request_id, peer=agent, reason=reason)
+        self._out.append(Notify(agent, wire.PullAck(msg.d_request_id, False, code, reason)))
+
+    def _reject(self, agent: str, why: str) -> None:
+        self._count("notifs_rejected")
+        self._log("warning", "notif_rejected", peer=agent, reason=why)
+
+    # ---------------------------------------------------------------- P's engine
+
+    def _on_finish(self, ev: Finish, now: float) -> None:
+        have = self.reqs.get(ev.request_id)
+        if have is not None and have.state is not S.AWAITING:
+            raise InvalidRequest(f"request {ev.request_id!r} already holds a lease")
+        tomb = self._tomb(ev.request_id)
+        if tomb is not None and tomb.refuses_finish and have is None:
+            # D gave up before P finished: nothing will ever read the blocks
+            self._count("finishes_after_cancel")
+            why = "D cancelled the request before P finished it"
+            self._out.append(
+                Emit(ev.session, ev.engine_id, wire.SendFailed(ev.request_id, tomb.code, why))
+            )
+            return
+        waiting = have if have is not None else self._find(ev.request_id)
+        if waiting is not None and waiting.state is not S.AWAITING:
+            waiting = None
+        if waiting is not None:
+            self._drop(waiting)  # it comes back under P's id, below
+        self.leases.grant(ev.request_id, now, owner=ev.session)
+        self._count("leases_granted")
+        if waiting is None:
+            held = SendRequest(ev.request_id, S.HELD, now, ev.engine_id, ev.block_ids, ev.session)
+            self._add(held)
+            return
+        # D came first: the request takes P's id, and what waited is served now
+        waiting.key, waiting.engine_id, waiting.blocks, waiting.session = (
+            ev.request_id,
+            ev.engine_id,
+            ev.block_ids,
+            ev.session,
+        )
+        self._add(waiting)
+        if waiting.early_pull is not None:
+            self._count("early_pulls_served")
+            self._deliver_pull(waiting, waiting.agent, waiting.early_pull)
+        else:
+            self._match(waiting, now)
+
+    def _on_abort(self, ev: AbortSend, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is not None and req.session and req.session != ev.session:
+            return  # another session's request: not ours to abort
+        if req is None:
+            # never finished here (or already ended): fail what D may register or pull
+            self._bury(ev.request_id, _ABORTED)
+            waiting = self._find(ev.request_id)
+            if waiting is not None and waiting.state is S.AWAITING:
+                self._abort_waiting(waiting, ev, now)
+            return
+        self._step(req, ev, now)
+
+    def _aborted(self, req: SendRequest, ev: AbortSend, now: float) -> None:
+        self._emit(req, wire.SendFailed(req.key, int(ErrorCode.TRANSFER), "aborted"))
+        self._push_failed(req, _ABORTED.code, _ABORTED.reason)
+        self._end(req, S.ABORTED, _ABORTED)
+
+    def _on_end_session(self, ev: EndSession, now: float) -> None:
+        self.ended_sessions[ev.session] = None
+        while len(self.ended_sessions) > ENDED_SESSIONS:
+            self.ended_sessions.popitem(last=False)
+        self.closing.add(ev.session)
+        for req in [r for r in self.reqs.values() if r.session == ev.session]:
+            if req.state in (S.HELD, S.MATCHED):
+                self._push_failed(req, _GONE.code, _GONE.reason)
+                self._end(req, S.ABORTED, _GONE)
+        self._maybe_session_ended(ev.session)
+
+    def _maybe_session_ended(self, session: str) -> None:
+        if session not in self.closing or any(r.session == session for r in self.reqs.values()):
+            return
+        self.closing.discard(session)
+        self._out.append(SessionEnded(session))
+
+    # ---------------------------------------------------------------- D's messages
+
+    def _on_registration(self, ev: RegistrationArrived, now: float) -> None:
+        msg = ev.msg
+        key = msg.remote_request_id or msg.request_id
+        req = self._find(key)
+        if req is None:
+            tomb = self._tomb(key) or self._tomb(msg.request_id)
+            if tomb is None and msg.p_session in self.ended_sessions:
+                tomb = _GONE
+            if tomb is not None:
+                self._count("late_registrations")
+                self._out.append(
+                    Notify(
+                        ev.agent, wire.PushDone(msg.request_id, 0, False, tomb.code, tomb.reason)
+                    )
+                )
+                return
+            self._count("push_registrations")
+            waiting = SendRequest(key, S.AWAITING, now, agent=ev.agent, registration=msg)
+            self._add(waiting)
+            self._timers.set(key, now + self.registration_timeout)
+            return
+        self._step(req, ev, now)
+
+    def _held_registered(self, req: SendRequest, ev: RegistrationArrived, now: float) -> None:
+        self._count("push_registrations")
+        req.agent, req.registration = ev.agent, ev.msg
+        self._match(req, now)
+
+    def _match(self, req: SendRequest, now: float) -> None:
+        reg = req.registration
+        assert reg is not None
+        self._goto(req, S.MATCHED)
+        if len(reg.block_ids) > len(req.blocks):
+            why = f"D registered {len(reg.block_ids)} blocks, P has {len(req.blocks)}"
+            self._fail_send(req, int(ErrorCode.INVALID), why)
+            return
+        self._out.append(ResolveView(req.key, req.agent, reg))
+
+    def _duplicate_registration(
+        self, req: SendRequest, ev: RegistrationArrived, now: float
+    ) -> None:
+        self._reject(ev.agent, f"a second registration for request {req.key!r}")
+        why = "another registration already holds this request"
+        self._out.append(
+            Notify(
+                ev.agent, wire.PushDone(ev.msg.request_id, 0, False, int(ErrorCode.INVALID), why)
+            )
+        )
+
+    def _on_heartbeat(self, ev: HeartbeatArrived, now: float) -> None:
+        keys = [k for i in ev.request_ids if (k := self.leases.find(i)) is not None]
+        self.leases.extend(keys, now)
+        self._count("heartbeats_received")
+        if unknown := len(ev.request_ids) - len(keys):
+            self._count("heartbeat_unknown_ids", unknown)
+
+    def _on_pull_done(self, ev: PullDoneArrived, now: float) -> None:
+        msg = ev.msg
+        req = self._find(msg.request_id)
+        if req is not None:
+            self._step(req, ev, now)
+            return
+        tomb = self._tomb(msg.request_id)
+        if tomb is None and msg.p_session in self.ended_sessions:
+            tomb = _GONE
+        if tomb is not None:
+            self._pull_refused(ev.agent, msg, tomb.code, tomb.reason)
+            return
+        # P's engine may not have finished yet (its `finished` is on its way): wait for it
+        self._count("early_pulls")
+        waiting = SendRequest(msg.request_id, S.AWAITING, now, agent=ev.agent, early_pull=msg)
+        self._add(waiting)
+        self._timers.set(waiting.key, now + self.lease_wait_timeout)
+
+    def _held_pulled(self, req: SendRequest, ev: PullDoneArrived, now: float) -> None:
+        self._deliver_pull(req, ev.agent, ev.msg)
+
+    def _deliver_pull(self, req: SendRequest, agent: str, msg: wire.PullDone) -> None:
+        """D READ our blocks: ack only if they were the current generations (fail closed)."""
+        have = self.generations.get(req.engine_id, ())
+        if msg.generations and msg.generations != have:
+            why = f"D read generations {msg.generations}, P's regions are {have}"
+            self._count("pulls_stale_view")
+            self._emit(req, wire.SendFailed(req.key, int(ErrorCode.TRANSFER), why))
+            self._pull_refused(agent, msg, int(ErrorCode.TRANSFER), why)
+            self._end(req, S.FAILED, Tombstone(int(ErrorCode.TRANSFER), why, by_base=False))
+            return
+        self._count("pulls_acked")
+        self._emit(req, wire.SendFinished(req.key))
+        self._out.append(Notify(agent, wire.PullAck(msg.d_request_id, True, 0, "")))
+        self._end(req, S.DELIVERED, _DONE)
+
+    def _abort_waiting(self, req: SendRequest, ev: AbortSend, now: float) -> None:
+        self._count("registrations_failed_p_abort")
+        self._fail_waiting(req, _ABORTED, S.ABORTED)
+
+    def _pull_not_now(self, req: SendRequest, ev: PullDoneArrived, now: float) -> None:
+        why = f"request is {req.state.value}: not pullable"
+        self._pull_refused(ev.agent, ev.msg, int(ErrorCode.INVALID), why)
+
+    def _on_cancel(self, ev: CancelArrived, now: float) -> None:
+        self._count("cancels_received")
+        req = self._find(ev.request_id)
+        if req is None:
+            self._bury(ev.request_id, _CANCELLED)
+            return
+        if req.agent and req.agent != ev.agent:
+            self._reject(ev.agent, "cancel for another peer's request")
+            return
+        self._step(req, ev, now)
+
+    def _cancelled(self, req: SendRequest, ev: CancelArrived, now: float) -> None:
+        if req.state is S.AWAITING:
+            self._fail_waiting(req, _CANCELLED, S.FAILED)
+            return
+        self._count("leases_cancelled")
+        self._log("info", "lease_cancelled_by_d", request_id=req.key, peer=ev.agent)
+        self._emit(req, wire.SendFailed(req.key, _CANCELLED.code, _CANCELLED.reason))
+        self._push_failed(req, _CANCELLED.code, _CANCELLED.reason)
+        self._end(req, S.FAILED, _CANCELLED)
+
+    def _cancel_under_write(self, req: SendRequest, ev: CancelArrived, now: float) -> None:
+        pass  # the WRITE is in flight: its PushDone (after the bytes) answers D
+
+    def _fail_waiting(self, req: SendRequest, tomb: Tombstone, state: SendState) -> None:
+        """End an AWAITING request: whoever waits is answered."""
+        if req.registration is not None:
+            self._push_failed(req, tomb.code, tomb.reason)
+        if req.early_pull is not None:
+            self._pull_refused(req.agent, req.early_pull, tomb.code, tomb.reason)
+        self._end(req, state, tomb)
+
+    # ---------------------------------------------------------------- our own effects
+
+    def _on_view(self, ev: ViewResolved, now: float) -> None:
+        req = self.reqs.get(ev.key)
+        if req is None or req.state is not S.MATCHED or req.view_ready:
+            return  # it ended meanwhile (expired, cancelled, aborted)
+        if ev.error is not None:
+            self._fail_send(req, int(ev.error.code), ev.error.message)
+            return
+        req.view, req.view_ready = ev.view, True
+        self._write_when_synced(req, now)
+
+    def _write_when_synced(self, req: SendRequest, now: float) -> None:
+        if self.synced.get(req.agent, 0) < self.stall_epoch:
+            if req.agent not in self.resyncing:
+                nonce = self.nonce(64)
+                self.resyncing[req.agent] = nonce
+                self._timers.set(_RESYNC + req.agent, now + self.resync_timeout)
+                self._count("stall_resyncs")
+                self._out.append(Notify(req.agent, wire.Resync(nonce)))
+            return
+        self._goto(req, S.WRITING)
+        self.leases.release(req.key)  # claimed: it cannot expire under the WRITE
+        reg = req.registration
+        assert reg is not None
+        n = len(reg.block_ids)
+        p_blocks = req.blocks[len(req.blocks) - n :] if n else ()
+        self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
+
+    def _on_write_done(self, ev: WriteDone, now: float) -> None:
+        req = self.reqs.get(ev.key)
+        if req is None or req.state is not S.WRITING:
+            raise LocalProtocolError(f"WriteDone for {ev.key!r}, which is not writing")
+        if ev.error is None:
+            self._count("sends_ok")
+            self._emit(req, wire.SendFinished(req.key))
+            self._end(req, S.DELIVERED, _DONE)
+        else:
+            self._fail_send(req, int(ev.error.code), ev.error.message)
+
+    def _fail_send(self, req: SendRequest, code: int, reason: str) -> None:
+        self._count("push_failed")
+        self._count("sends_failed")
+        self._log("warning", "push_failed", request_id=req.key, peer=req.agent, error=reason)
+        self._emit(req, wire.SendFailed(req.key, code, reason[:1000]))
+        self._push_failed(req, code, reason)
+        self._end(req, S.FAILED, Tombstone(code, reason[:1000], by_base=False))
+
+    def _on_resync_acked(self, ev: ResyncAcked, now: float) -> None:
+        if self.resyncing.get(ev.agent) != ev.nonce:
+            self._reject(ev.agent, "resync ack with an unknown nonce")
+            return
+        del self.resyncing[ev.agent]
+        self._timers.discard(_RESYNC + ev.agent)
+        self.synced[ev.agent] = self.stall_epoch
+        for req in self._matched_ready(ev.agent):
+            self._write_when_synced(req, now)
+
+    def _resync_timed_out(self, agent: str, now: float) -> None:
+        if self.resyncing.pop(agent, None) is None:
+            return
+        self._count("resyncs_failed")
+        for req in self._matched_ready(agent):
+            self._fail_send(
+                req, int(ErrorCode.TRANSFER), f"peer {agent} did not re-sync after our stall"
+            )
+
+    def _matched_ready(self, agent: str) -> list[SendRequest]:
+        return [
+            r
+            for r in self.reqs.values()
+            if r.state is S.MATCHED and r.view_ready and r.agent == agent
+        ]
+
+    def _on_stalled(self, ev: Stalled, now: float) -> None:
+        self.stall_epoch += 1
+        self._log("warning", "resync_after_stall", epoch=self.stall_epoch)
+
+    def _on_regions(self, ev: RegionsChanged, now: float) -> None:
+        self.generations = dict(ev.generations)
+
+    # ---------------------------------------------------------------- time
+
+    def _expire(self, req: SendRequest, now: float) -> None:
+        self._count("leases_expired")
+        self._log("info", "lease_expired", request_id=req.key, late_s=round(now - req.since, 4))
+        self._emit(req, wire.SendExpired(req.key))
+        self._push_failed(req, _EXPIRED.code, _EXPIRED.reason)
+        self._end(req, S.EXPIRED, _EXPIRED)
+
+    def _wait_timed_out(self, req: SendRequest, now: float) -> None:
+        if req.early_pull is not None:
+            why = f"no lease for this request within {self.lease_wait_timeout}s"
+            tomb = Tombstone(int(ErrorCode.NOT_FOUND), why, refuses_finish=True)
+        else:
+            why = f"P's engine did not finish the request within {self.registration_timeout}s"
+            tomb = Tombstone(int(ErrorCode.TIMEOUT), why, refuses_finish=True)
+        self._fail_waiting(req, tomb, S.FAILED)
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _step(self, req: SendRequest, ev: Event, now: float) -> None:
+        handler = _ON.get((req.state, type(ev)))
+        if handler is None:
+            self._reject(getattr(ev, "agent", ""), f"{type(ev).__name__} while {req.state.value}")
+            return
+        handler(self, req, ev, now)
+
+    # ---------------------------------------------------------------- views
+
+    def held(self) -> Iterable[SendRequest]:
+        return (r for r in self.reqs.values() if r.state is not S.AWAITING)
+
+    def by_state(self) -> dict[str, int]:
+        out = dict.fromkeys((s.value for s in S if s not in TERMINAL), 0)
+        for r in self.reqs.values():
+            out[r.state.value] += 1
+        return out
+
+
+_EXPIRED: Final = Tombstone(
+    int(ErrorCode.LEASE_EXPIRED), "the lease expired before the transfer completed"
+)
+_CANCELLED: Final = Tombstone(int(ErrorCode.TRANSFER), "cancelled by D", refuses_finish=True)
+_ABORTED: Final = Tombstone(int(ErrorCode.NOT_FOUND), "P aborted the request")
+_GONE: Final = Tombstone(
+    int(ErrorCode.TRANSFER), "P's engine session ended before the request was sent"
+)
+_DONE: Final = Tombstone(
+    int(ErrorCode.INVALID), "the request was already delivered", by_base=False
+)
+
+_HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
+    Finish: Sender._on_finish,
+    AbortSend: Sender._on_abort,
+    EndSession: Sender._on_end_session,
+    RegistrationArrived: Sender._on_registration,
+    HeartbeatArrived: Sender._on_heartbeat,
+    PullDoneArrived: Sender._on_pull_done,
+    CancelArrived: Sender._on_cancel,
+    ViewResolved: Sender._on_view,
+    WriteDone: Sender._on_write_done,
+    ResyncAcked: Sender._on_resync_acked,
+    Stalled: Sender._on_stalled,
+    RegionsChanged: Sender._on_regions,
+}
+
+_ON: Final[dict[tuple[SendState, type], Callable[[Sender, SendRequest, Any, float], None]]] = {
+    # P's engine aborts
+    (S.AWAITING, AbortSend): Sender._abort_waiting,
+    (S.HELD, AbortSend): Sender._aborted,
+    (S.MATCHED, AbortSend): Sender._aborted,
+    (S.WRITING, AbortSend): lambda self, req, ev, now: None,  # the WRITE's end answers
+    # D registers
+    (S.HELD, RegistrationArrived): Sender._held_registered,
+    (S.AWAITING, RegistrationArrived): Sender._duplicate_registration,
+    (S.MATCHED, RegistrationArrived): Sender._duplicate_registration,
+    (S.WRITING, RegistrationArrived): Sender._duplicate_registration,
+    # D's READ completed
+    (S.HELD, PullDoneArrived): Sender._held_pulled,
+    (S.AWAITING, PullDoneArrived): Sender._pull_not_now,
+    (S.MATCHED, PullDoneArrived): Sender._pull_not_now,
+    (S.WRITING, PullDoneArrived): Sender._pull_not_now,
+    # D cancels
+    (S.AWAITING, CancelArrived): Sender._cancelled,
+    (S.HELD, CancelArrived): Sender._cancelled,
+    (S.MATCHED, CancelArrived): Sender._cancelled,
+    (S.WRITING, CancelArrived): Sender._cancel_under_write,
+}
