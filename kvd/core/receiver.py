@@ -79,7 +79,8 @@ TERMINAL: Final = frozenset({R.FINISHED, R.FAILED, R.DROPPED})
 TRANSITIONS: Final[Mapping[RecvState, frozenset[RecvState]]] = {
     R.TRACKED: frozenset({R.HANDSHAKING, R.DROPPED}),
     R.HANDSHAKING: frozenset({R.REGISTERING, R.READING, R.ACKING, R.FAILED}),
-    R.REGISTERING: frozenset({R.REGISTERED, R.HANDSHAKING, R.CANCELLING, R.FAILED}),
+    # P's answer may overtake our own word that the registration went out
+    R.REGISTERING: frozenset({R.REGISTERED, R.HANDSHAKING, R.FINISHED, R.FAILED}),
     R.REGISTERED: frozenset({R.CANCELLING, R.FINISHED, R.FAILED}),
     R.READING: frozenset({R.HANDSHAKING, R.ACKING, R.FAILED}),
     R.ACKING: frozenset({R.FINISHED, R.FAILED}),
@@ -802,6 +803,7 @@ _HANDLERS: Final[dict[type, Callable[[Receiver, Any, float], None]]] = {
 }
 
 _ON: Final[dict[tuple[RecvState, type], Callable[[Receiver, RecvRequest, Any, float], None]]] = {
+    (R.REGISTERING, PushDoneArrived): Receiver._pushed,
     (R.REGISTERED, PushDoneArrived): Receiver._pushed,
     (R.CANCELLING, PushDoneArrived): Receiver._pushed,
 }

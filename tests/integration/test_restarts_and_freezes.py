@@ -624,6 +624,7 @@ def test_p_engine_frozen_past_its_client_timeout(
     p_end: dict[str, str] = {}
     strays: list[str] = []
     wrong: list[str] = []
+    reconnects: list[int] = []
     i = 0
 
     def pump(seconds: float) -> None:
@@ -663,6 +664,7 @@ def test_p_engine_frozen_past_its_client_timeout(
                             )
                     elif f[0] == "end":
                         p_end[f[1]] = f[2]
+                        reconnects.append(int(f[3]))
                     elif f[0] == "stray":
                         strays.append(f[1])
             except queue.Empty:
@@ -694,8 +696,9 @@ def test_p_engine_frozen_past_its_client_timeout(
         assert strays == [], strays[:5]
         missing = [r for r in reqs if r not in d_end]
         assert missing == [], (len(missing), missing[:5])
-        failed = [r for r, ev in d_end.items() if isinstance(ev, wire.RecvFailed)]
-        assert failed, "the freeze should have ended some requests"
+        # the daemon ended the frozen engine's session; the engine learned it on resume
+        # and opened a new one (requests in flight then may have ended either way)
+        assert max(reconnects, default=0) >= 1, "the engine never saw its session end"
         done_after = [r for r, ev in d_end.items() if isinstance(ev, wire.RecvFinished)]
         assert len(done_after) > 10
         st = d.client.status()
