@@ -99,6 +99,7 @@ class Daemon:
             transfer_timeout=cfg.transfer.transfer_timeout,
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
+            rejects=self.rejects,
         )
         self.receiver = Receiver(
             transport=self.engine,
@@ -113,6 +114,7 @@ class Daemon:
             incarnation=self.registrar.incarnation,
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,
+            rejects=self.rejects,
         )
         self.ecrouter = ECRouter(
             engine=self.engine,

@@ -17,9 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-import anyio
 import structlog
-from anyio.abc import TaskStatus
 from kvd_client import wire
 from kvd_client.errors import (
     AuthError,
@@ -33,8 +31,6 @@ from kvd_client.errors import (
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
     ClientRequest,
-    DrainLocalRegion,
-    DrainRemoteRegion,
     EnsurePeer,
     EventOut,
     LocalRegion,
@@ -44,24 +40,17 @@ from kvd.actors.messages import (
     PeerLost,
     PeerUpdated,
     RemoteRegion,
-    SessionClosed,
-    Snapshot,
 )
-from kvd.actors.transfers import TransferBook, Transport, check_compat, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
 from kvd.adapters.nixl import PeerDisconnected
 from kvd.core import receiver as proto
-from kvd.core.effects import Emit, Log, Notify, SessionEnded
 from kvd.core.planner import check_logical, plan_ranks
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.receiver", actor="receiver")
 
 _REFUSED: Final = (AuthError, Incompatible, InvalidRequest, RemoteProtocolError)
 """Handshake failures that retrying cannot mend (VersionMismatch is a RemoteProtocolError)."""
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    event: proto.Event
 
 
 @dataclass(frozen=True)
@@ -73,7 +62,9 @@ class _View:
     plans: list[Any]
 
 
-class Receiver:
+class Receiver(TransferActor):
+    name = "receiver"
+
     def __init__(
         self,
         *,
@@ -89,51 +80,32 @@ class Receiver:
         incarnation: int,
         side_host: str,
         side_port_ref: Callable[[], int],
+        rejects: RejectLog | None = None,
     ) -> None:
-        self.transport = transport
-        self.mailbox = mailbox
-        self.clock = mailbox.clock
-        self.registrar = registrar
-        self.emit = emit
-        self.counters = counters
+        super().__init__(
+            transport=transport,
+            mailbox=mailbox,
+            registrar=registrar,
+            emit=emit,
+            transfer_timeout=transfer_timeout,
+            counters=counters,
+            rejects=rejects,
+        )
         self.incarnation = incarnation
         self.side_host = side_host
         self._side_port_ref = side_port_ref
-        self.proto = proto.Receiver(
+        self.proto: proto.Receiver = proto.Receiver(
             lease_duration=lease_duration,
             probe_interval=probe_interval,
             push_registration_timeout=push_registration_timeout,
             transfer_timeout=transfer_timeout,
             counters=counters,
         )
-        self.book = TransferBook(transport, transfer_timeout, counters)
-        self.local: dict[tuple[str, int], LocalRegion] = {}
-        self.peers: dict[str, PeerInfo] = {}
-        self.closing: dict[str, list[SessionClosed]] = {}
-        self._tg: anyio.abc.TaskGroup | None = None
 
-    # ---------------------------------------------------------------- loop
+    # ---------------------------------------------------------------- input
 
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            task_status.started()
-            while True:
-                msg: Any = await self.mailbox.receive_before(self.proto.next_deadline())
-                now = self.clock.now()
-                if msg is not None:
-                    self._dispatch(msg, now)
-                self._carry_out(self.proto.handle_timer(now))
-
-    def _feed(self, event: proto.Event, now: float) -> None:
-        self._carry_out(self.proto.handle(event, now))
-
-    def _dispatch(self, msg: Any, now: float) -> None:
-        if isinstance(msg, _Outcome):
-            self._feed(msg.event, now)
-        elif isinstance(msg, ClientRequest):
-            self._client(msg, now)
-        elif isinstance(msg, NotifReceived):
+    def _own(self, msg: Any, now: float) -> bool:
+        if isinstance(msg, NotifReceived):
             self._notif(msg.agent, msg.msg, now)
         elif isinstance(msg, LocalRegionsChanged):
             self.local = msg.regions
@@ -150,45 +122,25 @@ class Receiver:
                 self._feed(proto.PeerKnown(msg.info.addr, msg.info.lease_duration), now)
         elif isinstance(msg, PeerLost):
             self._feed(proto.PeerLost(msg.agent, msg.reason, msg.since), now)
-        elif isinstance(msg, SessionClosed):
-            self.closing.setdefault(msg.session, []).append(msg)
-            self._feed(proto.EndSession(msg.session), now)
-        elif isinstance(msg, DrainLocalRegion):
-            self._spawn(self._drain_local, msg)
-        elif isinstance(msg, DrainRemoteRegion):
-            info = self.peers.get(msg.agent)
-            if info is not None:  # never plan into it again
-                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
-                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
-            self._spawn(self._drain_remote, msg)
-        elif isinstance(msg, Snapshot):
-            msg.resolve(self.snapshot(msg.section, now))
         else:
-            raise TypeError(f"receiver got {type(msg).__name__}")
+            return False
+        return True
 
-    def _client(self, req: ClientRequest, now: float) -> None:
+    def _end_session(self, session: str) -> proto.Event:
+        return proto.EndSession(session)
+
+    def _client_event(self, req: ClientRequest) -> proto.Event:
         m = req.msg
-        try:
-            if isinstance(m, wire.Track):
-                hb_id = m.remote_request_id or m.request_id
-                ev: proto.Event = proto.Track(
-                    m.request_id, req.session, m.engine_id, m.peer_host, m.peer_port, hb_id
-                )
-            elif isinstance(m, (wire.RegisterPush, wire.Pull)):
-                ev = self._load(req.session, m)
-            elif isinstance(m, wire.Abort):
-                ev = proto.AbortRecv(m.request_id, req.session)
-            else:
-                raise TypeError(f"receiver got {type(m).__name__}")
-            self._feed(ev, now)
-        except KvdError as exc:
-            self._count("requests_rejected")
-            log.warning(
-                "request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message
+        if isinstance(m, wire.Track):
+            hb_id = m.remote_request_id or m.request_id
+            return proto.Track(
+                m.request_id, req.session, m.engine_id, m.peer_host, m.peer_port, hb_id
             )
-            req.fail(exc)
-            return
-        req.resolve(wire.Ok())
+        if isinstance(m, (wire.RegisterPush, wire.Pull)):
+            return self._load(req.session, m)
+        if isinstance(m, wire.Abort):
+            return proto.AbortRecv(m.request_id, req.session)
+        raise TypeError(f"receiver got {type(m).__name__}")
 
     def _load(self, session: str, m: wire.RegisterPush | wire.Pull) -> proto.Load:
         for reg in local_ranks(self.local, m.engine_id):
@@ -216,13 +168,7 @@ class Receiver:
         )
 
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
-        if agent not in self.peers:
-            self._count("notifs_rejected")
-            log.warning(
-                "notif_rejected",
-                peer=agent,
-                reason=f"{type(msg).__name__} from an agent that never handshaked",
-            )
+        if not self._known(agent, msg):
             return
         if isinstance(msg, wire.PushDone):
             self._feed(proto.PushDoneArrived(agent, msg), now)
@@ -231,59 +177,29 @@ class Receiver:
         elif isinstance(msg, wire.Resync):
             self._feed(proto.ResyncArrived(agent, msg.nonce), now)
         else:
-            self._count("notifs_rejected")
-            log.warning("notif_rejected", peer=agent, reason=f"unexpected {type(msg).__name__}")
-
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+            self._reject_notif(agent, type(msg).__name__, f"unexpected {type(msg).__name__}")
 
     # ---------------------------------------------------------------- effects
 
-    def _carry_out(self, effects: list[proto.Effect]) -> None:
-        for eff in effects:
-            if isinstance(eff, Emit):
-                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
-            elif isinstance(eff, Notify):
-                self._spawn(self._notify, eff)
-            elif isinstance(eff, proto.Resolve):
-                self._spawn(self._resolve, eff)
-            elif isinstance(eff, proto.SendFor):
-                self._spawn(self._send_for, eff)
-            elif isinstance(eff, proto.PostRead):
-                self._spawn(self._read, eff)
-            elif isinstance(eff, proto.Beat):
-                self._spawn(self._reach, eff.peer, wire.Heartbeat(eff.hb_ids), len(eff.hb_ids))
-            elif isinstance(eff, proto.ProbePeer):
-                self._spawn(self._reach, eff.peer, wire.Probe(0, True), 0)
-            elif isinstance(eff, proto.CancelAt):
-                self._spawn(self._cancel_at, eff)
-            elif isinstance(eff, SessionEnded):
-                for call in self.closing.pop(eff.session, []):
-                    call.resolve(None)
-            elif isinstance(eff, Log):
-                getattr(log, eff.level)(eff.event, **eff.fields)
-
-    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._tg is not None
-        self._tg.start_soon(fn, *args)
-
-    def _outcome(self, event: proto.Event) -> None:
-        self.mailbox.post(_Outcome(event))
+    def _carry_out_own(self, eff: Any) -> None:
+        if isinstance(eff, proto.Resolve):
+            self._spawn(self._resolve, eff)
+        elif isinstance(eff, proto.SendFor):
+            self._spawn(self._send_for, eff)
+        elif isinstance(eff, proto.PostRead):
+            self._spawn(self._read, eff)
+        elif isinstance(eff, proto.Beat):
+            self._spawn(self._reach, eff.peer, wire.Heartbeat(eff.hb_ids), len(eff.hb_ids))
+        elif isinstance(eff, proto.ProbePeer):
+            self._spawn(self._reach, eff.peer, wire.Probe(0, True), 0)
+        elif isinstance(eff, proto.CancelAt):
+            self._spawn(self._cancel_at, eff)
+        else:
+            raise TypeError(f"receiver cannot carry out {type(eff).__name__}")
 
     async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
         info: PeerInfo = await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
         return info
-
-    async def _notify(self, eff: Notify) -> None:
-        try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
-        except KvdError as exc:
-            log.warning(
-                "notification_not_delivered",
-                peer=eff.agent,
-                type=type(eff.record).__name__,
-                error=exc.message,
-            )
 
     async def _resolve(self, eff: proto.Resolve) -> None:
         """P's daemon and its regions for the request, checked, and what starts the transfer."""
@@ -448,14 +364,6 @@ class Receiver:
             log.warning(
                 "cancel_not_delivered", request_id=eff.hb_id, peer=eff.peer, error=exc.message
             )
-
-    async def _drain_local(self, msg: DrainLocalRegion) -> None:
-        await self.book.drain_local(msg.region_id)
-        msg.resolve(None)
-
-    async def _drain_remote(self, msg: DrainRemoteRegion) -> None:
-        await self.book.drain_remote(msg.agent, msg.region_id)
-        msg.resolve(None)
 
     # ---------------------------------------------------------------- status
 

@@ -12,20 +12,15 @@ back through the actor's own mailbox, so only the actor's loop touches the machi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
-from anyio.abc import TaskStatus
 from kvd_client import wire
 from kvd_client.errors import Incompatible, KvdError, NotFound
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
     ClientRequest,
-    DrainLocalRegion,
-    DrainRemoteRegion,
     EnsurePeer,
     EventOut,
     HeartbeatReceived,
@@ -35,25 +30,18 @@ from kvd.actors.messages import (
     PeerInfo,
     PeerUpdated,
     RemoteRegion,
-    SessionClosed,
-    Snapshot,
 )
-from kvd.actors.transfers import TransferBook, Transport, check_compat, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
 from kvd.core import sender as proto
-from kvd.core.effects import Emit, Log, Notify, SessionEnded
 from kvd.core.planner import check_logical, plan_ranks
+from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sender", actor="sender")
 
 
-@dataclass(frozen=True)
-class _Outcome:
-    """The outcome of the actor's own work, fed to the machine in the loop."""
+class Sender(TransferActor):
+    name = "sender"
 
-    event: proto.Event
-
-
-class Sender:
     def __init__(
         self,
         *,
@@ -67,52 +55,35 @@ class Sender:
         transfer_timeout: float,
         tombstones: int,
         counters: dict[str, int],
+        rejects: RejectLog | None = None,
     ) -> None:
-        self.transport = transport
-        self.mailbox = mailbox
-        self.clock = mailbox.clock
-        self.registrar = registrar
-        self.emit = emit
-        self.counters = counters
-        self.proto = proto.Sender(
+        super().__init__(
+            transport=transport,
+            mailbox=mailbox,
+            registrar=registrar,
+            emit=emit,
+            transfer_timeout=transfer_timeout,
+            counters=counters,
+            rejects=rejects,
+        )
+        self.proto: proto.Sender = proto.Sender(
             lease_duration=lease_duration,
             lease_wait_timeout=lease_wait_timeout,
             registration_timeout=registration_timeout,
             max_tombstones=tombstones,
             counters=counters,
         )
-        self.book = TransferBook(transport, transfer_timeout, counters)
-        self.local: dict[tuple[str, int], LocalRegion] = {}
-        self.peers: dict[str, PeerInfo] = {}
-        self.closing: dict[str, list[SessionClosed]] = {}
         self._stall_seen = self.clock.stall_count
-        self._tg: anyio.abc.TaskGroup | None = None
 
-    # ---------------------------------------------------------------- loop
+    # ---------------------------------------------------------------- input
 
-    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            task_status.started()
-            while True:
-                msg: Any = await self.mailbox.receive_before(self.proto.next_deadline())
-                now = self.clock.now()
-                if self.clock.stall_count != self._stall_seen:
-                    self._stall_seen = self.clock.stall_count
-                    self._feed(proto.Stalled(), now)
-                if msg is not None:
-                    self._dispatch(msg, now)
-                self._carry_out(self.proto.handle_timer(now))
+    def _woke(self, now: float) -> None:
+        if self.clock.stall_count != self._stall_seen:
+            self._stall_seen = self.clock.stall_count
+            self._feed(proto.Stalled(), now)
 
-    def _feed(self, event: proto.Event, now: float) -> None:
-        self._carry_out(self.proto.handle(event, now))
-
-    def _dispatch(self, msg: Any, now: float) -> None:
-        if isinstance(msg, _Outcome):
-            self._feed(msg.event, now)
-        elif isinstance(msg, ClientRequest):
-            self._client(msg, now)
-        elif isinstance(msg, HeartbeatReceived):
+    def _own(self, msg: Any, now: float) -> bool:
+        if isinstance(msg, HeartbeatReceived):
             if self._known(msg.agent, msg.msg):
                 self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
         elif isinstance(msg, NotifReceived):
@@ -129,40 +100,21 @@ class Sender:
                 self.peers.pop(msg.agent, None)
             else:
                 self.peers[msg.agent] = msg.info
-        elif isinstance(msg, SessionClosed):
-            self.closing.setdefault(msg.session, []).append(msg)
-            self._feed(proto.EndSession(msg.session), now)
-        elif isinstance(msg, DrainLocalRegion):
-            self._spawn(self._drain_local, msg)
-        elif isinstance(msg, DrainRemoteRegion):
-            info = self.peers.get(msg.agent)
-            if info is not None:  # never plan into it again
-                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
-                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
-            self._spawn(self._drain_remote, msg)
-        elif isinstance(msg, Snapshot):
-            msg.resolve(self.snapshot(msg.section, now))
         else:
-            raise TypeError(f"sender got {type(msg).__name__}")
+            return False
+        return True
 
-    def _client(self, req: ClientRequest, now: float) -> None:
+    def _end_session(self, session: str) -> proto.Event:
+        return proto.EndSession(session)
+
+    def _client_event(self, req: ClientRequest) -> proto.Event:
         m = req.msg
-        try:
-            if isinstance(m, wire.Finish):
-                self._check_blocks(m.engine_id, m.block_ids)
-                self._feed(proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session), now)
-            elif isinstance(m, wire.Abort):
-                self._feed(proto.AbortSend(m.request_id, req.session), now)
-            else:
-                raise TypeError(f"sender got {type(m).__name__}")
-        except KvdError as exc:
-            self._count("requests_rejected")
-            log.warning(
-                "request_rejected", request_id=getattr(m, "request_id", ""), error=exc.message
-            )
-            req.fail(exc)
-            return
-        req.resolve(wire.Ok())
+        if isinstance(m, wire.Finish):
+            self._check_blocks(m.engine_id, m.block_ids)
+            return proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session)
+        if isinstance(m, wire.Abort):
+            return proto.AbortSend(m.request_id, req.session)
+        raise TypeError(f"sender got {type(m).__name__}")
 
     def _check_blocks(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
         """Refuse a lease on blocks that are not in every one of the engine's regions (a bad
@@ -172,17 +124,6 @@ class Sender:
             raise NotFound(f"engine {engine_id!r} has no registered region on this daemon")
         for r in regions:
             check_logical(r.geometry, block_ids)
-
-    def _known(self, agent: str, msg: wire.Record) -> bool:
-        if agent in self.peers:
-            return True
-        self._count("notifs_rejected")
-        log.warning(
-            "notif_rejected",
-            peer=agent,
-            reason=f"{type(msg).__name__} from an agent that never handshaked",
-        )
-        return False
 
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
         if not self._known(agent, msg):
@@ -196,47 +137,17 @@ class Sender:
         elif isinstance(msg, wire.ResyncAck):
             self._feed(proto.ResyncAcked(agent, msg.nonce), now)
         else:
-            self._count("notifs_rejected")
-            log.warning("notif_rejected", peer=agent, reason=f"unexpected {type(msg).__name__}")
-
-    def _count(self, key: str, n: int = 1) -> None:
-        self.counters[key] = self.counters.get(key, 0) + n
+            self._reject_notif(agent, type(msg).__name__, f"unexpected {type(msg).__name__}")
 
     # ---------------------------------------------------------------- effects
 
-    def _carry_out(self, effects: list[proto.Effect]) -> None:
-        for eff in effects:
-            if isinstance(eff, Emit):
-                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
-            elif isinstance(eff, Notify):
-                self._spawn(self._notify, eff)
-            elif isinstance(eff, proto.ResolveView):
-                self._spawn(self._resolve_view, eff)
-            elif isinstance(eff, proto.PostWrite):
-                self._spawn(self._write, eff)
-            elif isinstance(eff, SessionEnded):
-                for call in self.closing.pop(eff.session, []):
-                    call.resolve(None)
-            elif isinstance(eff, Log):
-                getattr(log, eff.level)(eff.event, **eff.fields)
-
-    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._tg is not None
-        self._tg.start_soon(fn, *args)
-
-    def _outcome(self, event: proto.Event) -> None:
-        self.mailbox.post(_Outcome(event))
-
-    async def _notify(self, eff: Notify) -> None:
-        try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
-        except KvdError as exc:
-            log.warning(
-                "notification_not_delivered",
-                peer=eff.agent,
-                type=type(eff.record).__name__,
-                error=exc.message,
-            )
+    def _carry_out_own(self, eff: Any) -> None:
+        if isinstance(eff, proto.ResolveView):
+            self._spawn(self._resolve_view, eff)
+        elif isinstance(eff, proto.PostWrite):
+            self._spawn(self._write, eff)
+        else:
+            raise TypeError(f"sender cannot carry out {type(eff).__name__}")
 
     async def _resolve_view(self, eff: proto.ResolveView) -> None:
         try:
@@ -304,14 +215,6 @@ class Sender:
 
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)
-
-    async def _drain_local(self, msg: DrainLocalRegion) -> None:
-        await self.book.drain_local(msg.region_id)
-        msg.resolve(None)
-
-    async def _drain_remote(self, msg: DrainRemoteRegion) -> None:
-        await self.book.drain_remote(msg.agent, msg.region_id)
-        msg.resolve(None)
 
     # ---------------------------------------------------------------- status
 

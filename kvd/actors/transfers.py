@@ -9,6 +9,11 @@ transfers touch each local region and each remote (agent, region): a region is f
 (locally) or forgotten (a peer's) only once nothing in flight touches it, and no new
 transfer starts from a local region being released. It also keeps the recent transfers
 for `kvd transfers`. Each actor owns its own book (no state shared between actors).
+
+`TransferActor` is the shell both actors share: the loop that sleeps until the machine's
+next deadline or the next message, feeds the machine, and carries out the effects common
+to both sides (events to clients, notifications, session ends, logs); each side adds the
+messages and effects of its own.
 """
 
 from __future__ import annotations
@@ -16,14 +21,31 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Protocol
 
 import anyio
 import numpy as np
+import structlog
+from anyio.abc import TaskStatus
+from kvd_client import wire
 from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
 
-from kvd.actors.messages import LocalRegion, RemoteRegion
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import (
+    ClientRequest,
+    DrainLocalRegion,
+    DrainRemoteRegion,
+    EventOut,
+    LocalRegion,
+    PeerInfo,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
 from kvd.core.planner import Plan
+from kvd.logs import RejectLog
 
 RECENT_TRANSFERS: Final = 256
 
@@ -49,6 +71,190 @@ class Transport(Protocol):
     ) -> float:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
         `notif` is delivered to the peer when it completes."""
+
+
+class Machine(Protocol):
+    """What the shell needs of a protocol machine (`kvd.core.sender`/`receiver`)."""
+
+    def handle(self, event: Any, now: float) -> list[Any]: ...
+
+    def handle_timer(self, now: float) -> list[Any]: ...
+
+    def next_deadline(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The outcome of the actor's own work (a transfer, a notification, a lookup), fed to
+    the machine in the loop: only the loop touches the machine."""
+
+    event: Any
+
+
+class TransferActor:
+    """The shell of a transfer protocol machine (see the module docstring)."""
+
+    name: ClassVar[str]
+    proto: Machine
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        mailbox: Mailbox[Any],
+        registrar: Mailbox[Any],
+        emit: Callable[[EventOut], None],
+        transfer_timeout: float,
+        counters: dict[str, int],
+        rejects: RejectLog | None = None,
+    ) -> None:
+        self.transport = transport
+        self.mailbox = mailbox
+        self.clock = mailbox.clock
+        self.registrar = registrar
+        self.emit = emit
+        self.counters = counters
+        self.rejects = rejects or RejectLog(counters, 10.0)
+        self.log = structlog.get_logger(f"kvd.{self.name}", actor=self.name)
+        self.book = TransferBook(transport, transfer_timeout, counters)
+        self.local: dict[tuple[str, int], LocalRegion] = {}
+        self.peers: dict[str, PeerInfo] = {}
+        self.closing: dict[str, list[SessionClosed]] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    # ---------------------------------------------------------------- loop
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                msg: Any = await self.mailbox.receive_before(self.proto.next_deadline())
+                now = self.clock.now()
+                self._woke(now)
+                if msg is not None:
+                    self._dispatch(msg, now)
+                self._carry_out(self.proto.handle_timer(now))
+
+    def _woke(self, now: float) -> None:
+        """Called first at every turn of the loop (the sender checks for a stall)."""
+
+    def _feed(self, event: Any, now: float) -> None:
+        self._carry_out(self.proto.handle(event, now))
+
+    def _dispatch(self, msg: Any, now: float) -> None:
+        if isinstance(msg, Outcome):
+            self._feed(msg.event, now)
+        elif isinstance(msg, ClientRequest):
+            self._client(msg, now)
+        elif isinstance(msg, SessionClosed):
+            self.closing.setdefault(msg.session, []).append(msg)
+            self._feed(self._end_session(msg.session), now)
+        elif isinstance(msg, DrainLocalRegion):
+            self._spawn(self._drain_local, msg)
+        elif isinstance(msg, DrainRemoteRegion):
+            info = self.peers.get(msg.agent)
+            if info is not None:  # never plan into it again
+                regions = {k: v for k, v in info.regions.items() if v.region_id != msg.region_id}
+                self.peers[msg.agent] = PeerInfo(**{**info.__dict__, "regions": regions})
+            self._spawn(self._drain_remote, msg)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot(msg.section, now))
+        elif not self._own(msg, now):
+            raise TypeError(f"{self.name} got {type(msg).__name__}")
+
+    def _own(self, msg: Any, now: float) -> bool:
+        """Handle a message only this side knows; False if it is not one."""
+        raise NotImplementedError
+
+    def _end_session(self, session: str) -> Any:
+        raise NotImplementedError
+
+    def _client_event(self, req: ClientRequest) -> Any:
+        """The machine's event for a client request; raises KvdError to refuse it."""
+        raise NotImplementedError
+
+    def _client(self, req: ClientRequest, now: float) -> None:
+        m = req.msg
+        try:
+            self._feed(self._client_event(req), now)
+        except KvdError as exc:
+            self.rejects.reject(
+                self.name,
+                "requests_rejected",
+                "request_rejected",
+                type(exc).__name__,
+                request_id=getattr(m, "request_id", ""),
+                error=exc.message,
+            )
+            req.fail(exc)
+            return
+        req.resolve(wire.Ok())
+
+    def _known(self, agent: str, msg: wire.Record) -> bool:
+        """Only a peer that handshaked may speak to the machine."""
+        if agent in self.peers:
+            return True
+        self._reject_notif(
+            agent, "unknown_agent", f"{type(msg).__name__} from an agent that never handshaked"
+        )
+        return False
+
+    def _reject_notif(self, agent: str, kind: str, reason: str) -> None:
+        self.rejects.reject(
+            self.name, "notifs_rejected", "notif_rejected", kind, peer=agent, reason=reason
+        )
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- effects
+
+    def _carry_out(self, effects: list[Any]) -> None:
+        for eff in effects:
+            if isinstance(eff, Emit):
+                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
+            elif isinstance(eff, Notify):
+                self._spawn(self._notify, eff)
+            elif isinstance(eff, SessionEnded):
+                for call in self.closing.pop(eff.session, []):
+                    call.resolve(None)
+            elif isinstance(eff, Log):
+                getattr(self.log, eff.level)(eff.event, **eff.fields)
+            else:
+                self._carry_out_own(eff)
+
+    def _carry_out_own(self, eff: Any) -> None:
+        raise NotImplementedError
+
+    def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn, *args)
+
+    def _outcome(self, event: Any) -> None:
+        self.mailbox.post(Outcome(event))
+
+    async def _notify(self, eff: Notify) -> None:
+        try:
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+        except KvdError as exc:
+            self.log.warning(
+                "notification_not_delivered",
+                peer=eff.agent,
+                type=type(eff.record).__name__,
+                error=exc.message,
+            )
+
+    async def _drain_local(self, msg: DrainLocalRegion) -> None:
+        await self.book.drain_local(msg.region_id)
+        msg.resolve(None)
+
+    async def _drain_remote(self, msg: DrainRemoteRegion) -> None:
+        await self.book.drain_remote(msg.agent, msg.region_id)
+        msg.resolve(None)
+
+    def snapshot(self, section: str, now: float) -> dict[str, Any]:
+        raise NotImplementedError
 
 
 class TransferBook:
