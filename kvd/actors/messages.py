@@ -159,7 +159,7 @@ class PingPeerCmd(Call[dict[str, Any]]):
 
 @dataclass(frozen=True)
 class PeerUpdated:
-    """Registrar -> writer/reaper: a peer's view changed (None = forgotten)."""
+    """Registrar -> sender and receiver: a peer's view changed (None = forgotten)."""
 
     agent: str
     info: PeerInfo | None
@@ -167,7 +167,7 @@ class PeerUpdated:
 
 @dataclass(frozen=True)
 class LocalRegionsChanged:
-    """Registrar -> writer: the current set of local regions."""
+    """Registrar -> sender, receiver and EC router: the current set of local regions."""
 
     regions: dict[tuple[str, int], LocalRegion]
 

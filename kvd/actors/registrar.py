@@ -4,7 +4,7 @@
   (no descriptor can ever leave it), registers it with NIXL as DRAM and gives it an id
   and a generation. Every region declares a non-empty `compat` (what must agree between
   the two ends of a transfer); one without is refused, so no region is exempt from the
-  writer's compat check. Before a region is unmapped, peers are told to drop it (side
+  transfer actors' compat check. Before a region is unmapped, peers are told to drop it (side
   channel, with a reply) and transfers touching it drain; only then is it deregistered.
 - Peers: one handshake per peer daemon (not per rank), cached; concurrent requests for
   the same peer wait on one handshake and all get its result; a failure is reported to

@@ -65,10 +65,10 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             hb["total_p50_ms"] <= 1.0,
             "ms",
         )
-        rp = scale["reaper"]
+        rp = scale["leases"]
         bound = 2 * rp["log_growth"]
         add(
-            "reaper expiry O(log n): t(100k)/t(1k)",
+            "lease expiry O(log n): t(100k)/t(1k)",
             f"<= {bound:.2f} (2 x log ratio)",
             rp["expire_growth"],
             rp["expire_growth"] <= bound,
@@ -260,13 +260,13 @@ def scale_table(s: dict[str, Any]) -> Table:
         f"P {hb['p_side']['p50_ms'] * 1e3:.0f} us + D {hb['d_side']['p50_ms'] * 1e3:.0f} us = "
         f"{hb['total_p50_ms'] * 1e3:.0f} us",
     )
-    for row in s["reaper"]["sizes"]:
+    for row in s["leases"]["sizes"]:
         t.add_row(
             f"lease table at {row['n']:,} (sans-IO), us/op",
             f"grant {row['grant_us']:.2f}, extend {row['extend_us']:.2f}, "
             f"find {row['find_us']:.2f}, expire {row['expire_us']:.2f}",
         )
-    rp = s["reaper"]
+    rp = s["leases"]
     t.add_row(
         "  expiry growth 1k -> 100k",
         f"{rp['expire_growth']:.2f}x (log n: {rp['log_growth']:.2f}x, "

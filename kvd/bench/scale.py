@@ -11,9 +11,9 @@ Live daemons:
 
 Sans-IO core, measured directly (no sockets, no event loop), as the brief allows:
 - `heartbeat`: P's handling of one heartbeat naming 1,000 ids against 10,000 leases
-  (decode + `LeaseTable.extend`, as the reaper does), and D's side (the batch falling
+  (decode + `LeaseTable.extend`, as the sender does), and D's side (the batch falling
   due in `HeartbeatSchedule` + encoding it).
-- `reaper`: `LeaseTable` grant, extend, and expiry cost per operation at 1k, 10k and
+- `leases`: `LeaseTable` grant, extend, and expiry cost per operation at 1k, 10k and
   100k live leases.
 """
 
@@ -95,17 +95,17 @@ def run(
         cfg.heartbeat_reps,
     )
     progress("scale: heartbeat (sans-IO)")
-    out["reaper"] = {"sizes": []}
+    out["leases"] = {"sizes": []}
     for n in cfg.lease_sizes:
-        out["reaper"]["sizes"].append(lease_ops(n))
-        progress(f"scale: reaper at {n} leases (sans-IO)")
-    sizes = out["reaper"]["sizes"]
+        out["leases"]["sizes"].append(lease_ops(n))
+        progress(f"scale: lease table at {n} leases (sans-IO)")
+    sizes = out["leases"]["sizes"]
     first, last = sizes[0], sizes[-1]
-    out["reaper"]["expire_growth"] = (
+    out["leases"]["expire_growth"] = (
         round(last["expire_us"] / first["expire_us"], 3) if first["expire_us"] else 0.0
     )
-    out["reaper"]["log_growth"] = round(math.log(last["n"]) / math.log(first["n"]), 3)
-    out["reaper"]["linear_growth"] = round(last["n"] / first["n"], 1)
+    out["leases"]["log_growth"] = round(math.log(last["n"]) / math.log(first["n"]), 3)
+    out["leases"]["linear_growth"] = round(last["n"] / first["n"], 1)
     progress("scale: done")
     return out
 

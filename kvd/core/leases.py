@@ -3,7 +3,7 @@
 While a decode peer has not yet pulled a request's KV blocks, P keeps them pinned under
 a lease. The peer's heartbeats extend the lease; a lease that reaches its deadline is
 expired and its blocks go back to the engine. The table is sans-IO: `now` is always an
-argument, `next_deadline()` says when the reaper must next wake, and `expire(now)`
+argument, `next_deadline()` says when the sender must next wake, and `expire(now)`
 returns what expired. Deadlines live in a `TimerHeap` (lazy deletion), so extending
 or expiring is O(log n) per lease, never a scan of the table.
 
@@ -124,7 +124,7 @@ class LeaseTable:
         return next(iter(keys))
 
     def next_deadline(self) -> float | None:
-        """The earliest live deadline (when the reaper must next wake), or None."""
+        """The earliest live deadline (when the sender must next wake), or None."""
         return self._timers.next_time()
 
     def expire(self, now: float) -> list[Lease]:

@@ -75,8 +75,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert ll["left_after_release"] == 0
     assert ll["heartbeat_live"]["ids_sent"] > 0 and ll["heartbeat_live"]["unknown_ids"] == 0
     _positive(scale["heartbeat"]["total_p50_ms"], "heartbeat")
-    assert [r["n"] for r in scale["reaper"]["sizes"]] == [1000, 10_000, 100_000]
-    for row in scale["reaper"]["sizes"]:
+    assert [r["n"] for r in scale["leases"]["sizes"]] == [1000, 10_000, 100_000]
+    for row in scale["leases"]["sizes"]:
         for key in ("grant_us", "extend_us", "find_us", "expire_us"):
             _positive(row[key], f"lease table {key} at {row['n']}")
 
