@@ -244,8 +244,9 @@ class DaemonConfig(_Section):
     )
     mailbox_size: int = _opt(
         1024,
-        "Bound of each actor's mailbox. A message for a full mailbox is answered BUSY, "
-        "never queued without bound.",
+        "Bound of the outside input (client requests, peers' heartbeats and probes) "
+        "waiting in each actor's mailbox: beyond it input is answered BUSY, never queued "
+        "without bound. Notices between actors are never refused and do not count.",
         ge=1,
         le=1_000_000,
     )

@@ -1,16 +1,17 @@
 """Mailboxes and calls: the only way actors talk to each other.
 
-A mailbox is a bounded anyio memory stream with one rule for what may be refused, by
-the message's type, never by the call site:
+A mailbox is an anyio memory stream with one rule for what may be refused, by the
+message's type, never by the call site:
 - input from outside the daemon (`Outside`: a client request, a peer's heartbeat or
-  probe, a side-channel request) is refused when the mailbox is full: `post` raises
+  probe, a side-channel request) is bounded: once `size` of them wait, `post` raises
   `Busy`, which the edge answers BUSY (or drops a heartbeat: the next one comes);
 - every other message is a notice between actors (a session closed, a region changed,
-  a peer lost, an answer to our own transfer): it is never refused or dropped. Their
-  number follows work already accepted, not outside load, and refusing one would leave
-  two actors disagreeing. Beyond the bound they wait, in order, in an overflow queue
-  that refills the mailbox as the receiver takes messages; outside input is refused
-  meanwhile.
+  a peer lost, the outcome of the actor's own work): it is never refused or dropped, and
+  it does not count against the bound. Their number follows work already accepted, not
+  outside load; refusing one would leave two actors disagreeing, and counting them
+  would let an actor's own bookkeeping (an outcome per transfer) turn outside requests
+  away under a burst it had accepted.
+All messages are received in the order they were posted.
 `call` posts a message carrying an asyncio future and awaits the answer (a one-shot
 reply channel).
 
@@ -22,8 +23,8 @@ its next deadline in that time with `receive_before`.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
@@ -108,55 +109,43 @@ so it must not take the gaps between its reads for stalls."""
 
 
 class Mailbox(Generic[M]):
-    """A bounded mailbox owned by one actor."""
+    """A mailbox owned by one actor; `size` bounds the outside input waiting in it."""
 
     def __init__(self, name: str, size: int, clock: Clock | None = None) -> None:
         self.name = name
         self.size = size
         self.clock = clock or SYSTEM_CLOCK
-        send, recv = anyio.create_memory_object_stream[M](max_buffer_size=size)
+        send, recv = anyio.create_memory_object_stream[M](max_buffer_size=math.inf)
         self._send: MemoryObjectSendStream[M] = send
         self._recv: MemoryObjectReceiveStream[M] = recv
-        self._overflow: deque[M] = deque()
+        self._outside = 0
         self.rejected = 0
 
     def post(self, msg: M) -> None:
-        """Enqueue without blocking. Outside input is refused with Busy when the mailbox is
-        full; a notice between actors never is (see the module docstring)."""
-        if self._overflow or not self._offer(msg):
-            if isinstance(msg, Outside):
+        """Enqueue without blocking. Outside input is refused with Busy once `size` of it
+        waits; a notice between actors never is (see the module docstring)."""
+        if isinstance(msg, Outside):
+            if self._outside >= self.size:
                 self.rejected += 1
                 raise Busy(f"the {self.name} mailbox is full ({self.size})")
-            self._overflow.append(msg)
+            self._outside += 1
+        self._send.send_nowait(msg)
 
-    def _offer(self, msg: M) -> bool:
-        try:
-            self._send.send_nowait(msg)
-        except anyio.WouldBlock:
-            return False
-        return True
-
-    def _refill(self) -> None:
-        overflow = self._overflow
-        while overflow:
-            try:
-                self._send.send_nowait(overflow[0])
-            except anyio.WouldBlock:
-                return
-            overflow.popleft()
+    def _took(self, msg: M) -> M:
+        if isinstance(msg, Outside):
+            self._outside -= 1
+        return msg
 
     async def call(self, msg: Call[R]) -> R:
         self.post(msg)  # type: ignore[arg-type]
         return await msg.reply
 
     def depth(self) -> int:
-        return self._send.statistics().current_buffer_used + len(self._overflow)
+        return self._send.statistics().current_buffer_used
 
     async def __aiter__(self) -> AsyncIterator[M]:
         async for msg in self._recv:
-            if self._overflow:
-                self._refill()
-            yield msg
+            yield self._took(msg)
 
     async def receive_before(self, deadline: float | None) -> M | None:
         """The next message, or None once `deadline` (daemon time) passes first.
@@ -174,16 +163,15 @@ class Mailbox(Generic[M]):
                 return await self.receive()
 
     async def receive(self) -> M:
-        msg = await self._recv.receive()
-        if self._overflow:
-            self._refill()
-        return msg
+        return self._took(await self._recv.receive())
 
     def receive_nowait(self) -> M:
-        msg = self._recv.receive_nowait()
-        if self._overflow:
-            self._refill()
-        return msg
+        return self._took(self._recv.receive_nowait())
 
     def stats(self) -> dict[str, Any]:
-        return {"depth": self.depth(), "size": self.size, "rejected": self.rejected}
+        return {
+            "depth": self.depth(),
+            "outside": self._outside,
+            "size": self.size,
+            "rejected": self.rejected,
+        }

@@ -1,5 +1,6 @@
-"""One rule, by message type: notices between actors beyond the bound wait in order and are
-never refused; outside input (`Outside`) is refused meanwhile."""
+"""One rule, by message type: notices between actors are never refused and do not count
+against the bound; outside input (`Outside`) is refused once `size` of it waits. Everything
+is received in the order it was posted."""
 
 from __future__ import annotations
 
@@ -14,19 +15,37 @@ class Knock(Outside):
     """Outside input (a client request, a heartbeat)."""
 
 
-async def test_internal_posts_overflow_in_order_and_outside_posts_stay_refused() -> None:
+async def test_notices_are_never_refused_and_do_not_crowd_out_outside_input() -> None:
     box: Mailbox[object] = Mailbox("t", 2)
     for i in range(10):
         box.post(i)  # a notice: never raises, however far beyond the bound
     assert box.depth() == 10
+    a, b = Knock(), Knock()
+    box.post(a)  # the actor's own notices do not turn outside input away...
+    box.post(b)
     with pytest.raises(Busy):
-        box.post(Knock())  # outside load is still refused while notices wait
-    got = [box.receive_nowait() for _ in range(3)] + [await box.receive() for _ in range(7)]
-    assert got == list(range(10))
-    assert box.depth() == 0
+        box.post(Knock())  # ...but `size` waiting outside messages do
+    assert box.stats()["rejected"] == 1 and box.stats()["outside"] == 2
+    box.post(10)  # notices still go in while outside input is refused
+    got = [box.receive_nowait() for _ in range(3)] + [await box.receive() for _ in range(10)]
+    assert got == [*range(10), a, b, 10]  # in the order posted
+    assert box.depth() == 0 and box.stats()["outside"] == 0
     knock = Knock()
     box.post(knock)  # room again
     assert box.receive_nowait() is knock
+
+
+async def test_outside_room_comes_back_as_outside_messages_are_taken() -> None:
+    box: Mailbox[object] = Mailbox("t", 1)
+    first = Knock()
+    box.post(first)
+    box.post("notice")
+    with pytest.raises(Busy):
+        box.post(Knock())
+    assert box.receive_nowait() is first  # the outside message is taken...
+    later = Knock()
+    box.post(later)  # ...so one more fits, though a notice still waits
+    assert [box.receive_nowait(), box.receive_nowait()] == ["notice", later]
 
 
 async def test_internal_overflow_drains_through_async_iteration() -> None:
