@@ -444,10 +444,18 @@ class Receiver:
         if req.peer not in self.probes:
             self.probes.set(req.peer, now + self.probe_interval)
 
+    def _forget_if_idle(self, peer: str) -> None:
+        """Nothing outstanding at `peer` any more: no probe, and its failure streak ends (a
+        later request's first failed beat must not be blamed for the idle time)."""
+        if not self.heartbeats.requests_of(peer):
+            self.probes.discard(peer)
+            self.failing_since.pop(peer, None)
+
     def _end(self, req: RecvRequest, state: RecvState) -> None:
         self._goto(req, state)
         del self.reqs[req.request_id]
         self.heartbeats.untrack(req.request_id)
+        self._forget_if_idle(req.peer)
         self.watchdogs.discard(req.request_id)
         if state is not R.DROPPED:
             self.ended[req.request_id] = None
@@ -518,6 +526,7 @@ class Receiver:
         if req is not None and req.session != ev.session:
             raise InvalidRequest(f"request {ev.request_id!r} is tracked by another session")
         self._count(f"{ev.mode}_requests")
+        old_peer = ""
         if req is None:
             req = RecvRequest(
                 ev.request_id, R.TRACKED, ev.session, ev.engine_id, ev.peer, ev.hb_id, now
@@ -525,9 +534,11 @@ class Receiver:
             self.reqs[ev.request_id] = req
         elif req.peer != ev.peer or req.hb_id != ev.hb_id:
             self.heartbeats.untrack(req.request_id)
-            req.peer, req.hb_id = ev.peer, ev.hb_id
+            old_peer, req.peer, req.hb_id = req.peer, ev.peer, ev.hb_id
         req.load, req.engine_id, req.started = ev, ev.engine_id, now
         self._beat(req, now)
+        if old_peer:
+            self._forget_if_idle(old_peer)
         self._goto(req, R.HANDSHAKING)
         self._out.append(Resolve(ev, refresh=False))
 
@@ -727,6 +738,8 @@ class Receiver:
 
     def _on_peer_unreachable(self, ev: PeerUnreachable, now: float) -> None:
         self._count("peer_failures")
+        if not self.heartbeats.requests_of(ev.peer):
+            return  # a beat for requests that ended since: nothing left to give up on
         first = self.failing_since.setdefault(ev.peer, now)
         if first == now:
             self._log("warning", "peer_unreachable", peer=ev.peer, error=ev.error.message)

@@ -275,7 +275,9 @@ class Sender:
         self.generations: dict[str, tuple[int, ...]] = {}
         self.stall_epoch = 0
         self.synced: dict[str, int] = {}
-        self.resyncing: dict[str, int] = {}
+        self.resyncing: dict[str, tuple[int, int]] = {}
+        """Peer -> (nonce, stall epoch) of the Resync we await: its ack covers that epoch
+        only (a stall after the Resync went out needs another)."""
         self._out: list[Effect] = []
 
     # ---------------------------------------------------------------- the interface
@@ -307,7 +309,8 @@ class Sender:
         return out
 
     def next_deadline(self) -> float | None:
-        times = [t for t in (self.leases.next_deadline(), self._timers.next_time()) if t]
+        due = (self.leases.next_deadline(), self._timers.next_time())
+        times = [t for t in due if t is not None]  # a deadline may be 0.0
         return min(times) if times else None
 
     # ---------------------------------------------------------------- bookkeeping
@@ -624,7 +627,7 @@ class Sender:
         if self.synced.get(req.agent, 0) < self.stall_epoch:
             if req.agent not in self.resyncing:
                 nonce = self.nonce(64)
-                self.resyncing[req.agent] = nonce
+                self.resyncing[req.agent] = (nonce, self.stall_epoch)
                 self._timers.set(_RESYNC + req.agent, now + self.resync_timeout)
                 self._count("stall_resyncs")
                 self._out.append(Notify(req.agent, wire.Resync(nonce)))
@@ -657,12 +660,13 @@ class Sender:
         self._end(req, S.FAILED, Tombstone(code, reason[:1000], by_base=False))
 
     def _on_resync_acked(self, ev: ResyncAcked, now: float) -> None:
-        if self.resyncing.get(ev.agent) != ev.nonce:
+        pending = self.resyncing.get(ev.agent)
+        if pending is None or pending[0] != ev.nonce:
             self._reject(ev.agent, "resync ack with an unknown nonce")
             return
         del self.resyncing[ev.agent]
         self._timers.discard(_RESYNC + ev.agent)
-        self.synced[ev.agent] = self.stall_epoch
+        self.synced[ev.agent] = pending[1]
         for req in self._matched_ready(ev.agent):
             self._write_when_synced(req, now)
 
