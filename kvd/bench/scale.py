@@ -192,7 +192,7 @@ def concurrent(
     counters_d = status(env.d_cli)["counters"]
     busy = {
         key: counters_p.get(key, 0) + counters_d.get(key, 0)
-        for key in ("ipc_busy", "notifs_dropped_busy", "events_dropped", "ipc_send_dropped")
+        for key in ("ipc_busy", "notifs_dropped_busy", "ipc_send_dropped")
     }
     per_call = [dt * 1e6 for dt, _ in drains]
     per_event = [dt * 1e6 / m for dt, m in drains]

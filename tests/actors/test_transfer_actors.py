@@ -1,0 +1,863 @@
+"""The sender and receiver actors on a real event loop, over a fake transport port.
+
+Real: the actors (`kvd.actors.sender`, `kvd.actors.receiver`), their shell and mailboxes,
+anyio task groups, the daemon's wiring of views (`Daemon._publish`) and, for the session
+close, the gateway on a real ipc:// socket. Fake: the transport port (`FakePort` records
+the notifications sent and the transfers posted; the test completes or fails each
+transfer, and can make a notification fail), the registrar (`StubActor` answers
+`EnsurePeer` from a table) and the daemon's clock (`FakeClock` moves only when a test
+advances it, so every lease, watchdog and heartbeat fires exactly when the test says:
+nothing here waits for a timer in real time). The test plays the peer daemon: it reads
+what the port sent and posts the peer's answers as the notifier would.
+
+The last three tests are regressions for bugs of the first design, where whether a
+notice between actors could be refused was decided at each call site.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Generic, TypeVar
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import Busy, ErrorCode, KvdError, NotFound, TransferError
+
+from kvd.actors.base import Clock, Mailbox
+from kvd.actors.gateway import Gateway
+from kvd.actors.messages import (
+    ClientRequest,
+    EnsurePeer,
+    EventOut,
+    HeartbeatReceived,
+    LocalRegion,
+    LocalRegionsChanged,
+    NotifReceived,
+    PeerInfo,
+    PeerLost,
+    PeerUpdated,
+    ProbeReceived,
+    RemoteRegion,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.actors.receiver import Receiver
+from kvd.actors.sender import Sender
+from kvd.adapters.nixl import PeerDisconnected
+from kvd.config import Config, DaemonConfig
+from kvd.core.planner import Geometry
+from kvd.daemon import Daemon
+from kvd.logs import RejectLog
+
+T = TypeVar("T")
+R = TypeVar("R", bound=wire.Record)
+
+WAIT: Final = 5.0
+"""Bound on waiting for something that follows at once (real seconds; generous)."""
+SIZE: Final = 4
+"""Every mailbox's bound on outside input."""
+LEASE: Final = 12.0
+HB: Final = LEASE / 6.0
+"""D's heartbeat period once the handshake taught it P's lease."""
+REG_TIMEOUT: Final = 20.0
+
+P_AGENT: Final = "kvd-p"
+D_AGENT: Final = "kvd-d"
+P_ENGINE: Final = "engine-p"
+D_ENGINE: Final = "engine-d"
+P_SESSION: Final = "session-p"
+D_SESSION: Final = "session-d"
+P_HOST, P_PORT = "10.0.0.1", 5600
+D_HOST, D_PORT = "10.0.0.2", 5700
+P_INCARNATION: Final = 0xA1
+D_INCARNATION: Final = 0xD1
+P_GEN: Final = 3
+D_GEN: Final = 4
+COMPAT: Final = "model-x"
+
+P_BASE: Final = 0x10000
+D_BASE: Final = 0x90000
+P_GEO: Final = Geometry.block_major(P_BASE, 16, 2, 2, 64)
+D_GEO: Final = Geometry.block_major(D_BASE, 16, 2, 2, 64)
+BLOCK: Final = P_GEO.block_bytes
+LAYOUT: Final = wire.RegionLayout(
+    num_blocks=16,
+    num_layers=2,
+    kv_parts=2,
+    chunk_bytes=64,
+    block_stride=BLOCK,
+    layer_stride=128,
+    kv_stride=64,
+    tokens_per_block=16,
+    physical_per_logical=1,
+    kv_layout="NHD",
+    dtype="bfloat16",
+)
+
+
+def _local(engine: str, geo: Geometry, gen: int, session: str) -> LocalRegion:
+    return LocalRegion(1, gen, engine, 0, 1, geo, LAYOUT, COMPAT, session, f"{engine}-kv")
+
+
+def _peer(agent: str, host: str, port: int, incarnation: int, remote: RemoteRegion) -> PeerInfo:
+    return PeerInfo(
+        agent=agent,
+        incarnation=incarnation,
+        host=host,
+        port=port,
+        lease_duration=LEASE,
+        regions={(remote.engine_id, 0): remote},
+        canary_addr=0,
+        canary_bytes=0,
+        handshaked_at=1.0,
+    )
+
+
+P_REGION: Final = _local(P_ENGINE, P_GEO, P_GEN, P_SESSION)
+D_REGION: Final = _local(D_ENGINE, D_GEO, D_GEN, D_SESSION)
+P_INFO: Final = _peer(
+    P_AGENT, P_HOST, P_PORT, P_INCARNATION, RemoteRegion(1, P_GEN, P_ENGINE, 0, 1, P_GEO, COMPAT)
+)
+"""P's daemon as D's registrar knows it."""
+D_INFO: Final = _peer(
+    D_AGENT, D_HOST, D_PORT, D_INCARNATION, RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
+)
+"""D's daemon as P's registrar knows it."""
+
+
+# ------------------------------------------------------------------ fakes
+
+
+class Recorder(Generic[T]):
+    """What happened, in order; a test waits until what it expects is there."""
+
+    def __init__(self) -> None:
+        self.items: list[T] = []
+        self._changed = anyio.Event()
+
+    def add(self, item: T) -> None:
+        self.items.append(item)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def until(self, done: Callable[[list[T]], bool]) -> None:
+        with anyio.fail_after(WAIT):
+            while not done(self.items):
+                await self._changed.wait()
+
+
+class FakeClock(Clock):
+    """Daemon time that moves only when the test advances it."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        super().__init__()
+        self.t = start
+
+    def now(self) -> float:
+        return self.t
+
+
+@dataclass
+class Transfer:
+    """One transfer posted on the port: it is in flight until the test ends it."""
+
+    op: str
+    peer: str
+    local: np.ndarray
+    remote: np.ndarray
+    notif: wire.Record | None
+    nbytes: int
+    _ended: anyio.Event = field(default_factory=anyio.Event)
+    _error: KvdError | None = None
+
+    def complete(self) -> None:
+        self._ended.set()
+
+    def fail(self, exc: KvdError) -> None:
+        self._error = exc
+        self._ended.set()
+
+    async def wait(self) -> None:
+        await self._ended.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class FakePort:
+    """The transport port (`kvd.actors.transfers.Transport`) in memory."""
+
+    def __init__(self) -> None:
+        self.notifs: Recorder[tuple[str, wire.Record]] = Recorder()
+        self.transfers: Recorder[Transfer] = Recorder()
+        self._faults: dict[type[wire.Record], tuple[KvdError, Callable[[], None]]] = {}
+
+    def fail_next(
+        self, kind: type[wire.Record], exc: KvdError, before: Callable[[], None] = lambda: None
+    ) -> None:
+        """The next notification of `kind` raises `exc`, right after `before()` ran (with
+        no await in between: what `before` sets up is what the failure path finds)."""
+        self._faults[kind] = (exc, before)
+
+    async def send_notif(self, peer: str, msg: bytes) -> None:
+        await anyio.lowlevel.checkpoint()  # the real port awaits its thread
+        _, record = wire.decode(msg)
+        fault = self._faults.pop(type(record), None)
+        if fault is not None:
+            exc, before = fault
+            before()
+            raise exc
+        self.notifs.add((peer, record))
+
+    async def transfer(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes,
+        timeout: float,  # noqa: ASYNC109 - the port's signature
+        nbytes: int,
+        local_mem: str = "DRAM",
+        remote_mem: str = "DRAM",
+    ) -> float:
+        record = wire.decode(notif)[1] if notif else None
+        xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
+        self.transfers.add(xfer)
+        await xfer.wait()
+        return 0.001
+
+    def sent(self, kind: type[R]) -> list[tuple[str, R]]:
+        return [(peer, r) for peer, r in self.notifs.items if isinstance(r, kind)]
+
+    async def wait_sent(self, kind: type[R], count: int = 1) -> list[tuple[str, R]]:
+        await self.notifs.until(lambda _: len(self.sent(kind)) >= count)
+        return self.sent(kind)
+
+    async def wait_transfer(self, count: int = 1) -> Transfer:
+        await self.transfers.until(lambda items: len(items) >= count)
+        return self.transfers.items[count - 1]
+
+
+class WatchedMailbox(Mailbox[Any]):
+    """A mailbox that tells when a `SessionClosed` went in."""
+
+    def __init__(self, name: str, size: int, clock: Clock) -> None:
+        super().__init__(name, size, clock)
+        self.close_posted = anyio.Event()
+
+    def post(self, msg: Any) -> None:
+        super().post(msg)
+        if isinstance(msg, SessionClosed):
+            self.close_posted.set()
+
+
+class StubActor:
+    """A stand-in for the registrar (or the EC router): answers `EnsurePeer` from a table
+    of peers and `SessionClosed` at once, and keeps every message it got."""
+
+    def __init__(self, name: str, clock: Clock, peers: tuple[PeerInfo, ...] = ()) -> None:
+        self.box: Mailbox[Any] = Mailbox(name, SIZE, clock)
+        self.peers = {p.addr: p for p in peers}
+        self.got: Recorder[Any] = Recorder()
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for msg in self.box:
+            if isinstance(msg, EnsurePeer):
+                info = self.peers.get(f"{msg.host}:{msg.port}")
+                if info is None:
+                    msg.fail(NotFound(f"no daemon at {msg.host}:{msg.port}"))
+                else:
+                    msg.resolve(info)
+            elif isinstance(msg, SessionClosed):
+                msg.resolve(None)
+            self.got.add(msg)
+
+
+def make_sender(
+    clock: Clock,
+    port: FakePort,
+    registrar: StubActor,
+    emit: Callable[[EventOut], None],
+    mailbox: Mailbox[Any] | None = None,
+) -> Sender:
+    return Sender(
+        transport=port,
+        mailbox=mailbox or Mailbox("sender", SIZE, clock),
+        registrar=registrar.box,
+        emit=emit,
+        lease_duration=LEASE,
+        lease_wait_timeout=5.0,
+        registration_timeout=REG_TIMEOUT,
+        transfer_timeout=30.0,
+        tombstones=1000,
+        counters={},
+    )
+
+
+def make_receiver(
+    clock: Clock, port: FakePort, registrar: StubActor, emit: Callable[[EventOut], None]
+) -> Receiver:
+    return Receiver(
+        transport=port,
+        mailbox=Mailbox("receiver", SIZE, clock),
+        registrar=registrar.box,
+        emit=emit,
+        lease_duration=LEASE,
+        probe_interval=1000.0,  # no probes: heartbeats alone tell whether P is there
+        push_registration_timeout=REG_TIMEOUT,
+        transfer_timeout=30.0,
+        counters={},
+        incarnation=D_INCARNATION,
+        side_host=D_HOST,
+        side_port_ref=lambda: D_PORT,
+    )
+
+
+@dataclass
+class World:
+    """P's sender and D's receiver (of two different daemons, each with its own port),
+    with what they know before a request arrives: their local regions and the peer."""
+
+    clock: FakeClock
+    registrar: StubActor
+    events: Recorder[EventOut]
+    p_port: FakePort
+    d_port: FakePort
+    sender: Sender
+    receiver: Receiver
+
+    async def advance(self, seconds: float) -> None:
+        """Move daemon time on; both actors run their timers at the new time."""
+        self.clock.t += seconds
+        await snapshot(self.sender.mailbox)
+        await snapshot(self.receiver.mailbox)
+
+    def events_of(self, request_id: str) -> list[wire.Record]:
+        return [
+            e.record for e in self.events.items if getattr(e.record, "request_id", "") == request_id
+        ]
+
+
+@asynccontextmanager
+async def world() -> AsyncIterator[World]:
+    clock = FakeClock()
+    registrar = StubActor("registrar", clock, (P_INFO, D_INFO))
+    events: Recorder[EventOut] = Recorder()
+    p_port, d_port = FakePort(), FakePort()
+    sender = make_sender(clock, p_port, registrar, events.add)
+    receiver = make_receiver(clock, d_port, registrar, events.add)
+    sender.mailbox.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
+    sender.mailbox.post(PeerUpdated(D_AGENT, D_INFO))
+    receiver.mailbox.post(LocalRegionsChanged({(D_ENGINE, 0): D_REGION}))
+    receiver.mailbox.post(PeerUpdated(P_AGENT, P_INFO))
+    async with anyio.create_task_group() as tg:
+        await tg.start(registrar.run)
+        await tg.start(sender.run)
+        await tg.start(receiver.run)
+        yield World(clock, registrar, events, p_port, d_port, sender, receiver)
+        tg.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ helpers
+
+
+async def client(box: Mailbox[Any], session: str, msg: wire.Record) -> wire.Record:
+    """A client request as the gateway routes it; the actor's answer."""
+    with anyio.fail_after(WAIT):
+        return await box.call(ClientRequest(session, msg))
+
+
+async def snapshot(box: Mailbox[Any], section: str = "status") -> dict[str, Any]:
+    """The actor's status; also wakes its loop (timers run at the clock's current time)."""
+    with anyio.fail_after(WAIT):
+        return await box.call(Snapshot(section))
+
+
+async def settle() -> None:
+    """Until every task waits: whatever the last step set off has run."""
+    with anyio.fail_after(WAIT):
+        await anyio.wait_all_tasks_blocked()
+
+
+def fill(box: Mailbox[Any], make: Callable[[], Any]) -> list[Any]:
+    """Post outside input into `box` until it is refused (the box is full); what went in."""
+    posted: list[Any] = []
+    for _ in range(2 * box.size):
+        msg = make()
+        try:
+            box.post(msg)
+        except Busy:
+            return posted
+        posted.append(msg)
+    raise AssertionError(f"the {box.name} mailbox never refused outside input")
+
+
+def registration(d_rid: str = "d-req", p_rid: str = "p-req") -> wire.PushRegistration:
+    """D's registration for P's request `p_rid`, as D's daemon sends it."""
+    return wire.PushRegistration(
+        request_id=d_rid,
+        remote_request_id=p_rid,
+        engine_id=D_ENGINE,
+        remote_engine_id=P_ENGINE,
+        tp_size=1,
+        block_ids=(5, 6),
+        side_host=D_HOST,
+        side_port=D_PORT,
+        incarnation=D_INCARNATION,
+        generations=(D_GEN,),
+        p_session=P_SESSION,
+    )
+
+
+def track(rid: str = "d-req", p_rid: str = "p-req") -> wire.Track:
+    return wire.Track(rid, D_ENGINE, P_HOST, P_PORT, P_ENGINE, p_rid, P_INCARNATION)
+
+
+def register_push(rid: str = "d-req", p_rid: str = "p-req") -> wire.RegisterPush:
+    return wire.RegisterPush(
+        rid, D_ENGINE, (5, 6), P_HOST, P_PORT, P_ENGINE, p_rid, P_INCARNATION, P_SESSION
+    )
+
+
+def pull(rid: str = "d-req", p_rid: str = "p-req") -> wire.Pull:
+    # D's blocks 5-6 take the last two of P's three blocks (P's first is a local hit on D)
+    return wire.Pull(
+        rid, D_ENGINE, (5, 6), P_HOST, P_PORT, P_ENGINE, p_rid, (0, 1, 2), P_INCARNATION, P_SESSION
+    )
+
+
+async def registered(w: World) -> None:
+    """D: a push request tracked, registered, and its registration at P."""
+    box = w.receiver.mailbox
+    assert await client(box, D_SESSION, track()) == wire.Ok()
+    assert await client(box, D_SESSION, register_push()) == wire.Ok()
+    await w.d_port.wait_sent(wire.PushRegistration)
+    transfers = await snapshot(box, "transfers")
+    assert [r["state"] for r in transfers["receiving"]] == ["registered"]
+
+
+def _span(descs: np.ndarray) -> tuple[int, int]:
+    """(first address, bytes) of an Nx3 (addr, len, dev) descriptor array."""
+    return int(descs[:, 0].min()), int(descs[:, 1].sum())
+
+
+# ------------------------------------------------------------------ P: the sender
+
+
+async def test_p_push_lease_then_registration_then_write_then_finished() -> None:
+    async with world() as w:
+        box = w.sender.mailbox
+        assert await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1))) == wire.Ok()
+        status = await snapshot(box)
+        assert (status["leases"], status["held"]) == (1, 1)
+
+        box.post(NotifReceived(D_AGENT, registration()))
+        xfer = await w.p_port.wait_transfer()
+        assert (xfer.op, xfer.peer) == ("WRITE", D_AGENT)
+        assert xfer.notif == wire.PushDone("d-req", 0, True, 0, "")  # D learns when bytes land
+        assert xfer.nbytes == 2 * BLOCK
+        assert _span(xfer.local) == (P_BASE, 2 * BLOCK)  # P's blocks 0-1...
+        assert _span(xfer.remote) == (D_BASE + 5 * BLOCK, 2 * BLOCK)  # ...into D's 5-6
+        status = await snapshot(box)
+        # the lease is claimed: it cannot expire under the WRITE
+        assert (status["leases"], status["writing"]) == (0, 1)
+        assert w.events.items == []
+
+        xfer.complete()
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(P_SESSION, P_ENGINE, wire.SendFinished("p-req"))]
+        status = await snapshot(box)
+        assert status["leases"] == 0 and not any(status["states"].values())
+
+        # ended: a registration naming it again is answered at once, never written
+        box.post(NotifReceived(D_AGENT, registration()))
+        [(peer, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert peer == D_AGENT and answer.request_id == "d-req" and not answer.ok
+        await settle()
+        assert len(w.p_port.transfers.items) == 1 and len(w.events.items) == 1
+
+
+async def test_p_failed_write_fails_the_request_once_and_tells_d() -> None:
+    async with world() as w:
+        box = w.sender.mailbox
+        await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1)))
+        box.post(NotifReceived(D_AGENT, registration()))
+        xfer = await w.p_port.wait_transfer()
+        xfer.fail(TransferError("remote access error"))
+
+        [(peer, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert peer == D_AGENT
+        assert answer == wire.PushDone("d-req", 0, False, ErrorCode.TRANSFER, "remote access error")
+        failed = wire.SendFailed("p-req", ErrorCode.TRANSFER, "remote access error")
+        assert w.events.items == [EventOut(P_SESSION, P_ENGINE, failed)]
+
+        # D registers again (a retry): refused from the tombstone, never written again
+        box.post(NotifReceived(D_AGENT, registration()))
+        await w.p_port.wait_sent(wire.PushDone, 2)
+        await w.advance(2 * LEASE)
+        await settle()
+        assert w.events_of("p-req") == [failed]
+        assert len(w.p_port.transfers.items) == 1
+        status = await snapshot(box)
+        assert status["leases"] == 0 and not any(status["states"].values())
+
+
+async def test_p_lease_is_extended_by_heartbeats_and_expires_without_them() -> None:
+    async with world() as w:
+        box = w.sender.mailbox
+        await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1)))  # t=100: until 112
+        await w.advance(8.0)
+        box.post(HeartbeatReceived(D_AGENT, wire.Heartbeat(("p-req",))))
+        await snapshot(box)  # handled at t=108: until 108 + 2/3 x 12 = 116
+        await w.advance(6.0)  # t=114: past the lease as granted, not as extended
+        assert w.events.items == []
+        assert (await snapshot(box))["leases"] == 1
+
+        await w.advance(3.0)  # t=117
+        assert w.events.items == [EventOut(P_SESSION, P_ENGINE, wire.SendExpired("p-req"))]
+
+        # D's registration comes too late: refused, the blocks are never written
+        box.post(NotifReceived(D_AGENT, registration()))
+        [(_, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert not answer.ok and answer.code == ErrorCode.LEASE_EXPIRED
+        await w.advance(LEASE)
+        await settle()
+        assert w.p_port.transfers.items == [] and len(w.events.items) == 1
+
+
+async def test_p_session_close_is_answered_only_once_its_write_ended() -> None:
+    async with world() as w:
+        box = w.sender.mailbox
+        await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1)))
+        await client(box, P_SESSION, wire.Finish("p-other", P_ENGINE, (2, 3)))
+        box.post(NotifReceived(D_AGENT, registration()))
+        xfer = await w.p_port.wait_transfer()
+
+        close = SessionClosed(P_SESSION)
+        box.post(close)
+        await settle()
+        status = await snapshot(box)
+        # the held lease ended at once; the WRITE may still read the session's blocks
+        assert (status["held"], status["writing"], status["leases"]) == (0, 1, 0)
+        assert not close.reply.done()
+
+        xfer.complete()
+        with anyio.fail_after(WAIT):
+            await close.reply
+        assert w.events_of("p-req") == [wire.SendFinished("p-req")]
+        assert w.events_of("p-other") == []  # its session is gone: no one to tell
+
+        # D registers for the other request only now: refused, never written
+        box.post(NotifReceived(D_AGENT, registration("d-other", "p-other")))
+        [(_, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert answer.request_id == "d-other" and not answer.ok
+        await settle()
+        assert len(w.p_port.transfers.items) == 1
+
+
+# ------------------------------------------------------------------ D: the receiver
+
+
+async def test_d_push_track_then_registration_then_push_done_then_finished() -> None:
+    async with world() as w:
+        box = w.receiver.mailbox
+        assert await client(box, D_SESSION, track()) == wire.Ok()
+        # heartbeats start at once, naming P's request id
+        [(peer, beat)] = await w.d_port.wait_sent(wire.Heartbeat)
+        assert peer == P_AGENT and beat.request_ids == ("p-req",)
+
+        assert await client(box, D_SESSION, register_push()) == wire.Ok()
+        [(peer, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
+        assert peer == P_AGENT
+        assert reg == registration()  # what the P tests feed the sender
+        assert w.events.items == []
+
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))]
+
+        # a duplicate answer changes nothing; heartbeats for it stopped
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        await w.advance(LEASE)
+        await settle()
+        assert len(w.events.items) == 1
+        assert len(w.d_port.sent(wire.Heartbeat)) == 1
+        assert (await snapshot(box))["tracked"] == 0
+
+
+async def test_d_pull_read_then_pull_done_then_ack_then_finished() -> None:
+    async with world() as w:
+        box = w.receiver.mailbox
+        assert await client(box, D_SESSION, pull()) == wire.Ok()
+        xfer = await w.d_port.wait_transfer()
+        assert (xfer.op, xfer.peer, xfer.notif) == ("READ", P_AGENT, None)
+        assert _span(xfer.local) == (D_BASE + 5 * BLOCK, 2 * BLOCK)  # into D's 5-6...
+        assert _span(xfer.remote) == (P_BASE + 1 * BLOCK, 2 * BLOCK)  # ...from P's 1-2
+        await settle()
+        assert w.d_port.sent(wire.PullDone) == []  # P hears only once the bytes are in
+
+        xfer.complete()
+        [(peer, done)] = await w.d_port.wait_sent(wire.PullDone)
+        assert peer == P_AGENT and done == wire.PullDone("p-req", "d-req", (P_GEN,), P_SESSION)
+        assert w.events.items == []  # done only once P says its lease still held
+
+        box.post(NotifReceived(P_AGENT, wire.PullAck("d-req", True, 0, "")))
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))]
+
+
+async def test_d_failed_read_fails_the_request_once_with_its_blocks() -> None:
+    async with world() as w:
+        box = w.receiver.mailbox
+        await client(box, D_SESSION, pull())
+        xfer = await w.d_port.wait_transfer()
+        xfer.fail(TransferError("remote access error"))
+
+        await w.events.until(lambda evs: len(evs) == 1)
+        failed = wire.RecvFailed("d-req", ErrorCode.TRANSFER, "remote access error", (5, 6))
+        assert w.events.items == [EventOut(D_SESSION, D_ENGINE, failed)]
+        # P is told to free its blocks now, not after a lease without heartbeats
+        [(peer, cancel)] = await w.d_port.wait_sent(wire.CancelRegistration)
+        assert peer == P_AGENT and cancel == wire.CancelRegistration("p-req")
+
+        # nothing later revives it: a stray ack, time passing
+        box.post(NotifReceived(P_AGENT, wire.PullAck("d-req", True, 0, "")))
+        await w.advance(2 * LEASE)
+        await settle()
+        assert w.events_of("d-req") == [failed]
+        assert w.d_port.sent(wire.PullDone) == [] and len(w.d_port.transfers.items) == 1
+
+
+async def test_d_registration_times_out_once_and_a_late_write_is_ignored() -> None:
+    async with world() as w:
+        await registered(w)  # at t=100: until 120
+        await w.advance(REG_TIMEOUT - 1.0)
+        assert w.events.items == []
+        await w.advance(2.0)
+        assert len(w.events.items) == 1
+        ev = w.events.items[0].record
+        assert isinstance(ev, wire.RecvFailed)
+        assert (ev.request_id, ev.code, ev.block_ids) == ("d-req", ErrorCode.TIMEOUT, (5, 6))
+        # P must not WRITE into the blocks later: the registration is withdrawn
+        [(peer, cancel)] = await w.d_port.wait_sent(wire.CancelRegistration)
+        assert peer == P_AGENT and cancel == wire.CancelRegistration("p-req")
+
+        # P's WRITE landed anyway (it crossed the cancel): the request stays failed
+        box = w.receiver.mailbox
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        await w.advance(2 * LEASE)
+        await settle()
+        assert len(w.events.items) == 1
+        assert w.receiver.counters["late_answers"] == 1
+
+
+async def test_d_session_close_withdraws_the_registration_and_waits_for_p() -> None:
+    async with world() as w:
+        await registered(w)
+        box = w.receiver.mailbox
+        close = SessionClosed(D_SESSION)
+        box.post(close)
+        [(peer, cancel)] = await w.d_port.wait_sent(wire.CancelRegistration)
+        assert peer == P_AGENT and cancel == wire.CancelRegistration("p-req")
+        await w.advance(9.0)
+        # P may be writing into the session's blocks right now: not closed yet
+        assert not close.reply.done() and w.events.items == []
+
+        await w.advance(2.0)  # P never answered: given up on after min(transfer timeout, 10 s)
+        with anyio.fail_after(WAIT):
+            await close.reply
+        [ev] = w.events_of("d-req")
+        assert isinstance(ev, wire.RecvFailed) and ev.block_ids == (5, 6)
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        await settle()
+        assert len(w.events.items) == 1
+
+
+# ------------------------------------------------------------------ regressions
+
+
+async def test_peer_lost_in_a_heartbeat_task_reaches_full_mailboxes() -> None:
+    """Old design: the reaper's heartbeat task, finding P gone, called `_peer_failed`,
+    which posted `PeerLost` into the writer's and the registrar's mailboxes with the
+    refusable `post`, inside the task's `except`. With a mailbox full, `post` raised Busy
+    out of the task, and the task group took the whole daemon down. Now `PeerLost` and the
+    outcome of the actor's own work are notices, never refused. Here the receiver finds P
+    gone while heartbeating just as both mailboxes it posts into, the registrar's and its
+    own, are full of outside input."""
+    async with world() as w:
+        await registered(w)
+        fillers: list[Any] = []
+
+        def fill_both() -> None:
+            fillers.extend(fill(w.registrar.box, lambda: ProbeReceived("x", wire.Probe(1, False))))
+            fillers.extend(
+                fill(
+                    w.receiver.mailbox,
+                    lambda: ClientRequest(D_SESSION, wire.Abort("other", D_ENGINE, "recv")),
+                )
+            )
+
+        gone = PeerDisconnected("RemoteDisconnect: kvd-p is gone")
+        w.d_port.fail_next(wire.Heartbeat, gone, before=fill_both)
+        await w.advance(HB)  # the next heartbeat is due
+        await w.events.until(lambda evs: len(evs) == 1)
+
+        assert len(fillers) == 2 * SIZE
+        # the registrar got the loss (and forgets the view), after the outside input
+        await w.registrar.got.until(lambda got: any(isinstance(m, PeerLost) for m in got))
+        lost = [m for m in w.registrar.got.items if isinstance(m, PeerLost)]
+        assert lost == [PeerLost(P_AGENT, gone.message, P_INFO.handshaked_at)]
+        # what waited on P failed, once, with its blocks to recompute
+        ev = w.events.items[0].record
+        assert isinstance(ev, wire.RecvFailed)
+        assert (ev.request_id, ev.code, ev.block_ids) == ("d-req", ErrorCode.TRANSFER, (5, 6))
+        # and the actor is still serving: the outside input is answered, then a status call
+        with anyio.fail_after(WAIT):
+            for req in fillers[SIZE:]:
+                assert await req.reply == wire.Ok()
+        assert (await snapshot(w.receiver.mailbox))["tracked"] == 0
+        await settle()
+        assert len(w.events.items) == 1
+
+
+async def test_view_updates_reach_full_mailboxes() -> None:
+    """Old daemon.py: `_publish` posted each registrar view with the refusable `post` and,
+    when a mailbox was full, logged `view_update_dropped` and dropped it. The actor kept a
+    stale view until the next change, if one ever came: a sender refusing leases on a
+    region just registered, or planning through a peer view that had changed. Now a view
+    update is a notice: it goes in however full the mailbox is."""
+    daemon = Daemon(Config(daemon=DaemonConfig(mailbox_size=SIZE)))
+    boxes = (daemon.sender_box, daemon.receiver_box, daemon.ec_box)
+    fillers = {
+        box.name: fill(box, lambda: ClientRequest("s", wire.Abort("other", P_ENGINE, "send")))
+        for box in boxes
+    }
+    regions = LocalRegionsChanged({(P_ENGINE, 0): P_REGION})
+    peer = PeerUpdated(D_AGENT, D_INFO)
+    daemon._publish(regions)
+    daemon._publish(peer)
+    assert "view_updates_dropped" not in daemon.counters
+
+    ec = [daemon.ec_box.receive_nowait() for _ in range(daemon.ec_box.depth())]
+    assert ec == [*fillers["ecrouter"], regions]  # the EC router takes local regions only
+    # the sender and the receiver drain theirs and act on both views
+    async with anyio.create_task_group() as tg:
+        await tg.start(daemon.sender.run)
+        await tg.start(daemon.receiver.run)
+        with anyio.fail_after(WAIT):
+            for req in fillers["sender"] + fillers["receiver"]:
+                assert await req.reply == wire.Ok()
+        for box in (daemon.sender_box, daemon.receiver_box):
+            await snapshot(box)  # queued behind the views: they have been handled
+            assert box.depth() == 0
+        tg.cancel_scope.cancel()
+    for actor in (daemon.sender, daemon.receiver):
+        assert actor.local == regions.regions
+        assert actor.peers == {D_AGENT: D_INFO}
+
+
+async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> None:
+    """Old gateway (first design): closing a session posted `SessionClosed` with the
+    refusable `post`; on Busy it retried by hand from a task, 100 times 50 ms apart, then
+    logged `session_close_lost` and gave up. A sender busy for 5 s kept the session's
+    leases until they expired, and nothing ever answered the close. Now `SessionClosed`
+    is a notice: it goes into the full mailbox at once, and the client's Goodbye is
+    answered once every owner ended what the session announced.
+
+    The real gateway on a real ipc:// socket; the sender's loop starts only once its
+    mailbox is full and the close is in it."""
+    clock = FakeClock()
+    counters: dict[str, int] = {}
+    registrar = StubActor("registrar", clock)
+    ecrouter = StubActor("ecrouter", clock)
+    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
+    box = WatchedMailbox("sender", SIZE, clock)
+    sender = make_sender(clock, FakePort(), registrar, events.post, box)
+    receiver = make_receiver(clock, FakePort(), registrar, events.post)
+    path = str(tmp_path / "kvd.sock")
+
+    async def no_status(section: str) -> dict[str, Any]:
+        return {}
+
+    def welcome() -> wire.Welcome:
+        return wire.Welcome("test", P_AGENT, P_HOST, P_PORT, LEASE, "", 0, P_INCARNATION, 60.0, 1.0)
+
+    gateway = Gateway(
+        socket_path=path,
+        socket_mode=0o600,
+        registrar=registrar.box,
+        sender=box,
+        receiver=receiver.mailbox,
+        ecrouter=ecrouter.box,
+        events=events,
+        client_timeout=60.0,
+        max_frame=1 << 20,
+        counters=counters,
+        rejects=RejectLog(counters, 60.0),
+        status=no_status,
+        welcome=welcome,
+        clock=clock,
+        close_bound=WAIT,
+    )
+    gateway.bind()
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{path}")
+
+    async def ask(msg: wire.Record, corr: int) -> None:
+        await sock.send(wire.encode(msg, corr))
+
+    async def answer() -> tuple[int, wire.Record]:
+        with anyio.fail_after(WAIT):
+            return wire.decode(await sock.recv())
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for actor in (registrar, ecrouter, receiver, gateway):
+                await tg.start(actor.run)
+            box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
+            await ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
+            corr, welcomed = await answer()
+            assert corr == 1 and isinstance(welcomed, wire.Welcome)
+
+            for i in range(SIZE + 1):
+                await ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
+            # the finishes wait in the sender's mailbox, but one too many
+            busy_corr, busy = await answer()
+            assert isinstance(busy, wire.ErrorReply) and busy.code == ErrorCode.BUSY
+
+            await ask(wire.Goodbye(P_SESSION), 30)
+            # the close goes into the full mailbox at once
+            with anyio.fail_after(WAIT):
+                await box.close_posted.wait()
+            assert box.depth() == SIZE + 2  # the view, the finishes, the close
+            assert box.stats()["outside"] == SIZE
+            assert busy_corr == 10 + SIZE  # the view took no room from the finishes
+
+            await tg.start(sender.run)
+            replies = dict([await answer() for _ in range(SIZE + 1)])
+            assert replies == {corr: wire.Ok() for corr in (*range(10, 10 + SIZE), 30)}
+            # the leases were granted, then ended with the session
+            assert sender.counters["leases_granted"] == SIZE
+            status = await snapshot(box)
+            assert status["leases"] == 0 and not any(status["states"].values())
+            assert "session_close_overdue" not in counters
+            # closed: a keep-alive naming it is answered NOT_FOUND
+            await ask(wire.KeepAlive(P_SESSION), 40)
+            corr, gone = await answer()
+            assert corr == 40 and isinstance(gone, wire.ErrorReply)
+            assert gone.code == ErrorCode.NOT_FOUND
+            tg.cancel_scope.cancel()
+    finally:
+        sock.close(0)
+        gateway.close()
