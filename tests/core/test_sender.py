@@ -1,0 +1,1899 @@
+"""The P side of the transfer protocol (`kvd.core.sender`), driven directly: no sockets, no
+loop, no sleeps; the time is an argument. The direct tests walk each path of the machine (and
+carry over every scenario of the old push matcher it replaced); the model-based test at the
+end drives it with random event sequences next to a small reference model and checks the
+protocol's rules after every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvd_client import wire
+from kvd_client.errors import (
+    ErrorCode,
+    Incompatible,
+    InvalidRequest,
+    LocalProtocolError,
+    TransferError,
+)
+
+from kvd.core import sender as sender_module
+from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.ids import base_request_id
+from kvd.core.sender import (
+    _ON,
+    TERMINAL,
+    TRANSITIONS,
+    AbortSend,
+    CancelArrived,
+    Effect,
+    EndSession,
+    Event,
+    Finish,
+    HeartbeatArrived,
+    PostWrite,
+    PullDoneArrived,
+    RegionsChanged,
+    RegistrationArrived,
+    ResolveView,
+    ResyncAcked,
+    Sender,
+    SendRequest,
+    SendState,
+    Stalled,
+    ViewResolved,
+    WriteDone,
+)
+
+S = SendState
+
+LEASE: Final = 6.0
+EXTENSION: Final = LEASE * 2.0 / 3.0
+"""How far past a heartbeat the lease runs at least."""
+WAIT: Final = 3.0
+"""lease_wait_timeout: how long an early pull waits for P's finish."""
+REG: Final = 20.0
+"""registration_timeout: how long a registration waits for P's finish."""
+RESYNC: Final = 5.0
+
+ENGINE: Final = "p-engine"
+D1: Final = "agent-d1"
+D2: Final = "agent-d2"
+VIEW: Final = "view-of-d"
+BLOCKS: Final = (10, 11, 12)
+
+INVALID: Final = int(ErrorCode.INVALID)
+NOT_FOUND: Final = int(ErrorCode.NOT_FOUND)
+TRANSFER: Final = int(ErrorCode.TRANSFER)
+TIMEOUT: Final = int(ErrorCode.TIMEOUT)
+LEASE_EXPIRED: Final = int(ErrorCode.LEASE_EXPIRED)
+INCOMPATIBLE: Final = int(ErrorCode.INCOMPATIBLE)
+
+
+class RecordingSender(Sender):
+    """The real machine, recording every move it makes."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.moves: list[tuple[SendRequest, SendState, SendState]] = []
+
+    def _goto(self, req: SendRequest, state: SendState) -> None:
+        self.moves.append((req, req.state, state))
+        super()._goto(req, state)
+
+
+def make(**kw: Any) -> RecordingSender:
+    """A sender whose re-sync nonces are 1, 2, 3, ..."""
+    nonces = itertools.count(1)
+    args: dict[str, Any] = {
+        "lease_duration": LEASE,
+        "lease_wait_timeout": WAIT,
+        "registration_timeout": REG,
+        "resync_timeout": RESYNC,
+        "nonce": lambda bits: next(nonces),
+    }
+    args.update(kw)
+    return RecordingSender(**args)
+
+
+def finish(rid: str, blocks: tuple[int, ...] = BLOCKS, session: str = "s1") -> Finish:
+    return Finish(rid, ENGINE, blocks, session)
+
+
+def reg(
+    d_rid: str, p_rid: str = "", *, blocks: tuple[int, ...] = (7, 8), p_session: str = ""
+) -> wire.PushRegistration:
+    """D's registration of its request `d_rid`, naming P's id `p_rid` ("" = D does not know it)."""
+    return wire.PushRegistration(
+        request_id=d_rid,
+        remote_request_id=p_rid,
+        engine_id="d-engine",
+        remote_engine_id=ENGINE,
+        tp_size=1,
+        block_ids=blocks,
+        side_host="d-host",
+        side_port=4000,
+        incarnation=9,
+        generations=(1,),
+        p_session=p_session,
+    )
+
+
+def registered(
+    d_rid: str,
+    p_rid: str = "",
+    *,
+    agent: str = D1,
+    blocks: tuple[int, ...] = (7, 8),
+    p_session: str = "",
+) -> RegistrationArrived:
+    return RegistrationArrived(agent, reg(d_rid, p_rid, blocks=blocks, p_session=p_session))
+
+
+def pulled(
+    p_rid: str,
+    d_rid: str = "d1",
+    generations: tuple[int, ...] = (),
+    *,
+    agent: str = D1,
+    p_session: str = "",
+) -> PullDoneArrived:
+    return PullDoneArrived(agent, wire.PullDone(p_rid, d_rid, generations, p_session))
+
+
+Norm = tuple[Any, ...] | Effect
+
+
+def norm(eff: Effect) -> Norm:
+    """Effects with their wording left out (a failure's code, not its reason)."""
+    if isinstance(eff, Emit):
+        assert eff.engine_id == ENGINE
+        rec = eff.record
+        if isinstance(rec, wire.SendFinished):
+            return ("finished", eff.session, rec.request_id, 0)
+        if isinstance(rec, wire.SendExpired):
+            return ("expired", eff.session, rec.request_id, 0)
+        assert isinstance(rec, wire.SendFailed), rec
+        return ("failed", eff.session, rec.request_id, rec.code)
+    if isinstance(eff, Notify):
+        rec = eff.record
+        if isinstance(rec, wire.PushDone):
+            assert rec.tp_rank == 0 and not rec.ok  # the machine only ever says no to a push
+            return ("push_done", eff.agent, rec.request_id, rec.code)
+        if isinstance(rec, wire.PullAck):
+            return ("pull_ack", eff.agent, rec.d_request_id, rec.ok, rec.code)
+        assert isinstance(rec, wire.Resync), rec
+        return ("resync", eff.agent)
+    return eff
+
+
+def calm(effects: Iterable[Effect]) -> list[Norm]:
+    """The effects without log lines, normalised."""
+    return [norm(e) for e in effects if not isinstance(e, Log)]
+
+
+def logs(effects: Iterable[Effect]) -> list[str]:
+    return [e.event for e in effects if isinstance(e, Log)]
+
+
+def reason(effects: Sequence[Effect]) -> str:
+    """The reason of the single SendFailed in `effects`."""
+    (rec,) = [e.record for e in effects if isinstance(e, Emit)]
+    assert isinstance(rec, wire.SendFailed)
+    return rec.reason
+
+
+def state(tx: Sender, key: str) -> SendState:
+    return tx.reqs[key].state
+
+
+def check_index(tx: Sender) -> None:
+    """The base-id index holds exactly the live requests, in the order they were added."""
+    want: dict[str, list[str]] = {}
+    for key in tx.reqs:
+        want.setdefault(base_request_id(key), []).append(key)
+    assert {b: list(keys) for b, keys in tx._by_base.items()} == want
+
+
+def matched(tx: Sender, rid: str, d_rid: str, now: float, *, agent: str = D1) -> None:
+    """Bring P's request `rid` to MATCHED (its lease from `now`)."""
+    assert tx.handle(finish(rid), now) == []
+    ev = registered(d_rid, rid, agent=agent)
+    assert tx.handle(ev, now) == [ResolveView(rid, agent, ev.msg)]
+    assert state(tx, rid) is S.MATCHED
+
+
+def writing(tx: Sender, rid: str, d_rid: str, now: float, *, agent: str = D1) -> PostWrite:
+    matched(tx, rid, d_rid, now, agent=agent)
+    (post,) = tx.handle(ViewResolved(rid, VIEW), now)
+    assert isinstance(post, PostWrite)
+    assert state(tx, rid) is S.WRITING
+    return post
+
+
+def assert_empty(tx: Sender) -> None:
+    """Nothing live: no request, lease, timer or re-sync, so no reason to wake."""
+    assert tx.reqs == {}
+    assert tx._by_base == {}
+    assert len(tx.leases) == 0
+    assert tx.resyncing == {}
+    assert tx.next_deadline() is None
+
+
+# ------------------------------------------------------------------ the table
+
+
+def test_transition_table_is_closed() -> None:
+    assert {S.DELIVERED, S.EXPIRED, S.ABORTED, S.FAILED} == TERMINAL
+    # every live state has a way on, terminal states have none
+    assert set(TRANSITIONS) == set(S) - TERMINAL
+    assert all(TRANSITIONS[s] for s in TRANSITIONS)
+    assert not any(s in TRANSITIONS for s in TERMINAL)
+    assert all(s not in TERMINAL for (s, _) in _ON)
+    # a request is born AWAITING (D came first) or HELD (P's engine finished it): every state
+    # is reachable from those, and every live state can reach an end
+    seen, todo = {S.AWAITING, S.HELD}, [S.AWAITING, S.HELD]
+    while todo:
+        for nxt in TRANSITIONS.get(todo.pop(), frozenset()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    assert seen == set(S)
+    for start in TRANSITIONS:
+        reach, todo = {start}, [start]
+        while todo:
+            for nxt in TRANSITIONS.get(todo.pop(), frozenset()):
+                if nxt not in reach:
+                    reach.add(nxt)
+                    todo.append(nxt)
+        assert reach & TERMINAL, start
+    # a claimed lease cannot expire or be aborted under the WRITE: only its outcome ends it
+    assert TRANSITIONS[S.WRITING] == {S.DELIVERED, S.FAILED}
+    # nothing goes back: a request is never held again once it moved on
+    assert all(
+        S.HELD not in TRANSITIONS[s] and S.AWAITING not in TRANSITIONS[s] for s in TRANSITIONS
+    )
+
+
+def test_a_move_outside_the_table_is_our_bug() -> None:
+    tx = make()
+    req = SendRequest("r1", S.DELIVERED, 0.0)
+    with pytest.raises(LocalProtocolError, match="no transition"):
+        tx._goto(req, S.WRITING)
+    assert req.state is S.DELIVERED
+    req = SendRequest("r2", S.WRITING, 0.0)
+    with pytest.raises(LocalProtocolError, match="no transition"):
+        tx._goto(req, S.EXPIRED)
+    assert req.state is S.WRITING
+
+
+# ------------------------------------------------------------------ push: the happy paths
+
+
+def test_push_finished_first() -> None:
+    tx = make()
+    assert tx.next_deadline() is None
+    assert tx.handle(finish("r1"), 0.0) == []
+    assert state(tx, "r1") is S.HELD
+    lease = tx.leases.get("r1")
+    assert lease is not None and lease.deadline == LEASE and lease.owner == "s1"
+    assert tx.next_deadline() == LEASE
+    assert tx.counters["leases_granted"] == 1
+
+    ev = registered("d1", "r1")
+    assert tx.handle(ev, 1.0) == [ResolveView("r1", D1, ev.msg)]
+    assert state(tx, "r1") is S.MATCHED and tx.reqs["r1"].agent == D1
+    assert tx.next_deadline() == LEASE  # the lease runs on while D's regions are resolved
+
+    # D registered 2 blocks: the last 2 of P's (D had the first one cached)
+    out = tx.handle(ViewResolved("r1", VIEW), 1.5)
+    assert out == [PostWrite("r1", D1, ENGINE, (11, 12), ev.msg, VIEW)]
+    assert state(tx, "r1") is S.WRITING
+    assert "r1" not in tx.leases  # claimed: it cannot expire under the WRITE
+    assert tx.next_deadline() is None
+    assert tx.handle_timer(1000.0) == []
+    assert state(tx, "r1") is S.WRITING
+
+    assert tx.handle(WriteDone("r1"), 1000.5) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
+    assert tx.counters["sends_ok"] == 1
+    assert_empty(tx)
+    assert [(f, t) for _, f, t in tx.moves] == [
+        (S.HELD, S.MATCHED),
+        (S.MATCHED, S.WRITING),
+        (S.WRITING, S.DELIVERED),
+    ]
+
+
+def test_push_registration_first() -> None:
+    tx = make()
+    ev = registered("d1", "r1")
+    assert tx.handle(ev, 0.0) == []
+    assert state(tx, "r1") is S.AWAITING
+    assert tx.by_state()["awaiting"] == 1
+    assert list(tx.held()) == []
+    assert tx.next_deadline() == REG  # the registration waits for P's finish, bounded
+    assert len(tx.leases) == 0
+
+    assert tx.handle(finish("r1"), 2.0) == [ResolveView("r1", D1, ev.msg)]
+    req = tx.reqs["r1"]
+    assert (req.state, req.session, req.engine_id, req.blocks) == (S.MATCHED, "s1", ENGINE, BLOCKS)
+    assert tx.next_deadline() == 2.0 + LEASE  # the registration's wait is over; the lease runs
+    assert "r1" not in tx._timers
+
+    tx = make()
+    tx.handle(ev, 0.0)
+    tx.handle(finish("r1"), 2.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 2.5) == [
+        PostWrite("r1", D1, ENGINE, (11, 12), ev.msg, VIEW)
+    ]
+    assert tx.handle(WriteDone("r1"), 3.0) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
+    assert_empty(tx)
+    assert [(f, t) for _, f, t in tx.moves] == [
+        (S.AWAITING, S.MATCHED),
+        (S.MATCHED, S.WRITING),
+        (S.WRITING, S.DELIVERED),
+    ]
+
+
+def test_registration_by_ds_own_id_matches_by_base_id_in_both_orders() -> None:
+    """D that does not know P's id registers under its own, which shares P's base id."""
+    p_id, d_id = "cmpl-x-0-aaaaaaaa", "cmpl-x-0-dddddddd"
+    tx = make()
+    ev = registered(d_id)  # no remote id: the key is D's id
+    assert tx.handle(ev, 0.0) == []
+    assert set(tx.reqs) == {d_id}
+    assert tx.handle(finish(p_id), 1.0) == [ResolveView(p_id, D1, ev.msg)]
+    assert set(tx.reqs) == {p_id}  # the request took P's id
+    check_index(tx)
+
+    tx = make()
+    tx.handle(finish(p_id), 0.0)
+    assert tx.handle(ev, 1.0) == [ResolveView(p_id, D1, ev.msg)]
+    assert set(tx.reqs) == {p_id}
+
+
+def test_more_blocks_registered_than_p_has_fails_the_send() -> None:
+    tx = make()
+    tx.handle(finish("r1", blocks=(1, 2)), 0.0)
+    out = tx.handle(registered("d1", "r1", blocks=(5, 6, 7)), 0.1)
+    assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
+    assert "D registered 3 blocks, P has 2" in reason(out)
+    assert_empty(tx)
+    # and registration first: the finish fails it
+    tx = make()
+    tx.handle(registered("d1", "r1", blocks=(5, 6, 7)), 0.0)
+    out = tx.handle(finish("r1", blocks=()), 0.1)
+    assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
+    assert_empty(tx)
+
+
+def test_a_registration_of_no_blocks_writes_nothing_of_ps() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    ev = registered("d1", "r1", blocks=())
+    tx.handle(ev, 0.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 0.1) == [
+        PostWrite("r1", D1, ENGINE, (), ev.msg, VIEW)
+    ]
+
+
+def test_ds_view_not_resolved_fails_the_send() -> None:
+    tx = make()
+    matched(tx, "r1", "d1", 0.0)
+    out = tx.handle(ViewResolved("r1", error=Incompatible("D re-registered")), 0.5)
+    assert calm(out) == [
+        ("failed", "s1", "r1", INCOMPATIBLE),
+        ("push_done", D1, "d1", INCOMPATIBLE),
+    ]
+    assert reason(out) == "D re-registered"
+    assert logs(out) == ["push_failed"]
+    assert_empty(tx)
+    # the request's fate is its own: not found by another id sharing its base
+    assert tx.tombstones["r1"].by_base is False
+
+
+def test_write_failed_fails_the_send_and_tells_d() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    out = tx.handle(WriteDone("r1", TransferError("WRITE failed")), 0.5)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
+    assert tx.counters["sends_failed"] == 1
+    assert_empty(tx)
+
+
+def test_a_second_view_answer_changes_nothing() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 0.1) == []
+    assert tx.handle(ViewResolved("r1", error=Incompatible("late")), 0.1) == []
+    assert state(tx, "r1") is S.WRITING
+
+
+def test_write_done_for_a_request_not_writing_is_our_bug() -> None:
+    tx = make()
+    with pytest.raises(LocalProtocolError, match="not writing"):
+        tx.handle(WriteDone("ghost"), 0.0)
+    tx.handle(finish("r1"), 0.0)
+    with pytest.raises(LocalProtocolError, match="not writing"):
+        tx.handle(WriteDone("r1"), 0.1)
+    assert state(tx, "r1") is S.HELD
+
+
+def test_nothing_ends_a_write_but_its_outcome() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    assert tx.handle(AbortSend("r1", "s1"), 0.1) == []
+    assert tx.handle(CancelArrived(D1, "r1"), 0.2) == []  # its PushDone answers D
+    assert tx.handle(HeartbeatArrived(D1, ("r1",)), 0.3) == []
+    assert tx.counters["heartbeat_unknown_ids"] == 1  # no lease to extend: it is claimed
+    assert calm(tx.handle(Stalled(), 0.35)) == []  # a stall does not reach a WRITE in flight
+    assert tx.handle_timer(1000.0) == []
+    assert state(tx, "r1") is S.WRITING
+    # the WRITE had run already: delivered, even though the engine gave up meanwhile
+    assert tx.handle(WriteDone("r1"), 1000.0) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
+    assert_empty(tx)
+
+
+# ------------------------------------------------------------------ leases and time
+
+
+def test_lease_expires_at_its_deadline() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 1.0)
+    assert tx.handle_timer(1.0 + LEASE - 0.01) == []
+    out = tx.handle_timer(1.0 + LEASE)
+    assert calm(out) == [("expired", "s1", "r1", 0)]
+    assert logs(out) == ["lease_expired"]
+    assert tx.counters["leases_expired"] == 1
+    assert_empty(tx)
+    assert tx.handle_timer(1000.0) == []  # once
+
+
+def test_lease_expiring_while_matched_tells_d() -> None:
+    tx = make()
+    matched(tx, "r1", "d1", 0.0)
+    out = tx.handle_timer(LEASE)
+    assert calm(out) == [("expired", "s1", "r1", 0), ("push_done", D1, "d1", LEASE_EXPIRED)]
+    assert_empty(tx)
+    # the view comes back too late: no WRITE
+    assert tx.handle(ViewResolved("r1", VIEW), LEASE + 0.1) == []
+
+
+def test_heartbeats_extend_the_lease_never_shorten_it() -> None:
+    p_id = "cmpl-h-0-aaaaaaaa"
+    tx = make()
+    tx.handle(finish(p_id), 0.0)
+    tx.handle(HeartbeatArrived(D1, (p_id, "ghost")), 1.0)  # would end at 5: no earlier
+    assert tx.next_deadline() == LEASE
+    tx.handle(HeartbeatArrived(D1, (p_id,)), 5.0)
+    assert tx.next_deadline() == 5.0 + EXTENSION
+    # D's own id for it finds the lease by its base id
+    tx.handle(HeartbeatArrived(D2, ("cmpl-h-0-dddddddd",)), 8.0)
+    assert tx.next_deadline() == 8.0 + EXTENSION
+    assert tx.counters["heartbeats_received"] == 3
+    assert tx.counters["heartbeat_unknown_ids"] == 1
+    assert tx.handle_timer(8.0 + EXTENSION - 0.01) == []
+    assert calm(tx.handle_timer(8.0 + EXTENSION)) == [("expired", "s1", p_id, 0)]
+
+
+def test_next_deadline_is_the_earliest_of_leases_waits_and_resyncs() -> None:
+    tx = make()
+    assert tx.next_deadline() is None
+    tx.handle(finish("held"), 0.0)  # lease until 6
+    tx.handle(registered("d-reg", "reg"), 1.0)  # waits until 21
+    assert tx.next_deadline() == LEASE
+    tx.handle(pulled("early"), 2.0)  # waits until 5
+    assert tx.next_deadline() == 2.0 + WAIT
+    tx.handle(Stalled(), 2.5)
+    matched(tx, "m", "d-m", 2.5)
+    tx.handle(ViewResolved("m", VIEW), 2.9)  # re-sync until 7.9, lease until 8.5
+    assert tx.next_deadline() == 2.0 + WAIT
+    tx.handle_timer(2.0 + WAIT)
+    assert tx.next_deadline() == LEASE
+    tx.handle_timer(LEASE)
+    assert tx.next_deadline() == 2.9 + RESYNC
+    tx.handle_timer(2.9 + RESYNC)  # fails "m", whose lease goes with it
+    assert tx.next_deadline() == 1.0 + REG
+    tx.handle_timer(1.0 + REG)
+    assert_empty(tx)
+
+
+def test_a_deadline_of_zero_counts() -> None:
+    tx = make(lease_wait_timeout=0.0)
+    tx.handle(pulled("r1"), 0.0)
+    assert tx.next_deadline() == 0.0
+    assert calm(tx.handle_timer(0.0)) == [("pull_ack", D1, "d1", False, NOT_FOUND)]
+    assert tx.next_deadline() is None
+
+    tx = make()
+    tx.handle(finish("r1"), -LEASE)  # time is only a number: the lease ends at 0.0
+    assert tx.next_deadline() == 0.0
+    assert calm(tx.handle_timer(0.0)) == [("expired", "s1", "r1", 0)]
+
+
+# ------------------------------------------------------------------ pull
+
+
+def test_pull_acknowledged_while_held() -> None:
+    tx = make()
+    assert tx.handle(RegionsChanged({ENGINE: (3, 4)}), 0.0) == []
+    tx.handle(finish("r1"), 0.0)
+    out = tx.handle(pulled("r1", "d1", (3, 4)), 1.0)
+    assert out == [
+        Emit("s1", ENGINE, wire.SendFinished("r1")),
+        Notify(D1, wire.PullAck("d1", True, 0, "")),
+    ]
+    assert tx.counters["pulls_acked"] == 1
+    assert_empty(tx)
+    assert [(f, t) for _, f, t in tx.moves] == [(S.HELD, S.DELIVERED)]
+
+
+def test_pull_through_a_stale_view_of_ps_regions_fails_closed() -> None:
+    tx = make()
+    tx.handle(RegionsChanged({ENGINE: (3,)}), 0.0)
+    tx.handle(finish("r1"), 0.0)
+    out = tx.handle(pulled("r1", "d1", (2,)), 1.0)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("pull_ack", D1, "d1", False, TRANSFER)]
+    assert tx.counters["pulls_stale_view"] == 1
+    assert_empty(tx)
+    # and with no regions known at all, any generation D names is stale
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    assert calm(tx.handle(pulled("r1", "d1", (1,)), 1.0))[0] == ("failed", "s1", "r1", TRANSFER)
+
+
+def test_a_pull_that_read_nothing_is_acknowledged() -> None:
+    tx = make()
+    tx.handle(finish("r1", blocks=()), 0.0)
+    assert calm(tx.handle(pulled("r1", "d1", ()), 0.5)) == [
+        ("finished", "s1", "r1", 0),
+        ("pull_ack", D1, "d1", True, 0),
+    ]
+
+
+def test_early_pull_waits_for_the_finish() -> None:
+    tx = make()
+    tx.handle(RegionsChanged({ENGINE: (3,)}), 0.0)
+    assert tx.handle(pulled("r1", "d1", (3,)), 0.0) == []
+    assert state(tx, "r1") is S.AWAITING
+    assert tx.next_deadline() == WAIT
+    assert tx.counters["early_pulls"] == 1
+    out = tx.handle(finish("r1"), 1.0)
+    assert out == [
+        Emit("s1", ENGINE, wire.SendFinished("r1")),
+        Notify(D1, wire.PullAck("d1", True, 0, "")),
+    ]
+    assert tx.counters["early_pulls_served"] == 1
+    assert_empty(tx)
+    assert [(f, t) for _, f, t in tx.moves] == [(S.AWAITING, S.DELIVERED)]
+
+
+def test_early_pull_that_waits_in_vain() -> None:
+    tx = make()
+    tx.handle(pulled("r1", "d1"), 0.0)
+    assert tx.handle_timer(WAIT - 0.01) == []
+    assert calm(tx.handle_timer(WAIT)) == [("pull_ack", D1, "d1", False, NOT_FOUND)]
+    assert_empty(tx)
+    # D gave up: a finish that comes later ends at once, and leases nothing
+    out = tx.handle(finish("r1"), WAIT + 1.0)
+    assert calm(out) == [("failed", "s1", "r1", NOT_FOUND)]
+    assert_empty(tx)
+
+
+def test_a_pull_is_refused_when_the_request_is_not_pullable() -> None:
+    tx = make()
+    matched(tx, "m", "d-m", 0.0)
+    tx.handle(registered("d-a", "a"), 0.0)
+    tx.handle(pulled("e", "d-e"), 0.0)
+    for rid, d in (("m", "d-m"), ("a", "d-a"), ("e", "d-e2")):
+        out = tx.handle(pulled(rid, d), 0.1)
+        assert calm(out) == [("pull_ack", D1, d, False, INVALID)]
+        assert logs(out) == ["pull_refused"]
+    assert {k: r.state for k, r in tx.reqs.items()} == {
+        "m": S.MATCHED,
+        "a": S.AWAITING,
+        "e": S.AWAITING,
+    }
+    assert tx.reqs["e"].early_pull == wire.PullDone("e", "d-e", (), "")  # the first one waits on
+
+
+# ------------------------------------------------------------------ P's engine gives up
+
+
+def test_abort_held() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    out = tx.handle(AbortSend("r1", "s1"), 1.0)
+    assert out == [Emit("s1", ENGINE, wire.SendFailed("r1", TRANSFER, "aborted"))]
+    assert_empty(tx)
+    # D registering or pulling later is told at once
+    out = tx.handle(registered("d1", "r1"), 2.0)
+    assert calm(out) == [("push_done", D1, "d1", NOT_FOUND)]
+    assert tx.counters["late_registrations"] == 1
+    assert calm(tx.handle(pulled("r1", "d1"), 2.0)) == [("pull_ack", D1, "d1", False, NOT_FOUND)]
+    assert tx.handle(AbortSend("r1", "s1"), 3.0) == []  # once
+    assert_empty(tx)
+
+
+def test_abort_matched_tells_d_and_never_writes() -> None:
+    tx = make()
+    matched(tx, "r1", "d1", 0.0)
+    out = tx.handle(AbortSend("r1", "s1"), 1.0)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", NOT_FOUND)]
+    assert_empty(tx)
+    assert tx.handle(ViewResolved("r1", VIEW), 1.1) == []
+
+
+def test_abort_before_finish_fails_a_waiting_registration_and_later_ones() -> None:
+    p_id = "cmpl-a-0-aaaaaaaa"
+    tx = make()
+    tx.handle(registered("cmpl-a-0-dddddddd"), 0.0)  # D's id: found by base id
+    out = tx.handle(AbortSend(p_id, "s1"), 1.0)
+    assert calm(out) == [("push_done", D1, "cmpl-a-0-dddddddd", NOT_FOUND)]
+    assert tx.counters["registrations_failed_p_abort"] == 1
+    assert_empty(tx)  # never finished here: no event to the engine
+    out = tx.handle(registered("cmpl-a-0-dddddddd", p_id), 2.0)
+    assert calm(out) == [("push_done", D1, "cmpl-a-0-dddddddd", NOT_FOUND)]
+
+    tx = make()
+    tx.handle(pulled(p_id, "d1"), 0.0)  # an early pull under P's id
+    assert calm(tx.handle(AbortSend(p_id, "s1"), 1.0)) == [("pull_ack", D1, "d1", False, NOT_FOUND)]
+    assert_empty(tx)
+
+
+def test_abort_by_another_session_or_for_nothing() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    assert tx.handle(AbortSend("r1", "s2"), 0.1) == []  # not that session's request
+    assert state(tx, "r1") is S.HELD
+    assert tx.handle(AbortSend("nobody", "s1"), 0.1) == []
+    assert state(tx, "r1") is S.HELD
+    # what was never finished here is tombstoned: D is told at once when it comes
+    assert calm(tx.handle(pulled("nobody", "d9"), 0.2)) == [
+        ("pull_ack", D1, "d9", False, NOT_FOUND)
+    ]
+
+
+# ------------------------------------------------------------------ D cancels
+
+
+def test_cancel_held_frees_the_lease_now() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    out = tx.handle(CancelArrived(D2, "r1"), 1.0)  # no D has claimed it: any may cancel
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
+    assert reason(out) == "cancelled by D"
+    assert logs(out) == ["lease_cancelled_by_d"]
+    assert tx.counters["leases_cancelled"] == 1
+    assert_empty(tx)
+
+
+def test_cancel_matched_answers_the_registration() -> None:
+    tx = make()
+    matched(tx, "r1", "d1", 0.0)
+    out = tx.handle(CancelArrived(D1, "r1"), 1.0)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
+    assert tx.handle(ViewResolved("r1", VIEW), 1.1) == []
+    assert_empty(tx)
+
+
+def test_cancel_by_ds_own_id_finds_ps_request_by_base_id() -> None:
+    tx = make()
+    tx.handle(finish("cmpl-c-0-aaaaaaaa"), 0.0)
+    out = tx.handle(CancelArrived(D1, "cmpl-c-0-dddddddd"), 1.0)
+    assert calm(out) == [("failed", "s1", "cmpl-c-0-aaaaaaaa", TRANSFER)]
+    assert_empty(tx)
+
+
+def test_cancel_a_waiting_registration() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    assert calm(tx.handle(CancelArrived(D1, "r1"), 1.0)) == [("push_done", D1, "d1", TRANSFER)]
+    assert_empty(tx)
+    # the finish that comes later ends at once: nothing will ever read the blocks
+    out = tx.handle(finish("r1"), 2.0)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
+    assert tx.counters["finishes_after_cancel"] == 1
+    assert_empty(tx)
+
+
+def test_cancel_before_anything_refuses_the_finish() -> None:
+    tx = make()
+    assert tx.handle(CancelArrived(D1, "cmpl-z-0-dddddddd"), 0.0) == []  # D's own id
+    out = tx.handle(finish("cmpl-z-0-aaaaaaaa"), 1.0)
+    assert calm(out) == [("failed", "s1", "cmpl-z-0-aaaaaaaa", TRANSFER)]
+    assert "cancelled" in reason(out)
+    assert_empty(tx)
+
+
+def test_cancel_from_another_peer_is_rejected() -> None:
+    tx = make()
+    matched(tx, "r1", "d1", 0.0, agent=D1)
+    out = tx.handle(CancelArrived(D2, "r1"), 1.0)
+    assert calm(out) == [] and logs(out) == ["notif_rejected"]
+    assert tx.counters["notifs_rejected"] == 1
+    assert state(tx, "r1") is S.MATCHED
+    tx.handle(registered("d2", "r2", agent=D1), 1.0)
+    assert calm(tx.handle(CancelArrived(D2, "r2"), 1.1)) == []
+    assert state(tx, "r2") is S.AWAITING
+
+
+# ------------------------------------------------------------------ our own stalls
+
+
+def test_after_a_stall_no_write_until_d_resyncs() -> None:
+    tx = make()
+    out = tx.handle(Stalled(), 0.0)
+    assert calm(out) == [] and logs(out) == ["resync_after_stall"]
+    matched(tx, "r1", "d1", 0.0)
+    matched(tx, "r2", "d2", 0.0)
+    out = tx.handle(ViewResolved("r1", VIEW), 0.5)
+    assert out == [Notify(D1, wire.Resync(1))]
+    assert state(tx, "r1") is S.MATCHED and "r1" in tx.leases  # not claimed yet
+    assert tx.next_deadline() == 0.5 + RESYNC
+    assert tx.handle(ViewResolved("r2", VIEW), 0.6) == []  # one Resync per peer
+    # an unknown nonce, or the right one from another peer, covers nothing
+    for ev in (ResyncAcked(D1, 2), ResyncAcked(D2, 1)):
+        out = tx.handle(ev, 0.7)
+        assert calm(out) == [] and logs(out) == ["notif_rejected"]
+    assert {state(tx, "r1"), state(tx, "r2")} == {S.MATCHED}
+    out = tx.handle(ResyncAcked(D1, 1), 0.8)
+    assert [(type(e), e.key) for e in out if isinstance(e, PostWrite)] == [
+        (PostWrite, "r1"),
+        (PostWrite, "r2"),
+    ]
+    assert calm(out) == out
+    assert tx.next_deadline() is None
+    # D1 is in sync now: a new request to it writes at once; D2 must re-sync first
+    matched(tx, "r3", "d3", 1.0)
+    assert [type(e) for e in tx.handle(ViewResolved("r3", VIEW), 1.0)] == [PostWrite]
+    matched(tx, "r4", "d4", 1.0, agent=D2)
+    assert tx.handle(ViewResolved("r4", VIEW), 1.0) == [Notify(D2, wire.Resync(2))]
+    assert logs(tx.handle(ResyncAcked(D1, 1), 1.1)) == ["notif_rejected"]  # the old ack again
+    assert state(tx, "r4") is S.MATCHED
+
+
+def test_an_ack_for_an_older_stall_does_not_cover_a_newer_one() -> None:
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    matched(tx, "r1", "d1", 0.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 0.1) == [Notify(D1, wire.Resync(1))]
+    tx.handle(Stalled(), 0.2)  # D's cancels during this stall are not behind ack 1
+    assert tx.handle(ResyncAcked(D1, 1), 0.3) == [Notify(D1, wire.Resync(2))]
+    assert state(tx, "r1") is S.MATCHED
+    assert tx.next_deadline() == 0.3 + RESYNC
+    out = tx.handle(ResyncAcked(D1, 2), 0.4)
+    assert [type(e) for e in out] == [PostWrite]
+
+
+def test_resync_that_never_comes_fails_what_waits_for_it() -> None:
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    matched(tx, "r1", "d1", 0.0)
+    matched(tx, "r2", "d2", 0.0, agent=D2)
+    tx.handle(ViewResolved("r1", VIEW), 0.5)
+    tx.handle(ViewResolved("r2", VIEW), 0.5)
+    assert tx.handle_timer(0.5 + RESYNC - 0.01) == []
+    out = tx.handle_timer(0.5 + RESYNC)
+    assert Counter(calm(out)) == Counter(
+        [
+            ("failed", "s1", "r1", TRANSFER),
+            ("push_done", D1, "d1", TRANSFER),
+            ("failed", "s1", "r2", TRANSFER),
+            ("push_done", D2, "d2", TRANSFER),
+        ]
+    )
+    assert tx.counters["resyncs_failed"] == 2
+    assert_empty(tx)
+    assert logs(tx.handle(ResyncAcked(D1, 1), 6.0)) == ["notif_rejected"]  # too late
+
+
+def test_a_cancel_ahead_of_the_ack_is_honoured() -> None:
+    """The point of re-syncing: D's cancel sent while we could not hear it arrives before
+    the ack, and the registration it withdrew is never written."""
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    matched(tx, "r1", "d1", 0.0)
+    tx.handle(ViewResolved("r1", VIEW), 0.1)
+    tx.handle(CancelArrived(D1, "r1"), 0.2)
+    assert tx.handle(ResyncAcked(D1, 1), 0.3) == []
+    assert_empty(tx)
+
+
+def test_no_resync_without_a_stall() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    assert tx.resyncing == {} and tx.counters.get("stall_resyncs", 0) == 0
+
+
+# ------------------------------------------------------------------ tombstones
+
+
+def test_late_messages_for_a_delivered_request_never_revive_it() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    tx.handle(WriteDone("r1"), 0.5)
+    late: list[tuple[Event, list[Norm]]] = [
+        (registered("d1", "r1"), [("push_done", D1, "d1", INVALID)]),
+        (pulled("r1", "d1"), [("pull_ack", D1, "d1", False, INVALID)]),
+        (HeartbeatArrived(D1, ("r1",)), []),
+        (ViewResolved("r1", VIEW), []),
+        (AbortSend("r1", "s1"), []),
+        (CancelArrived(D1, "r1"), []),
+    ]
+    for ev, want in late:
+        assert calm(tx.handle(ev, 1.0)) == want, ev
+        assert_empty(tx)
+    assert tx.handle_timer(1000.0) == []
+
+
+def test_late_messages_for_an_expired_request() -> None:
+    tx = make()
+    tx.handle(finish("cmpl-e-0-aaaaaaaa"), 0.0)
+    tx.handle_timer(LEASE)
+    # an expiry is found by D's own id too (the same request under the other engine's id)
+    out = tx.handle(registered("cmpl-e-0-dddddddd"), LEASE + 1)
+    assert calm(out) == [("push_done", D1, "cmpl-e-0-dddddddd", LEASE_EXPIRED)]
+    out = tx.handle(pulled("cmpl-e-0-aaaaaaaa", "d1"), LEASE + 1)
+    assert calm(out) == [("pull_ack", D1, "d1", False, LEASE_EXPIRED)]
+    assert_empty(tx)
+
+
+def test_a_delivered_requests_fate_is_found_by_its_exact_id_only() -> None:
+    tx = make()
+    tx.handle(finish("cmpl-d-0-aaaaaaaa"), 0.0)
+    tx.handle(pulled("cmpl-d-0-aaaaaaaa", "d1"), 0.5)
+    out = tx.handle(registered("d2", "cmpl-d-0-aaaaaaaa"), 1.0)  # its exact id: answered
+    assert out == [
+        Notify(D1, wire.PushDone("d2", 0, False, INVALID, "the request was already delivered"))
+    ]
+    # a new request whose id shares the base is not answered with the old one's fate
+    assert tx.handle(registered("cmpl-d-0-bbbbbbbb"), 1.0) == []
+    assert state(tx, "cmpl-d-0-bbbbbbbb") is S.AWAITING
+
+
+def test_tombstones_are_bounded_oldest_forgotten_first() -> None:
+    tx = make(max_tombstones=2)
+    for rid in ("cmpl-a-0-aaaaaaaa", "cmpl-b-0-aaaaaaaa", "cmpl-c-0-aaaaaaaa"):
+        tx.handle(finish(rid), 0.0)
+        tx.handle(AbortSend(rid, "s1"), 0.0)
+    assert list(tx.tombstones) == ["cmpl-b-0-aaaaaaaa", "cmpl-c-0-aaaaaaaa"]
+    assert set(tx._tomb_base) == {"cmpl-b-0", "cmpl-c-0"}
+    # the forgotten one is not answered any more: a late registration waits as if new
+    assert tx.handle(registered("cmpl-a-0-dddddddd"), 1.0) == []
+    assert state(tx, "cmpl-a-0-dddddddd") is S.AWAITING
+    out = tx.handle(registered("cmpl-b-0-dddddddd"), 1.0)
+    assert calm(out) == [("push_done", D1, "cmpl-b-0-dddddddd", NOT_FOUND)]
+
+    tx = make(max_tombstones=0)
+    tx.handle(finish("r1"), 0.0)
+    tx.handle(AbortSend("r1", "s1"), 0.0)
+    assert len(tx.tombstones) == 0
+    assert tx.handle(registered("d1", "r1"), 1.0) == []  # remembers nothing
+
+
+def test_a_cancel_is_never_forgotten_by_a_later_tombstone() -> None:
+    tx = make()
+    tx.handle(CancelArrived(D1, "r1"), 0.0)
+    tx.handle(AbortSend("r1", "s1"), 0.1)  # buried again, as aborted
+    assert tx.tombstones["r1"].refuses_finish
+    out = tx.handle(finish("r1"), 0.2)
+    assert calm(out) == [("failed", "s1", "r1", NOT_FOUND)]
+    assert_empty(tx)
+
+
+# ------------------------------------------------------------------ sessions
+
+
+def test_end_session_ends_what_it_owns_once_and_waits_for_writes() -> None:
+    tx = make()
+    tx.handle(finish("held"), 0.0)
+    matched(tx, "matched", "d-m", 0.0)
+    writing(tx, "writing", "d-w", 0.0)
+    tx.handle(registered("d-wait", "waiting", p_session="s1"), 0.0)
+    tx.handle(finish("theirs", session="s2"), 0.0)
+    tx.moves.clear()
+
+    out = tx.handle(EndSession("s1"), 1.0)
+    # the engine is gone: nobody to tell; D's registration is answered
+    assert calm(out) == [("push_done", D1, "d-m", TRANSFER)]
+    assert {k: r.state for k, r in tx.reqs.items()} == {
+        "writing": S.WRITING,
+        "waiting": S.AWAITING,  # no session owns it until P's engine finishes it
+        "theirs": S.HELD,
+    }
+    assert tx.closing == {"s1"}
+    assert [(r.key, f, t) for r, f, t in tx.moves] == [
+        ("held", S.HELD, S.ABORTED),
+        ("matched", S.MATCHED, S.ABORTED),
+    ]
+    assert tx.handle(ViewResolved("matched", VIEW), 1.1) == []  # no WRITE after its end
+    # D's late word about what the session owned is answered at once
+    out = tx.handle(registered("d-h", "held"), 1.1)
+    assert calm(out) == [("push_done", D1, "d-h", TRANSFER)]
+    assert tx.handle(AbortSend("held", "s1"), 1.1) == []  # ended once
+
+    out = tx.handle(WriteDone("writing"), 1.2)
+    assert out == [Emit("s1", ENGINE, wire.SendFinished("writing")), SessionEnded("s1")]
+    assert tx.closing == set()
+    # and so is anything naming the ended session as the one to finish it
+    out = tx.handle(registered("d-x", "never", p_session="s1"), 2.0)
+    assert calm(out) == [("push_done", D1, "d-x", TRANSFER)]
+    out = tx.handle(pulled("never2", "d-y", p_session="s1"), 2.0)
+    assert calm(out) == [("pull_ack", D1, "d-y", False, TRANSFER)]
+    assert set(tx.reqs) == {"waiting", "theirs"}
+
+
+def test_end_session_without_requests_answers_at_once() -> None:
+    tx = make()
+    tx.handle(finish("theirs", session="s2"), 0.0)
+    assert tx.handle(EndSession("s1"), 0.0) == [SessionEnded("s1")]
+    assert tx.handle(EndSession("s1"), 0.1) == [SessionEnded("s1")]  # each close is answered
+    assert state(tx, "theirs") is S.HELD and tx.closing == set()
+
+
+def test_ended_sessions_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sender_module, "ENDED_SESSIONS", 2)
+    tx = make()
+    for s in ("s1", "s2", "s3"):
+        tx.handle(EndSession(s), 0.0)
+    assert list(tx.ended_sessions) == ["s2", "s3"]
+    assert tx.handle(registered("d1", "r1", p_session="s1"), 1.0) == []  # forgotten: waits
+    out = tx.handle(registered("d2", "r2", p_session="s3"), 1.0)
+    assert calm(out) == [("push_done", D1, "d2", TRANSFER)]
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_a_second_finish_is_refused_and_changes_nothing() -> None:
+    tx = make()
+    tx.handle(finish("held"), 0.0)
+    matched(tx, "matched", "d-m", 0.0)
+    writing(tx, "writing", "d-w", 0.0)
+    tx.handle(HeartbeatArrived(D1, ("held",)), 3.0)
+    before = {k: (r.state, r.session, r.blocks, r.agent) for k, r in tx.reqs.items()}
+    leases = {lease.request_id: lease.deadline for lease in tx.leases.leases()}
+    for rid in before:
+        with pytest.raises(InvalidRequest, match="already holds a lease"):
+            tx.handle(finish(rid, blocks=(1,), session="s2"), 4.0)
+    assert {k: (r.state, r.session, r.blocks, r.agent) for k, r in tx.reqs.items()} == before
+    assert {lease.request_id: lease.deadline for lease in tx.leases.leases()} == leases
+
+
+def test_a_second_registration_is_answered_and_the_first_goes_on() -> None:
+    tx = make()
+    tx.handle(registered("d1", "a", agent=D1), 0.0)
+    matched(tx, "m", "d-m", 0.0)
+    writing(tx, "w", "d-w", 0.0)
+    for rid in ("a", "m", "w"):
+        out = tx.handle(registered("d-dup", rid, agent=D2), 0.5)
+        assert calm(out) == [("push_done", D2, "d-dup", INVALID)]
+        assert logs(out) == ["notif_rejected"]
+    assert {k: (r.state, r.agent) for k, r in tx.reqs.items()} == {
+        "a": (S.AWAITING, D1),
+        "m": (S.MATCHED, D1),
+        "w": (S.WRITING, D1),
+    }
+
+
+def test_answers_naming_nothing_live_change_nothing() -> None:
+    tx = make()
+    assert tx.handle(ViewResolved("ghost", VIEW), 0.0) == []
+    assert tx.handle(HeartbeatArrived(D1, ("ghost", "ghost2")), 0.0) == []
+    assert tx.counters["heartbeat_unknown_ids"] == 2
+    assert logs(tx.handle(ResyncAcked(D1, 7), 0.0)) == ["notif_rejected"]
+    assert tx.handle(RegionsChanged({}), 0.0) == []
+    assert_empty(tx)
+
+
+# ------------------------------------------------------------------ the old push matcher's
+# scenarios (kvd/core/matching.py, which the Sender replaced), on the Sender itself
+
+
+def test_matching_registration_then_finished() -> None:
+    tx = make()
+    assert tx.handle(registered("d1", "r1"), 0.0) == []
+    assert tx.by_state()["awaiting"] == 1
+    assert [type(e) for e in tx.handle(finish("r1"), 1.0)] == [ResolveView]
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+
+
+def test_matching_finished_then_registration() -> None:
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    assert [r.key for r in tx.held()] == ["r1"]  # an unmatched finish
+    assert [type(e) for e in tx.handle(registered("d1", "r1"), 1.0)] == [ResolveView]
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+
+
+def test_matching_base_id_fallback_both_orders() -> None:
+    tx = make()
+    ev = registered("cmpl-x-0-1a2b3c4d")
+    assert tx.handle(ev, 0.0) == []
+    assert tx.handle(finish("cmpl-x-0-deadbeef"), 0.0) == [
+        ResolveView("cmpl-x-0-deadbeef", D1, ev.msg)
+    ]
+    assert tx.handle(finish("cmpl-y-0"), 0.0) == []  # an id with no suffix is its own base
+    ev = registered("cmpl-y-0-00000000")
+    assert tx.handle(ev, 0.0) == [ResolveView("cmpl-y-0", D1, ev.msg)]
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 2, "writing": 0}
+    check_index(tx)
+
+
+def test_matching_exact_id_preferred_over_base() -> None:
+    tx = make()
+    tx.handle(finish("q-0-11111111"), 0.0)
+    tx.handle(finish("q-0-22222222"), 0.0)
+    (view,) = tx.handle(registered("d2", "q-0-22222222"), 0.0)
+    assert isinstance(view, ResolveView) and view.key == "q-0-22222222"
+    (view,) = tx.handle(registered("q-0-33333333"), 0.0)
+    assert isinstance(view, ResolveView) and view.key == "q-0-11111111"
+
+
+def test_matching_base_fallback_takes_the_oldest_live_request_whatever_its_state() -> None:
+    """Differs from the old matcher on purpose: that one searched only the finished notices
+    not yet matched, so a registration naming neither of two siblings exactly went to the
+    unmatched one. The Sender looks up one live request per id (exact, else the oldest
+    sharing its base id) and lets that request's state decide: a registration for it while
+    it is matched is a duplicate, refused, even though a younger sibling is still held."""
+    tx = make()
+    tx.handle(finish("q-0-11111111"), 0.0)
+    tx.handle(finish("q-0-22222222"), 0.0)
+    tx.handle(registered("d1", "q-0-11111111"), 0.0)
+    out = tx.handle(registered("q-0-33333333"), 0.0)
+    assert calm(out) == [("push_done", D1, "q-0-33333333", INVALID)]
+    assert state(tx, "q-0-22222222") is S.HELD
+
+
+def test_matching_no_match_for_a_different_base() -> None:
+    tx = make()
+    tx.handle(registered("a-0-11111111"), 0.0)
+    assert tx.handle(finish("a-1-11111111"), 0.0) == []
+    assert {k: r.state for k, r in tx.reqs.items()} == {
+        "a-0-11111111": S.AWAITING,
+        "a-1-11111111": S.HELD,
+    }
+
+
+def test_matching_duplicates() -> None:
+    """The matcher raised on a duplicate registration or finish. The Sender raises on a
+    second finish (the caller's fault: the actor answers the engine with the error), but a
+    duplicate registration comes from a peer: it is answered (PushDone failed) and counted,
+    and the first goes on."""
+    tx = make()
+    tx.handle(registered("d1", "r"), 0.0)
+    out = tx.handle(registered("d1", "r"), 0.0)
+    assert calm(out) == [("push_done", D1, "d1", INVALID)]
+    tx.handle(finish("s"), 0.0)
+    with pytest.raises(InvalidRequest, match="'s'"):
+        tx.handle(finish("s"), 0.0)
+    assert {k: r.state for k, r in tx.reqs.items()} == {"r": S.AWAITING, "s": S.HELD}
+
+
+def test_matching_removal_keeps_the_index_consistent() -> None:
+    """The matcher's removals are a cancel (D withdraws its registration) and an abort (P's
+    engine gives up) here. One difference: two registrations sharing a base id cannot both
+    wait (the second finds the first by base id: a duplicate)."""
+    tx = make()
+    tx.handle(registered("z-0-11111111"), 0.0)
+    out = tx.handle(registered("z-0-22222222"), 0.0)
+    assert calm(out) == [("push_done", D1, "z-0-22222222", INVALID)]
+    assert calm(tx.handle(CancelArrived(D1, "z-0-11111111"), 0.0)) == [
+        ("push_done", D1, "z-0-11111111", TRANSFER)
+    ]
+    assert tx.handle(CancelArrived(D1, "z-0-11111111"), 0.0) == []  # gone already
+    check_index(tx)
+    assert tx.reqs == {}
+    # the cancel is remembered (by base id): a finish of the same request ends at once
+    assert calm(tx.handle(finish("z-0"), 0.0)) == [("failed", "s1", "z-0", TRANSFER)]
+
+    tx = make()
+    ev = registered("z-0-22222222")
+    tx.handle(ev, 0.0)
+    assert tx.handle(finish("z-0"), 0.0) == [ResolveView("z-0", D1, ev.msg)]
+    assert tx.handle(finish("z-0-33333333"), 0.0) == []  # nothing left to match: held
+    check_index(tx)
+    assert calm(tx.handle(AbortSend("z-0-33333333", "s1"), 0.0)) == [
+        ("failed", "s1", "z-0-33333333", TRANSFER)
+    ]
+    assert tx.handle(AbortSend("z-0-33333333", "s1"), 0.0) == []
+    check_index(tx)
+    assert list(tx.reqs) == ["z-0"]
+
+
+def test_matching_unmatched_registrations_expire_in_arrival_order() -> None:
+    """The matcher's `registrations_older_than` fed a watchdog; the Sender times each
+    registration out itself, `registration_timeout` after it arrived, earliest first, also
+    when arrivals were stamped out of order."""
+    tx = make()
+    for i in range(5):
+        tx.handle(registered(f"d{i}", f"r{i}"), float(i))
+    tx.handle(CancelArrived(D1, "r1"), 4.0)
+    assert tx.handle_timer(REG - 0.5) == []
+    out = tx.handle_timer(REG + 2.0)
+    assert calm(out) == [("push_done", D1, "d0", TIMEOUT), ("push_done", D1, "d2", TIMEOUT)]
+    tx.handle(registered("d-late", "late-stamped"), 0.5)  # time went backwards: still correct
+    out = tx.handle_timer(REG + 3.0)
+    assert calm(out) == [
+        ("push_done", D1, "d-late", TIMEOUT),
+        ("push_done", D1, "d3", TIMEOUT),
+    ]
+    assert set(tx.reqs) == {"r4"}
+
+
+def test_matching_find_exact_then_base() -> None:
+    tx = make()
+    tx.handle(registered("cmpl-1-0-aaaaaaaa"), 0.0)
+    found = tx._find("cmpl-1-0-aaaaaaaa")
+    assert found is not None and found.key == "cmpl-1-0-aaaaaaaa"
+    found = tx._find("cmpl-1-0-bbbbbbbb")
+    assert found is not None and found.key == "cmpl-1-0-aaaaaaaa"
+    assert tx._find("cmpl-2-0-bbbbbbbb") is None
+
+
+def test_matching_random_against_a_model() -> None:
+    """The matcher's random test, on the Sender: registrations naming P's id, finishes,
+    cancels and aborts over ids that share base ids. The model: one live request per id
+    found exactly, else the oldest live one sharing its base id (tombstones off, so only
+    matching is at stake; nothing ever resolves or expires)."""
+    rng = random.Random(11)
+    tx = make(max_tombstones=0)
+    live: dict[str, SendState] = {}
+    ids = [f"b{i}" for i in range(4)] + [f"b{i}-{j:08x}" for i in range(4) for j in range(3)]
+
+    def find(rid: str) -> str | None:
+        if rid in live:
+            return rid
+        return next((k for k in live if base_request_id(k) == base_request_id(rid)), None)
+
+    for step in range(4000):
+        rid = rng.choice(ids)
+        op = rng.random()
+        want: list[Norm] = []
+        ev: Event
+        if op < 0.35:
+            ev = arrival = registered(f"d{step}", rid)
+            found = find(rid)
+            if found is None:
+                live[rid] = S.AWAITING
+            elif live[found] is S.HELD:
+                live[found] = S.MATCHED
+                want = [ResolveView(found, D1, arrival.msg)]
+            else:
+                want = [("push_done", D1, f"d{step}", INVALID)]
+        elif op < 0.7:
+            ev = finish(rid)
+            if rid in live and live[rid] is not S.AWAITING:
+                with pytest.raises(InvalidRequest):
+                    tx.handle(ev, 0.0)
+                continue
+            found = find(rid)
+            if found is not None and live[found] is S.AWAITING:
+                del live[found]  # it comes back under P's id
+                live[rid] = S.MATCHED
+                want = [("resolve", rid)]
+            else:
+                live[rid] = S.HELD
+        elif op < 0.85:
+            ev = CancelArrived(D1, rid)
+            found = find(rid)
+            if found is not None:
+                was = live.pop(found)
+                if was is not S.AWAITING:
+                    want.append(("failed", "s1", found, TRANSFER))
+                if was is not S.HELD:
+                    want.append(("push_done", D1, "?", TRANSFER))
+        else:
+            ev = AbortSend(rid, "s1")
+            found = rid if rid in live else find(rid)
+            if found is not None and (found == rid or live[found] is S.AWAITING):
+                was = live.pop(found)
+                if was is not S.AWAITING:
+                    want.append(("failed", "s1", found, TRANSFER))
+                if was is not S.HELD:
+                    want.append(("push_done", D1, "?", NOT_FOUND))
+        got: list[Norm] = []
+        for eff in calm(tx.handle(ev, 0.0)):
+            if isinstance(eff, ResolveView) and want and want[0] == ("resolve", eff.key):
+                got.append(("resolve", eff.key))  # its registration is the one that waited
+            elif isinstance(eff, tuple) and eff[0] == "push_done" and op >= 0.7:
+                got.append((*eff[:2], "?", eff[3]))  # answered under D's id, whichever waited
+            else:
+                got.append(eff)
+        assert Counter(got) == Counter(want), (step, ev, got, want)
+        assert {k: r.state for k, r in tx.reqs.items()} == live
+        assert list(tx.reqs) == list(live)
+        check_index(tx)
+
+
+# ------------------------------------------------------------------ model-based
+
+LETTERS: Final = ("a", "b")
+"""Requests are named by a letter and a round: `a0`, then `a1` once the engine is done with
+`a0`, and so on. An id of an earlier round is a late message for an ended request."""
+SLOTS: Final = ("s0", "s1")
+"""Client sessions: a slot's session that ended is replaced by a new one (`s0.0`, `s0.1`)."""
+P_SESSIONS: Final = ("", "s0.0", "s1.0", "s0.1")
+"""What D names as P's session in its messages ("" = unknown)."""
+AGENT_LIST: Final = (D1, D2)
+BOGUS_NONCE: Final = 10**9
+
+
+def p_of(base: str) -> str:
+    """P's id for the request with this base id."""
+    return f"{base}-0-aaaaaaaa"
+
+
+def d_of(base: str) -> str:
+    """D's id for the same request (another engine's random suffix)."""
+    return f"{base}-0-dddddddd"
+
+
+def base_of(rid: str) -> str:
+    """The request (`a0`, `b3`, ...) an id of `p_of` or `d_of` belongs to."""
+    return rid.split("-", 1)[0]
+
+
+@dataclass(frozen=True)
+class MTomb:
+    """The reference's tombstone: the code late messages get, whether it refuses a finish,
+    and whether an id sharing the base id finds it."""
+
+    code: int
+    refuses: bool = False
+    by_base: bool = True
+
+
+M_EXPIRED: Final = MTomb(LEASE_EXPIRED)
+M_CANCELLED: Final = MTomb(TRANSFER, refuses=True)
+M_ABORTED: Final = MTomb(NOT_FOUND)
+M_GONE: Final = MTomb(TRANSFER)
+M_DONE: Final = MTomb(INVALID, by_base=False)
+
+
+@dataclass
+class MReq:
+    """The reference model's view of one P request (at most one live per base id here)."""
+
+    base: str
+    key: str
+    state: SendState
+    agent: str = ""
+    session: str = ""
+    blocks: tuple[int, ...] = ()
+    reg: wire.PushRegistration | None = None
+    pull: wire.PullDone | None = None
+    view: str = ""
+    view_ready: bool = False
+    lease: float | None = None
+    wait: float | None = None
+
+
+@dataclass
+class MResync:
+    nonce: int | None
+    epoch: int
+    due: float
+
+
+class SenderModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tx = make()
+        self.now = 0.0
+        # the reference
+        self.live: dict[str, MReq] = {}
+        self.tombs: dict[str, MTomb] = {}
+        self.tomb_base: dict[str, str] = {}
+        self.ended_sessions: set[str] = set()
+        self.closing: set[str] = set()
+        self.gens: tuple[int, ...] = ()
+        self.epoch = 0
+        self.synced: dict[str, int] = {}
+        self.resyncing: dict[str, MResync] = {}
+        self.expect: list[Norm] = []
+        # what the engine and D really did, independent of the reference's states
+        self.round = dict.fromkeys(LETTERS, 0)
+        self.incarnation = dict.fromkeys(SLOTS, 0)
+        self.closed: set[str] = set()
+        self.finished: dict[str, str] = {}
+        """P's id -> the session that finished it."""
+        self.gave_up: set[str] = set()
+        """Aborted by the engine before it finished them (it never will)."""
+        self.ops: list[ResolveView | PostWrite] = []
+        self.views: dict[str, str] = {}
+        self.view_seq = 0
+        self.registrations: set[tuple[str, wire.PushRegistration]] = set()
+        self.d_asked: set[str] = set()
+        """The requests D registered for or pulled (it does so once, mostly)."""
+        self.write_ok: set[str] = set()
+        self.emitted: Counter[str] = Counter()
+        self.closed_ends: set[str] = set()
+        """Ended by their session's close (no event: the engine is gone)."""
+        self.written: set[str] = set()
+        self.stalls = 0
+        self.region_changes = 0
+        self.resync_stalls: dict[int, int] = {}
+        """Nonce -> how many stalls there had been when that Resync went out."""
+        self.acked_stalls: dict[str, int] = {}
+        self.answered: Counter[str] = Counter()
+        self.last: dict[int, tuple[SendRequest, SendState]] = {}
+        self.ends: Counter[int] = Counter()
+        self.ok = True
+
+    def _base(self, letter: str, late: bool) -> str:
+        """The current request of `letter`, or (late) the one before it."""
+        n = self.round[letter]
+        return f"{letter}{max(n - 1, 0) if late else n}"
+
+    def _session(self, slot: str) -> str:
+        return f"{slot}.{self.incarnation[slot]}"
+
+    # ------------------------------------------------------------ the reference
+
+    def _find_tomb(self, rid: str) -> MTomb | None:
+        tomb = self.tombs.get(rid)
+        if tomb is not None:
+            return tomb
+        exact = self.tomb_base.get(base_request_id(rid))
+        return self.tombs.get(exact) if exact is not None else None
+
+    def _bury(self, rid: str, tomb: MTomb) -> None:
+        old = self.tombs.pop(rid, None)
+        if old is not None and old.refuses:
+            tomb = replace(tomb, refuses=True)  # a cancel is never forgotten
+        self.tombs[rid] = tomb
+        if tomb.by_base:
+            self.tomb_base[base_request_id(rid)] = rid
+
+    def _emit(self, m: MReq, kind: str, code: int = 0) -> None:
+        if m.session:
+            self.expect.append((kind, m.session, m.key, code))
+
+    def _push_failed(self, m: MReq, code: int) -> None:
+        if m.reg is not None:
+            self.expect.append(("push_done", m.agent, m.reg.request_id, code))
+
+    def _refuse_pull(self, agent: str, msg: wire.PullDone, code: int) -> None:
+        self.expect.append(("pull_ack", agent, msg.d_request_id, False, code))
+
+    def _end(self, m: MReq, end: SendState, tomb: MTomb) -> None:
+        del self.live[m.base]
+        m.state = end
+        self._bury(m.key, tomb)
+        s = m.session
+        if s in self.closing and not any(x.session == s for x in self.live.values()):
+            self.closing.discard(s)
+            self.expect.append(SessionEnded(s))
+
+    def _fail_send(self, m: MReq, code: int) -> None:
+        self._emit(m, "failed", code)
+        self._push_failed(m, code)
+        self._end(m, S.FAILED, MTomb(code, by_base=False))
+
+    def _fail_waiting(self, m: MReq, tomb: MTomb, end: SendState) -> None:
+        if m.reg is not None:
+            self._push_failed(m, tomb.code)
+        if m.pull is not None:
+            self._refuse_pull(m.agent, m.pull, tomb.code)
+        self._end(m, end, tomb)
+
+    def _match(self, m: MReq) -> None:
+        assert m.reg is not None
+        m.state = S.MATCHED
+        if len(m.reg.block_ids) > len(m.blocks):
+            self._fail_send(m, INVALID)
+        else:
+            self.expect.append(ResolveView(m.key, m.agent, m.reg))
+
+    def _deliver_pull(self, m: MReq, agent: str, msg: wire.PullDone) -> None:
+        if msg.generations and msg.generations != self.gens:
+            self._emit(m, "failed", TRANSFER)
+            self._refuse_pull(agent, msg, TRANSFER)
+            self._end(m, S.FAILED, MTomb(TRANSFER, by_base=False))
+        else:
+            self._emit(m, "finished")
+            self.expect.append(("pull_ack", agent, msg.d_request_id, True, 0))
+            self._end(m, S.DELIVERED, M_DONE)
+
+    def _write_when_synced(self, m: MReq) -> None:
+        if self.synced.get(m.agent, 0) < self.epoch:
+            if m.agent not in self.resyncing:
+                self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC)
+                self.expect.append(("resync", m.agent))
+            return
+        assert m.reg is not None
+        m.state, m.lease = S.WRITING, None
+        n = len(m.reg.block_ids)
+        p_blocks = m.blocks[len(m.blocks) - n :] if n else ()
+        self.expect.append(PostWrite(m.key, m.agent, ENGINE, p_blocks, m.reg, m.view))
+
+    def _matched_ready(self, agent: str) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if m.state is S.MATCHED and m.view_ready and m.agent == agent
+        ]
+
+    def _timers(self) -> None:
+        now = self.now
+        for m in list(self.live.values()):
+            if m.lease is not None and m.lease <= now:
+                self._emit(m, "expired")
+                self._push_failed(m, LEASE_EXPIRED)
+                self._end(m, S.EXPIRED, M_EXPIRED)
+        for m in list(self.live.values()):
+            if m.state is S.AWAITING and m.wait is not None and m.wait <= now:
+                code = NOT_FOUND if m.pull is not None else TIMEOUT
+                self._fail_waiting(m, MTomb(code, refuses=True), S.FAILED)
+        for agent, pending in list(self.resyncing.items()):
+            if pending.due <= now:
+                del self.resyncing[agent]
+                for m in self._matched_ready(agent):
+                    self._fail_send(m, TRANSFER)
+
+    # ------------------------------------------------------------ driving the machine
+
+    def _run(self, event: Event | None) -> None:
+        """Feed `event` (if any) then the timers at the current time, as the actor's loop
+        does, and check the machine against the reference."""
+        self.ok = False
+        self.tx.moves.clear()
+        out: list[Effect] = []
+        if event is not None:
+            out += self.tx.handle(event, self.now)
+        out += self.tx.handle_timer(self.now)
+        self._timers()
+        expected, self.expect = self.expect, []
+        got = calm(out)
+        assert Counter(got) == Counter(expected), (event, got, expected)
+        self._check_moves()
+        self._check_effects(out)
+        self.ok = True
+
+    def _check_moves(self) -> None:
+        for req, frm, to in self.tx.moves:
+            prev = self.last.get(id(req))
+            if prev is None:
+                assert frm in (S.AWAITING, S.HELD), (req.key, frm, to)  # born there
+            else:
+                assert prev[1] is frm, (req.key, prev[1], frm, to)
+            assert to in TRANSITIONS.get(frm, frozenset()), (req.key, frm, to)
+            self.last[id(req)] = (req, to)  # holding `req` keeps its id unique
+            if to in TERMINAL:
+                self.ends[id(req)] += 1
+        assert set(self.tx.reqs) == {m.key for m in self.live.values()}
+        for m in self.live.values():
+            req = self.tx.reqs[m.key]
+            assert req.state is m.state, (m.key, req.state, m.state)
+            seen = self.last.get(id(req))
+            assert seen is None or seen[1] is req.state  # every change went through the table
+
+    def _check_effects(self, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Emit):
+                rid = eff.record.request_id  # type: ignore[attr-defined]
+                self.emitted[rid] += 1
+                assert self.emitted[rid] == 1, f"{rid} ended twice"
+                assert rid not in self.closed_ends, f"{rid} ended by its session, then again"
+                assert self.finished.get(rid) == eff.session, "an event for what was not finished"
+                if isinstance(eff.record, wire.SendFinished):
+                    acked = any(
+                        isinstance(e, Notify)
+                        and isinstance(e.record, wire.PullAck)
+                        and e.record.ok
+                        and e.record.d_request_id == d_of(base_of(rid))
+                        for e in effects
+                    )
+                    assert rid in self.write_ok or acked, f"{rid} delivered without a transfer"
+            elif isinstance(eff, PostWrite):
+                key = eff.key
+                # never after the request ended towards the engine, never before the match
+                assert self.emitted[key] == 0 and key not in self.closed_ends
+                assert key in self.finished and key not in self.written
+                assert self.tx.reqs[key].state is S.WRITING
+                assert (eff.agent, eff.registration) in self.registrations
+                assert self.views.get(key) == eff.view
+                # never into a D that has not re-synced since our last stall
+                assert self.acked_stalls.get(eff.agent, 0) >= self.stalls
+                self.written.add(key)
+                self.ops.append(eff)
+            elif isinstance(eff, ResolveView):
+                assert eff.key in self.finished
+                assert self.tx.reqs[eff.key].state is S.MATCHED
+                self.ops.append(eff)
+            elif isinstance(eff, SessionEnded):
+                self.answered[eff.session] += 1
+                assert not any(r.session == eff.session for r in self.tx.reqs.values())
+            elif isinstance(eff, Notify) and isinstance(eff.record, wire.Resync):
+                pending = self.resyncing[eff.agent]
+                assert pending.nonce is None
+                pending.nonce = eff.record.nonce
+                self.resync_stalls[eff.record.nonce] = self.stalls
+
+    @invariant()
+    def structure(self) -> None:
+        tx = self.tx
+        leases = {lease.request_id: lease.deadline for lease in tx.leases.leases()}
+        assert leases == {m.key: m.lease for m in self.live.values() if m.lease is not None}
+        dues = [m.lease for m in self.live.values() if m.lease is not None]
+        dues += [m.wait for m in self.live.values() if m.state is S.AWAITING and m.wait is not None]
+        dues += [r.due for r in self.resyncing.values()]
+        deadline = tx.next_deadline()
+        assert deadline == (min(dues) if dues else None)
+        assert deadline is None or deadline > self.now
+        assert set(tx.resyncing) == set(self.resyncing)
+        assert tx.closing == self.closing
+        assert all(n == 1 for n in self.ends.values())
+        check_index(tx)
+
+    # ------------------------------------------------------------ P's engine
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        slot=st.sampled_from(SLOTS),
+        nblocks=st.sampled_from((3, 3, 1, 0)),
+        again=st.sampled_from((False, False, False, True)),
+    )
+    def p_finishes(self, letter: str, slot: str, nblocks: int, again: bool) -> None:
+        if again:
+            self._finish_again(letter, slot)
+            return
+        p = p_of(self._base(letter, False))
+        if p in self.finished or p in self.gave_up:
+            # an engine finishes a request once, and never one it gave up: the next one
+            self.round[letter] += 1
+        base, session = self._base(letter, False), self._session(slot)
+        p = p_of(base)
+        ev = finish(p, tuple(range(10, 10 + nblocks)), session)
+        self.finished[p] = session
+        m = self.live.get(base)
+        tomb = self._find_tomb(p)
+        have = m if m is not None and m.key == p else None
+        if tomb is not None and tomb.refuses and have is None:
+            self.expect.append(("failed", session, p, tomb.code))  # D gave up: ends at once
+        elif m is None:
+            lease = self.now + LEASE
+            self.live[base] = MReq(
+                base, p, S.HELD, session=session, blocks=ev.block_ids, lease=lease
+            )
+        else:
+            assert m.state is S.AWAITING  # one P request per base id, finished once
+            m.key, m.session, m.blocks = p, session, ev.block_ids
+            m.lease, m.wait = self.now + LEASE, None
+            if m.pull is not None:
+                self._deliver_pull(m, m.agent, m.pull)
+            else:
+                self._match(m)
+        self._run(ev)
+
+    def _finish_again(self, letter: str, slot: str) -> None:
+        """Not what an engine does; refused while the request holds its lease."""
+        m = self.live.get(self._base(letter, False))
+        if m is None or m.state is S.AWAITING:
+            return
+        before = {k: (r.state, r.session, r.blocks) for k, r in self.tx.reqs.items()}
+        with pytest.raises(InvalidRequest):
+            self.tx.handle(finish(m.key, (1,), self._session(slot)), self.now)
+        assert {k: (r.state, r.session, r.blocks) for k, r in self.tx.reqs.items()} == before
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        slot=st.sampled_from(SLOTS),
+        late=st.booleans(),
+        early=st.sampled_from((False, False, True)),
+    )
+    def p_aborts(self, letter: str, slot: str, late: bool, early: bool) -> None:
+        base, session = self._base(letter, late), self._session(slot)
+        p = p_of(base)
+        if p not in self.finished and not early:
+            return  # mostly, an engine gives up on what it finished
+        m = self.live.get(base)
+        if m is not None and m.key == p:
+            if m.session and m.session != session:
+                pass  # not that session's request
+            elif m.state is S.AWAITING:
+                self._fail_waiting(m, M_ABORTED, S.ABORTED)
+            elif m.state in (S.HELD, S.MATCHED):
+                self._emit(m, "failed", TRANSFER)
+                self._push_failed(m, NOT_FOUND)
+                self._end(m, S.ABORTED, M_ABORTED)
+            # WRITING: the WRITE's outcome answers
+        else:
+            self._bury(p, M_ABORTED)
+            if m is not None and m.state is S.AWAITING:
+                self._fail_waiting(m, M_ABORTED, S.ABORTED)
+        if p not in self.finished:
+            self.gave_up.add(p)
+        self._run(AbortSend(p, session))
+
+    @precondition(lambda self: len(self.finished) >= 3 * (len(self.closed) + 1))
+    @rule(slot=st.sampled_from(SLOTS))
+    def session_ends(self, slot: str) -> None:
+        session = self._session(slot)
+        self.incarnation[slot] += 1  # the client opens a new one
+        self.closed.add(session)
+        self.ended_sessions.add(session)
+        self.closing.add(session)
+        for m in [m for m in self.live.values() if m.session == session]:
+            if m.state in (S.HELD, S.MATCHED):
+                self._push_failed(m, TRANSFER)
+                self.closed_ends.add(m.key)
+                self._end(m, S.ABORTED, M_GONE)
+        if session in self.closing and not any(m.session == session for m in self.live.values()):
+            self.closing.discard(session)
+            self.expect.append(SessionEnded(session))
+        self._run(EndSession(session))
+
+    # ------------------------------------------------------------ D
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        late=st.booleans(),
+        agent=st.sampled_from(AGENT_LIST),
+        named=st.booleans(),
+        nblocks=st.sampled_from((0, 1, 2)),
+        p_session=st.sampled_from(P_SESSIONS),
+        again=st.sampled_from((False, False, False, True)),
+    )
+    def d_registers(
+        self,
+        letter: str,
+        late: bool,
+        agent: str,
+        named: bool,
+        nblocks: int,
+        p_session: str,
+        again: bool,
+    ) -> None:
+        base = self._base(letter, late)
+        if base in self.d_asked and not again:
+            return
+        self.d_asked.add(base)
+        p, d = p_of(base), d_of(base)
+        msg = reg(d, p if named else "", blocks=tuple(range(50, 50 + nblocks)), p_session=p_session)
+        self.registrations.add((agent, msg))
+        key = p if named else d
+        m = self.live.get(base)
+        if m is None:
+            tomb = self._find_tomb(key) or self._find_tomb(d)
+            if tomb is None and p_session in self.ended_sessions:
+                tomb = M_GONE
+            if tomb is not None:
+                self.expect.append(("push_done", agent, d, tomb.code))
+            else:
+                wait = self.now + REG
+                self.live[base] = MReq(base, key, S.AWAITING, agent=agent, reg=msg, wait=wait)
+        elif m.state is S.HELD:
+            m.agent, m.reg = agent, msg
+            self._match(m)
+        else:
+            self.expect.append(("push_done", agent, d, INVALID))  # a duplicate
+        self._run(RegistrationArrived(agent, msg))
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        late=st.booleans(),
+        agent=st.sampled_from(AGENT_LIST),
+        generations=st.sampled_from(((), (1,), (2,))),
+        p_session=st.sampled_from(P_SESSIONS),
+        again=st.sampled_from((False, False, False, True)),
+    )
+    def d_pulls(
+        self,
+        letter: str,
+        late: bool,
+        agent: str,
+        generations: tuple[int, ...],
+        p_session: str,
+        again: bool,
+    ) -> None:
+        base = self._base(letter, late)
+        if base in self.d_asked and not again:
+            return
+        self.d_asked.add(base)
+        p, d = p_of(base), d_of(base)
+        msg = wire.PullDone(p, d, generations, p_session)
+        m = self.live.get(base)
+        if m is None:
+            tomb = self._find_tomb(p)
+            if tomb is None and p_session in self.ended_sessions:
+                tomb = M_GONE
+            if tomb is not None:
+                self._refuse_pull(agent, msg, tomb.code)
+            else:
+                wait = self.now + WAIT
+                self.live[base] = MReq(base, p, S.AWAITING, agent=agent, pull=msg, wait=wait)
+        elif m.state is S.HELD:
+            self._deliver_pull(m, agent, msg)
+        else:
+            self._refuse_pull(agent, msg, INVALID)
+        self._run(PullDoneArrived(agent, msg))
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        late=st.booleans(),
+        agent=st.sampled_from(AGENT_LIST),
+        by_d=st.booleans(),
+        early=st.sampled_from((False, False, True)),
+    )
+    def d_cancels(self, letter: str, late: bool, agent: str, by_d: bool, early: bool) -> None:
+        base = self._base(letter, late)
+        rid = d_of(base) if by_d else p_of(base)
+        m = self.live.get(base)
+        if not early and (m is None or m.agent != agent):
+            return  # mostly, D cancels what it registered for or pulled
+        if m is None:
+            self._bury(rid, M_CANCELLED)
+        elif m.agent and m.agent != agent:
+            pass  # another peer's request: rejected
+        elif m.state is S.AWAITING:
+            self._fail_waiting(m, M_CANCELLED, S.FAILED)
+        elif m.state in (S.HELD, S.MATCHED):
+            self._emit(m, "failed", TRANSFER)
+            self._push_failed(m, TRANSFER)
+            self._end(m, S.FAILED, M_CANCELLED)
+        # WRITING: its PushDone answers D
+        self._run(CancelArrived(agent, rid))
+
+    @rule(
+        agent=st.sampled_from(AGENT_LIST),
+        letters=st.lists(st.sampled_from(LETTERS), max_size=2),
+        by_d=st.booleans(),
+    )
+    def d_heartbeats(self, agent: str, letters: list[str], by_d: bool) -> None:
+        bases = [self._base(x, False) for x in letters]
+        for b in bases:
+            m = self.live.get(b)
+            if m is not None and m.lease is not None:
+                m.lease = max(m.lease, self.now + EXTENSION)
+        ids = tuple(d_of(b) if by_d else p_of(b) for b in bases)
+        self._run(HeartbeatArrived(agent, ids))
+
+    @precondition(lambda self: any(r.nonce is not None for r in self.resyncing.values()))
+    @rule(i=st.integers(0, 1))
+    def d_acks_resync_now(self, i: int) -> None:
+        """D answers a Resync promptly (its ack is behind whatever D sent before)."""
+        waiting = [a for a, r in self.resyncing.items() if r.nonce is not None]
+        self.d_acks_resync(waiting[i % len(waiting)], "pending")
+
+    @rule(agent=st.sampled_from(AGENT_LIST), which=st.sampled_from(("pending", "old", "bogus")))
+    def d_acks_resync(self, agent: str, which: str) -> None:
+        pending = self.resyncing.get(agent)
+        if which == "pending":
+            if pending is None or pending.nonce is None:
+                return
+            nonce = pending.nonce
+        elif which == "old":
+            old = [n for n in self.resync_stalls if pending is None or n != pending.nonce]
+            if not old:
+                return
+            nonce = old[-1]
+        else:
+            nonce = BOGUS_NONCE
+        if pending is not None and pending.nonce == nonce:
+            del self.resyncing[agent]
+            self.synced[agent] = pending.epoch
+            self.acked_stalls[agent] = self.resync_stalls[nonce]
+            for m in self._matched_ready(agent):
+                self._write_when_synced(m)
+        self._run(ResyncAcked(agent, nonce))
+
+    # ------------------------------------------------------------ our own work and state
+
+    def _take(self, kind: type[ResolveView] | type[PostWrite], i: int) -> Any:
+        ops = [op for op in self.ops if isinstance(op, kind)]
+        op = ops[i % len(ops)]
+        self.ops.remove(op)
+        return op
+
+    # each outcome has two rules, so that it comes about as soon as the peer's messages do
+    @precondition(lambda self: any(isinstance(op, ResolveView) for op in self.ops))
+    @rule(i=st.integers(0, 3), ok=st.sampled_from((True, True, False)))
+    def view_resolved(self, i: int, ok: bool) -> None:
+        self._view_resolved(i, ok)
+
+    @precondition(lambda self: any(isinstance(op, ResolveView) for op in self.ops))
+    @rule(i=st.integers(0, 3))
+    def view_resolved_ok(self, i: int) -> None:
+        self._view_resolved(i, True)
+
+    @precondition(lambda self: any(isinstance(op, PostWrite) for op in self.ops))
+    @rule(i=st.integers(0, 3), ok=st.sampled_from((True, True, False)))
+    def write_done(self, i: int, ok: bool) -> None:
+        self._write_done(i, ok)
+
+    @precondition(lambda self: any(isinstance(op, PostWrite) for op in self.ops))
+    @rule(i=st.integers(0, 3))
+    def write_done_ok(self, i: int) -> None:
+        self._write_done(i, True)
+
+    def _view_resolved(self, i: int, ok: bool) -> None:
+        op: ResolveView = self._take(ResolveView, i)
+        self.view_seq += 1
+        view = f"view-{self.view_seq}"
+        m = self.live.get(base_of(op.key))
+        if m is not None and m.key == op.key and m.state is S.MATCHED and not m.view_ready:
+            if ok:
+                m.view, m.view_ready = view, True
+                self.views[m.key] = view
+                self._write_when_synced(m)
+            else:
+                self._fail_send(m, INCOMPATIBLE)
+        err = None if ok else Incompatible("D re-registered")
+        self._run(ViewResolved(op.key, view if ok else None, err))
+
+    def _write_done(self, i: int, ok: bool) -> None:
+        op: PostWrite = self._take(PostWrite, i)
+        m = self.live[base_of(op.key)]  # a WRITE in flight keeps its request alive
+        assert m.key == op.key and m.state is S.WRITING
+        if ok:
+            self.write_ok.add(m.key)
+            self._emit(m, "finished")
+            self._end(m, S.DELIVERED, M_DONE)
+        else:
+            self._fail_send(m, TRANSFER)
+        self._run(WriteDone(op.key, None if ok else TransferError("WRITE failed")))
+
+    @precondition(lambda self: self.stalls + self.region_changes < 5)
+    @rule(generation=st.sampled_from((0, 1, 2)))
+    def daemon_changes(self, generation: int) -> None:
+        """Our daemon stalled (0), or our regions changed generation."""
+        if generation == 0:
+            self.epoch += 1
+            self.stalls += 1
+            self._run(Stalled())
+            return
+        self.region_changes += 1
+        self.gens = (generation,)
+        self._run(RegionsChanged({ENGINE: (generation,)}))
+
+    @rule(dt=st.sampled_from((0.5, 0.5, 1.0, 2.5, 4.5, 21.0)))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self._run(None)
+
+    # ------------------------------------------------------------ the end
+
+    def teardown(self) -> None:
+        if not self.ok:
+            return  # a step failed already: that is the report
+        for s in SLOTS:
+            self.session_ends(s)
+        for _ in range(100):
+            if any(isinstance(op, PostWrite) for op in self.ops):
+                self.write_done(0, True)
+            elif self.ops:
+                self.view_resolved(0, True)
+            elif any(r.nonce is not None for r in self.resyncing.values()):
+                self.d_acks_resync_now(0)
+            elif self.live or self.resyncing:
+                self.advance(21.0)
+            else:
+                break
+        assert not self.live and not self.resyncing
+        assert_empty(self.tx)
+        assert self.tx.closing == set()
+        assert self.answered == Counter(dict.fromkeys(self.closed, 1))
+        # every request P's engine finished ended exactly once: an event, or its session's end
+        for p in self.finished:
+            assert self.emitted[p] + (p in self.closed_ends) == 1, p
+        assert set(self.emitted) <= set(self.finished)
+        assert all(n == 1 for n in self.ends.values())
+        for req, last in self.last.values():
+            assert last in TERMINAL, (req.key, last)
+
+
+SenderModel.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestSenderModel = SenderModel.TestCase
