@@ -18,8 +18,9 @@
   regions of a session whose client went away without Goodbye are unmapped, staging
   segments are removed by the leftover rule (`kvd.adapters.shm.reap_segments`: a kvd
   staging name from our pid namespace, our uid, its creator gone, nobody mapping or
-  holding it). The /proc scan runs in a worker thread; the start-up pass ends before
-  the registrar reports started.
+  holding it). The /proc scan runs in a worker thread while the registrar waits for it
+  (tens to hundreds of ms, only when a candidate passed the cheaper checks); the
+  start-up pass ends before the registrar reports started.
 """
 
 from __future__ import annotations
@@ -233,9 +234,9 @@ class Registrar:
                         segments.append(r.view.name)
             msg.resolve(None)
             if segments and msg.client_gone and self.reap_leftovers:
-                # unmapped now: our own mapping no longer keeps them
-                assert self._tg is not None
-                self._tg.start_soon(self._reap, segments, "session_end", msg.session)
+                # Unmapped now, so our own mapping no longer keeps them. Awaited: no
+                # registration of ours can map one of them while they are judged.
+                await self._reap(segments, "session_end", msg.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
             if p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view

@@ -15,7 +15,9 @@ The leftover rule (`reap_segments`): a segment is unlinked only when all of thes
   it open (`/proc/<pid>/fd`). The daemon itself counts: it unmaps first.
 Processes whose /proc entries we may not read (other users, non-dumpable) are not seen;
 a process of another pid namespace is seen only if ours contains it, which is why a
-name made in another pid namespace is never judged by its pid.
+name made in another pid namespace is never judged by its pid. The judgement is a
+snapshot: a process that opens a dead creator's segment by name while it is judged may
+see the name go (its mapping stays valid); kvd's own registrar waits for the judgement.
 """
 
 from __future__ import annotations
@@ -203,15 +205,24 @@ def segment_users(
     except OSError:
         return found
     for pid in pids:
-        # ended, or not ours to read: skipped
-        with contextlib.suppress(OSError), open(os.path.join(proc_dir, pid, "maps"), "rb") as f:
-            for line in f:
+        try:  # ended, or not ours to read: skipped
+            with open(os.path.join(proc_dir, pid, "maps"), "rb") as f:
+                maps = f.read()
+        except OSError:
+            maps = b""
+        if any(ino in maps for ino in inodes):  # cheap test first: most processes map none
+            for line in maps.splitlines():
                 # start-end perms offset dev inode [path]
                 parts = line.split(maxsplit=5)
                 if len(parts) < 5 or parts[4] not in inodes:
                     continue
                 major, _, minor = parts[3].partition(b":")
-                key = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+                try:
+                    key = (os.makedev(int(major, 16), int(minor, 16)), int(parts[4]))
+                except ValueError:  # a line we cannot read may be the mapping: keep all
+                    for key in ids:
+                        found.setdefault(key, f"maybe mapped by pid {pid}")
+                    continue
                 if key in ids:
                     found.setdefault(key, f"mapped by pid {pid}")
         fd_dir = os.path.join(proc_dir, pid, "fd")
