@@ -390,8 +390,10 @@ class Registrar:
         if names is None:
             return  # at start, every live client's segment is kept: not worth a line each
         for name in names:
-            if name not in got.removed:
-                why = got.kept.get(name, "not a kvd staging name from our pid namespace")
+            why = got.kept.get(name)
+            if why is None and staging_creator_here(name) is None:
+                why = "not a kvd staging name from our pid namespace"
+            if why is not None:  # else removed, or gone already
                 log.info("staging_segment_kept", segment=name, reason=why, **where)
 
     async def _notify_drop(self, peer: PeerInfo, notice: wire.RegionDropped) -> None:
