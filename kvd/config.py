@@ -265,6 +265,14 @@ class DaemonConfig(_Section):
         le=GiB,
         fmt="bytes",
     )
+    reap_leftover_segments: bool = _opt(
+        True,
+        "Remove host-staging segments that dead clients left in /dev/shm: at start, and "
+        "when a client's session ends without its goodbye. Only a segment named by "
+        "`kvd_client.shm.staging_name` in the daemon's pid namespace, owned by the "
+        "daemon's user, whose creating process is gone and that no process maps or holds "
+        "open. Off: such leftovers stay until removed by hand.",
+    )
 
 
 @dataclass(frozen=True)

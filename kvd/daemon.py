@@ -87,6 +87,7 @@ class Daemon:
             drain_local=self._drain_local,
             counters=self.counters,
             rejects=self.rejects,
+            reap_leftovers=cfg.daemon.reap_leftover_segments,
         )
         self.sender = Sender(
             transport=self.engine,

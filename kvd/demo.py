@@ -32,7 +32,7 @@ from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import KvdError
-from kvd_client.shm import SharedRegion, unique_name
+from kvd_client.shm import SharedRegion, staging_name
 
 # ------------------------------------------------------------------ daemons
 
@@ -208,7 +208,7 @@ def make_engine(
     nbytes = kvlayout.region_bytes(lay)
     client = KvdClient(socket, role="scheduler", engine_id=name)
     client.connect()
-    regions = [SharedRegion(unique_name(f"kvd-demo-{name}-r{r}"), nbytes) for r in range(tp)]
+    regions = [SharedRegion(staging_name(f"demo-{name}-r{r}"), nbytes) for r in range(tp)]
     eng = Engine(name, client, regions, lay, list(range(num_blocks)))
     for rank, reg in enumerate(regions):
         owner = client

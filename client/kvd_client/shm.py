@@ -5,6 +5,12 @@ and unlinks it when done. The daemon maps the same file read-write by name. Plai
 `os.open` + `mmap` is used on purpose: `multiprocessing.shared_memory` registers
 segments with the resource tracker, which unlinks them when *any* attaching process
 exits.
+
+A worker killed with SIGKILL cannot unlink its segment. Names made by `staging_name`
+say who made it (`kvd-<label>-n<pid namespace>-p<pid>-<12 hex digits>`), so the daemon
+can remove such a leftover once that process is gone and nothing maps it
+(`kvd.adapters.shm.reap_segments`); a segment with any other name is never removed by
+the daemon.
 """
 
 from __future__ import annotations
@@ -18,6 +24,11 @@ from typing import Final
 
 SHM_DIR: Final = "/dev/shm"
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_STAGING_RE: Final = re.compile(
+    r"^kvd-(?P<label>[A-Za-z0-9._-]+)-n(?P<ns>[1-9][0-9]{0,19})-p(?P<pid>[1-9][0-9]{0,9})"
+    r"-[0-9a-f]{12}$"
+)
+_PID_MAX: Final = 2**31 - 1
 
 
 def check_name(name: str) -> str:
@@ -28,7 +39,42 @@ def check_name(name: str) -> str:
 
 
 def unique_name(prefix: str = "kvd") -> str:
+    """`<prefix>-<pid>-<12 hex digits>`: unique, but not a staging name the daemon may
+    reap (use `staging_name` for a staging segment)."""
     return f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+
+
+def pid_namespace() -> int:
+    """The inode number of this process's pid namespace; 0 when /proc cannot tell."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def staging_name(label: str) -> str:
+    """A unique name for a staging segment that records who made it:
+    `kvd-<label>-n<pid namespace>-p<pid>-<12 hex digits>`.
+
+    A pid means something only in its pid namespace; the daemon judges only names made
+    in its own (see `staging_creator`). `label` is free text for people
+    (letters, digits, '.', '_', '-'), e.g. `vllm-r0`.
+    """
+    if not label or not _NAME_RE.match(label):
+        raise ValueError(f"invalid staging label {label!r}")
+    return check_name(f"kvd-{label}-n{pid_namespace()}-p{os.getpid()}-{secrets.token_hex(6)}")
+
+
+def staging_creator(name: str) -> tuple[int, int] | None:
+    """(pid namespace, pid) of the process that made a `staging_name`; None for any other
+    name (including one made where the pid namespace was unknown)."""
+    m = _STAGING_RE.match(name)
+    if m is None or len(name) > 200:
+        return None
+    pid = int(m["pid"])
+    if pid > _PID_MAX:
+        return None
+    return int(m["ns"]), pid
 
 
 class SharedRegion:

@@ -15,7 +15,9 @@ Rules:
 - Events go to the session that announced the request and to the engine's workers.
 - A session that neither sends nor pings for `client_timeout` (daemon time: a stall of
   the daemon itself does not count) is closed: its regions, leases and requests are
-  released by their owners.
+  released by their owners. A session that ends without Goodbye (timed out, replaced)
+  tells the registrar its client may be gone, so the staging segments its regions left
+  may be removed (by the leftover rule, `kvd.adapters.shm`); after Goodbye, never.
 - Closing a session has two phases: it stops taking requests at once, then every owner
   ends what the session announced (a transfer in flight from or into its blocks finishes
   first). Only then is the session *closed*: a keep-alive naming it is answered
@@ -249,7 +251,7 @@ class Gateway:
         s.last_seen = now
         s.requests += 1
         if isinstance(msg, wire.Goodbye):
-            self._close(s, "goodbye", reply_to=(ident, corr))
+            self._close(s, "goodbye", client_gone=False, reply_to=(ident, corr))
             return
         if (problem := peer_address_problem(msg)) is not None:
             refusal = InvalidRequest(problem)
@@ -319,7 +321,7 @@ class Gateway:
                         old_pid=other.pid,
                     )
                     self._count("sessions_replaced")
-                    self._close(other, "replaced: its process is gone")
+                    self._close(other, "replaced: its process is gone", client_gone=True)
         s = _Session(msg.session, ident, msg.role, msg.engine_id, msg.tp_rank, msg.pid, now)
         self.sessions[msg.session] = s
         self.by_ident[ident] = msg.session
@@ -349,21 +351,31 @@ class Gateway:
 
     # ---------------------------------------------------------------- sessions and events
 
-    def _close(self, s: _Session, why: str, reply_to: tuple[bytes, int] | None = None) -> None:
+    def _close(
+        self,
+        s: _Session,
+        why: str,
+        *,
+        client_gone: bool,
+        reply_to: tuple[bytes, int] | None = None,
+    ) -> None:
         """Stop taking the session's requests now; it is closed once its owners ended
-        everything it announced (see the module docstring)."""
+        everything it announced (see the module docstring). `client_gone`: closed without
+        the client's goodbye (see `SessionClosed`)."""
         self.sessions.pop(s.session, None)
         s.closing = why
         self.closing[s.session] = s
         self._count("sessions_closed")
         log.info("session_closing", session=s.session, reason=why)
-        self._tg.start_soon(self._end_session, s, reply_to)
+        self._tg.start_soon(self._end_session, s, client_gone, reply_to)
 
-    async def _end_session(self, s: _Session, reply_to: tuple[bytes, int] | None) -> None:
+    async def _end_session(
+        self, s: _Session, client_gone: bool, reply_to: tuple[bytes, int] | None
+    ) -> None:
         calls: list[SessionClosed] = []
         if s.role != "cli":
             for box in (self.registrar, self.sender, self.receiver, self.ecrouter):
-                call = SessionClosed(s.session)
+                call = SessionClosed(s.session, client_gone)
                 box.post(call)  # a notice between actors: never refused
                 calls.append(call)
         with anyio.move_on_after(self.close_bound) as scope:
@@ -388,7 +400,7 @@ class Gateway:
             cutoff = self.clock.now() - self.client_timeout
             for s in [s for s in self.sessions.values() if s.last_seen < cutoff]:
                 log.warning("session_timed_out", session=s.session, role=s.role, pid=s.pid)
-                self._close(s, "timeout")
+                self._close(s, "timeout", client_gone=True)
 
     async def _send_events(self) -> None:
         async for ev in self.events:

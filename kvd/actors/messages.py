@@ -92,9 +92,14 @@ class SessionClosed(Call[None]):
 
     The owner resolves it only once nothing can still transfer from or into the blocks
     the session's requests named (the gateway declares the session closed after every
-    owner answered; only then may its client reuse those blocks)."""
+    owner answered; only then may its client reuse those blocks).
+
+    `client_gone`: it ended without the client's goodbye (timed out, or replaced because
+    its process is gone): the registrar may then remove the staging segments its regions
+    left (`kvd.adapters.shm.reap_segments` decides; a live client's are kept)."""
 
     session: str
+    client_gone: bool = False
 
 
 @dataclass

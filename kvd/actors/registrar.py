@@ -14,6 +14,13 @@
   rate (`RejectLog`), as are refused region requests of local clients.
 - The canary: a small buffer with a pattern derived from the agent name, which
   `kvd ping` READs to prove the data path end to end.
+- Leftovers (unless `daemon.reap_leftover_segments` is off): at start, and after the
+  regions of a session whose client went away without Goodbye are unmapped, staging
+  segments are removed by the leftover rule (`kvd.adapters.shm.reap_segments`: a kvd
+  staging name from our pid namespace, our uid, its creator gone, nobody mapping or
+  holding it). The /proc scan runs in a worker thread while the registrar waits for it
+  (tens to hundreds of ms, only when a candidate passed the cheaper checks); the
+  start-up pass ends before the registrar reports started.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import hmac
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -43,6 +50,7 @@ from kvd_client.errors import (
     Timeout,
     TransferError,
 )
+from kvd_client.shm import SHM_DIR
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -64,7 +72,13 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.nixl import NixlEngine
-from kvd.adapters.shm import AnonRegion, MappedRegion
+from kvd.adapters.shm import (
+    AnonRegion,
+    MappedRegion,
+    Reaped,
+    reap_segments,
+    staging_creator_here,
+)
 from kvd.core.addresses import address_problem
 from kvd.core.planner import Geometry
 from kvd.logs import RejectLog
@@ -125,6 +139,7 @@ class Registrar:
         drain_local: Callable[[int], Awaitable[None]],
         counters: dict[str, int],
         rejects: RejectLog,
+        reap_leftovers: bool = True,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -138,6 +153,7 @@ class Registrar:
         self._drain_local = drain_local
         self.counters = counters
         self.rejects = rejects
+        self.reap_leftovers = reap_leftovers
         self.regions: dict[int, _Region] = {}
         self._next_region_id = 1
         self._generation = int(time.time()) & 0xFFFF  # survives restarts as a different range
@@ -156,6 +172,8 @@ class Registrar:
     # ---------------------------------------------------------------- lifecycle
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.reap_leftovers:
+            await self._reap(None, when="start")
         self.canary = AnonRegion(CANARY_BYTES)
         self.canary.view()[:] = canary_pattern(self.engine.name)
         self._canary_reg = await self.engine.register(self.canary.addr, CANARY_BYTES)
@@ -207,11 +225,18 @@ class Registrar:
             assert self._tg is not None
             self._tg.start_soon(self._ping, msg)
         elif isinstance(msg, SessionClosed):
+            segments = []
             for rid, r in list(self.regions.items()):
                 if r.view.session == msg.session:
                     log.info("region_released_with_session", region_id=rid, session=msg.session)
                     await self._drop_region(rid, notify_peers=True, drain=True)
+                    if r.view.mem_type == "DRAM":
+                        segments.append(r.view.name)
             msg.resolve(None)
+            if segments and msg.client_gone and self.reap_leftovers:
+                # Unmapped now, so our own mapping no longer keeps them. Awaited: no
+                # registration of ours can map one of them while they are judged.
+                await self._reap(segments, "session_end", msg.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
             if p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view
@@ -342,6 +367,34 @@ class Registrar:
             r.mapping.close()
         self.counters["regions_dropped"] = self.counters.get("regions_dropped", 0) + 1
         log.info("region_dropped", region_id=rid, generation=r.view.generation)
+
+    async def _reap(self, names: Sequence[str] | None, when: str, session: str = "") -> None:
+        """Remove leftover staging segments: `names`, or every segment in /dev/shm."""
+
+        def judge() -> Reaped:
+            return reap_segments(
+                os.listdir(SHM_DIR) if names is None else names, staging_creator_here
+            )
+
+        try:
+            got = await anyio.to_thread.run_sync(judge)
+        except OSError as exc:
+            log.warning("staging_reap_failed", when=when, error=str(exc))
+            return
+        where = {"when": when} | ({"session": session} if session else {})
+        for name, pid in got.removed.items():
+            self.counters["staging_segments_reaped"] = (
+                self.counters.get("staging_segments_reaped", 0) + 1
+            )
+            log.info("staging_segment_reaped", segment=name, creator_pid=pid, **where)
+        if names is None:
+            return  # at start, every live client's segment is kept: not worth a line each
+        for name in names:
+            why = got.kept.get(name)
+            if why is None and staging_creator_here(name) is None:
+                why = "not a kvd staging name from our pid namespace"
+            if why is not None:  # else removed, or gone already
+                log.info("staging_segment_kept", segment=name, reason=why, **where)
 
     async def _notify_drop(self, peer: PeerInfo, notice: wire.RegionDropped) -> None:
         try:

@@ -18,7 +18,7 @@ import numpy as np
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 from kvd_client.errors import Busy
-from kvd_client.shm import SharedRegion, unique_name
+from kvd_client.shm import SharedRegion, staging_name
 
 from kvd.core.planner import Geometry
 
@@ -139,7 +139,7 @@ def make_side(socket: str, engine_id: str, lay: wire.RegionLayout, nbytes: int) 
     client = KvdClient(socket, role="scheduler", engine_id=engine_id)
     client.connect()
     try:
-        region = SharedRegion(unique_name(f"kvdb-{engine_id}"), nbytes)
+        region = SharedRegion(staging_name(f"bench-{engine_id}"), nbytes)
     except BaseException:
         client.close()
         raise

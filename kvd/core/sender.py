@@ -740,9 +740,7 @@ _ABORTED: Final = Tombstone(int(ErrorCode.NOT_FOUND), "P aborted the request")
 _GONE: Final = Tombstone(
     int(ErrorCode.TRANSFER), "P's engine session ended before the request was sent"
 )
-_DONE: Final = Tombstone(
-    int(ErrorCode.INVALID), "the request was already delivered", by_base=False
-)
+_DONE: Final = Tombstone(int(ErrorCode.INVALID), "the request was already delivered", by_base=False)
 
 _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     Finish: Sender._on_finish,

@@ -88,4 +88,4 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
     # the run cleaned up after itself: every region it created is unlinked
-    assert not {s for s in shm_segments("kvdb-") if f"-{proc.pid}-" in s}
+    assert not {s for s in shm_segments("kvd-bench-") if f"-p{proc.pid}-" in s}

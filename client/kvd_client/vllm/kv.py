@@ -57,7 +57,7 @@ from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, daemon_listening
 from kvd_client.errors import KvdError
-from kvd_client.shm import SharedRegion, unique_name
+from kvd_client.shm import SharedRegion, staging_name
 from kvd_client.vllm.config import ConnectorConfig
 from kvd_client.vllm.shared import SharedClient, Subscription, shared_client
 from kvd_client.vllm.staging import HostStaging, describe
@@ -493,7 +493,7 @@ class _WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = describe(kv_caches, self.num_blocks)
         lay = HostStaging.region_layout(layers, self.num_blocks, self.block_size)
-        region = SharedRegion(unique_name(f"kvd-vllm-r{self.tp_rank}"), kvlayout.region_bytes(lay))
+        region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), kvlayout.region_bytes(lay))
         try:
             staging = HostStaging(layers, self.num_blocks, region.buf)
             mc = self.vllm_config.model_config
