@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import os
 import random
@@ -66,13 +65,13 @@ from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.shm import AnonRegion, MappedRegion
 from kvd.core.addresses import address_problem
+from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.planner import Geometry
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
 CANARY_BYTES: Final = 64 * 1024
-AUTH_WINDOW_S: Final = 120.0
 
 
 def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
@@ -87,8 +86,7 @@ def geometry_of(base_addr: int, nbytes: int, layout: wire.RegionLayout) -> Geome
 
 def handshake_mac(secret: bytes, hs: wire.Handshake | wire.RegionDropped, context: bytes) -> bytes:
     """HMAC-SHA256 over a peer message with an empty mac field, bound to `context`."""
-    body = wire.encode(replace(hs, mac=b""))
-    return hmac.new(secret, context + body, hashlib.sha256).digest()
+    return message_mac(secret, hs, context)
 
 
 @dataclass
