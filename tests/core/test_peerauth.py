@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from kvd_client import wire
@@ -41,7 +42,7 @@ def test_a_mac_covers_every_field_and_its_context() -> None:
     assert not mac_valid(SECRET, REQ, b"ecxfer")  # no MAC
     assert not mac_valid(b"another secret", good, b"ecxfer")
     assert not mac_valid(SECRET, good, b"req")  # made for EC requests only
-    changes: dict[str, object] = {
+    changes: dict[str, Any] = {
         "mm_hash": "mm-2",
         "compat": "model-b",
         "agent_name": "kvd-other",
