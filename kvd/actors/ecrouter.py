@@ -10,20 +10,20 @@ Producer (role producer/both):
 - A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons. With a shared
   secret (`auth.secret_file`) a request must first prove it, where it is read and before
   anything else is done for it: a valid MAC (HMAC-SHA256 over b"ecxfer" and every other
-  field), a timestamp within `AUTH_WINDOW_S` of our wall clock, and a nonce not served
-  before (`kvd.core.peerauth.ReplayGuard`); a request that fails is acked AUTH and
-  counted as `ec_auth_rejected`, without a task, a handshake or a pin. Then the hash must
-  exist and be committed, the compatibility hash must equal the committed one (a refusal
-  names both), the consumer's address must be one we could dial, and the consumer must be
-  who the request says: our handshake with the daemon at its side channel must name the
-  same agent, and that agent's EC region must be the region and generation named (on a
-  mismatch we handshake once more, in case our view is stale, then refuse). The
-  destination blocks must lie in that EC region (the planner refuses anything else). The
-  output is pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then
-  unpinned. Nothing is WRITten for a refused request. Malformed and refused requests are
-  counted and logged at a bounded rate (`RejectLog`); frames above twice
-  `max_frame_bytes` are cut off by libzmq with their connection (`ec_disconnects`,
-  `kvd.adapters.zmq_monitor`).
+  field), a timestamp within `AUTH_WINDOW_S` of our wall clock and not older than our
+  start, and a nonce not served before (`kvd.core.peerauth.ReplayGuard`). One that fails
+  is acked AUTH and counted as `ec_auth_rejected`, without a task, a handshake or a pin.
+  Then the hash must exist and be committed, the compatibility hash must equal the
+  committed one (a refusal names both), the consumer's address must be one we could
+  dial, and the consumer must be who the request says, with or without a secret: our
+  handshake with the daemon at its side channel must name the same agent, and that
+  agent's EC region must be the region and generation named (on a mismatch we handshake
+  once more, in case our view is stale, then refuse). The destination blocks must lie in
+  that EC region (the planner refuses anything else). The output is pinned, WRITten into
+  the consumer's blocks, acked (`ECXferAck`), then unpinned. Nothing is WRITten for a
+  refused request. Malformed and refused requests are counted and logged at a bounded
+  rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
+  their connection (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
@@ -218,7 +218,8 @@ class ECRouter:
         self.max_frame = max_frame
         self.secret = secret
         self.wall_clock = wall_clock
-        self.replays = ReplayGuard(AUTH_WINDOW_S, EC_NONCES_MAX)
+        # A request made before we started may have been served by our predecessor.
+        self.replays = ReplayGuard(AUTH_WINDOW_S, EC_NONCES_MAX, not_before=wall_clock())
         self.counters = counters
         self.rejects = rejects
         nblocks = region_bytes // block_bytes

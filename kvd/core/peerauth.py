@@ -15,7 +15,9 @@ receiver admits it through a `ReplayGuard`:
 - Stale: a timestamp `window` seconds or more away from our wall clock (peers' clocks
   must agree within the window), or `window` seconds or more older than the latest
   wall-clock reading the guard was given (so a clock stepped back cannot revive a
-  message whose nonce was already forgotten).
+  message whose nonce was already forgotten), or older than `not_before` (the guard's
+  owner started then: a message made earlier may have been admitted by the process
+  before it, whose memory of nonces is gone).
 - Replayed: a nonce admitted before. A nonce is remembered until its message is stale
   (its timestamp plus `window` has passed); from then on the staleness rule refuses it.
 - Full: `capacity` nonces are remembered and none is stale yet. The message is refused
@@ -72,15 +74,16 @@ class Refusal(enum.Enum):
 class ReplayGuard:
     """Admits each (nonce, timestamp) once, while fresh; see the module docstring."""
 
-    __slots__ = ("_high", "_nonces", "capacity", "window")
+    __slots__ = ("_high", "_nonces", "capacity", "not_before", "window")
 
-    def __init__(self, window: float, capacity: int) -> None:
+    def __init__(self, window: float, capacity: int, *, not_before: float = float("-inf")) -> None:
         if not window > 0:
             raise ValueError(f"window must be > 0 (got {window!r})")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1 (got {capacity!r})")
         self.window = window
         self.capacity = capacity
+        self.not_before = not_before
         self._nonces: TimerHeap[bytes] = TimerHeap()  # nonce -> when its message goes stale
         self._high = float("-inf")
 
@@ -91,7 +94,11 @@ class ReplayGuard:
         """Admit the message (None) or say why not; `now` is our wall clock."""
         self._high = max(self._high, now)
         self._nonces.pop_due(self._high)
-        if abs(now - timestamp) >= self.window or timestamp <= self._high - self.window:
+        if (
+            abs(now - timestamp) >= self.window
+            or timestamp <= self._high - self.window
+            or timestamp < self.not_before
+        ):
             return Refusal.STALE
         if nonce in self._nonces:
             return Refusal.REPLAYED

@@ -82,6 +82,12 @@ def test_a_clock_stepped_back_does_not_revive_a_forgotten_nonce() -> None:
     assert g.admit(b"a" * 16, 1000.0, 1005.0) is Refusal.STALE
 
 
+def test_a_message_made_before_the_guard_existed_is_stale() -> None:
+    g = ReplayGuard(window=10.0, capacity=100, not_before=1000.0)
+    assert g.admit(b"a" * 16, 999.9, 1000.5) is Refusal.STALE  # fresh, but made before us
+    assert g.admit(b"a" * 16, 1000.0, 1000.5) is None
+
+
 def test_a_full_guard_refuses_instead_of_forgetting() -> None:
     g = ReplayGuard(window=10.0, capacity=3)
     for i in range(3):

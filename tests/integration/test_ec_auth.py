@@ -94,6 +94,8 @@ class Pair:
     prod: ECSide
     cons: ECSide
     prod_daemon: DaemonProc
+    prod_config: str
+    """The producer's config (TOML added to start_daemon's), to start it again."""
     params: wire.ECParams
     template: wire.ECXferReq
     """A request the real consumer could make for the output (fields only: no nonce,
@@ -123,14 +125,13 @@ class Pair:
 @pytest.fixture
 def pair(daemons: StartDaemon, workdir: Path) -> Iterator[Pair]:
     auth = secret_file(workdir, "secret", SECRET)
-    e = daemons("kvdt-ea-enc", auth + ec_cfg("producer", 16 * MiB))
+    prod_config = auth + ec_cfg("producer", 16 * MiB)
+    e = daemons("kvdt-ea-enc", prod_config)
     c = daemons("kvdt-ea-con", auth + ec_cfg("consumer", 16 * MiB))
     prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
-    attacker = None
+    p: Pair | None = None
     try:
-        blocks = prod.client.ec_allocate("img", OUTPUT)
-        prod.write(blocks.block_ids, output_bytes(7, OUTPUT))
-        params = prod.client.ec_commit("img", OUTPUT, compat="ec-ok")
+        params = commit_output(prod)
         st = cons.client.status()
         region = next(r for r in st["regions"] if r["engine_id"] == "kvd-ec")
         template = wire.ECXferReq(
@@ -143,15 +144,24 @@ def pair(daemons: StartDaemon, workdir: Path) -> Iterator[Pair]:
             dst_generation=region["generation"],
             dst_block_ids=BLOCKS,
         )
-        attacker = Attacker(params.peer_port)
         rng = np.random.default_rng(99)
         pattern = rng.integers(0, 256, size=len(cons.buf), dtype=np.uint8)
-        yield Pair(prod, cons, e, params, template, attacker, pattern)
+        attacker = Attacker(params.peer_port)
+        p = Pair(prod, cons, e, prod_config, params, template, attacker, pattern)
+        yield p
     finally:
-        if attacker is not None:
-            attacker.close()
+        if p is not None:
+            p.attacker.close()
+            prod = p.prod  # a test may have restarted the producer
         prod.close()
         cons.close()
+
+
+def commit_output(prod: ECSide) -> wire.ECParams:
+    """The output every test asks for, committed at the producer."""
+    blocks = prod.client.ec_allocate("img", OUTPUT)
+    prod.write(blocks.block_ids, output_bytes(7, OUTPUT))
+    return prod.client.ec_commit("img", OUTPUT, compat="ec-ok")
 
 
 HANDSHAKES = ("handshakes_ok", "handshakes_failed")
@@ -306,6 +316,34 @@ def test_daemons_sharing_the_secret_move_outputs_and_a_stranger_gets_none(
     pc, cc = counters(p.prod), counters(p.cons)
     assert pc["ec_served"] == cc["ec_fetched"] == cc["ec_xfer_requests"] > 1
     assert pc["ec_auth_rejected"] == 1
+
+
+def test_a_request_captured_before_the_producer_restarted_is_refused(
+    pair: Pair, daemons: StartDaemon
+) -> None:
+    """A producer remembers the nonces it served in memory only, so a restarted one
+    refuses every request made before it started: a request served by its predecessor
+    cannot be replayed to it, even once the same output is committed again."""
+    p = pair
+    captured = p.request()
+    p.fill()
+    assert p.attacker.send(captured).ok
+    assert p.output_at_blocks()
+    p.attacker.close()
+    p.prod.close()
+    assert p.prod_daemon.stop() == 0
+    e2 = daemons("kvdt-ea-enc", p.prod_config)
+    p.prod = ECSide(e2.socket, "encoder")
+    params = commit_output(p.prod)
+    p.attacker = Attacker(params.peer_port)
+    p.prod_daemon = e2
+    refused(p, captured, ErrorCode.AUTH, "ec_auth_rejected", "captured before the restart")
+    kinds = {r.get("kind") for r in log_events(e2) if r.get("event") == "ec_xfer_auth_rejected"}
+    assert kinds == {"stale"}, kinds
+    # the same request made anew is served by the new producer
+    p.fill()
+    assert p.attacker.send(p.request()).ok
+    assert p.output_at_blocks()
 
 
 def free_port() -> int:
