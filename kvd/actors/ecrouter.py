@@ -807,7 +807,7 @@ class ECRouter:
 
 def _consumer_mismatch(info: PeerInfo, req: wire.ECXferReq) -> KvdError | None:
     """Why `req` does not describe the consumer our handshake `info` describes, or None:
-    the same agent, its EC region (the daemon's own, never a worker's), that generation."""
+    the same agent, its EC region (engine `EC_ENGINE`, rank 0), that region's generation."""
     if info.agent != req.agent_name:
         return RemoteProtocolError(
             f"request names agent {req.agent_name!r}, the peer at {info.addr} is {info.agent!r}"
