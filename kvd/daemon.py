@@ -52,6 +52,7 @@ class Daemon:
         self.socket_path = str(resolve_socket_path(cfg))
         self.agent_name = resolve_agent_name(cfg)
         size = cfg.daemon.mailbox_size
+        secret = cfg.auth.load_secret()
         self.clock = Clock()
         self.registrar_box: Mailbox[Any] = Mailbox("registrar", size, self.clock)
         self.sender_box: Mailbox[Any] = Mailbox("sender", size, self.clock)
@@ -82,7 +83,7 @@ class Daemon:
             side_port_ref=lambda: self.side.port,
             lease_duration=cfg.transfer.kv_lease_duration,
             handshake_timeout=cfg.side_channel.handshake_timeout,
-            secret=cfg.auth.load_secret(),
+            secret=secret,
             publish=self._publish,
             drain_local=self._drain_local,
             counters=self.counters,
@@ -132,6 +133,7 @@ class Daemon:
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,
             max_frame=cfg.daemon.max_frame_bytes,
+            secret=secret,
             counters=self.counters,
             rejects=self.rejects,
         )

@@ -879,7 +879,12 @@ class ECUnavailable(Record):
 @message(88)
 @dataclasses.dataclass(frozen=True)
 class ECXferReq(Record):
-    """Consumer daemon -> producer daemon: WRITE mm_hash into my EC region's blocks."""
+    """Consumer daemon -> producer daemon: WRITE mm_hash into my EC region's blocks.
+
+    The producer WRITEs only if `agent_name`, `dst_region` and `dst_generation` are what
+    its handshake with the daemon at `side_host:side_port` says: that agent, its EC region,
+    that region's current generation. With a shared secret the request also proves the
+    secret and is served at most once (`kvd.core.peerauth`)."""
 
     mm_hash: Id
     compat: Annotated[str, Len(0, 128)]
@@ -889,6 +894,15 @@ class ECXferReq(Record):
     dst_region: U32
     dst_generation: U32
     dst_block_ids: BlockIds
+    timestamp: NonNegFloat = 0.0
+    """The consumer's wall clock (Unix seconds) when it made the request: with a shared
+    secret, one too far from the producer's clock is refused (AUTH)."""
+    nonce: Annotated[bytes, Len(0, 64)] = b""
+    """Random and new for each request (16 bytes): with a shared secret, a nonce the
+    producer has already served is refused (AUTH), so a captured request cannot be replayed."""
+    mac: Annotated[bytes, Len(0, 64)] = b""
+    """HMAC-SHA256 over b"ecxfer" and the request with an empty mac, when a shared secret
+    is configured (`kvd.core.peerauth.message_mac`)."""
 
 
 @message(89)

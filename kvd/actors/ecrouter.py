@@ -7,20 +7,30 @@ Producer (role producer/both):
 - `ECAllocate` pins fresh blocks (FIFO eviction of unpinned outputs; if everything that
   could be evicted is pinned, allocation fails clearly and evicts nothing); `ECCommit`
   unpins them and returns the `ec_transfer_params` entry for the hash.
-- A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons: the hash must
-  exist and be committed, the compatibility hash must equal the committed one (a refusal
-  names both), the consumer's address must be one we could dial, the destination blocks
-  must lie in the consumer's EC region (the planner refuses anything else). The output is
-  pinned, WRITten into the consumer's blocks, acked (`ECXferAck`), then unpinned.
-  Malformed and refused requests are counted and logged at a bounded rate (`RejectLog`);
-  frames above twice `max_frame_bytes` are cut off by libzmq with their connection
-  (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
+- A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons. With a shared
+  secret (`auth.secret_file`) a request must first prove it, where it is read and before
+  anything else is done for it: a valid MAC (HMAC-SHA256 over b"ecxfer" and every other
+  field), a timestamp within `AUTH_WINDOW_S` of our wall clock and not older than our
+  start, and a nonce not served before (`kvd.core.peerauth.ReplayGuard`). One that fails
+  is acked AUTH and counted as `ec_auth_rejected`, without a task, a handshake or a pin.
+  Then the hash must exist and be committed, the compatibility hash must equal the
+  committed one (a refusal names both), the consumer's address must be one we could
+  dial, and the consumer must be who the request says, with or without a secret: our
+  handshake with the daemon at its side channel must name the same agent, and that
+  agent's EC region must be the region and generation named (on a mismatch we handshake
+  once more, in case our view is stale, then refuse). The destination blocks must lie in
+  that EC region (the planner refuses anything else). The output is pinned, WRITten into
+  the consumer's blocks, acked (`ECXferAck`), then unpinned. Nothing is WRITten for a
+  refused request. Malformed and refused requests are counted and logged at a bounded
+  rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
+  their connection (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
 Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
   in-flight fetch (both only under the compat the output was fetched with: another is
   refused), or allocates blocks (LRU eviction, never a pinned output) and sends
-  `ECXferReq` through a lazily created DEALER per producer. The answer is an event:
+  `ECXferReq` (with a fresh nonce and timestamp, and a MAC when a secret is set) through
+  a lazily created DEALER per producer. The answer is an event:
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
   its pins dropped.
@@ -36,9 +46,10 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import anyio
@@ -49,6 +60,7 @@ import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
 from kvd_client.errors import (
+    AuthError,
     Busy,
     Incompatible,
     InvalidRequest,
@@ -78,6 +90,14 @@ from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
+from kvd.core.peerauth import (
+    AUTH_WINDOW_S,
+    NONCE_BYTES,
+    Refusal,
+    ReplayGuard,
+    mac_valid,
+    message_mac,
+)
 from kvd.core.planner import plan_transfer
 from kvd.core.timers import TimerHeap
 from kvd.logs import RejectLog
@@ -89,6 +109,14 @@ EC_ENGINE: Final = "kvd-ec"
 
 
 EC_SEGMENT_PREFIX: Final = "kvd-ec-"
+
+EC_XFER_CONTEXT: Final = b"ecxfer"
+"""Domain separation of an `ECXferReq`'s MAC from the MACs of other peer messages."""
+
+EC_NONCES_MAX: Final = 1 << 18
+"""Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
+until its request is stale (at most twice `AUTH_WINDOW_S`): room for over 1,000
+requests a second. Beyond that, requests are refused BUSY until some go stale."""
 
 EC_NEEDS_COMPAT: Final = (
     "compat must identify the model and the encoder output's format: producer and "
@@ -168,8 +196,10 @@ class ECRouter:
         side_host: str,
         side_port_ref: Callable[[], int],
         max_frame: int,
+        secret: bytes | None,
         counters: dict[str, int],
         rejects: RejectLog,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -186,6 +216,10 @@ class ECRouter:
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.max_frame = max_frame
+        self.secret = secret
+        self.wall_clock = wall_clock
+        # A request made before we started may have been served by our predecessor.
+        self.replays = ReplayGuard(AUTH_WINDOW_S, EC_NONCES_MAX, not_before=wall_clock())
         self.counters = counters
         self.rejects = rejects
         nblocks = region_bytes // block_bytes
@@ -435,7 +469,11 @@ class ECRouter:
             dst_region=self.local.region_id,
             dst_generation=self.local.generation,
             dst_block_ids=tuple(b + self.cons_offset for b in alloc.blocks),
+            timestamp=self.wall_clock(),
+            nonce=os.urandom(NONCE_BYTES),
         )
+        if self.secret is not None:
+            req = replace(req, mac=message_mac(self.secret, req, EC_XFER_CONTEXT))
         self._tg.start_soon(self._send_req, f.producer, req)
 
     def _same_compat(self, session: str, m: wire.ECEnsure, held: str, how: str) -> bool:
@@ -577,14 +615,88 @@ class ECRouter:
                 except RemoteProtocolError as exc:
                     self._xfer_rejected(type(exc).__name__, exc.message)
                 else:
-                    if isinstance(req, wire.ECXferReq):
-                        self._tg.start_soon(self._serve_one, frames[0], req)
-                    else:
+                    if not isinstance(req, wire.ECXferReq):
                         why = f"{type(req).__name__} is not an ECXferReq"
                         self._xfer_rejected("not_a_request", why)
+                    else:
+                        refused = self._admit(req)
+                        if refused is None:
+                            self._tg.start_soon(self._serve_one, frames[0], req)
+                        else:
+                            await self._ack(frames[0], refused)
             # A ready frame is received without suspending: without this, a consumer that
             # keeps the socket busy would starve every other task.
             await anyio.lowlevel.checkpoint()
+
+    def _admit(self, req: wire.ECXferReq) -> wire.ECXferAck | None:
+        """None if `req` may be served; else its refusal, counted and logged here.
+
+        Without a shared secret every request may. With one, a request must prove the
+        secret, be fresh and carry a nonce not seen before (`_auth_problem`). Synchronous:
+        a nonce is taken before the next request is read, so two copies of one request
+        can never both pass."""
+        if self.secret is None:
+            return None
+        problem = self._auth_problem(self.secret, req)
+        if problem is None:
+            return None
+        kind, exc = problem
+        if isinstance(exc, AuthError):
+            self.rejects.reject(
+                "ecrouter",
+                "ec_auth_rejected",
+                "ec_xfer_auth_rejected",
+                kind,
+                mm_hash=req.mm_hash,
+                peer=req.agent_name,
+                error=exc.message,
+            )
+        else:
+            self._xfer_failed(req.mm_hash, exc)
+        return wire.ECXferAck(req.mm_hash, False, int(exc.code), exc.message, 0)
+
+    def _auth_problem(self, secret: bytes, req: wire.ECXferReq) -> tuple[str, KvdError] | None:
+        """(kind, error) for a request that fails authentication, else None (its nonce is
+        then taken). Only a request with a valid MAC reaches the replay guard."""
+        if not req.mac:
+            return "no_mac", AuthError("ECXferReq carries no MAC (a shared secret is set)")
+        if not mac_valid(secret, req, EC_XFER_CONTEXT):
+            return "bad_mac", AuthError("ECXferReq failed authentication")
+        if len(req.nonce) < NONCE_BYTES:
+            why = f"ECXferReq nonce has {len(req.nonce)} bytes, fewer than {NONCE_BYTES}"
+            return "short_nonce", AuthError(why)
+        now = self.wall_clock()
+        refusal = self.replays.admit(req.nonce, req.timestamp, now)
+        if refusal is None:
+            return None
+        if refusal is Refusal.STALE:
+            return "stale", AuthError(
+                f"ECXferReq is stale: its timestamp is {req.timestamp - now:+.1f}s from the "
+                f"producer's clock (the limit is {AUTH_WINDOW_S:g}s)"
+            )
+        if refusal is Refusal.REPLAYED:
+            return "replayed", AuthError("ECXferReq was already served (its nonce was seen)")
+        return "replay_guard_full", Busy(
+            f"{len(self.replays)} recent requests are held against replay; retry later"
+        )
+
+    def _xfer_failed(self, mm_hash: str, exc: KvdError) -> None:
+        self.rejects.reject(
+            "ecrouter",
+            "ec_xfer_failed",
+            "ec_xfer_failed",
+            type(exc).__name__,
+            mm_hash=mm_hash,
+            error=exc.message,
+        )
+
+    async def _ack(self, ident: bytes, ack: wire.ECXferAck) -> None:
+        # A ROUTER never blocks a send: a consumer that does not read loses its acks.
+        assert self._router is not None
+        try:
+            await self._router.send_multipart([ident, wire.encode(ack)])
+        except zmq.ZMQError as exc:
+            log.warning("ec_ack_send_failed", error=str(exc))
 
     def _xfer_rejected(self, kind: str, why: str) -> None:
         """A request that is not one: dropped (there is nothing to ack), counted, logged."""
@@ -626,24 +738,16 @@ class ECRouter:
             pool.pin(mm_hash)
             pinned = True
             info: PeerInfo = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
-            if info.agent != req.agent_name:
-                raise RemoteProtocolError(
-                    f"request names agent {req.agent_name!r}, the peer is {info.agent!r}"
-                )
-            dst = info.regions.get((EC_ENGINE, 0))
-            if dst is None or (dst.region_id, dst.generation) != (
-                req.dst_region,
-                req.dst_generation,
-            ):
+            if _consumer_mismatch(info, req) is not None:
+                # Our view may be stale (the consumer restarted, perhaps under another
+                # name): look once more before refusing.
                 info = await self.registrar.call(
                     EnsurePeer(req.side_host, req.side_port, refresh=True)
                 )
-                dst = info.regions.get((EC_ENGINE, 0))
-            if dst is None or (dst.region_id, dst.generation) != (
-                req.dst_region,
-                req.dst_generation,
-            ):
-                raise NotFound("the consumer's EC region is unknown or stale")
+                mismatch = _consumer_mismatch(info, req)
+                if mismatch is not None:
+                    raise mismatch
+            dst = info.regions[(EC_ENGINE, 0)]
             assert self.local is not None
             plan = plan_transfer(
                 self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids)
@@ -661,22 +765,12 @@ class ECRouter:
             self._count("ec_bytes_served", plan.total_bytes)
             ack = wire.ECXferAck(mm_hash, True, 0, "", p.nbytes)
         except KvdError as exc:
-            self.rejects.reject(
-                "ecrouter",
-                "ec_xfer_failed",
-                "ec_xfer_failed",
-                type(exc).__name__,
-                mm_hash=mm_hash,
-                error=exc.message,
-            )
+            self._xfer_failed(mm_hash, exc)
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
         finally:
             if pinned and mm_hash in pool:
                 pool.unpin(mm_hash)
-        try:
-            await self._router.send_multipart([ident, wire.encode(ack)])
-        except zmq.ZMQError as exc:
-            log.warning("ec_ack_send_failed", error=str(exc))
+        await self._ack(ident, ack)
 
     # ---------------------------------------------------------------- status
 
@@ -709,6 +803,24 @@ class ECRouter:
             "hits": self.hits,
             "misses": self.misses,
         }
+
+
+def _consumer_mismatch(info: PeerInfo, req: wire.ECXferReq) -> KvdError | None:
+    """Why `req` does not describe the consumer our handshake `info` describes, or None:
+    the same agent, its EC region (engine `EC_ENGINE`, rank 0), that region's generation."""
+    if info.agent != req.agent_name:
+        return RemoteProtocolError(
+            f"request names agent {req.agent_name!r}, the peer at {info.addr} is {info.agent!r}"
+        )
+    dst = info.regions.get((EC_ENGINE, 0))
+    if dst is None:
+        return NotFound(f"the consumer {info.agent!r} has no EC region")
+    if (dst.region_id, dst.generation) != (req.dst_region, req.dst_generation):
+        return NotFound(
+            f"the consumer's EC region is region {dst.region_id} generation {dst.generation}, "
+            f"not region {req.dst_region} generation {req.dst_generation} (unknown or stale)"
+        )
+    return None
 
 
 @dataclass(frozen=True)

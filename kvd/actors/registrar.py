@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import os
 import random
@@ -80,13 +79,13 @@ from kvd.adapters.shm import (
     staging_creator_here,
 )
 from kvd.core.addresses import address_problem
+from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.planner import Geometry
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
 CANARY_BYTES: Final = 64 * 1024
-AUTH_WINDOW_S: Final = 120.0
 
 
 def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
@@ -101,8 +100,7 @@ def geometry_of(base_addr: int, nbytes: int, layout: wire.RegionLayout) -> Geome
 
 def handshake_mac(secret: bytes, hs: wire.Handshake | wire.RegionDropped, context: bytes) -> bytes:
     """HMAC-SHA256 over a peer message with an empty mac field, bound to `context`."""
-    body = wire.encode(replace(hs, mac=b""))
-    return hmac.new(secret, context + body, hashlib.sha256).digest()
+    return message_mac(secret, hs, context)
 
 
 @dataclass

@@ -52,7 +52,9 @@ from kvd_client.shm import SharedRegion, unique_name
 from nixl._api import nixl_agent, nixl_agent_config
 from zmq.utils.monitor import recv_monitor_message
 
+from kvd.actors.ecrouter import EC_XFER_CONTEXT
 from kvd.actors.registrar import handshake_mac
+from kvd.core.peerauth import message_mac
 from kvd.demo import (
     DEMO_COMPAT,
     DaemonProc,
@@ -1561,10 +1563,11 @@ def test_ec_router_flood_is_counted_exactly_and_logged_in_a_few_lines(
         with KeptServing(x, env.p) as served:
             sent = flood_until_served(lambda i: sock.send(frames[i % 3]), served)
             after = counted(x, "ec_xfer_rejected", before.get("ec_xfer_rejected", 0) + sent)
-        # the router still answers a request (for an output it does not have)
-        sock.send(
-            wire.encode(wire.ECXferReq("kvdt-none", "", "kvdt-a", "127.0.0.1", 1, 1, 1, (0,)))
+        # the router still answers a request (authenticated, for an output it does not have)
+        req = wire.ECXferReq(
+            "kvdt-none", "", "kvdt-a", "127.0.0.1", 1, 1, 1, (0,), time.time(), os.urandom(16)
         )
+        sock.send(wire.encode(replace(req, mac=message_mac(SECRET, req, EC_XFER_CONTEXT))))
         assert sock.poll(10_000), "the EC router no longer answers"
         _, ack = wire.decode(sock.recv())
         assert isinstance(ack, wire.ECXferAck) and ack.code == ErrorCode.NOT_FOUND, ack

@@ -335,6 +335,9 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             dst_region=3,
             dst_generation=11,
             dst_block_ids=(40, 41, 42, 43, 44),
+            timestamp=1_795_000_000.5,
+            nonce=bytes(range(100, 116)),
+            mac=bytes(range(32, 0, -1)),
         ),
     ),
     "ECXferAck": (
