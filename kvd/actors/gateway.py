@@ -24,6 +24,8 @@ Rules:
 - A Hello from an engine rank whose previous process is gone (a restarted engine, its
   old session not yet timed out) closes the old session first, so the new process can
   register its regions at once.
+- With the stage trace on, a request is recorded when its frame is decoded
+  (`gateway.request`) and its terminal event when it is sent (`gateway.event_sent`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import peer_address_problem
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
@@ -94,6 +97,7 @@ class Gateway:
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
         close_bound: float,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -109,6 +113,7 @@ class Gateway:
         self._status = status
         self._welcome = welcome
         self.clock = clock
+        self.trace = trace
         self.close_bound = close_bound
         """Longest an owner may take to end a closing session's requests before the
         session is declared closed anyway (and an error logged)."""
@@ -223,6 +228,8 @@ class Gateway:
         except RemoteProtocolError as exc:
             self._refuse(ident, salvage_corr(frame), "ipc_rejected", type(exc).__name__, exc)
             return
+        if self.trace.on and (rid := trace_key(msg)):
+            self.trace.mark(rid, "gateway.request")
         now = self.clock.now()
         if isinstance(msg, wire.KeepAlive):
             s = self.sessions.get(msg.session)
@@ -397,6 +404,8 @@ class Gateway:
             if owner is not None:
                 self._send(owner.ident, ev.record, 0)
                 sent = True
+            if self.trace.on and (rid := trace_key(ev.record)):
+                self.trace.mark(rid, "gateway.event_sent")
             for s in self.sessions.values():
                 if s.role == "worker" and s.engine_id == ev.engine_id and s.session != ev.session:
                     self._send(s.ident, ev.record, 0)
