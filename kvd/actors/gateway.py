@@ -25,7 +25,7 @@ Rules:
   old session not yet timed out) closes the old session first, so the new process can
   register its regions at once.
 - With the stage trace on, a request is recorded when its frame is decoded
-  (`gateway.request`) and its terminal event when it is sent (`gateway.event_sent`).
+  (`gateway.request`) and its terminal event when it is handed to ZMQ (`gateway.event`).
 """
 
 from __future__ import annotations
@@ -400,12 +400,12 @@ class Gateway:
     async def _send_events(self) -> None:
         async for ev in self.events:
             sent = False
+            if self.trace.on and (rid := trace_key(ev.record)):
+                self.trace.mark(rid, "gateway.event")
             owner = self.sessions.get(ev.session)
             if owner is not None:
                 self._send(owner.ident, ev.record, 0)
                 sent = True
-            if self.trace.on and (rid := trace_key(ev.record)):
-                self.trace.mark(rid, "gateway.event_sent")
             for s in self.sessions.values():
                 if s.role == "worker" and s.engine_id == ev.engine_id and s.session != ev.session:
                     self._send(s.ident, ev.record, 0)

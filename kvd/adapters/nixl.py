@@ -14,8 +14,9 @@ Why a thread of our own:
 The event loop talks to the thread with `await engine.call(fn)`; notifications and
 transfer completions come back through `loop.call_soon_threadsafe`. NIXL's exceptions are
 translated here into kvd's error types. With the daemon's stage trace on, the thread
-records when it posts and completes a transfer and sends a notification (by the request
-id the caller passes), and when it polled each batch of notifications (the sink keys it).
+records when it picks up, posts and completes a transfer and picks up a notification to
+send (under the request id the caller passes), and when it polled each batch of
+notifications (the sink records it under the ids it decodes).
 The thread is named `kvd-nixl` (`top -H`, `/proc/<pid>/task/*/comm`).
 """
 
@@ -388,10 +389,10 @@ class NixlEngine:
         trace = self.trace
 
         def send(agent: Any) -> None:
+            if trace.on and trace_id:
+                trace.mark(trace_id, "nixl.notif_picked")
             agent.send_notif(peer, msg)
             self.stats.notifs_sent += 1
-            if trace.on and trace_id:
-                trace.mark(trace_id, "nixl.notif_sent")
 
         await self.call(send)
 
