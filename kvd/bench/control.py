@@ -75,9 +75,9 @@ class ControlConfig:
             drain_calls=2000,
             busy_bursts=2,
             busy_requests=32,
-            traced_requests=100,
-            traced_pull_requests=50,
-            idle_window_s=3.0,
+            traced_requests=60,
+            traced_pull_requests=40,
+            idle_window_s=2.0,
         )
 
     @property

@@ -24,7 +24,7 @@ EC_REGION_BYTES = 64 << 20
 EC_BLOCK_BYTES = 1 << 20
 TRACE_RECORDS = 65536
 """The daemons' stage-trace ring (`daemon.trace_records`); off but for the trace run."""
-IDLE_SETTLE_S = 0.5
+IDLE_SETTLE_S = 0.3
 """Before the idle window: the scenarios' sessions close, the NIXL thread backs off."""
 
 
