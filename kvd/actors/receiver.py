@@ -366,8 +366,6 @@ class Receiver(TransferActor):
         if ids:
             self._count("heartbeats_sent")
             self._count("heartbeat_ids_sent", ids)
-        if tid:
-            self._mark(tid, "beat_sent")
         self._outcome(proto.PeerReached(peer))
 
     async def _cancel_at(self, eff: proto.CancelAt) -> None:

@@ -3,7 +3,7 @@
 One `StageTrace` per daemon: a bounded ring of (time, request id, stage) records that the
 actors and the NIXL thread append to (a deque's append is atomic, so the thread needs no
 lock). The oldest records fall out when it is full; `drain` hands them out oldest first
-and forgets them. It exists only when `daemon.trace_records` > 0, and can be switched
+and forgets them. It records only when `daemon.trace_records` > 0, and can be switched
 off and on at run time (the bench compares the two).
 
 Off costs one branch: every place that records tests `trace.on` before it builds the
@@ -11,7 +11,8 @@ record's arguments, and `mark` tests it again, so a trace that is off records no
 and never reads its clock. Time is injected: the daemon passes `time.monotonic_ns`,
 CLOCK_MONOTONIC, which every process of a host shares, so a client's timestamps and
 both daemons' join into one timeline. Stage names are stable dotted strings
-(`<actor or thread>.<what happened>`); README, "Stage trace", lists them.
+(`<actor or thread>.<what happened>`); `kvd/bench/stages.py` lists those of a push and a
+pull in the order a request passes them.
 """
 
 from __future__ import annotations
