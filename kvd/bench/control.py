@@ -25,7 +25,7 @@ from typing import Any
 from kvd_client import layout as kvlayout
 from kvd_client.client import KvdClient
 
-from kvd.bench import stages
+from kvd.bench import idle, stages
 from kvd.bench.common import (
     Env,
     Progress,
@@ -61,7 +61,8 @@ class ControlConfig:
     busy_requests: int = 64
     traced_requests: int = 600
     traced_pull_requests: int = 300
-    """Requests of the stage-trace run; half of them (alternate batches) traced."""
+    """Requests of the stage-trace run (after a batch to warm up); half of them traced,
+    by batches (ABBA order)."""
     trace_batch: int = 10
     idle_window_s: float = 10.0
     """How long the idle daemon's CPU is measured."""
@@ -251,9 +252,41 @@ def fetch_trace(cli: KvdClient) -> list[list[Any]]:
             return out
 
 
-def _traced(batch: int) -> bool:
-    """Batches alternate: traced, untraced, traced, ..."""
-    return batch % 2 == 0
+class _TracedBatches:
+    """Switches both daemons' trace before each batch (`_traced`), and sums their CPU
+    (all threads) per kind of batch: a batch runs from its `start` to the next (the next
+    batch's P `finished` calls and waits included, alike for both kinds). The first
+    batch warms up and counts for neither."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.ns = {True: 0, False: 0}
+        self._kind: bool | None = None
+        self._since = 0
+
+    def _cpu(self) -> int:
+        return idle.cpu_ns(self.env.p_pid) + idle.cpu_ns(self.env.d_pid)
+
+    def _close(self) -> None:
+        if self._kind is not None:
+            self.ns[self._kind] += self._cpu() - self._since
+
+    def start(self, batch: int) -> None:
+        self._close()
+        self._kind = _traced(batch)
+        switch_trace(self.env, bool(self._kind))
+        self._since = self._cpu()
+
+    def end(self) -> None:
+        self._close()
+        self._kind = None
+        switch_trace(self.env, False)
+
+
+def _traced(batch: int) -> bool | None:
+    """Batch 0 warms up (None: counts for neither); then traced, untraced, untraced,
+    traced, traced, ... (ABBA: a drift in the machine's speed favours neither)."""
+    return None if batch == 0 else (batch - 1) % 4 in (0, 3)
 
 
 def trace_run(
@@ -264,19 +297,21 @@ def trace_run(
     cost = stages.mark_cost()
     out: dict[str, Any] = {"batch": cfg.trace_batch, "mark_cost": cost}
     for mode, n in (("push", cfg.traced_requests), ("pull", cfg.traced_pull_requests)):
+        cpu = _TracedBatches(env)
         reqs = timed(
             env,
             pair,
             mode,
-            n,
+            n + cfg.trace_batch,
             rng,
             batch_size=cfg.trace_batch,
-            before_batch=lambda i: switch_trace(env, _traced(i)),
+            before_batch=cpu.start,
         )
-        switch_trace(env, False)
+        cpu.end()
         records = {"P": fetch_trace(env.p_cli), "D": fetch_trace(env.d_cli)}
-        on = [r for i, r in enumerate(reqs) if _traced(i // cfg.trace_batch)]
-        off = [r for i, r in enumerate(reqs) if not _traced(i // cfg.trace_batch)]
+        kinds = [_traced(i // cfg.trace_batch) for i in range(len(reqs))]
+        on = [r for r, kind in zip(reqs, kinds, strict=True) if kind is True]
+        off = [r for r, kind in zip(reqs, kinds, strict=True) if kind is False]
         joined = stages.join(on, records)
         chain = stages.STAGES[mode]
         on_ms, off_ms = (
@@ -295,6 +330,8 @@ def trace_run(
                 "on_p50_ms": round(on_ms, 4),
                 "off_p50_ms": round(off_ms, 4),
                 "delta_us": round((on_ms - off_ms) * 1e3, 1),
+                "cpu_us_per_request_on": round(cpu.ns[True] / max(1, len(on)) / 1e3, 1),
+                "cpu_us_per_request_off": round(cpu.ns[False] / max(1, len(off)) / 1e3, 1),
                 "marks_per_request": round(marks, 1),
                 "estimated_us": round(marks * cost["mark_ns"] / 1e3, 2),
             },
@@ -311,12 +348,12 @@ def run(
     measure(env, pair, "pull", 50, rng)
     push = measure(env, pair, "push", cfg.requests, rng, progress)
     pull = measure(env, pair, "pull", cfg.pull_requests, rng, progress)
-    idle = drain_idle(pair, cfg.drain_calls)
+    idle_drain = drain_idle(pair, cfg.drain_calls)
     progress("control plane: idle drain_events")
     busy = drain_busy(env, pair, cfg.busy_bursts, cfg.busy_requests, rng)
     progress("control plane: busy drain_events")
     trace = trace_run(env, pair, cfg, rng, progress)
-    idle_us = [t * 1e6 for t in idle]
+    idle_us = [t * 1e6 for t in idle_drain]
     busy_us = [b["us"] for b in busy]
     busy_events = [b["events"] for b in busy]
     return {

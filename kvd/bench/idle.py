@@ -4,7 +4,8 @@ Read from /proc: `/proc/<pid>/stat` (utime + stime, every thread of the process)
 and after a window, and `/proc/<pid>/task/<tid>/stat` for each thread (named by its
 `comm`: the NIXL thread is `kvd-nixl`, ZMQ's are `ZMQbg/...`, the event loop is the
 process's own name). Times are in clock ticks (`SC_CLK_TCK`, usually 100 Hz), so a
-window of w seconds resolves 1 / (w x ticks) of a core.
+window of w seconds resolves 1 / (w x ticks) of a core. `cpu_ns` is for short spans
+(a batch of requests): the nanoseconds on CPU from each thread's `schedstat`.
 """
 
 from __future__ import annotations
@@ -59,3 +60,17 @@ def measure(pid: int, window_s: float) -> dict[str, Any]:
         "resolution_pct": round(100 / hz / wall, 3),
         "threads": threads,
     }
+
+
+def cpu_ns(pid: int) -> int:
+    """Nanoseconds process `pid` has run on a CPU, all threads (`task/*/schedstat`; a
+    thread that ended is no longer counted). Falls back to `stat` ticks without it."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except FileNotFoundError:
+            return _stat(Path(f"/proc/{pid}/stat"))[1] * (10**9 // os.sysconf("SC_CLK_TCK"))
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return total

@@ -252,14 +252,16 @@ def stage_table(ctl: dict[str, Any], mode: str) -> Table:
         )
     oh = tr["overhead"]
     cost = ctl["trace"]["mark_cost"]
+    cpu_delta = oh["cpu_us_per_request_on"] - oh["cpu_us_per_request_off"]
     t.caption = (
-        f"tracer's cost: {oh['marks_per_request']:.0f} records per request x "
-        f"{cost['mark_ns']:.0f} ns = {oh['estimated_us']:.1f} us (off: {cost['off_ns']:.0f} ns "
-        f"per traced place); p50 in alternate batches: {oh['on_p50_ms']:.3f} ms traced, "
-        f"{oh['off_p50_ms']:.3f} ms not ({oh['delta_us']:+.0f} us, n {oh['on_n']}/"
-        f"{oh['off_n']}). {tr['complete']} of {tr['traced']} traced "
-        "requests have every stage; a stage's took is since the one above it on the path, "
-        "or for the dim ones since the stage named"
+        f"tracer's cost, batches traced and not in turn (n {oh['on_n']}/{oh['off_n']}): "
+        f"p50 {oh['on_p50_ms']:.3f} vs {oh['off_p50_ms']:.3f} ms ({oh['delta_us']:+.0f} us); "
+        f"both daemons' CPU per request {oh['cpu_us_per_request_on']:,.0f} vs "
+        f"{oh['cpu_us_per_request_off']:,.0f} us ({cpu_delta:+.0f} us) for "
+        f"{oh['marks_per_request']:.0f} records (one: {cost['mark_ns']:.0f} ns in a tight "
+        f"loop; off: {cost['off_ns']:.0f} ns per traced place). {tr['complete']} of "
+        f"{tr['traced']} traced requests have every stage; took: since the row above on the "
+        "path, or for a dim row since the stage it names"
     )
     return t
 

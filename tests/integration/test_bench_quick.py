@@ -86,6 +86,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         _positive(oh["on_p50_ms"], f"{mode} p50, traced")
         _positive(oh["off_p50_ms"], f"{mode} p50, not traced")
         _positive(oh["estimated_us"], f"{mode}: the tracer's estimated cost")
+        _positive(oh["cpu_us_per_request_on"], f"{mode}: daemons' CPU per request, traced")
+        _positive(oh["cpu_us_per_request_off"], f"{mode}: daemons' CPU per request, not")
     idle = ctl["idle"]
     _positive(idle["window_s"], "idle window")
     assert 0 <= idle["cpu_pct"] < 100 and idle["sessions"] >= 1
