@@ -273,6 +273,15 @@ class DaemonConfig(_Section):
         "daemon's user, whose creating process is gone and that no process maps or holds "
         "open. Off: such leftovers stay until removed by hand.",
     )
+    trace_records: int = _opt(
+        0,
+        "Records kept by the stage trace (when each request passed each stage of the "
+        "daemon, for `kvd bench`): a ring that drops the oldest first, read and cleared "
+        "through the `trace` status section; the `trace_off` and `trace_on` sections "
+        "switch it at run time. 0 = no trace (each traced place costs one branch).",
+        ge=0,
+        le=1_000_000,
+    )
 
 
 @dataclass(frozen=True)

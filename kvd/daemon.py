@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import structlog
@@ -37,9 +37,14 @@ from kvd.actors.sidechannel import SideChannel
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
+from kvd.core.trace import StageTrace
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.daemon")
+
+TRACE_CHUNK: Final = 50_000
+"""Most stage-trace records in one `trace` status reply (the caller asks again for the
+rest): a reply stays well under the default frame limit."""
 
 
 class Daemon:
@@ -54,6 +59,7 @@ class Daemon:
         size = cfg.daemon.mailbox_size
         secret = cfg.auth.load_secret()
         self.clock = Clock()
+        self.trace = StageTrace(cfg.daemon.trace_records, time.monotonic_ns)
         self.registrar_box: Mailbox[Any] = Mailbox("registrar", size, self.clock)
         self.sender_box: Mailbox[Any] = Mailbox("sender", size, self.clock)
         self.receiver_box: Mailbox[Any] = Mailbox("receiver", size, self.clock)
@@ -66,6 +72,7 @@ class Daemon:
             num_threads=cfg.nixl.num_threads,
             poll_max_idle_us=cfg.nixl.poll_max_idle_us,
             ucx_tls=cfg.nixl.ucx_tls,
+            trace=self.trace,
         )
         self.side = SideChannel(
             host=cfg.side_channel.host,
@@ -102,6 +109,7 @@ class Daemon:
             tombstones=cfg.transfer.expired_tombstones,
             counters=self.counters,
             rejects=self.rejects,
+            trace=self.trace,
         )
         self.receiver = Receiver(
             transport=self.engine,
@@ -117,6 +125,7 @@ class Daemon:
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,
             rejects=self.rejects,
+            trace=self.trace,
         )
         self.ecrouter = ECRouter(
             engine=self.engine,
@@ -144,6 +153,7 @@ class Daemon:
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
             rejects=self.rejects,
+            trace=self.trace,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,
@@ -161,6 +171,7 @@ class Daemon:
             welcome=self._welcome,
             clock=self.clock,
             close_bound=cfg.transfer.transfer_timeout + cfg.side_channel.handshake_timeout + 5.0,
+            trace=self.trace,
         )
 
     # ---------------------------------------------------------------- wiring
@@ -224,6 +235,8 @@ class Daemon:
             }
         if section == "ec":
             return await self.ec_box.call(Snapshot(section))
+        if section in ("trace", "trace_on", "trace_off"):
+            return self._trace_section(section)
         out: dict[str, Any] = {
             "version": __version__,
             "agent_name": self.agent_name,
@@ -244,6 +257,22 @@ class Daemon:
         out["peers"] = (await self.registrar_box.call(Snapshot("peers")))["peers"]
         out["sessions"] = self.gateway.snapshot()["sessions"]
         return out
+
+    def _trace_section(self, section: str) -> dict[str, Any]:
+        """`trace`: the stage-trace records, oldest first, at most TRACE_CHUNK (they leave
+        the ring; `left` says how many wait); `trace_on`/`trace_off` switch recording."""
+        tr = self.trace
+        if section != "trace":
+            tr.switch(section == "trace_on")
+        full = tr.full
+        records = tr.drain(TRACE_CHUNK) if section == "trace" else []
+        return {
+            "on": tr.on,
+            "capacity": tr.capacity,
+            "full": full,
+            "records": [list(r) for r in records],
+            "left": len(tr),
+        }
 
     # ---------------------------------------------------------------- run
 

@@ -567,7 +567,8 @@ class Abort(Record):
 @message(30)
 @dataclasses.dataclass(frozen=True)
 class GetStatus(Record):
-    """section: status, peers, leases, transfers or ec."""
+    """section: status, peers, leases, transfers, ec, or trace (the daemon's stage-trace
+    records, which leave its ring; trace_on and trace_off switch recording)."""
 
     section: Annotated[str, Len(1, 32)]
 

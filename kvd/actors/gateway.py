@@ -26,6 +26,8 @@ Rules:
 - A Hello from an engine rank whose previous process is gone (a restarted engine, its
   old session not yet timed out) closes the old session first, so the new process can
   register its regions at once.
+- With the stage trace on, a request is recorded when its frame is decoded
+  (`gateway.request`) and its terminal event when it is handed to ZMQ (`gateway.event`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import peer_address_problem
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
@@ -96,6 +99,7 @@ class Gateway:
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
         close_bound: float,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -111,6 +115,7 @@ class Gateway:
         self._status = status
         self._welcome = welcome
         self.clock = clock
+        self.trace = trace
         self.close_bound = close_bound
         """Longest an owner may take to end a closing session's requests before the
         session is declared closed anyway (and an error logged)."""
@@ -225,6 +230,8 @@ class Gateway:
         except RemoteProtocolError as exc:
             self._refuse(ident, salvage_corr(frame), "ipc_rejected", type(exc).__name__, exc)
             return
+        if self.trace.on and (rid := trace_key(msg)):
+            self.trace.mark(rid, "gateway.request")
         now = self.clock.now()
         if isinstance(msg, wire.KeepAlive):
             s = self.sessions.get(msg.session)
@@ -405,6 +412,8 @@ class Gateway:
     async def _send_events(self) -> None:
         async for ev in self.events:
             sent = False
+            if self.trace.on and (rid := trace_key(ev.record)):
+                self.trace.mark(rid, "gateway.event")
             owner = self.sessions.get(ev.session)
             if owner is not None:
                 self._send(owner.ident, ev.record, 0)

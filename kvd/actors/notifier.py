@@ -9,6 +9,8 @@ what D's daemon hears from P (push completions, pull acks, re-sync requests) to 
 receiver, probes to the registrar. It never blocks. Heartbeats and probes are outside
 input (`HeartbeatReceived`, `ProbeReceived`): dropped and counted when their mailbox is
 full, the next one comes. Everything else is never dropped (`Mailbox.post`'s rule).
+With the stage trace on, it records for each message that names a request when the NIXL
+thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from kvd_client.errors import Busy, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 _TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
@@ -36,6 +39,7 @@ class Notifier:
         max_frame: int,
         counters: dict[str, int],
         rejects: RejectLog,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.sender = sender
         self.receiver = receiver
@@ -43,15 +47,17 @@ class Notifier:
         self.max_frame = max_frame
         self.counters = counters
         self.rejects = rejects
+        self.trace = trace
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
 
-    def sink(self, agent: str, msgs: list[bytes]) -> None:
+    def sink(self, agent: str, msgs: list[bytes], polled_ns: int = 0) -> None:
+        """A batch of notifications from `agent`, polled at `polled_ns` (0: not traced)."""
         for raw in msgs:
-            self._one(agent, raw)
+            self._one(agent, raw, polled_ns)
 
-    def _one(self, agent: str, raw: bytes) -> None:
+    def _one(self, agent: str, raw: bytes, polled_ns: int) -> None:
         self._count("notifs_received")
         if not raw:
             return  # NIXL transfers posted without a notification message
@@ -87,3 +93,7 @@ class Notifier:
                 )
         except Busy:
             self._count("notifs_dropped_busy")
+            return
+        if self.trace.on and polled_ns and (rid := trace_key(msg)):
+            self.trace.mark_at(rid, "nixl.notif_polled", polled_ns)
+            self.trace.mark(rid, "notifier.routed")

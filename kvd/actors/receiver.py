@@ -45,6 +45,7 @@ from kvd.actors.transfers import TransferActor, Transport, check_compat, local_r
 from kvd.adapters.nixl import PeerDisconnected
 from kvd.core import receiver as proto
 from kvd.core.planner import check_logical, plan_ranks
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.receiver", actor="receiver")
@@ -81,6 +82,7 @@ class Receiver(TransferActor):
         side_host: str,
         side_port_ref: Callable[[], int],
         rejects: RejectLog | None = None,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -90,6 +92,7 @@ class Receiver(TransferActor):
             transfer_timeout=transfer_timeout,
             counters=counters,
             rejects=rejects,
+            trace=trace,
         )
         self.incarnation = incarnation
         self.side_host = side_host
@@ -178,6 +181,9 @@ class Receiver(TransferActor):
             self._feed(proto.ResyncArrived(agent, msg.nonce), now)
         else:
             self._reject_notif(agent, type(msg).__name__, f"unexpected {type(msg).__name__}")
+            return
+        if self.trace.on:
+            self._mark(trace_key(msg), "notif_fed")
 
     # ---------------------------------------------------------------- effects
 
@@ -248,6 +254,8 @@ class Receiver(TransferActor):
             # P was reached and may hold a lease: the machine tells it
             self._outcome(proto.PeerUnresolved(load.request_id, exc, info.agent))
             return
+        if self.trace.on:
+            self._mark(load.request_id, "resolved")
         self._outcome(
             proto.PeerResolved(
                 load.request_id,
@@ -304,8 +312,12 @@ class Receiver(TransferActor):
         return exc.at_post
 
     async def _send_for(self, eff: proto.SendFor) -> None:
+        rid = ""
+        if self.trace.on:
+            rid = eff.request_id
+            self._mark(rid, "notif_handed")
         try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record), rid)
         except KvdError as exc:
             stale = self._disconnected(eff.agent, exc) or isinstance(exc, PeerDisconnected)
             self._outcome(proto.SendFailed(eff.request_id, exc, stale))
@@ -336,8 +348,13 @@ class Receiver(TransferActor):
         """One heartbeat (or probe) to the P at `peer`; its outcome feeds the give-up rule."""
         host, _, port = peer.rpartition(":")
         info: PeerInfo | None = None
+        tid = ""
+        if self.trace.on and isinstance(msg, wire.Heartbeat) and msg.request_ids:
+            tid = msg.request_ids[0]  # traced under the first id it names (P's id)
         try:
             info = await self._peer(host, int(port))
+            if tid:
+                self._mark(tid, "beat_handed")
             await self.transport.send_notif(info.agent, wire.encode(msg))
         except KvdError as exc:
             if info is not None:

@@ -34,6 +34,7 @@ from kvd.actors.messages import (
 from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
 from kvd.core import sender as proto
 from kvd.core.planner import check_logical, plan_ranks
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sender", actor="sender")
@@ -56,6 +57,7 @@ class Sender(TransferActor):
         tombstones: int,
         counters: dict[str, int],
         rejects: RejectLog | None = None,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -65,6 +67,7 @@ class Sender(TransferActor):
             transfer_timeout=transfer_timeout,
             counters=counters,
             rejects=rejects,
+            trace=trace,
         )
         self.proto: proto.Sender = proto.Sender(
             lease_duration=lease_duration,
@@ -138,6 +141,9 @@ class Sender(TransferActor):
             self._feed(proto.ResyncAcked(agent, msg.nonce), now)
         else:
             self._reject_notif(agent, type(msg).__name__, f"unexpected {type(msg).__name__}")
+            return
+        if self.trace.on:
+            self._mark(trace_key(msg), "notif_fed")
 
     # ---------------------------------------------------------------- effects
 
@@ -145,6 +151,8 @@ class Sender(TransferActor):
         if isinstance(eff, proto.ResolveView):
             self._spawn(self._resolve_view, eff)
         elif isinstance(eff, proto.PostWrite):
+            if self.trace.on:
+                self._mark(eff.key, "claimed")
             self._spawn(self._write, eff)
         else:
             raise TypeError(f"sender cannot carry out {type(eff).__name__}")
@@ -155,6 +163,8 @@ class Sender(TransferActor):
         except KvdError as exc:
             self._outcome(proto.ViewResolved(eff.key, error=exc))
             return
+        if self.trace.on:
+            self._mark(eff.key, "view_resolved")
         self._outcome(proto.ViewResolved(eff.key, view=view))
 
     async def _d_view(self, agent: str, msg: wire.PushRegistration) -> list[RemoteRegion]:

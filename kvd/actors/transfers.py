@@ -14,6 +14,10 @@ for `kvd transfers`. Each actor owns its own book (no state shared between actor
 next deadline or the next message, feeds the machine, and carries out the effects common
 to both sides (events to clients, notifications, session ends, logs); each side adds the
 messages and effects of its own.
+
+With the daemon's stage trace on (`kvd.core.trace`), the shell records a request's
+stages as `<actor>.<stage>` (and the book `transfer.handed`/`transfer.returned`); the
+transport is passed the request id to record its own under (`nixl.*`).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from kvd.actors.messages import (
 )
 from kvd.core.effects import Emit, Log, Notify, SessionEnded
 from kvd.core.planner import Plan
+from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 RECENT_TRANSFERS: Final = 256
@@ -53,9 +58,10 @@ RECENT_TRANSFERS: Final = 256
 class Transport(Protocol):
     """What the transfer actors need of the data plane (NixlEngine implements it)."""
 
-    async def send_notif(self, peer: str, msg: bytes) -> None:
+    async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
         """Send one notification to a peer agent; raises TransferError (PeerDisconnected
-        when NIXL knows the peer is gone)."""
+        when NIXL knows the peer is gone). `trace_id`: the request the stage trace records
+        the sending under ("" = none)."""
 
     async def transfer(
         self,
@@ -68,9 +74,10 @@ class Transport(Protocol):
         nbytes: int,
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
+        trace_id: str = "",
     ) -> float:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
-        `notif` is delivered to the peer when it completes."""
+        `notif` is delivered to the peer when it completes. `trace_id` as above."""
 
 
 class Machine(Protocol):
@@ -107,6 +114,7 @@ class TransferActor:
         transfer_timeout: float,
         counters: dict[str, int],
         rejects: RejectLog | None = None,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.transport = transport
         self.mailbox = mailbox
@@ -116,7 +124,8 @@ class TransferActor:
         self.counters = counters
         self.rejects = rejects or RejectLog(counters, 10.0)
         self.log = structlog.get_logger(f"kvd.{self.name}", actor=self.name)
-        self.book = TransferBook(transport, transfer_timeout, counters)
+        self.trace = trace
+        self.book = TransferBook(transport, transfer_timeout, counters, trace)
         self.local: dict[tuple[str, int], LocalRegion] = {}
         self.peers: dict[str, PeerInfo] = {}
         self.closing: dict[str, list[SessionClosed]] = {}
@@ -176,6 +185,8 @@ class TransferActor:
 
     def _client(self, req: ClientRequest, now: float) -> None:
         m = req.msg
+        if self.trace.on:
+            self._mark(trace_key(m), "dequeued")
         try:
             self._feed(self._client_event(req), now)
         except KvdError as exc:
@@ -190,6 +201,13 @@ class TransferActor:
             req.fail(exc)
             return
         req.resolve(wire.Ok())
+        if self.trace.on:
+            self._mark(trace_key(m), "admitted")
+
+    def _mark(self, request_id: str, stage: str) -> None:
+        """Record `<actor>.<stage>` for the request (call only with the trace on)."""
+        if request_id:
+            self.trace.mark(request_id, f"{self.name}.{stage}")
 
     def _known(self, agent: str, msg: wire.Record) -> bool:
         """Only a peer that handshaked may speak to the machine."""
@@ -235,8 +253,12 @@ class TransferActor:
         self.mailbox.post(Outcome(event))
 
     async def _notify(self, eff: Notify) -> None:
+        rid = ""
+        if self.trace.on:
+            rid = trace_key(eff.record)
+            self._mark(rid, "notif_handed")
         try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record))
+            await self.transport.send_notif(eff.agent, wire.encode(eff.record), rid)
         except KvdError as exc:
             self.log.warning(
                 "notification_not_delivered",
@@ -260,8 +282,15 @@ class TransferActor:
 class TransferBook:
     """Transfers in flight from one actor, by region (see the module docstring)."""
 
-    def __init__(self, transport: Transport, transfer_timeout: float, counters: dict[str, int]):
+    def __init__(
+        self,
+        transport: Transport,
+        transfer_timeout: float,
+        counters: dict[str, int],
+        trace: StageTrace = NO_TRACE,
+    ) -> None:
         self.transport = transport
+        self.trace = trace
         self.transfer_timeout = transfer_timeout
         self.counters = counters
         self.in_flight: dict[str, dict[str, Any]] = {}
@@ -308,14 +337,19 @@ class TransferBook:
             self.remote[(agent, rem.region_id)] = self.remote.get((agent, rem.region_id), 0) + 1
         t0 = time.perf_counter()
         errors: list[KvdError] = []
+        tid = rid if self.trace.on else ""
+        if tid:
+            self.trace.mark(tid, "transfer.handed")
         try:
             if len(plans) == 1:  # one rank: no task group (it costs a task per request)
-                await self._one(op, agent, plans[0], notifs[0], local[0], remote[0], errors)
+                await self._one(op, agent, plans[0], notifs[0], local[0], remote[0], errors, tid)
             else:
                 async with anyio.create_task_group() as tg:
                     for plan, notif, loc, rem in zip(plans, notifs, local, remote, strict=True):
-                        tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors)
+                        tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors, tid)
         finally:
+            if tid:
+                self.trace.mark(tid, "transfer.returned")
             for loc, rem in zip(local, remote, strict=True):
                 self.local[loc.region_id] -= 1
                 self.remote[(agent, rem.region_id)] -= 1
@@ -339,6 +373,7 @@ class TransferBook:
         loc: LocalRegion,
         rem: RemoteRegion,
         errors: list[KvdError],
+        trace_id: str = "",
     ) -> None:
         try:
             if plan.descriptors:
@@ -352,9 +387,10 @@ class TransferBook:
                     plan.total_bytes,
                     local_mem=loc.mem_type,
                     remote_mem=rem.mem_type,
+                    trace_id=trace_id,
                 )
             elif notif:
-                await self.transport.send_notif(agent, notif)
+                await self.transport.send_notif(agent, notif, trace_id)
         except KvdError as exc:
             errors.append(exc)
 

@@ -13,7 +13,11 @@ Why a thread of our own:
 
 The event loop talks to the thread with `await engine.call(fn)`; notifications and
 transfer completions come back through `loop.call_soon_threadsafe`. NIXL's exceptions are
-translated here into kvd's error types.
+translated here into kvd's error types. With the daemon's stage trace on, the thread
+records when it picks up, posts and completes a transfer and picks up a notification to
+send (under the request id the caller passes), and when it polled each batch of
+notifications (the sink records it under the ids it decodes).
+The thread is named `kvd-nixl` (`top -H`, `/proc/<pid>/task/*/comm`).
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ import numpy as np
 import structlog
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
+from kvd.core.trace import NO_TRACE, StageTrace
+
 log = structlog.get_logger("kvd.nixl")
 
 T = TypeVar("T")
-NotifSink = Callable[[str, list[bytes]], None]
-"""Called on the event loop with (peer agent name, messages) for each batch."""
+NotifSink = Callable[[str, list[bytes], int], None]
+"""Called on the event loop with (peer agent name, messages, the monotonic ns at which the
+thread polled them, or 0 while the stage trace is off) for each batch."""
 
 _HOT_S: Final = 0.005
 """After activity (a command, a notification, a completion), poll every `_HOT_POLL_S`
@@ -52,6 +59,8 @@ poll costs about 25 us of CPU here (mostly the timed wait), so 100 us is ~25 % o
 core while hot, and notifications wait 50 us on average."""
 
 _PR_SET_TIMERSLACK: Final = 29
+_PR_SET_NAME: Final = 15
+THREAD_NAME: Final = "kvd-nixl"
 
 
 class PeerDisconnected(TransferError):
@@ -81,6 +90,7 @@ class _Xfer:
     future: asyncio.Future[float]
     deadline: float
     started: float
+    trace_id: str = ""
 
 
 @dataclass
@@ -108,6 +118,7 @@ class NixlEngine:
         num_threads: int = 0,
         poll_max_idle_us: int = 1000,
         ucx_tls: str = "",
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.name: Final = name
         self._backend = backend
@@ -123,6 +134,7 @@ class NixlEngine:
         self._sink: NotifSink | None = None
         self._stop = threading.Event()
         self.stats = NixlStats()
+        self.trace = trace
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -132,7 +144,7 @@ class NixlEngine:
         self._sink = sink
         ready: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(
-            target=self._run, args=(ready,), name="kvd-nixl", daemon=True
+            target=self._run, args=(ready,), name=THREAD_NAME, daemon=True
         )
         self._thread.start()
         await ready
@@ -174,7 +186,7 @@ class NixlEngine:
             loop.call_soon_threadsafe(_set_exc, ready, err)
             return
         loop.call_soon_threadsafe(_set_result, ready, None)
-        _reduce_timer_slack()
+        _tune_thread()
         idle = _HOT_POLL_S
         last_activity = time.monotonic()
         try:
@@ -225,10 +237,11 @@ class NixlEngine:
             return False
         loop, sink = self._loop, self._sink
         assert loop is not None and sink is not None
+        polled = self.trace.now()
         for peer, msgs in notifs.items():
             self.stats.notifs_received += len(msgs)
             loop.call_soon_threadsafe(
-                sink, peer if isinstance(peer, str) else peer.decode(), list(msgs)
+                sink, peer if isinstance(peer, str) else peer.decode(), list(msgs), polled
             )
         return True
 
@@ -267,6 +280,8 @@ class NixlEngine:
         assert loop is not None
         if exc is None:
             self.stats.transfers_done += 1
+            if self.trace.on and x.trace_id:
+                self.trace.mark(x.trace_id, "nixl.done")
             loop.call_soon_threadsafe(_set_result, x.future, time.monotonic() - x.started)
         else:
             self.stats.transfers_failed += 1
@@ -322,21 +337,27 @@ class NixlEngine:
         nbytes: int,
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
+        trace_id: str = "",
     ) -> float:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
 
         Returns the seconds from post to completion. The notification is delivered to the
         peer by NIXL when the transfer completes. Raises TransferError (PeerDisconnected
-        when the peer is gone, Timeout past `timeout`).
+        when the peer is gone, Timeout past `timeout`). `trace_id`: the request the stage
+        trace records this transfer under.
         """
         loop = self._loop
         if loop is None or self._thread is None:
             raise TransferError("NIXL engine is not running")
         fut: asyncio.Future[float] = loop.create_future()
 
+        trace = self.trace
+
         def run() -> None:
             agent = self._agent
             started = time.monotonic()
+            if trace.on and trace_id:
+                trace.mark(trace_id, "nixl.picked")
             try:
                 ldesc = agent.get_xfer_descs(local, local_mem)
                 rdesc = agent.get_xfer_descs(remote, remote_mem)
@@ -348,7 +369,9 @@ class NixlEngine:
                 return
             self.stats.transfers_posted += 1
             self.stats.bytes_moved += nbytes
-            x = _Xfer(handle, fut, started + timeout, started)
+            x = _Xfer(handle, fut, started + timeout, started, trace_id)
+            if trace.on and trace_id:
+                trace.mark(trace_id, "nixl.posted")
             try:
                 state = agent.transfer(handle)
             except BaseException as exc:
@@ -362,8 +385,12 @@ class NixlEngine:
         self._cmds.put(run)
         return await fut
 
-    async def send_notif(self, peer: str, msg: bytes) -> None:
+    async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
+        trace = self.trace
+
         def send(agent: Any) -> None:
+            if trace.on and trace_id:
+                trace.mark(trace_id, "nixl.notif_picked")
             agent.send_notif(peer, msg)
             self.stats.notifs_sent += 1
 
@@ -403,13 +430,15 @@ def _at_post(err: KvdError) -> KvdError:
     return err
 
 
-def _reduce_timer_slack() -> None:
-    """Let this thread's short timed waits end on time (Linux rounds them up by the
-    thread's timer slack, 50 us by default: as long as the hot poll pause itself)."""
+def _tune_thread() -> None:
+    """Name the calling thread for the OS, and let its short timed waits end on time
+    (Linux rounds them up by the thread's timer slack, 50 us by default: as long as the
+    hot poll pause itself)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, THREAD_NAME.encode(), 0, 0, 0)
         libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 us, for the calling thread only
     except (OSError, AttributeError):
         pass

@@ -5,7 +5,9 @@ process, a P daemon, a D daemon and a raw-NIXL helper) and reports medians and r
 
 1. `dataplane`: one request's KV between two regions: memcpy, raw NIXL per-block and
    coalesced (two processes, like a connector's), kvd push and pull through two daemons.
-2. `control`: 1 MiB requests one at a time (p50/p99/p99.9), and `drain_events()` cost.
+2. `control`: 1 MiB requests one at a time (p50/p99/p99.9), and `drain_events()` cost;
+   the stage trace of one push and one pull (where the time goes, from the daemons'
+   stage traces), and the CPU of an idle daemon.
 3. `scale`: 1,000 concurrent requests with zero loss, 10,000 live leases, one heartbeat
    renewing 1,000 ids, and the lease table at 1k/10k/100k leases.
 4. `ec`: a 4.5 MB encoder output, cold (vs raw NIXL) and warm (vs memcpy).

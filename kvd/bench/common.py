@@ -175,6 +175,25 @@ def fill_pattern(side: Side, seed: int) -> None:
 # ------------------------------------------------------------------ events
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One request timed by the client: its two ids and the client's times, in monotonic
+    ns (CLOCK_MONOTONIC, shared with the daemons' stage traces)."""
+
+    p_id: str
+    d_id: str
+    call: int
+    """D's `register_push` / `pull` called."""
+    sent: int
+    """The call returned (the request is on its way to the daemon)."""
+    event: int
+    """D's client has the terminal event."""
+
+    @property
+    def seconds(self) -> float:
+        return (self.event - self.call) / 1e9
+
+
 def wait_for(
     client: KvdClient, request_id: str, stash: list[Event], timeout: float = 60.0
 ) -> Event:
@@ -261,6 +280,8 @@ class Env:
     peer: Any
     p_cli: KvdClient
     d_cli: KvdClient
+    p_pid: int = 0
+    d_pid: int = 0
 
     def transfers(self, side: str, request_id: str) -> dict[str, Any]:
         """The daemon's record of a finished transfer (descriptors, bytes, duration)."""

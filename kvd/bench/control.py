@@ -7,21 +7,30 @@
   acknowledgement that the lease was still held, and the event).
 - `drain_events()`: one call with nothing to return (idle); and one call that returns a
   backlog (busy: the replies and events of a burst of requests that already finished).
+- Stage trace: more push and pull requests in batches that alternate the daemons' stage
+  trace on and off (`kvd.bench.stages`): where the time of one request goes, and what
+  the tracing itself costs.
+- Idle cost: the runner measures the D daemon's CPU once every scenario is done
+  (`kvd.bench.idle`).
 """
 
 from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvd_client import layout as kvlayout
+from kvd_client.client import KvdClient
 
+from kvd.bench import idle, stages
 from kvd.bench.common import (
     Env,
     Progress,
     Side,
+    Timed,
     expect_ok,
     fill_pattern,
     leases,
@@ -29,6 +38,7 @@ from kvd.bench.common import (
     median,
     new_id,
     pct,
+    status,
     summary_ms,
     wait_for,
     wait_leases,
@@ -49,6 +59,13 @@ class ControlConfig:
     drain_calls: int = 20000
     busy_bursts: int = 5
     busy_requests: int = 64
+    traced_requests: int = 600
+    traced_pull_requests: int = 300
+    """Requests of the stage-trace run (after a batch to warm up); half of them traced,
+    by batches (ABBA order)."""
+    trace_batch: int = 10
+    idle_window_s: float = 10.0
+    """How long the idle daemon's CPU is measured."""
 
     @classmethod
     def quick(cls) -> ControlConfig:
@@ -59,6 +76,9 @@ class ControlConfig:
             drain_calls=2000,
             busy_bursts=2,
             busy_requests=32,
+            traced_requests=60,
+            traced_pull_requests=40,
+            idle_window_s=2.0,
         )
 
     @property
@@ -67,7 +87,8 @@ class ControlConfig:
 
 
 def steps(cfg: ControlConfig) -> int:
-    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2
+    """Progress steps of `run`, and the runner's idle measurement."""
+    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 1
 
 
 def _batches(n: int) -> int:
@@ -102,21 +123,39 @@ def measure(
     env: Env, pair: CtlPair, mode: str, n: int, rng: random.Random, progress: Progress | None = None
 ) -> list[float]:
     """Latency of n requests, one at a time, from D's call to D's RecvFinished (seconds)."""
+    return [t.seconds for t in timed(env, pair, mode, n, rng, progress)]
+
+
+def timed(
+    env: Env,
+    pair: CtlPair,
+    mode: str,
+    n: int,
+    rng: random.Random,
+    progress: Progress | None = None,
+    *,
+    batch_size: int = BATCH,
+    before_batch: Callable[[int], None] | None = None,
+) -> list[Timed]:
+    """n requests, one at a time, in batches (P finishes a whole batch first);
+    `before_batch(i)` runs before the i-th batch's first request."""
     p, d, k = pair.p, pair.d, pair.cfg.blocks_per_request
     pool = range(pair.cfg.pool_blocks)
-    out: list[float] = []
-    for start in range(0, n, BATCH):
+    out: list[Timed] = []
+    for start in range(0, n, batch_size):
         batch = []
         base = leases(env)
-        for _ in range(min(BATCH, n - start)):
+        for _ in range(min(batch_size, n - start)):
             pid, did = new_id(f"ctl-{mode}-p"), new_id(f"ctl-{mode}-d")
             lb, rb = rng.sample(pool, k), rng.sample(pool, k)
             p.client.finished(pid, lb)
             batch.append((pid, did, lb, rb))
         wait_leases(env, base + len(batch))  # P has staged the whole batch
         p.stash.extend(p.client.drain_events())
+        if before_batch is not None:
+            before_batch(start // batch_size)
         for pid, did, lb, rb in batch:
-            t0 = time.perf_counter()
+            t0 = time.monotonic_ns()
             if mode == "push":
                 d.client.register_push(
                     did,
@@ -136,8 +175,9 @@ def measure(
                     remote_block_ids=lb,
                     remote_engine_id=p.engine_id,
                 )
+            t_sent = time.monotonic_ns()
             ev = wait_for(d.client, did, d.stash)
-            out.append(time.perf_counter() - t0)
+            out.append(Timed(pid, did, t0, t_sent, time.monotonic_ns()))
             expect_ok(ev, f"{mode} at D")
         for pid, *_ in batch:
             expect_ok(wait_for(p.client, pid, p.stash), f"{mode} at P")
@@ -196,6 +236,110 @@ def drain_busy(
     return out
 
 
+def switch_trace(env: Env, on: bool) -> None:
+    """Both daemons' stage trace on or off (`daemon.trace_records` > 0 in the bench)."""
+    for cli in (env.p_cli, env.d_cli):
+        status(cli, "trace_on" if on else "trace_off")
+
+
+def fetch_trace(cli: KvdClient) -> list[list[Any]]:
+    """Every stage-trace record a daemon holds (they leave its ring)."""
+    out: list[list[Any]] = []
+    while True:
+        got = status(cli, "trace")
+        out += got["records"]
+        if not got["left"]:
+            return out
+
+
+class _TracedBatches:
+    """Switches both daemons' trace before each batch (`_traced`), and sums their CPU
+    (all threads) per kind of batch: a batch runs from its `start` to the next (the next
+    batch's P `finished` calls and waits included, alike for both kinds). The first
+    batch warms up and counts for neither."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.ns = {True: 0, False: 0}
+        self._kind: bool | None = None
+        self._since = 0
+
+    def _cpu(self) -> int:
+        return idle.cpu_ns(self.env.p_pid) + idle.cpu_ns(self.env.d_pid)
+
+    def _close(self) -> None:
+        if self._kind is not None:
+            self.ns[self._kind] += self._cpu() - self._since
+
+    def start(self, batch: int) -> None:
+        self._close()
+        self._kind = _traced(batch)
+        switch_trace(self.env, bool(self._kind))
+        self._since = self._cpu()
+
+    def end(self) -> None:
+        self._close()
+        self._kind = None
+        switch_trace(self.env, False)
+
+
+def _traced(batch: int) -> bool | None:
+    """Batch 0 warms up (None: counts for neither); then traced, untraced, untraced,
+    traced, traced, ... (ABBA: a drift in the machine's speed favours neither)."""
+    return None if batch == 0 else (batch - 1) % 4 in (0, 3)
+
+
+def trace_run(
+    env: Env, pair: CtlPair, cfg: ControlConfig, rng: random.Random, progress: Progress
+) -> dict[str, Any]:
+    """Push and pull requests in batches with the daemons' stage trace alternately on and
+    off: the stage table of the traced ones, and on vs off latency (the trace's cost)."""
+    cost = stages.mark_cost()
+    out: dict[str, Any] = {"batch": cfg.trace_batch, "mark_cost": cost}
+    for mode, n in (("push", cfg.traced_requests), ("pull", cfg.traced_pull_requests)):
+        cpu = _TracedBatches(env)
+        reqs = timed(
+            env,
+            pair,
+            mode,
+            n + cfg.trace_batch,
+            rng,
+            batch_size=cfg.trace_batch,
+            before_batch=cpu.start,
+        )
+        cpu.end()
+        records = {"P": fetch_trace(env.p_cli), "D": fetch_trace(env.d_cli)}
+        kinds = [_traced(i // cfg.trace_batch) for i in range(len(reqs))]
+        on = [r for r, kind in zip(reqs, kinds, strict=True) if kind is True]
+        off = [r for r, kind in zip(reqs, kinds, strict=True) if kind is False]
+        joined = stages.join(on, records)
+        chain = stages.STAGES[mode]
+        on_ms, off_ms = (
+            pct([r.seconds * 1e3 for r in on], 0.5),
+            pct([r.seconds * 1e3 for r in off], 0.5),
+        )
+        marks = sum(len(recs) for recs in records.values()) / max(1, len(on))
+        out[mode] = {
+            "traced": len(on),
+            "complete": stages.complete(chain, joined),
+            "records": {side: len(recs) for side, recs in records.items()},
+            "stages": stages.summarize(chain, joined),
+            "overhead": {
+                "on_n": len(on),
+                "off_n": len(off),
+                "on_p50_ms": round(on_ms, 4),
+                "off_p50_ms": round(off_ms, 4),
+                "delta_us": round((on_ms - off_ms) * 1e3, 1),
+                "cpu_us_per_request_on": round(cpu.ns[True] / max(1, len(on)) / 1e3, 1),
+                "cpu_us_per_request_off": round(cpu.ns[False] / max(1, len(off)) / 1e3, 1),
+                "marks_per_request": round(marks, 1),
+                "estimated_us": round(marks * cost["mark_ns"] / 1e3, 2),
+            },
+        }
+        progress(f"control plane: stage trace, {mode}")
+    return out
+
+
 def run(
     env: Env, cfg: ControlConfig, pair: CtlPair, seed: int, progress: Progress
 ) -> dict[str, Any]:
@@ -204,11 +348,12 @@ def run(
     measure(env, pair, "pull", 50, rng)
     push = measure(env, pair, "push", cfg.requests, rng, progress)
     pull = measure(env, pair, "pull", cfg.pull_requests, rng, progress)
-    idle = drain_idle(pair, cfg.drain_calls)
+    idle_drain = drain_idle(pair, cfg.drain_calls)
     progress("control plane: idle drain_events")
     busy = drain_busy(env, pair, cfg.busy_bursts, cfg.busy_requests, rng)
     progress("control plane: busy drain_events")
-    idle_us = [t * 1e6 for t in idle]
+    trace = trace_run(env, pair, cfg, rng, progress)
+    idle_us = [t * 1e6 for t in idle_drain]
     busy_us = [b["us"] for b in busy]
     busy_events = [b["events"] for b in busy]
     return {
@@ -228,4 +373,5 @@ def run(
             "median_us": round(median(busy_us), 1),
             "us_per_frame": round(median([b["us"] / b["frames"] for b in busy]), 2),
         },
+        "trace": trace,
     }

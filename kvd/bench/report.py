@@ -21,6 +21,10 @@ DATAPLANE_TARGETS: tuple[tuple[str, float], ...] = (
 )
 
 
+IDLE_CPU_GOAL_PCT = 1.0
+"""An idle daemon (no requests) uses less than this % of one core."""
+
+
 def _case_name(case: dict[str, Any]) -> str:
     return f"{case['layout']} {case['allocation']}"
 
@@ -55,6 +59,15 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             ctl["drain_idle"]["p50_us"] <= 50,
             "us",
         )
+        idle = ctl.get("idle")
+        if idle:
+            add(
+                "idle daemon CPU",
+                f"< {IDLE_CPU_GOAL_PCT:g}% of a core",
+                idle["cpu_pct"],
+                idle["cpu_pct"] < IDLE_CPU_GOAL_PCT,
+                "% of a core",
+            )
     scale = sc.get("scale")
     if scale:
         hb = scale["heartbeat"]
@@ -117,6 +130,12 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(dataplane_table(sc["dataplane"]))
     if "control" in sc:
         console.print(control_table(sc["control"]))
+        trace = sc["control"].get("trace", {})
+        for mode in ("push", "pull"):
+            if mode in trace:
+                console.print(stage_table(sc["control"], mode))
+        if "idle" in sc["control"]:
+            console.print(idle_table(sc["control"]["idle"]))
     if "scale" in sc:
         console.print(scale_table(sc["scale"]))
     if "ec" in sc:
@@ -209,6 +228,64 @@ def control_table(ctl: dict[str, Any]) -> Table:
         f"{db['us_per_frame']:.1f} us/frame",
         "",
         "",
+    )
+    return t
+
+
+def stage_table(ctl: dict[str, Any], mode: str) -> Table:
+    """Where one request's time goes (`kvd.bench.stages`), and what tracing it costs."""
+    tr = ctl["trace"][mode]
+    call = "register_push" if mode == "push" else "pull"
+    t = Table(
+        title=f"2{'b' if mode == 'push' else 'c'}. stage trace: {ctl['request_bytes'] / 2**20:.0f}"
+        f" MiB {mode}, medians of {tr['traced']} traced requests (us since D's {call} call)"
+    )
+    for col in ("stage", "what", "at", "took"):
+        t.add_column(col, justify="right" if col in ("at", "took") else "left")
+    for row in tr["stages"]:
+        seen = "" if row["n"] == tr["traced"] else f" (seen in {row['n']})"
+        t.add_row(
+            row["stage"] if row["on_path"] else f"[dim]{row['stage']}[/dim]",
+            row["label"] + seen,
+            f"{row['at_us']:,.0f}",
+            f"{row['took_us']:,.0f}",
+        )
+    oh = tr["overhead"]
+    cost = ctl["trace"]["mark_cost"]
+    cpu_delta = oh["cpu_us_per_request_on"] - oh["cpu_us_per_request_off"]
+    t.caption = (
+        f"tracer's cost, batches traced and not in turn (n {oh['on_n']}/{oh['off_n']}): "
+        f"p50 {oh['on_p50_ms']:.3f} vs {oh['off_p50_ms']:.3f} ms ({oh['delta_us']:+.0f} us); "
+        f"both daemons' CPU per request {oh['cpu_us_per_request_on']:,.0f} vs "
+        f"{oh['cpu_us_per_request_off']:,.0f} us ({cpu_delta:+.0f} us) for "
+        f"{oh['marks_per_request']:.0f} records (one: {cost['mark_ns']:.0f} ns in a tight "
+        f"loop; off: {cost['off_ns']:.0f} ns per traced place). {tr['complete']} of "
+        f"{tr['traced']} traced requests have every stage; took: since the row above on the "
+        "path, or for a dim row since the stage it names"
+    )
+    return t
+
+
+def idle_table(idle: dict[str, Any]) -> Table:
+    """An idle daemon's CPU, per thread (`kvd.bench.idle`)."""
+    t = Table(title="2d. idle daemon")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    t.add_row(
+        f"{idle['daemon']} after the run: no requests, {idle['sessions']} client session(s)",
+        f"{idle['window_s']:.1f} s window",
+    )
+    t.add_row(
+        "[bold]CPU, all threads[/bold] (/proc/<pid>/stat utime+stime)",
+        f"[bold]{idle['cpu_pct']:.2f} % of a core[/bold]",
+    )
+    for th in idle["threads"]:
+        if th["cpu_pct"] > 0:
+            t.add_row(f"  thread {th['name']} ({th['tid']})", f"{th['cpu_pct']:.2f} %")
+    t.add_row("  NIXL thread polls", f"{idle['nixl_polls_per_s']:,.0f}/s")
+    t.caption = (
+        f"resolution {idle['resolution_pct']:.2f} % of a core (clock ticks); "
+        "threads not listed used none"
     )
     return t
 

@@ -15,13 +15,17 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvd.bench import SCENARIOS, control, dataplane, ec, report, scale
-from kvd.bench.common import Env, machine, status_client
+from kvd.bench import SCENARIOS, control, dataplane, ec, idle, report, scale
+from kvd.bench.common import Env, machine, status, status_client
 from kvd.bench.raw import RawInitiator, RawPeerProcess
 from kvd.demo import DaemonProc, start_daemon
 
 EC_REGION_BYTES = 64 << 20
 EC_BLOCK_BYTES = 1 << 20
+TRACE_RECORDS = 65536
+"""The daemons' stage-trace ring (`daemon.trace_records`); off but for the trace run."""
+IDLE_SETTLE_S = 0.3
+"""Before the idle window: the scenarios' sessions close, the NIXL thread backs off."""
 
 
 @contextmanager
@@ -37,15 +41,30 @@ def process_tree(quick: bool) -> Iterator[Env]:
         sizes = f"region_bytes = {EC_REGION_BYTES}\nblock_bytes = {EC_BLOCK_BYTES}\n"
         ec_p = f'[ec]\nrole = "producer"\n{sizes}'
         ec_d = f'[ec]\nrole = "consumer"\n{sizes}'
-        p = start_daemon(workdir, f"kvdb-p-{tag}", ec_p)
+        traced = {"daemon": {"trace_records": TRACE_RECORDS}}
+        p = start_daemon(workdir, f"kvdb-p-{tag}", ec_p, overrides=traced)
         started.append(p)
-        d = start_daemon(workdir, f"kvdb-d-{tag}", ec_d)
+        d = start_daemon(workdir, f"kvdb-d-{tag}", ec_d, overrides=traced)
         started.append(d)
         peer = RawPeerProcess(f"kvdb-rawpeer-{tag}")
         raw = RawInitiator(f"kvdb-rawinit-{tag}", peer)
         p_cli, d_cli = status_client(p.socket), status_client(d.socket)
         clis = [p_cli, d_cli]
-        yield Env(workdir, p.socket, d.socket, p.side_port, quick, raw, peer, p_cli, d_cli)
+        env = Env(
+            workdir,
+            p.socket,
+            d.socket,
+            p.side_port,
+            quick,
+            raw,
+            peer,
+            p_cli,
+            d_cli,
+            p.proc.pid,
+            d.proc.pid,
+        )
+        control.switch_trace(env, False)
+        yield env
     finally:
         for c in clis:
             c.close()
@@ -56,6 +75,21 @@ def process_tree(quick: bool) -> Iterator[Env]:
         for dp in reversed(started):
             dp.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def idle_daemon(env: Env, window_s: float) -> dict[str, Any]:
+    """D's CPU once every scenario is done: no requests, no regions of the bench's
+    engines, one client left (the bench's status client, which pings every second)."""
+    time.sleep(IDLE_SETTLE_S)
+    before = status(env.d_cli)
+    res = idle.measure(env.d_pid, window_s)
+    after = status(env.d_cli)
+    res["daemon"] = "D"
+    res["sessions"] = len(after["sessions"])
+    res["nixl_polls_per_s"] = round(
+        (after["nixl"]["polls"] - before["nixl"]["polls"]) / res["window_s"], 1
+    )
+    return res
 
 
 def run_bench(
@@ -136,6 +170,9 @@ def run_bench(
                     ctl.close()
                 if ecs is not None:
                     ecs.close()
+            if "control" in chosen:
+                results["scenarios"]["control"]["idle"] = idle_daemon(env, ctl_cfg.idle_window_s)
+                progress("control plane: idle daemon")
     results["seconds"] = round(time.perf_counter() - t_start, 1)
     results["targets"] = report.targets(results["scenarios"])
     report.print_all(console, results)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from kvd.bench import stages
+
 from .conftest import shm_segments
 
 
@@ -65,6 +67,33 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         assert 0 < ctl[mode]["p50_ms"] <= ctl[mode]["p99_ms"] <= ctl[mode]["p999_ms"]
     _positive(ctl["drain_idle"]["p50_us"], "idle drain_events")
     _positive(ctl["drain_busy"]["median_events"], "busy drain_events events")
+    trace = ctl["trace"]
+    _positive(trace["mark_cost"]["mark_ns"], "cost of one trace record")
+    for mode, chain in stages.STAGES.items():
+        tr = trace[mode]
+        # every traced request was joined with every stage on its path, in both daemons
+        assert tr["traced"] > 0 and tr["complete"] == tr["traced"], tr
+        assert tr["records"]["P"] > 0 and tr["records"]["D"] > 0
+        rows = {row["stage"]: row for row in tr["stages"]}
+        assert list(rows) == [st.key for st in chain]
+        for st in chain:
+            if not st.after:
+                assert rows[st.key]["n"] == tr["traced"], rows[st.key]
+        _positive(rows["client event"]["at_us"], f"{mode}: the event, since the call")
+        assert rows["client call"]["at_us"] == 0
+        oh = tr["overhead"]
+        assert oh["on_n"] > 0 and oh["off_n"] > 0
+        _positive(oh["on_p50_ms"], f"{mode} p50, traced")
+        _positive(oh["off_p50_ms"], f"{mode} p50, not traced")
+        _positive(oh["estimated_us"], f"{mode}: the tracer's estimated cost")
+        _positive(oh["cpu_us_per_request_on"], f"{mode}: daemons' CPU per request, traced")
+        _positive(oh["cpu_us_per_request_off"], f"{mode}: daemons' CPU per request, not")
+    idle = ctl["idle"]
+    _positive(idle["window_s"], "idle window")
+    assert 0 <= idle["cpu_pct"] < 100 and idle["sessions"] >= 1
+    assert "kvd-nixl" in {t["name"] for t in idle["threads"]}
+    assert all(t["cpu_pct"] >= 0 for t in idle["threads"])
+    _positive(idle["nixl_polls_per_s"], "idle NIXL polls")
 
     scale = sc["scale"]
     cc = scale["concurrent"]
@@ -87,5 +116,6 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
 
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
+    assert "idle daemon CPU" in {t["target"] for t in targets}
     # the run cleaned up after itself: every region it created is unlinked
     assert not {s for s in shm_segments("kvd-bench-") if f"-p{proc.pid}-" in s}
