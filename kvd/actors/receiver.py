@@ -42,7 +42,7 @@ from kvd.actors.messages import (
     RemoteRegion,
 )
 from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
-from kvd.adapters.nixl import PeerDisconnected
+from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
 from kvd.core.planner import check_logical, plan_ranks
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -189,7 +189,11 @@ class Receiver(TransferActor):
 
     def _carry_out_own(self, eff: Any) -> None:
         if isinstance(eff, proto.Resolve):
-            self._spawn(self._resolve, eff)
+            known = None if eff.refresh else self._known_peer(eff.load)
+            if known is None:
+                self._spawn(self._resolve, eff)
+            else:  # P's view is at hand: no IO needed
+                self._ready.append(self._resolved(eff.load, *known))
         elif isinstance(eff, proto.SendFor):
             self._spawn(self._send_for, eff)
         elif isinstance(eff, proto.PostRead):
@@ -207,6 +211,26 @@ class Receiver(TransferActor):
         info: PeerInfo = await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
         return info
 
+    def _known_peer(
+        self, load: proto.Load
+    ) -> tuple[list[LocalRegion], PeerInfo, list[RemoteRegion]] | None:
+        """The request's local ranks and P's view, if the view this actor holds (the
+        registrar's, as last published) has every rank the request needs; None otherwise
+        (then `_resolve` asks the registrar, which handshakes where needed)."""
+        info = next(
+            (i for i in self.peers.values() if i.host == load.host and i.port == load.port), None
+        )
+        if info is None or (
+            load.remote_incarnation and info.incarnation != load.remote_incarnation
+        ):
+            return None
+        try:
+            local = local_ranks(self.local, load.engine_id)
+        except KvdError:
+            return None
+        remote = _ranks_for(info, load.remote_engine_id, len(local))
+        return (local, info, remote) if remote is not None else None
+
     async def _resolve(self, eff: proto.Resolve) -> None:
         """P's daemon and its regions for the request, checked, and what starts the transfer."""
         load = eff.load
@@ -216,6 +240,16 @@ class Receiver(TransferActor):
         except KvdError as exc:
             self._outcome(proto.PeerUnresolved(load.request_id, exc))
             return
+        self._outcome(self._resolved(load, local, info, remote))
+
+    def _resolved(
+        self,
+        load: proto.Load,
+        local: list[LocalRegion],
+        info: PeerInfo,
+        remote: list[RemoteRegion],
+    ) -> proto.Event:
+        """The request checked against P's regions, and what starts its transfer."""
         try:
             check_compat(p=remote, d=local)
             first: wire.Record
@@ -252,19 +286,16 @@ class Receiver(TransferActor):
                 )
         except KvdError as exc:
             # P was reached and may hold a lease: the machine tells it
-            self._outcome(proto.PeerUnresolved(load.request_id, exc, info.agent))
-            return
+            return proto.PeerUnresolved(load.request_id, exc, info.agent)
         if self.trace.on:
             self._mark(load.request_id, "resolved")
-        self._outcome(
-            proto.PeerResolved(
-                load.request_id,
-                info.agent,
-                info.handshaked_at,
-                len(remote),
-                first,
-                _View(local, remote, plans),
-            )
+        return proto.PeerResolved(
+            load.request_id,
+            info.agent,
+            info.handshaked_at,
+            len(remote),
+            first,
+            _View(local, remote, plans),
         )
 
     async def _peer_ranks(
@@ -285,17 +316,13 @@ class Receiver(TransferActor):
                 f"{wanted:016x}): its KV is gone"
             )
         engine_id = load.remote_engine_id
-        ranks: list[RemoteRegion] = []
         for attempt in range(2):
-            if engine_id:
-                ranks = info.ranks(engine_id)
-            else:
-                engines = {e for (e, _) in info.regions}
-                ranks = info.ranks(next(iter(engines))) if len(engines) == 1 else []
-            if len(ranks) == tp and [x.tp_rank for x in ranks] == list(range(tp)):
+            ranks = _ranks_for(info, engine_id, tp)
+            if ranks is not None:
                 return info, ranks
             if attempt == 0 and not refresh:
                 info = await self._peer(load.host, load.port, refresh=True)
+        ranks = _ranks_of(info, engine_id)
         raise Incompatible(
             f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, "
             f"need {tp} (equal TP)"
@@ -311,6 +338,16 @@ class Receiver(TransferActor):
         self.registrar.post(PeerLost(agent, exc.message, since))
         return exc.at_post
 
+    def _stale(self, agent: str, exc: KvdError) -> bool:
+        """Whether posting a request's notification or READ failed because the view of P it
+        resolved is stale, so that one fresh handshake may mend the request: NIXL knew the
+        peer gone (the registrar is told to forget it), or NIXL no longer holds the agent
+        (or the memory) the view names, because the registrar dropped or replaced that view
+        since the request resolved it (a heartbeat or another request found P gone, or a
+        handshake met P's new incarnation). Nothing is forgotten then: the registrar's
+        current view, if any, is a newer one."""
+        return self._disconnected(agent, exc) or isinstance(exc, PeerUnknown)
+
     async def _send_for(self, eff: proto.SendFor) -> None:
         rid = ""
         if self.trace.on:
@@ -319,7 +356,8 @@ class Receiver(TransferActor):
         try:
             await self.transport.send_notif(eff.agent, wire.encode(eff.record), rid)
         except KvdError as exc:
-            stale = self._disconnected(eff.agent, exc) or isinstance(exc, PeerDisconnected)
+            # a notification is sent within the call: a peer found gone was gone at post
+            stale = self._stale(eff.agent, exc) or isinstance(exc, PeerDisconnected)
             self._outcome(proto.SendFailed(eff.request_id, exc, stale))
             return
         self._outcome(proto.Sent(eff.request_id))
@@ -338,9 +376,8 @@ class Receiver(TransferActor):
                 [b""] * len(view.plans),
             )
         except KvdError as exc:
-            # lost under a posted READ: fail; already gone when posting: handshake again
-            stale = self._disconnected(eff.agent, exc)
-            self._outcome(proto.ReadDone(eff.request_id, exc, stale))
+            # lost under a posted READ: fail; a stale view when posting: handshake again
+            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
             return
         self._outcome(proto.ReadDone(eff.request_id))
 
@@ -418,3 +455,17 @@ class Receiver(TransferActor):
             "sending": len(self.book.in_flight),
             "heartbeat_peers": len(p.heartbeats.peers()),
         }
+
+
+def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:
+    """P's regions of `engine_id` (of its only engine when none is named)."""
+    if engine_id:
+        return info.ranks(engine_id)
+    engines = {e for (e, _) in info.regions}
+    return info.ranks(next(iter(engines))) if len(engines) == 1 else []
+
+
+def _ranks_for(info: PeerInfo, engine_id: str, tp: int) -> list[RemoteRegion] | None:
+    """P's regions for a request of `tp` ranks, if P has exactly ranks 0..tp-1."""
+    ranks = _ranks_of(info, engine_id)
+    return ranks if [x.tp_rank for x in ranks] == list(range(tp)) else None

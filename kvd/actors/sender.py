@@ -149,7 +149,13 @@ class Sender(TransferActor):
 
     def _carry_out_own(self, eff: Any) -> None:
         if isinstance(eff, proto.ResolveView):
-            self._spawn(self._resolve_view, eff)
+            ranks = self._known_view(eff.agent, eff.registration)
+            if ranks is None:
+                self._spawn(self._resolve_view, eff)
+                return
+            if self.trace.on:
+                self._mark(eff.key, "view_resolved")
+            self._ready.append(proto.ViewResolved(eff.key, view=ranks))  # no IO needed
         elif isinstance(eff, proto.PostWrite):
             if self.trace.on:
                 self._mark(eff.key, "claimed")
@@ -171,14 +177,7 @@ class Sender(TransferActor):
         """D's regions exactly as its registration names them (incarnation, and each rank's
         generation). A stale or missing view (D's engine re-registered, D restarted) is
         refreshed once by a handshake with D; never WRITE through a view D did not name."""
-
-        def fits(info: PeerInfo | None) -> list[RemoteRegion] | None:
-            if info is None or info.incarnation != msg.incarnation:
-                return None
-            ranks = info.ranks(msg.engine_id)
-            return ranks if tuple(r.generation for r in ranks) == msg.generations else None
-
-        ranks = fits(self.peers.get(agent))
+        ranks = self._known_view(agent, msg)
         if ranks is not None:
             return ranks
         if not msg.side_host or not msg.side_port:
@@ -189,7 +188,7 @@ class Sender(TransferActor):
             raise Incompatible(
                 f"{msg.side_host}:{msg.side_port} is {info.agent}, not {agent} who registered"
             )
-        ranks = fits(info)
+        ranks = _fits(info, msg)
         if ranks is None:
             have = tuple(r.generation for r in info.ranks(msg.engine_id))
             raise Incompatible(
@@ -197,6 +196,10 @@ class Sender(TransferActor):
                 f"{msg.engine_id!r}, its daemon announces {have}"
             )
         return ranks
+
+    def _known_view(self, agent: str, msg: wire.PushRegistration) -> list[RemoteRegion] | None:
+        """D's regions as its registration names them, if the view we hold fits."""
+        return _fits(self.peers.get(agent), msg)
 
     async def _write(self, eff: proto.PostWrite) -> None:
         reg = eff.registration
@@ -255,17 +258,23 @@ class Sender(TransferActor):
         if section == "transfers":
             return self.book.snapshot()
         states = p.by_state()
+        registrations, early_pulls = p.awaiting()
         return {
             "leases": len(p.leases),
             "states": states,
             "held": states["held"],
             "writing": states["writing"],
-            "pending_registrations": sum(
-                1 for r in p.reqs.values() if r.state is proto.SendState.AWAITING and r.registration
-            ),
-            "early_pulls": sum(
-                1 for r in p.reqs.values() if r.state is proto.SendState.AWAITING and r.early_pull
-            ),
+            "pending_registrations": registrations,
+            "early_pulls": early_pulls,
             "sending": len(self.book.in_flight),
             "tombstones": len(p.tombstones),
         }
+
+
+def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegion] | None:
+    """`info`'s regions for the registration, if they are the ones it names (incarnation,
+    each rank's generation); None if not."""
+    if info is None or info.incarnation != msg.incarnation:
+        return None
+    ranks = info.ranks(msg.engine_id)
+    return ranks if tuple(r.generation for r in ranks) == msg.generations else None

@@ -60,8 +60,9 @@ class Transport(Protocol):
 
     async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
         """Send one notification to a peer agent; raises TransferError (PeerDisconnected
-        when NIXL knows the peer is gone). `trace_id`: the request the stage trace records
-        the sending under ("" = none)."""
+        when NIXL knows the peer is gone, PeerUnknown when it holds no agent of that name:
+        the view the caller resolved was dropped or replaced meanwhile). `trace_id`: the
+        request the stage trace records the sending under ("" = none)."""
 
     async def transfer(
         self,
@@ -77,7 +78,9 @@ class Transport(Protocol):
         trace_id: str = "",
     ) -> float:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
-        `notif` is delivered to the peer when it completes. `trace_id` as above."""
+        `notif` is delivered to the peer when it completes. Raises as `send_notif` does
+        (PeerUnknown also when the peer's metadata lacks the remote memory named).
+        `trace_id` as above."""
 
 
 class Machine(Protocol):
@@ -130,6 +133,9 @@ class TransferActor:
         self.peers: dict[str, PeerInfo] = {}
         self.closing: dict[str, list[SessionClosed]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
+        self._ready: deque[Any] = deque()
+        """Events an effect produced at once (no IO needed): fed in the same turn."""
+        self._draining = False
 
     # ---------------------------------------------------------------- loop
 
@@ -229,6 +235,20 @@ class TransferActor:
     # ---------------------------------------------------------------- effects
 
     def _carry_out(self, effects: list[Any]) -> None:
+        """Carry out the machine's effects in order, then feed it the events that some of
+        them produced at once (`_ready`), and so on, in this turn of the loop: no hop
+        through the mailbox where nothing had to be awaited."""
+        self._carry_out_each(effects)
+        if self._draining:
+            return  # an outer call feeds what is ready
+        self._draining = True
+        try:
+            while self._ready:
+                self._carry_out_each(self.proto.handle(self._ready.popleft(), self.clock.now()))
+        finally:
+            self._draining = False
+
+    def _carry_out_each(self, effects: list[Any]) -> None:
         for eff in effects:
             if isinstance(eff, Emit):
                 self.emit(EventOut(eff.session, eff.engine_id, eff.record))

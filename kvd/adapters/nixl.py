@@ -67,20 +67,34 @@ class PeerDisconnected(TransferError):
     """NIXL reports the remote agent gone (dead process, EFAULT on its memory)."""
 
     at_post: bool = False
-    """Raised by posting the transfer: NIXL already knew the peer was gone (e.g. it died,
-    maybe restarted, while we were idle), rather than losing it under a posted transfer."""
+    """Raised by posting the transfer or notification: NIXL already knew the peer was gone
+    (e.g. it died, maybe restarted, while we were idle), rather than losing it under a
+    posted transfer."""
 
 
-def translate(exc: BaseException) -> KvdError:
-    """Map a NIXL exception to a kvd error (keeps the NIXL name in the message)."""
+class PeerUnknown(TransferError):
+    """Posting a transfer or notification found no NIXL metadata for the peer agent, or
+    none for the remote memory named (NIXL_ERR_NOT_FOUND): the view of the peer it was
+    posted through was dropped or replaced meanwhile (the registrar forgot a dead peer, or
+    loaded a restarted one in its place). Nothing was sent or moved."""
+
+
+def translate(exc: BaseException, *, posting: bool = False) -> KvdError:
+    """Map a NIXL exception to a kvd error (keeps the NIXL name in the message).
+
+    `posting`: raised by posting a transfer or a notification, so NIXL judged the view of
+    the peer the caller posted through before anything went out.
+    """
     if isinstance(exc, KvdError):
         return exc
     name = type(exc).__name__
     text = f"{name}: {exc}"
     if "RemoteDisconnect" in name:
-        return PeerDisconnected(text)
+        gone = PeerDisconnected(text)
+        gone.at_post = posting
+        return gone
     if "NotFound" in name:
-        return NotFound(text)
+        return PeerUnknown(text) if posting else NotFound(text)
     return TransferError(text)
 
 
@@ -286,8 +300,7 @@ class NixlEngine:
         else:
             self.stats.transfers_failed += 1
             self._count_error(exc)
-            err = translate(exc)
-            loop.call_soon_threadsafe(_set_exc, x.future, _at_post(err) if at_post else err)
+            loop.call_soon_threadsafe(_set_exc, x.future, translate(exc, posting=at_post))
 
     def _count_error(self, exc: BaseException) -> None:
         name = type(exc).__name__
@@ -308,8 +321,9 @@ class NixlEngine:
 
     # ---------------------------------------------------------------- calls from the loop
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
-        """Run fn(agent) on the NIXL thread and return its result (errors translated)."""
+    async def call(self, fn: Callable[[Any], T], *, posting: bool = False) -> T:
+        """Run fn(agent) on the NIXL thread and return its result (errors translated;
+        `posting` as in `translate`)."""
         loop = self._loop
         if loop is None or self._thread is None:
             raise TransferError("NIXL engine is not running")
@@ -319,7 +333,7 @@ class NixlEngine:
             try:
                 value = fn(self._agent)
             except BaseException as exc:
-                loop.call_soon_threadsafe(_set_exc, fut, translate(exc))
+                loop.call_soon_threadsafe(_set_exc, fut, translate(exc, posting=posting))
             else:
                 loop.call_soon_threadsafe(_set_result, fut, value)
 
@@ -343,7 +357,8 @@ class NixlEngine:
 
         Returns the seconds from post to completion. The notification is delivered to the
         peer by NIXL when the transfer completes. Raises TransferError (PeerDisconnected
-        when the peer is gone, Timeout past `timeout`). `trace_id`: the request the stage
+        when the peer is gone, PeerUnknown when NIXL holds no metadata for it or for the
+        remote memory named, Timeout past `timeout`). `trace_id`: the request the stage
         trace records this transfer under.
         """
         loop = self._loop
@@ -365,7 +380,7 @@ class NixlEngine:
             except BaseException as exc:
                 self.stats.transfers_failed += 1
                 self._count_error(exc)
-                loop.call_soon_threadsafe(_set_exc, fut, _at_post(translate(exc)))
+                loop.call_soon_threadsafe(_set_exc, fut, translate(exc, posting=True))
                 return
             self.stats.transfers_posted += 1
             self.stats.bytes_moved += nbytes
@@ -386,6 +401,8 @@ class NixlEngine:
         return await fut
 
     async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
+        """Send one notification; NIXL sends it within the call, so every failure is one of
+        posting (see `translate`)."""
         trace = self.trace
 
         def send(agent: Any) -> None:
@@ -394,7 +411,7 @@ class NixlEngine:
             agent.send_notif(peer, msg)
             self.stats.notifs_sent += 1
 
-        await self.call(send)
+        await self.call(send, posting=True)
 
     async def register(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> Any:
         """Register memory: "DRAM" (host, incl. shared memory) or "VRAM" (a GPU's, dev = GPU id)."""
@@ -422,12 +439,6 @@ class NixlEngine:
 
     async def remove_remote(self, name: str) -> None:
         await self.call(lambda a: a.remove_remote_agent(name))
-
-
-def _at_post(err: KvdError) -> KvdError:
-    if isinstance(err, PeerDisconnected):
-        err.at_post = True
-    return err
 
 
 def _tune_thread() -> None:

@@ -36,7 +36,7 @@ Rules it keeps:
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -177,8 +177,9 @@ class Sent:
 
 @dataclass(frozen=True, slots=True)
 class SendFailed:
-    """A `SendFor` notification could not be sent. `stale`: our view of the peer was dead
-    when posting (it restarted while we were idle): one fresh handshake may mend it."""
+    """A `SendFor` notification could not be sent. `stale`: our view of the peer was dead,
+    or already dropped, when posting (it died, maybe restarted, while we were idle): one
+    fresh handshake may mend it."""
 
     request_id: str
     error: KvdError
@@ -370,6 +371,7 @@ class Receiver:
 
     def __post_init__(self) -> None:
         self.reqs: dict[str, RecvRequest] = {}
+        self._states: Counter[RecvState] = Counter()
         self.heartbeats = HeartbeatSchedule()
         self.intervals: dict[str, float] = {}
         """Peer (host:port) -> heartbeat period learned from its lease."""
@@ -436,7 +438,14 @@ class Receiver:
             raise LocalProtocolError(
                 f"recv {req.request_id!r}: no transition {req.state} -> {state}"
             )
+        if self.reqs.get(req.request_id) is req:
+            self._states[req.state] -= 1
+            self._states[state] += 1
         req.state = state
+
+    def _put(self, req: RecvRequest) -> None:
+        self.reqs[req.request_id] = req
+        self._states[req.state] += 1
 
     def _beat(self, req: RecvRequest, now: float) -> None:
         interval = self.intervals.get(req.peer, max(self.lease_duration / 6.0, 0.01))
@@ -454,6 +463,7 @@ class Receiver:
     def _end(self, req: RecvRequest, state: RecvState) -> None:
         self._goto(req, state)
         del self.reqs[req.request_id]
+        self._states[state] -= 1
         self.heartbeats.untrack(req.request_id)
         self._forget_if_idle(req.peer)
         self.watchdogs.discard(req.request_id)
@@ -516,7 +526,7 @@ class Receiver:
             ev.hb_id,
             now,
         )
-        self.reqs[ev.request_id] = req
+        self._put(req)
         self._beat(req, now)
 
     def _on_load(self, ev: Load, now: float) -> None:
@@ -531,7 +541,7 @@ class Receiver:
             req = RecvRequest(
                 ev.request_id, R.TRACKED, ev.session, ev.engine_id, ev.peer, ev.hb_id, now
             )
-            self.reqs[ev.request_id] = req
+            self._put(req)
         elif req.peer != ev.peer or req.hb_id != ev.hb_id:
             self.heartbeats.untrack(req.request_id)
             old_peer, req.peer, req.hb_id = req.peer, ev.peer, ev.hb_id
@@ -786,10 +796,8 @@ class Receiver:
     # ---------------------------------------------------------------- views
 
     def by_state(self) -> dict[str, int]:
-        out = dict.fromkeys((s.value for s in R if s not in TERMINAL), 0)
-        for r in self.reqs.values():
-            out[r.state.value] += 1
-        return out
+        """Live requests per state (kept as they move: O(states), not O(requests))."""
+        return {s.value: self._states[s] for s in R if s not in TERMINAL}
 
 
 def _aborted(reason: str = "aborted by the client") -> KvdError:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
@@ -264,6 +264,9 @@ class Sender:
     def __post_init__(self) -> None:
         self.leases = LeaseTable(self.lease_duration)
         self.reqs: dict[str, SendRequest] = {}
+        self._states: Counter[SendState] = Counter()
+        self._awaiting_registrations = 0
+        self._awaiting_pulls = 0
         self._by_base: dict[str, dict[str, None]] = {}
         self._timers: TimerHeap[str] = TimerHeap()
         self.tombstones: OrderedDict[str, Tombstone] = OrderedDict()
@@ -324,15 +327,31 @@ class Sender:
     def _goto(self, req: SendRequest, state: SendState) -> None:
         if state not in TRANSITIONS.get(req.state, frozenset()):
             raise LocalProtocolError(f"send {req.key!r}: no transition {req.state} -> {state}")
-        req.state = state
+        if self.reqs.get(req.key) is req:
+            self._index(req, -1)
+            req.state = state
+            self._index(req, +1)
+        else:
+            req.state = state
+
+    def _index(self, req: SendRequest, n: int) -> None:
+        """Count `req` in (n=+1) or out of (n=-1) the per-state tallies of live requests."""
+        self._states[req.state] += n
+        if req.state is S.AWAITING:
+            if req.registration is not None:
+                self._awaiting_registrations += n
+            if req.early_pull is not None:
+                self._awaiting_pulls += n
 
     def _add(self, req: SendRequest) -> None:
         self.reqs[req.key] = req
+        self._index(req, +1)
         self._by_base.setdefault(base_request_id(req.key), {})[req.key] = None
 
     def _drop(self, req: SendRequest) -> None:
         if self.reqs.get(req.key) is req:
             del self.reqs[req.key]
+            self._index(req, -1)
             base = base_request_id(req.key)
             keys = self._by_base.get(base)
             if keys is not None:
@@ -726,10 +745,12 @@ class Sender:
         return (r for r in self.reqs.values() if r.state is not S.AWAITING)
 
     def by_state(self) -> dict[str, int]:
-        out = dict.fromkeys((s.value for s in S if s not in TERMINAL), 0)
-        for r in self.reqs.values():
-            out[r.state.value] += 1
-        return out
+        """Live requests per state (kept as they move: O(states), not O(requests))."""
+        return {s.value: self._states[s] for s in S if s not in TERMINAL}
+
+    def awaiting(self) -> tuple[int, int]:
+        """D's push registrations and early pulls waiting for P's finish."""
+        return self._awaiting_registrations, self._awaiting_pulls
 
 
 _EXPIRED: Final = Tombstone(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
@@ -52,7 +52,7 @@ from kvd.actors.messages import (
 )
 from kvd.actors.receiver import Receiver
 from kvd.actors.sender import Sender
-from kvd.adapters.nixl import PeerDisconnected
+from kvd.adapters.nixl import PeerDisconnected, translate
 from kvd.config import Config, DaemonConfig
 from kvd.core.planner import Geometry
 from kvd.daemon import Daemon
@@ -207,7 +207,7 @@ class FakePort:
         no await in between: what `before` sets up is what the failure path finds)."""
         self._faults[kind] = (exc, before)
 
-    async def send_notif(self, peer: str, msg: bytes) -> None:
+    async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
         await anyio.lowlevel.checkpoint()  # the real port awaits its thread
         _, record = wire.decode(msg)
         fault = self._faults.pop(type(record), None)
@@ -228,6 +228,7 @@ class FakePort:
         nbytes: int,
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
+        trace_id: str = "",
     ) -> float:
         record = wire.decode(notif)[1] if notif else None
         xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
@@ -659,6 +660,47 @@ async def test_d_registration_times_out_once_and_a_late_write_is_ignored() -> No
         await settle()
         assert len(w.events.items) == 1
         assert w.receiver.counters["late_answers"] == 1
+
+
+class nixlNotFoundError(Exception):
+    """What NIXL raises when it holds no metadata for the agent (or memory) named (named
+    as NIXL's own: `translate` reads the name)."""
+
+
+async def test_d_push_through_a_view_forgotten_meanwhile_handshakes_again_once() -> None:
+    """P restarted while D was idle. D's next requests resolve its cached P; the first
+    heartbeat finds that P gone and the registrar forgets it (NIXL unloads the agent), so a
+    registration resolved through the old view just before is posted to an agent NIXL no
+    longer knows: NIXL_ERR_NOT_FOUND. That is a stale view like a dead one: the request
+    handshakes once more, reaches the new P and finishes (it used to fail with NOT_FOUND).
+    Nothing is forgotten for it: the registrar's view, if any, is newer."""
+    new_p = replace(P_INFO, incarnation=P_INCARNATION + 1, handshaked_at=P_INFO.handshaked_at + 5)
+    async with world() as w:
+        box = w.receiver.mailbox
+
+        def forgotten() -> None:  # what the registrar did meanwhile: P's next handshake finds
+            w.registrar.peers[P_INFO.addr] = new_p  # the restarted P
+            box.post(PeerUpdated(P_AGENT, None))
+
+        unknown = translate(nixlNotFoundError("NIXL_ERR_NOT_FOUND"), posting=True)
+        w.d_port.fail_next(wire.PushRegistration, unknown, before=forgotten)
+        # kv_transfer_params from before P's restart, without its incarnation (as kvd demo's)
+        push = replace(register_push(), remote_incarnation=0, remote_session="")
+        assert await client(box, D_SESSION, track()) == wire.Ok()
+        assert await client(box, D_SESSION, push) == wire.Ok()
+
+        [(peer, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
+        assert peer == P_AGENT and reg == replace(registration(), p_session="")
+        lookups = [m.refresh for m in w.registrar.got.items if isinstance(m, EnsurePeer)]
+        # the first beat's lookup (the request resolved through the view the receiver holds,
+        # without asking), then one fresh handshake
+        assert lookups == [False, True]
+        box.post(PeerUpdated(P_AGENT, new_p))
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))]
+        assert w.receiver.counters["peer_rehandshakes"] == 1
+        assert not any(isinstance(m, PeerLost) for m in w.registrar.got.items)
 
 
 async def test_d_session_close_withdraws_the_registration_and_waits_for_p() -> None:

@@ -1263,6 +1263,8 @@ class ReceiverModel(RuleBasedStateMachine):
     @invariant()
     def structure(self) -> None:
         rx = self.rx
+        recount = Counter(r.state.value for r in rx.reqs.values())
+        assert rx.by_state() == {s.value: recount[s.value] for s in S if s not in TERMINAL}
         assert set(rx.heartbeats.peers()) == {m.peer for m in self.live.values()}
         assert set(rx.watchdogs) == {r for r, m in self.live.items() if m.deadline is not None}
         for rid, m in self.live.items():

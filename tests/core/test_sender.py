@@ -1525,6 +1525,13 @@ class SenderModel(RuleBasedStateMachine):
     @invariant()
     def structure(self) -> None:
         tx = self.tx
+        recount = Counter(r.state.value for r in tx.reqs.values())
+        assert tx.by_state() == {s.value: recount[s.value] for s in S if s not in TERMINAL}
+        awaiting = [r for r in tx.reqs.values() if r.state is S.AWAITING]
+        assert tx.awaiting() == (
+            sum(1 for r in awaiting if r.registration is not None),
+            sum(1 for r in awaiting if r.early_pull is not None),
+        )
         leases = {lease.request_id: lease.deadline for lease in tx.leases.leases()}
         assert leases == {m.key: m.lease for m in self.live.values() if m.lease is not None}
         dues = [m.lease for m in self.live.values() if m.lease is not None]

@@ -200,6 +200,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def restart_port() -> int:
+    """A free port below the kernel's ephemeral range, for daemons that restart on it.
+
+    A port from `free_port` is free only now: while no daemon listens on it (between two
+    incarnations), any bind to port 0 or outgoing connection on this host may be given it,
+    and the next incarnation then fails to bind. No one is given a port below the range.
+    """
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12_000), low) if low > 1024 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise RuntimeError("no free port below the ephemeral range")
+
+
 P_CFG: dict[str, dict[str, Any]] = {"transfer": {"kv_lease_duration": LEASE}}
 D_CFG: dict[str, dict[str, Any]] = {"transfer": {"push_registration_timeout": 1.0}}
 
@@ -397,7 +417,7 @@ def test_without_heartbeats_lease_expires_and_late_pull_fails_closed(
 
 
 def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartDaemon) -> None:
-    port = free_port()  # every P incarnation listens here, under the same agent name
+    port = restart_port()  # every P incarnation listens here, under the same agent name
     p_cfg = {**P_CFG, "side_channel": {"port": port}}
     pd, dd = start_pair(daemons, p_cfg)
     p, d = side(pd, "prefill"), side(dd, "decode")
@@ -457,7 +477,11 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
         hs = d.status()["counters"]["handshakes_ok"]
         p2 = side(daemons("kvd-p", overrides=p_cfg), "prefill")
         transfer_both_ways(p2, d, port)
-        assert d.status()["counters"]["handshakes_ok"] == hs + 1
+        # D handshaked again, once for all the requests, or twice: a heartbeat D sent as it
+        # failed the dead P's requests may have dialed the port after D forgot that P; ZMQ
+        # holds that handshake until the new P binds the port, and the new P may answer it
+        # before its engine registered (no regions yet): the first request handshakes again
+        assert hs + 1 <= d.status()["counters"]["handshakes_ok"] <= hs + 2
         assert_clean(p2, d)
 
         # that P dies and restarts while D is idle (nothing tracked, so nothing probes it):
