@@ -434,7 +434,10 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
         # pulls in flight: P is frozen, so they stay in flight until it dies. Once both
         # sides have READ from each other before (kvd ping reads the peer's canary), at
         # least the first READ completes and its pull waits for P's ack ("acking"); the
-        # others may stay in their READ ("reading").
+        # others may stay in their READ ("reading"). A pull is "reading" from when D
+        # decides to READ, a moment before NIXL has it: wait until NIXL has all three. A
+        # READ posted only after P died finds P gone when posting, which D takes for a P
+        # that may have restarted: it handshakes afresh first (up to the handshake timeout).
         pulls = [ids(f"pull{i}") for i in range(3)]
         for i, (key, p_id, d_id) in enumerate(pulls):
             fill(p, key, [20 + i])
@@ -443,6 +446,7 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
         wait_until(lambda: len(p_leases(p)) == 3, 5.0, "P leases")
         assert p.client.ping_peer(HOST, dd.side_port)["canary_match"]
         assert d.client.ping_peer(HOST, port)["canary_match"]
+        posted = d.status()["nixl"]["transfers_posted"]
         pd.proc.send_signal(signal.SIGSTOP)
         for i, (_, p_id, d_id) in enumerate(pulls):
             d.client.pull(
@@ -450,9 +454,14 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
             )
 
         def pulls_in_flight() -> bool:
+            status = d.status()
             states = {r["request_id"]: r["state"] for r in d.status("transfers")["receiving"]}
             got = [states.get(d_id, "") for _, _, d_id in pulls]
-            return set(got) <= {"reading", "acking"} and "acking" in got
+            return (
+                set(got) <= {"reading", "acking"}
+                and "acking" in got
+                and status["nixl"]["transfers_posted"] == posted + len(pulls)
+            )
 
         wait_until(pulls_in_flight, 5.0, "pulls in flight at D")
         d.poll()
