@@ -44,8 +44,11 @@ _SENT: Final = Stage("client", "sent", "client: request encoded and queued to ZM
 _ARRIVAL: Final = (
     Stage("D", "gateway.request", "client -> D gateway (ZMQ IPC), frame decoded"),
     Stage("D", "receiver.dequeued", "D receiver: request taken from its mailbox"),
-    Stage("D", "receiver.admitted", "D receiver: admission (bounds, machine: HANDSHAKING, Ok)"),
 )
+_ADMITTED: Final = Stage(
+    "D", "receiver.admitted", "D receiver: the turn ends (bounds checked, Ok to the client)"
+)
+"""With P's view at hand the request is resolved in the turn that admits it (before Ok)."""
 _EVENT: Final = (
     Stage("D", "notifier.routed", "D notifier: decoded, routed to the receiver (loop hop)"),
     Stage("D", "receiver.notif_fed", "D receiver: completion (machine: FINISHED, event out)"),
@@ -57,14 +60,15 @@ PUSH: Final[tuple[Stage, ...]] = (
     _CALL,
     _SENT,
     *_ARRIVAL,
-    Stage("D", "receiver.resolved", "D receiver: P's regions (view or registrar), registration"),
+    Stage("D", "receiver.resolved", "D receiver: HANDSHAKING, P's regions, registration"),
+    _ADMITTED,
     Stage("D", "receiver.notif_handed", "D receiver: machine (REGISTERING), registration to NIXL"),
     Stage("D", "nixl.notif_picked", "D NIXL thread: picks the registration up (after the beat)"),
     Stage("P", "nixl.notif_polled", "D -> P notification (UCX), P's NIXL thread polled it"),
     Stage("P", "notifier.routed", "P notifier: decoded, routed to the sender (loop hop)"),
-    Stage("P", "sender.notif_fed", "P sender: match (machine: MATCHED, ResolveView)"),
-    Stage("P", "sender.view_resolved", "P sender: D's regions checked (held view, else a task)"),
-    Stage("P", "sender.claimed", "P sender: machine, lease claimed (WRITING)"),
+    Stage("P", "sender.view_resolved", "P sender: match (MATCHED), D's regions (held view)"),
+    Stage("P", "sender.claimed", "P sender: lease claimed (WRITING), WRITE task started"),
+    Stage("P", "sender.notif_fed", "P sender: the turn that fed the registration ends"),
     Stage("P", "transfer.handed", "P sender: plan, WRITE handed to the NIXL thread"),
     Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
     Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
@@ -95,7 +99,8 @@ PULL: Final[tuple[Stage, ...]] = (
     _CALL,
     _SENT,
     *_ARRIVAL,
-    Stage("D", "receiver.resolved", "D receiver: P's regions (view or registrar), READ planned"),
+    Stage("D", "receiver.resolved", "D receiver: HANDSHAKING, P's regions, READ planned"),
+    _ADMITTED,
     Stage("D", "transfer.handed", "D receiver: machine (READING), READ to the NIXL thread"),
     Stage("D", "nixl.picked", "D NIXL thread: picks the READ up"),
     Stage("D", "nixl.posted", "D NIXL thread: descriptor lists, transfer posted"),
