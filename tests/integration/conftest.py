@@ -3,6 +3,11 @@
 `daemons` starts daemons on demand in a short temporary directory (ipc paths must stay
 under 107 bytes) and, at teardown, stops each with SIGTERM and checks that it exited 0
 and removed its socket.
+
+Their daemons leave other processes' leftover staging segments alone
+(`daemon.reap_leftover_segments = false`) unless a test turns reaping on: reaping is
+machine-wide, and a test daemon must not remove what a test running beside it (another
+suite, a demo) is watching. tests/integration/test_leftovers.py turns it on.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ def daemons(workdir: Path) -> Iterator[StartDaemon]:
         env: dict[str, str] | None = None,
         overrides: dict[str, dict[str, Any]] | None = None,
     ) -> DaemonProc:
-        d = start_daemon(workdir, name, extra, env, overrides=overrides)
+        merged = {section: dict(values) for section, values in (overrides or {}).items()}
+        merged.setdefault("daemon", {}).setdefault("reap_leftover_segments", False)
+        d = start_daemon(workdir, name, extra, env, overrides=merged)
         started.append(d)
         return d
 

@@ -310,6 +310,9 @@ def events(d: DaemonProc, event: str) -> list[dict[str, Any]]:
     return out
 
 
+REAP = {"reap_leftover_segments": True}  # test daemons leave leftovers alone by default
+
+
 def reaped_count(d: DaemonProc) -> int:
     with KvdClient(d.socket, role="cli") as c:
         return int(c.status()["counters"].get("staging_segments_reaped", 0))
@@ -318,7 +321,7 @@ def reaped_count(d: DaemonProc) -> int:
 def test_killed_worker_segment_goes_when_its_session_ends(
     daemons: StartDaemon, segments: list[str]
 ) -> None:
-    d = daemons("kvd-reap", overrides={"daemon": {"client_timeout": 1.0}})
+    d = daemons("kvd-reap", overrides={"daemon": {"client_timeout": 1.0, **REAP}})
     procs = []
     try:
         w1, seg1 = worker(d, "w1")
@@ -356,7 +359,7 @@ def test_killed_worker_segment_goes_when_its_session_ends(
 def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
     daemons: StartDaemon, segments: list[str]
 ) -> None:
-    d1 = daemons("kvd-restart")
+    d1 = daemons("kvd-restart", overrides={"daemon": REAP})
     procs = []
     try:
         live, live_seg = worker(d1, "live")
@@ -376,7 +379,9 @@ def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
         assert exists(bye_seg) and exists(killed) and exists(live_seg)
         assert events(d1, "staging_segment_reaped") == []
 
-        d2 = daemons("kvd-restart")  # same socket; ready means its start-up pass is done
+        d2 = daemons(
+            "kvd-restart", overrides={"daemon": REAP}
+        )  # same socket; ready means its start-up pass is done
         assert not exists(bye_seg) and not exists(killed)
         assert exists(live_seg) and tell(live, "check") == "kvd!"
         reaped = events(d2, "staging_segment_reaped")
