@@ -21,9 +21,9 @@ descriptor points. Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -294,6 +294,19 @@ def expand_logical(block_ids: Sequence[int] | npt.NDArray[np.integer], ratio: in
     return expanded
 
 
+def _small_and_valid(geometry: Geometry, block_ids: object) -> bool:
+    """A short list or tuple of distinct Python ints inside [0, num_blocks)."""
+    if type(block_ids) not in (list, tuple):
+        return False
+    ids = cast("Sequence[int]", block_ids)
+    n = geometry.num_blocks
+    return (
+        len(ids) <= _SMALL
+        and all(type(b) is int and 0 <= b < n for b in ids)
+        and len(set(ids)) == len(ids)
+    )
+
+
 def check_blocks(
     geometry: Geometry, block_ids: Sequence[int] | npt.NDArray[np.integer]
 ) -> Int64Array:
@@ -302,12 +315,7 @@ def check_blocks(
     Raises InvalidRequest, naming the first offender, for anything that is not a 1-D
     sequence of ints, for ids outside [0, num_blocks), and for duplicates.
     """
-    if (
-        type(block_ids) in (list, tuple)
-        and len(block_ids) <= _SMALL
-        and all(type(b) is int and 0 <= b < geometry.num_blocks for b in block_ids)
-        and len(set(block_ids)) == len(block_ids)
-    ):
+    if _small_and_valid(geometry, block_ids):
         # the common small request, valid: plain Python is much cheaper than numpy here
         return np.array(block_ids, dtype=np.int64)
     blocks = _as_int64_array(block_ids, "block ids")
@@ -393,12 +401,16 @@ def _prepare(
     local_blocks: Sequence[int] | npt.NDArray[np.integer],
     remote: Geometry,
     remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+    check: Callable[[Geometry, Any], Int64Array] | None = None,
 ) -> tuple[Int64Array, Int64Array]:
+    """Validated physical block ids of both sides (`check`: how ids become physical ids,
+    `check_blocks` by default, i.e. they already are)."""
+    check = check or check_blocks
     _validate_once(local)
     _validate_once(remote)
     local.check_compatible(remote)
-    lb = check_blocks(local, local_blocks)
-    rb = check_blocks(remote, remote_blocks)
+    lb = check(local, local_blocks)
+    rb = check(remote, remote_blocks)
     if lb.shape[0] != rb.shape[0]:
         raise InvalidRequest(
             f"{lb.shape[0]} local blocks but {rb.shape[0]} remote blocks: counts must match"
@@ -490,6 +502,8 @@ def _coalesced(
         return one * base_local, one * base_remote, one * unit
     lo, ro, lstep, rstep = dims.pop()
     n = lo.shape[0]
+    if not dims and n <= _SMALL:
+        return _runs_small(base_local, base_remote, lo, ro, unit, lstep is None or rstep is None)
     if lstep is not None and rstep is not None:
         starts = np.arange(n, dtype=np.int64)  # it did not fold: no step continues a run
         run_lengths = np.full(n, unit, dtype=np.int64)
@@ -510,6 +524,30 @@ def _coalesced(
             lengths = np.add.reduceat(lengths, starts)
             la, ra = la[starts], ra[starts]
     return la, ra, lengths.astype(np.int64, copy=False)
+
+
+def _runs_small(
+    base_local: int, base_remote: int, lo: Int64Array, ro: Int64Array, unit: int, join: bool
+) -> tuple[Int64Array, Int64Array, Int64Array]:
+    """`_coalesced`'s last step in plain Python, for a short outermost dimension (the
+    common small request: numpy's per-call overhead dominates there). `join`: whether a
+    unit may continue the previous run (False for a range that did not fold)."""
+    la: list[int] = []
+    ra: list[int] = []
+    lengths: list[int] = []
+    for lo_i, ro_i in zip(lo.tolist(), ro.tolist(), strict=True):
+        a, b = base_local + lo_i, base_remote + ro_i
+        if join and lengths and la[-1] + lengths[-1] == a and ra[-1] + lengths[-1] == b:
+            lengths[-1] += unit
+        else:
+            la.append(a)
+            ra.append(b)
+            lengths.append(unit)
+    return (
+        np.array(la, dtype=np.int64),
+        np.array(ra, dtype=np.int64),
+        np.array(lengths, dtype=np.int64),
+    )
 
 
 def _steps_equal(offsets: Int64Array, step: int) -> bool:
@@ -550,6 +588,11 @@ def plan_transfer(
     InvalidRequest for an invalid geometry or block list.
     """
     lb, rb = _prepare(local, local_blocks, remote, remote_blocks)
+    return _plan_checked(local, lb, remote, rb)
+
+
+def _plan_checked(local: Geometry, lb: Int64Array, remote: Geometry, rb: Int64Array) -> Plan:
+    """`plan_transfer` of block ids already validated against their geometries."""
     if lb.shape[0] == 0:
         empty = np.empty(0, dtype=np.int64)
         return Plan(_frozen(empty), _frozen(empty.copy()), _frozen(empty.copy()))
@@ -579,7 +622,10 @@ def plan_per_chunk(
 def check_logical(geometry: Geometry, logical: Sequence[int]) -> Int64Array:
     """Logical block ids of an engine expanded to this region's physical ids, validated
     (raises InvalidRequest for anything outside the region)."""
-    return check_blocks(geometry, expand_logical(logical, geometry.physical_per_logical))
+    ratio = geometry.physical_per_logical
+    if ratio == 1 and _small_and_valid(geometry, logical):
+        return np.array(logical, dtype=np.int64)  # the common case, without numpy's overhead
+    return check_blocks(geometry, expand_logical(logical, ratio))
 
 
 def plan_ranks(
@@ -596,7 +642,8 @@ def plan_ranks(
     """
     if len(local) != len(remote):
         raise Incompatible(f"TP mismatch: {len(local)} local ranks, {len(remote)} remote")
-    return [
-        plan_transfer(loc, check_logical(loc, local_blocks), rem, check_logical(rem, remote_blocks))
-        for loc, rem in zip(local, remote, strict=True)
-    ]
+    plans = []
+    for loc, rem in zip(local, remote, strict=True):
+        lb, rb = _prepare(loc, local_blocks, rem, remote_blocks, check_logical)
+        plans.append(_plan_checked(loc, lb, rem, rb))
+    return plans
