@@ -124,6 +124,9 @@ class Gateway:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
         self._sock: zmq.asyncio.Socket | None = None
+        self._out: zmq.Socket[bytes] | None = None
+        """The same socket without asyncio's wrapper, for sending: a send never waits
+        (NOBLOCK), and the wrapper would make a future of every one."""
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
             wire.DeregisterRegion: registrar,
@@ -159,8 +162,10 @@ class Gateway:
         sock.bind(f"ipc://{path}")
         os.chmod(path, self.socket_mode)
         self._sock = sock
+        self._out = zmq.Socket.shadow(sock.underlying)
 
     def close(self) -> None:
+        self._out = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -192,10 +197,10 @@ class Gateway:
     # ---------------------------------------------------------------- requests
 
     def _send(self, ident: bytes, msg: wire.Record, corr: int) -> None:
-        if self._sock is None:
+        if self._out is None:
             return
         try:
-            self._sock.send_multipart([ident, wire.encode(msg, corr)], flags=zmq.NOBLOCK)
+            self._out.send_multipart([ident, wire.encode(msg, corr)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._count("ipc_send_dropped")
             log.debug("ipc_send_dropped", error=str(exc))

@@ -195,7 +195,7 @@ class Receiver(TransferActor):
             else:  # P's view is at hand: no IO needed
                 self._ready.append(self._resolved(eff.load, *known))
         elif isinstance(eff, proto.SendFor):
-            self._spawn(self._send_for, eff)
+            self._send_for(eff)
         elif isinstance(eff, proto.PostRead):
             self._spawn(self._read, eff)
         elif isinstance(eff, proto.Beat):
@@ -348,19 +348,22 @@ class Receiver(TransferActor):
         current view, if any, is a newer one."""
         return self._disconnected(agent, exc) or isinstance(exc, PeerUnknown)
 
-    async def _send_for(self, eff: proto.SendFor) -> None:
+    def _send_for(self, eff: proto.SendFor) -> None:
+        """Send a request's notification (no task: its outcome comes back as a message)."""
         rid = ""
         if self.trace.on:
             rid = eff.request_id
             self._mark(rid, "notif_handed")
-        try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record), rid)
-        except KvdError as exc:
+
+        def done(exc: KvdError | None) -> None:
+            if exc is None:
+                self._outcome(proto.Sent(eff.request_id))
+                return
             # a notification is sent within the call: a peer found gone was gone at post
             stale = self._stale(eff.agent, exc) or isinstance(exc, PeerDisconnected)
             self._outcome(proto.SendFailed(eff.request_id, exc, stale))
-            return
-        self._outcome(proto.Sent(eff.request_id))
+
+        self.transport.post_notif(eff.agent, wire.encode(eff.record), done, rid)
 
     async def _read(self, eff: proto.PostRead) -> None:
         view = eff.view

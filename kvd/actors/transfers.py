@@ -64,6 +64,18 @@ class Transport(Protocol):
         the view the caller resolved was dropped or replaced meanwhile). `trace_id`: the
         request the stage trace records the sending under ("" = none)."""
 
+    def post_notif(
+        self,
+        peer: str,
+        msg: bytes,
+        done: Callable[[KvdError | None], None],
+        trace_id: str = "",
+        *,
+        report_ok: bool = True,
+    ) -> None:
+        """Send one notification without waiting: `done` is called later on the event loop
+        with the error `send_notif` would raise, or None once sent (only if `report_ok`)."""
+
     async def transfer(
         self,
         op: str,
@@ -253,7 +265,7 @@ class TransferActor:
             if isinstance(eff, Emit):
                 self.emit(EventOut(eff.session, eff.engine_id, eff.record))
             elif isinstance(eff, Notify):
-                self._spawn(self._notify, eff)
+                self._notify(eff)
             elif isinstance(eff, SessionEnded):
                 for call in self.closing.pop(eff.session, []):
                     call.resolve(None)
@@ -272,20 +284,23 @@ class TransferActor:
     def _outcome(self, event: Any) -> None:
         self.mailbox.post(Outcome(event))
 
-    async def _notify(self, eff: Notify) -> None:
+    def _notify(self, eff: Notify) -> None:
+        """Send a notification nothing waits on; a failure is logged."""
         rid = ""
         if self.trace.on:
             rid = trace_key(eff.record)
             self._mark(rid, "notif_handed")
-        try:
-            await self.transport.send_notif(eff.agent, wire.encode(eff.record), rid)
-        except KvdError as exc:
-            self.log.warning(
-                "notification_not_delivered",
-                peer=eff.agent,
-                type=type(eff.record).__name__,
-                error=exc.message,
-            )
+
+        def done(exc: KvdError | None) -> None:
+            if exc is not None:
+                self.log.warning(
+                    "notification_not_delivered",
+                    peer=eff.agent,
+                    type=type(eff.record).__name__,
+                    error=exc.message,
+                )
+
+        self.transport.post_notif(eff.agent, wire.encode(eff.record), done, rid, report_ok=False)
 
     async def _drain_local(self, msg: DrainLocalRegion) -> None:
         await self.book.drain_local(msg.region_id)

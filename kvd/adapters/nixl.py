@@ -413,6 +413,39 @@ class NixlEngine:
 
         await self.call(send, posting=True)
 
+    def post_notif(
+        self,
+        peer: str,
+        msg: bytes,
+        done: Callable[[KvdError | None], None],
+        trace_id: str = "",
+        *,
+        report_ok: bool = True,
+    ) -> None:
+        """Send one notification without waiting for it: `done` is called later on the
+        event loop with the error `send_notif` would raise, or with None once it was sent
+        (only if `report_ok`). No task and no future: the caller's loop goes on at once."""
+        loop = self._loop
+        if loop is None or self._thread is None:
+            err = TransferError("NIXL engine is not running")
+            asyncio.get_running_loop().call_soon(done, err)
+            return
+        trace = self.trace
+
+        def send() -> None:
+            if trace.on and trace_id:
+                trace.mark(trace_id, "nixl.notif_picked")
+            try:
+                self._agent.send_notif(peer, msg)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(done, translate(exc, posting=True))
+                return
+            self.stats.notifs_sent += 1
+            if report_ok:
+                loop.call_soon_threadsafe(done, None)
+
+        self._cmds.put(send)
+
     async def register(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> Any:
         """Register memory: "DRAM" (host, incl. shared memory) or "VRAM" (a GPU's, dev = GPU id)."""
         return await self.call(lambda a: a.register_memory([(addr, nbytes, dev, "")], mem))

@@ -16,6 +16,7 @@ notice between actors could be refused was decided at each call site.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -216,6 +217,29 @@ class FakePort:
             before()
             raise exc
         self.notifs.add((peer, record))
+
+    def post_notif(
+        self,
+        peer: str,
+        msg: bytes,
+        done: Callable[[KvdError | None], None],
+        trace_id: str = "",
+        *,
+        report_ok: bool = True,
+    ) -> None:
+        def later() -> None:  # the real port answers from its thread, later
+            _, record = wire.decode(msg)
+            fault = self._faults.pop(type(record), None)
+            if fault is not None:
+                exc, before = fault
+                before()
+                done(exc)
+                return
+            self.notifs.add((peer, record))
+            if report_ok:
+                done(None)
+
+        asyncio.get_running_loop().call_soon(later)
 
     async def transfer(
         self,
