@@ -141,7 +141,9 @@ def peers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
     rows = [{**p, "regions": len(p["regions"])} for p in data["peers"]]
-    console.print(_table("peers", rows, ["agent", "addr", "lease_duration", "regions", "age_s"]))
+    cols = ["agent", "addr", "lease_duration", "regions", "age_s"]
+    cols += ["clock_offset_us", "clock_error_us"]  # the peer's trace clock minus ours, ±
+    console.print(_table("peers", rows, cols))
 
 
 @app.command()
@@ -238,6 +240,32 @@ def ping(
         console.print(t)
     if not data.get("ok"):
         raise typer.Exit(1)
+
+
+@app.command()
+def trace(
+    request_id: Annotated[str, typer.Argument(help="The request's id (P's or D's).")],
+    peer: Annotated[
+        bool, typer.Option("--peer", help="Also the peer daemon's stages (side channel).")
+    ] = False,
+    socket: SocketOpt = None,
+    as_json: JsonOpt = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the peer.")] = 5.0,
+) -> None:
+    """One request's stages on this daemon (and with --peer on its peer), on one clock."""
+    from kvd_client.errors import KvdError
+
+    from kvd.tracecmd import run
+
+    c = _client(socket)
+    try:
+        code = run(c, request_id, peer, as_json, timeout)
+    except KvdError as exc:
+        err.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(2) from None
+    finally:
+        c.close()
+    raise typer.Exit(code)
 
 
 @app.command()

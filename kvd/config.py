@@ -278,7 +278,17 @@ class DaemonConfig(_Section):
         "Records kept by the stage trace (when each request passed each stage of the "
         "daemon, for `kvd bench`): a ring that drops the oldest first, read and cleared "
         "through the `trace` status section; the `trace_off` and `trace_on` sections "
-        "switch it at run time. 0 = no trace (each traced place costs one branch).",
+        "switch it at run time. 0 = no ring.",
+        ge=0,
+        le=1_000_000,
+    )
+    trace_requests: int = _opt(
+        4096,
+        "Recent requests whose stages the daemon keeps for `kvd trace REQUEST_ID` (when "
+        "the request passed each stage, at most 64 stages each, and the peer it was "
+        "transferred with); the oldest request is forgotten first. Always on: recording "
+        "costs well under a microsecond per stage. 0 = none (and, with trace_records 0, "
+        "each traced place costs one branch).",
         ge=0,
         le=1_000_000,
     )

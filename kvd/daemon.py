@@ -59,7 +59,9 @@ class Daemon:
         size = cfg.daemon.mailbox_size
         secret = cfg.auth.load_secret()
         self.clock = Clock()
-        self.trace = StageTrace(cfg.daemon.trace_records, time.monotonic_ns)
+        self.trace = StageTrace(
+            cfg.daemon.trace_records, time.monotonic_ns, requests=cfg.daemon.trace_requests
+        )
         self.registrar_box: Mailbox[Any] = Mailbox("registrar", size, self.clock)
         self.sender_box: Mailbox[Any] = Mailbox("sender", size, self.clock)
         self.receiver_box: Mailbox[Any] = Mailbox("receiver", size, self.clock)
@@ -82,6 +84,9 @@ class Daemon:
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
             rejects=self.rejects,
+            agent_name=self.agent_name,
+            secret=secret,
+            trace=self.trace,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -96,6 +101,7 @@ class Daemon:
             counters=self.counters,
             rejects=self.rejects,
             reap_leftovers=cfg.daemon.reap_leftover_segments,
+            trace=self.trace,
         )
         self.sender = Sender(
             transport=self.engine,
@@ -272,6 +278,8 @@ class Daemon:
             "full": full,
             "records": [list(r) for r in records],
             "left": len(tr),
+            "requests": tr.requests_held,
+            "requests_capacity": tr.requests,
         }
 
     # ---------------------------------------------------------------- run

@@ -587,6 +587,18 @@ class PingPeer(Record):
     timeout: Annotated[float, Range(0.001, 3600.0)]
 
 
+@message(35)
+@dataclasses.dataclass(frozen=True)
+class GetTrace(Record):
+    """`kvd trace`: the daemon's stage records of one request (StatusReply), and with
+    `peer` also those of the peer daemon it was transferred with, asked over the side
+    channel within `timeout` seconds."""
+
+    request_id: Id
+    peer: bool
+    timeout: Annotated[float, Range(0.001, 3600.0)]
+
+
 # Events: daemon -> client, corr = 0. Past tense.
 
 
@@ -777,6 +789,51 @@ class ResyncAck(Record):
     """D -> P: every cancel D decided before the Resync is now ahead of this ack."""
 
     nonce: U64
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceStage(Record):
+    """One stage record of a request in a daemon's stage trace (`TraceAnswer`)."""
+
+    t_ns: U64
+    """The answering daemon's CLOCK_MONOTONIC, in ns."""
+    request_id: Id
+    stage: Annotated[str, Len(1, 128)]
+
+
+@message(75)
+@dataclasses.dataclass(frozen=True)
+class TraceQuery(Record):
+    """Side channel request (`kvd trace --peer`): your stage records of these requests
+    (none: only the clock exchange), and your clock. NTP-style: `t0` is our
+    CLOCK_MONOTONIC when it was sent."""
+
+    agent_name: Id
+    request_ids: Annotated[tuple[Id, ...], Len(0, 8)]
+    t0: U64
+    nonce: Annotated[bytes, Len(16, 64)]
+    timestamp: NonNegFloat
+    mac: Annotated[bytes, Len(0, 64)]
+    """HMAC-SHA256 over the fields above when a shared secret is configured."""
+
+
+@message(76)
+@dataclasses.dataclass(frozen=True)
+class TraceAnswer(Record):
+    """Side channel reply to TraceQuery: the records the answering daemon keeps under the
+    asked ids and the ids they are linked to, and its clock when the query arrived (`t1`)
+    and when this answer left (`t2`)."""
+
+    agent_name: Id
+    t0: U64
+    t1: U64
+    t2: U64
+    ids: Annotated[tuple[Id, ...], Len(0, 16)]
+    stages: Annotated[tuple[TraceStage, ...], Len(0, 2048)]
+    dropped: U32
+    mac: Annotated[bytes, Len(0, 64)]
+    """HMAC-SHA256 over the fields above, bound to the query's nonce, when a shared
+    secret is configured."""
 
 
 # --------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from kvd_client import wire
 from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound, RemoteProtocolError
 
 from kvd.actors.base import Clock, Mailbox
-from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed
+from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed, TraceCmd
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import peer_address_problem
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -235,8 +235,8 @@ class Gateway:
         except RemoteProtocolError as exc:
             self._refuse(ident, salvage_corr(frame), "ipc_rejected", type(exc).__name__, exc)
             return
-        if self.trace.on and (rid := trace_key(msg)):
-            self.trace.mark(rid, "gateway.request")
+        if self.trace.on and (rid := trace_key(msg)) and not isinstance(msg, wire.GetTrace):
+            self.trace.mark(rid, "gateway.request")  # (asking for a trace is not a stage)
         now = self.clock.now()
         if isinstance(msg, wire.KeepAlive):
             s = self.sessions.get(msg.session)
@@ -269,7 +269,7 @@ class Gateway:
             refusal = InvalidRequest(problem)
             self._refuse(ident, corr, "requests_invalid_peer", "invalid_peer", refusal)
             return
-        if isinstance(msg, (wire.GetStatus, wire.PingPeer)):
+        if isinstance(msg, (wire.GetStatus, wire.PingPeer, wire.GetTrace)):
             self._tg.start_soon(self._status_request, ident, corr, msg)
             return
         box = self._routes.get(type(msg))
@@ -350,11 +350,13 @@ class Gateway:
         self._send(ident, self._welcome(), corr)
 
     async def _status_request(
-        self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer
+        self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer | wire.GetTrace
     ) -> None:
         try:
             if isinstance(msg, wire.GetStatus):
                 data = await self._status(msg.section)
+            elif isinstance(msg, wire.GetTrace):
+                data = await self.registrar.call(TraceCmd(msg.request_id, msg.peer, msg.timeout))
             else:
                 data = await self.registrar.call(PingPeerCmd(msg.host, msg.port, msg.timeout))
             self._send(ident, wire.StatusReply(wire.plain(data)), corr)

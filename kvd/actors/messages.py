@@ -162,6 +162,15 @@ class PingPeerCmd(Call[dict[str, Any]]):
     timeout: float
 
 
+@dataclass
+class TraceCmd(Call[dict[str, Any]]):
+    """`kvd trace`: our stage records of a request, and the peer's if `peer`."""
+
+    request_id: str
+    peer: bool
+    timeout: float
+
+
 @dataclass(frozen=True)
 class PeerUpdated:
     """Registrar -> sender and receiver: a peer's view changed (None = forgotten)."""

@@ -289,6 +289,7 @@ class Receiver(TransferActor):
             return proto.PeerUnresolved(load.request_id, exc, info.agent)
         if self.trace.on:
             self._mark(load.request_id, "resolved")
+            self.trace.link(load.request_id, info.agent, load.remote_request_id)
         return proto.PeerResolved(
             load.request_id,
             info.agent,

@@ -12,6 +12,11 @@
   A handshake is refused if it fails authentication, names an address we could never
   dial, or describes impossible regions; refusals are counted and logged at a bounded
   rate (`RejectLog`), as are refused region requests of local clients.
+- Clocks and traces: after every handshake (dialed or accepted) the registrar measures
+  the peer's clock offset over the side channel (`kvd.core.timeline`: a few NTP-style
+  TraceQuery exchanges, the one with the smallest error bound kept; shown by `kvd
+  peers`). `kvd trace ID --peer` asks the peer the request was transferred with for its
+  stage records of the request in the same exchange, measuring the offset afresh.
 - The canary: a small buffer with a pattern derived from the agent name, which
   `kvd ping` READs to prove the data path end to end.
 - Leftovers (unless `daemon.reap_leftover_segments` is off): at start, and after the
@@ -68,6 +73,7 @@ from kvd.actors.messages import (
     RemoteRegion,
     SessionClosed,
     Snapshot,
+    TraceCmd,
 )
 from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.nixl import NixlEngine
@@ -81,11 +87,15 @@ from kvd.adapters.shm import (
 from kvd.core.addresses import address_problem
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.planner import Geometry
+from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
+from kvd.core.trace import NO_TRACE, Found, StageTrace
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
 CANARY_BYTES: Final = 64 * 1024
+CLOCK_SAMPLES: Final = 5
+"""Clock exchanges per measurement (the first also opens the TCP connection)."""
 
 
 def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
@@ -118,6 +128,10 @@ class _Peer:
     info: PeerInfo
     incarnation: int
     loaded_regions: set[tuple[int, int]] = field(default_factory=set)
+    clock: ClockOffset | None = None
+    """The peer's trace clock minus ours (None: not measured yet)."""
+    clock_at: float = 0.0
+    """When `clock` was measured (daemon time)."""
 
 
 class Registrar:
@@ -138,6 +152,7 @@ class Registrar:
         counters: dict[str, int],
         rejects: RejectLog,
         reap_leftovers: bool = True,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -152,6 +167,7 @@ class Registrar:
         self.counters = counters
         self.rejects = rejects
         self.reap_leftovers = reap_leftovers
+        self.trace = trace
         self.regions: dict[int, _Region] = {}
         self._next_region_id = 1
         self._generation = int(time.time()) & 0xFFFF  # survives restarts as a different range
@@ -222,6 +238,9 @@ class Registrar:
         elif isinstance(msg, PingPeerCmd):
             assert self._tg is not None
             self._tg.start_soon(self._ping, msg)
+        elif isinstance(msg, TraceCmd):
+            assert self._tg is not None
+            self._tg.start_soon(self._trace_request, msg)
         elif isinstance(msg, SessionClosed):
             segments = []
             for rid, r in list(self.regions.items()):
@@ -553,6 +572,7 @@ class Registrar:
             self.counters["handshakes_ok"] = self.counters.get("handshakes_ok", 0) + 1
             log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
             fut.set_result(info)
+            self._spawn_clock_sync(info.agent, host, port)
         except Exception as exc:
             err = (
                 exc
@@ -602,6 +622,7 @@ class Registrar:
             self.counters["handshakes_accepted"] = self.counters.get("handshakes_accepted", 0) + 1
             log.info("peer_handshake_accepted", peer=hs.agent_name)
             msg.resolve(reply)
+            self._spawn_clock_sync(hs.agent_name, hs.side_host, hs.side_port)
         except KvdError as exc:
             key = "auth_rejected" if isinstance(exc, AuthError) else "handshakes_rejected"
             self.rejects.reject(
@@ -658,6 +679,129 @@ class Registrar:
             log.warning("remove_remote_failed", peer=agent, error=exc.message)
         self._publish(PeerUpdated(agent, None))
         log.info("peer_forgotten", peer=agent)
+
+    # ---------------------------------------------------------------- clocks and traces
+
+    def _spawn_clock_sync(self, agent: str, host: str, port: int) -> None:
+        if self._tg is not None:
+            self._tg.start_soon(self._clock_sync, agent, host, port)
+
+    async def _clock_sync(self, agent: str, host: str, port: int) -> None:
+        """Measure a peer's clock offset after a handshake (best effort: a failure only
+        leaves it unmeasured, and is logged)."""
+        try:
+            _, offset = await self._exchange(host, port, ())
+        except Exception as exc:
+            log.info("peer_clock_unmeasured", peer=agent, addr=f"{host}:{port}", error=str(exc))
+            return
+        self._store_clock(agent, offset)
+        log.debug(
+            "peer_clock_measured",
+            peer=agent,
+            offset_us=round(offset.offset_ns / 1e3, 1),
+            error_us=round(offset.error_ns / 1e3, 1),
+        )
+
+    def _store_clock(self, agent: str, offset: ClockOffset) -> None:
+        p = self.peers.get(agent)
+        if p is not None:
+            p.clock, p.clock_at = offset, self.clock.now()
+
+    async def _exchange(
+        self, host: str, port: int, request_ids: Sequence[str], samples: int = CLOCK_SAMPLES
+    ) -> tuple[wire.TraceAnswer, ClockOffset]:
+        """`samples` TraceQuery exchanges on one connection (the first asks for
+        `request_ids`' records): its answer, and the offset with the smallest bound."""
+        clock = self.trace.clock
+        sock = self._zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        first: wire.TraceAnswer | None = None
+        offsets: list[ClockOffset] = []
+        try:
+            sock.connect(f"tcp://{host}:{port}")
+            with anyio.fail_after(self.handshake_timeout):
+                for i in range(samples):
+                    ids = tuple(request_ids) if i == 0 else ()
+                    q = make_query(
+                        self.engine.name, ids, clock(), os.urandom(16), time.time(), self.secret
+                    )
+                    corr = int.from_bytes(os.urandom(6), "little")
+                    await sock.send(wire.encode(q, corr))
+                    while True:
+                        frame = await sock.recv()
+                        t3 = clock()
+                        rcorr, reply = wire.decode(frame)
+                        if rcorr == corr:
+                            break
+                    if isinstance(reply, wire.ErrorReply):
+                        raise wire_error(reply)
+                    if not isinstance(reply, wire.TraceAnswer):
+                        raise RemoteProtocolError(f"trace reply is a {type(reply).__name__}")
+                    check_answer(reply, q, self.secret)
+                    offsets.append(estimate(q.t0, reply.t1, reply.t2, t3))
+                    first = first or reply
+        except TimeoutError:
+            raise Timeout(
+                f"no trace answer from {host}:{port} within {self.handshake_timeout}s"
+            ) from None
+        finally:
+            sock.close(0)
+        assert first is not None
+        return first, best(offsets)
+
+    async def _trace_request(self, cmd: TraceCmd) -> None:
+        """`kvd trace`: our records of the request and, with `peer`, the peer's."""
+        found = self.trace.lookup([cmd.request_id])
+        out: dict[str, Any] = {
+            "request_id": cmd.request_id,
+            "agent": self.engine.name,
+            "found": found is not None,
+            "requests_held": self.trace.requests_held,
+            "requests_capacity": self.trace.requests,
+            "recording": self.trace.on,
+            "local": {
+                "ids": list(found.ids) if found else [],
+                "records": [list(r) for r in found.records] if found else [],
+                "dropped": found.dropped if found else 0,
+            },
+            "peer": None,
+            "clock": None,
+        }
+        if cmd.peer:
+            try:
+                with anyio.fail_after(cmd.timeout):
+                    out["peer"] = await self._peer_trace(found, out)
+            except TimeoutError:
+                agent = found.peer if found else ""
+                out["peer"] = {"agent": agent, "error": f"no answer within {cmd.timeout}s"}
+        cmd.resolve(out)
+
+    async def _peer_trace(self, found: Found | None, out: dict[str, Any]) -> dict[str, Any]:
+        if found is None:
+            return {"error": "the request is not in this daemon's trace: no peer to ask"}
+        if not found.peer:
+            return {"error": "no peer daemon is known for this request on this daemon"}
+        p = self.peers.get(found.peer)
+        if p is None:
+            return {"agent": found.peer, "error": f"peer {found.peer} is not connected now"}
+        res: dict[str, Any] = {"agent": found.peer, "addr": p.info.addr}
+        try:
+            answer, offset = await self._exchange(p.info.host, p.info.port, found.ids[:8])
+        except KvdError as exc:
+            res["error"] = exc.message
+            return res
+        self._store_clock(found.peer, offset)
+        out["clock"] = offset.as_dict() | {"measured": "now"}
+        if answer.agent_name != found.peer:
+            res["error"] = f"{p.info.addr} answered as {answer.agent_name}, not {found.peer}"
+            return res
+        res |= {
+            "found": bool(answer.ids),
+            "ids": list(answer.ids),
+            "records": [[s.t_ns, s.request_id, s.stage] for s in answer.stages],
+            "dropped": answer.dropped,
+        }
+        return res
 
     # ---------------------------------------------------------------- ping
 
@@ -732,6 +876,7 @@ class Registrar:
                             for r in p.info.regions.values()
                         ],
                         "age_s": round(self.clock.now() - p.info.handshaked_at, 3),
+                        **_clock_fields(p, self.clock.now()),
                     }
                     for p in self.peers.values()
                 ]
@@ -754,6 +899,16 @@ class Registrar:
             ],
             "peers": len(self.peers),
         }
+
+
+def _clock_fields(p: _Peer, now: float) -> dict[str, Any]:
+    """A peer's clock offset for `kvd peers` (None: not measured)."""
+    c = p.clock
+    return {
+        "clock_offset_us": None if c is None else round(c.offset_ns / 1e3, 1),
+        "clock_error_us": None if c is None else round(c.error_ns / 1e3, 1),
+        "clock_age_s": None if c is None else round(now - p.clock_at, 3),
+    }
 
 
 def _settle(call: EnsurePeer, fut: asyncio.Future[PeerInfo]) -> None:

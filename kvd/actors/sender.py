@@ -134,6 +134,8 @@ class Sender(TransferActor):
         if isinstance(msg, wire.PushRegistration):
             self._feed(proto.RegistrationArrived(agent, msg), now)
         elif isinstance(msg, wire.PullDone):
+            if self.trace.on:
+                self.trace.link(msg.request_id, agent, msg.d_request_id)
             self._feed(proto.PullDoneArrived(agent, msg), now)
         elif isinstance(msg, wire.CancelRegistration):
             self._feed(proto.CancelArrived(agent, msg.request_id), now)
@@ -149,6 +151,8 @@ class Sender(TransferActor):
 
     def _carry_out_own(self, eff: Any) -> None:
         if isinstance(eff, proto.ResolveView):
+            if self.trace.on:
+                self.trace.link(eff.key, eff.agent, eff.registration.request_id)
             ranks = self._known_view(eff.agent, eff.registration)
             if ranks is None:
                 self._spawn(self._resolve_view, eff)

@@ -7,12 +7,17 @@ Frames above twice `max_frame_bytes` never reach the socket: libzmq drops their
 connection, which is only visible as a lost connection (`side_disconnects`, see
 `kvd.adapters.zmq_monitor`). Handshakes go to the registrar, region drops to the
 registrar and then to the sender and receiver (which drain transfers into the region
-before the peer frees it). Replies are sent as they complete, so a slow handshake never
+before the peer frees it). Trace queries (`kvd trace --peer`, and the clock exchange
+after a handshake) are answered here at once from the daemon's stage trace, stamped
+with its clock when they arrived and when the answer leaves (`kvd.core.timeline`);
+with a shared secret, a query without a valid MAC is refused like a bad handshake
+(counted in `auth_rejected`). Replies are sent as they complete, so a slow handshake never
 blocks the socket.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,12 +29,14 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, KvdError, RemoteProtocolError
+from kvd_client.errors import AuthError, ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
 from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.core.timeline import check_query, make_answer
+from kvd.core.trace import NO_TRACE, StageTrace
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sidechannel", actor="sidechannel")
@@ -46,6 +53,9 @@ class SideChannel:
         max_frame: int,
         counters: dict[str, int],
         rejects: RejectLog,
+        agent_name: str = "",
+        secret: bytes | None = None,
+        trace: StageTrace = NO_TRACE,
     ) -> None:
         self.host = host
         self.port = port
@@ -54,6 +64,9 @@ class SideChannel:
         self.max_frame = max_frame
         self.counters = counters
         self.rejects = rejects
+        self.agent_name = agent_name
+        self.secret = secret
+        self.trace = trace
         self._sock: zmq.asyncio.Socket | None = None
 
     def _disconnected(self) -> None:
@@ -107,10 +120,14 @@ class SideChannel:
 
     async def _receive(self, tg: anyio.abc.TaskGroup, ident: bytes, frame: bytes) -> None:
         """Refuse a bad frame here (no task per bad frame); hand a request to its task."""
+        t1 = self.trace.clock()
         try:
             corr, msg = wire.decode(frame, self.max_frame)
         except RemoteProtocolError as exc:
             await self._refuse(ident, salvage_corr(frame), exc)
+            return
+        if isinstance(msg, wire.TraceQuery):
+            await self._trace_query(ident, corr, msg, t1)
             return
         if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
             why = f"{type(msg).__name__} is not a side-channel request"
@@ -132,6 +149,26 @@ class SideChannel:
             await self._refuse(ident, corr, exc)
             return
         await self._send(ident, reply, corr)
+
+    async def _trace_query(self, ident: bytes, corr: int, q: wire.TraceQuery, t1: int) -> None:
+        """Answer at once: our records of the asked requests, and our clock."""
+        try:
+            check_query(q, self.secret, time.time())
+        except AuthError as exc:
+            self.rejects.reject(
+                "sidechannel",
+                "auth_rejected",
+                "trace_query_rejected",
+                "AuthError",
+                peer=q.agent_name,
+                error=exc.message,
+            )
+            await self._send(ident, wire.ErrorReply.of(exc.code, exc.message), corr)
+            return
+        found = self.trace.lookup(q.request_ids) if q.request_ids else None
+        clock = self.trace.clock
+        answer = make_answer(self.agent_name, q, found, t1, clock(), self.secret)
+        await self._send(ident, answer, corr)
 
     async def _refuse(self, ident: bytes, corr: int, exc: KvdError) -> None:
         self.rejects.reject(

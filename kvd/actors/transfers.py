@@ -22,6 +22,7 @@ transport is passed the request id to record its own under (`nixl.*`).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -225,7 +226,7 @@ class TransferActor:
     def _mark(self, request_id: str, stage: str) -> None:
         """Record `<actor>.<stage>` for the request (call only with the trace on)."""
         if request_id:
-            self.trace.mark(request_id, f"{self.name}.{stage}")
+            self.trace.mark(request_id, sys.intern(f"{self.name}.{stage}"))
 
     def _known(self, agent: str, msg: wire.Record) -> bool:
         """Only a peer that handshaked may speak to the machine."""

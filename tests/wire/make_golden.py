@@ -189,6 +189,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
         ),
     ),
     "PingPeer": (13, wire.PingPeer(host="decode-1.example", port=5601, timeout=2.5)),
+    "GetTrace": (14, wire.GetTrace(request_id=REQ, peer=True, timeout=2.5)),
     "SendFinished": (0, wire.SendFinished(request_id=REQ)),
     "RecvFinished": (0, wire.RecvFinished(request_id=REQ)),
     "RecvFailed": (
@@ -267,6 +268,33 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
     "Resync": (0, wire.Resync(nonce=0x0102030405060708)),
     "ResyncAck": (0, wire.ResyncAck(nonce=(1 << 64) - 1)),
+    "TraceQuery": (
+        0x0000FFFFFFFFFFFF,
+        wire.TraceQuery(
+            agent_name="kvd-host-ø-1234",
+            request_ids=(REQ, REMOTE_REQ),
+            t0=(1 << 64) - 1,
+            nonce=bytes(range(16)),
+            timestamp=1_790_000_000.25,
+            mac=bytes(range(32)),
+        ),
+    ),
+    "TraceAnswer": (
+        0x0000FFFFFFFFFFFF,
+        wire.TraceAnswer(
+            agent_name="kvd-ж-5600",
+            t0=(1 << 64) - 1,
+            t1=0,
+            t2=123_456_789_012_345,
+            ids=(REMOTE_REQ,),
+            stages=(
+                wire.TraceStage(t_ns=1, request_id=REMOTE_REQ, stage="nixl.notif_polled"),
+                wire.TraceStage(t_ns=(1 << 64) - 1, request_id=REQ, stage="sender.claimed"),
+            ),
+            dropped=0xFFFFFFFF,
+            mac=b"",
+        ),
+    ),
     "ECAllocate": (31, wire.ECAllocate(mm_hash="mm-ï-9f8e", nbytes=4_718_592)),
     "ECBlocks": (
         31,
