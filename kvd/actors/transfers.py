@@ -215,6 +215,7 @@ class TransferActor:
                 "request_rejected",
                 type(exc).__name__,
                 request_id=getattr(m, "request_id", ""),
+                peer=_peer_addr(m),
                 error=exc.message,
             )
             req.fail(exc)
@@ -296,6 +297,7 @@ class TransferActor:
             if exc is not None:
                 self.log.warning(
                     "notification_not_delivered",
+                    request_id=trace_key(eff.record),
                     peer=eff.agent,
                     type=type(eff.record).__name__,
                     error=exc.message,
@@ -460,6 +462,12 @@ class TransferBook:
 
     def snapshot(self) -> dict[str, Any]:
         return {"in_flight": list(self.in_flight.values()), "recent": list(self.recent)}
+
+
+def _peer_addr(m: wire.Record) -> str:
+    """The peer daemon a client request names ("" for none: P's `finished`)."""
+    host, port = getattr(m, "peer_host", ""), getattr(m, "peer_port", 0)
+    return f"{host}:{port}" if host else ""
 
 
 def local_ranks(local: dict[tuple[str, int], LocalRegion], engine_id: str) -> list[LocalRegion]:

@@ -716,7 +716,13 @@ class Sender:
 
     def _expire(self, req: SendRequest, now: float) -> None:
         self._count("leases_expired")
-        self._log("info", "lease_expired", request_id=req.key, late_s=round(now - req.since, 4))
+        self._log(
+            "info",
+            "lease_expired",
+            request_id=req.key,
+            peer=req.agent,  # "" when no D ever registered for it
+            late_s=round(now - req.since, 4),
+        )
         self._emit(req, wire.SendExpired(req.key))
         self._push_failed(req, _EXPIRED.code, _EXPIRED.reason)
         self._end(req, S.EXPIRED, _EXPIRED)

@@ -167,7 +167,7 @@ class StageTrace:
         peer = ""
         for rid in want:
             req = self._by_id.get(rid)
-            if req is None:
+            if req is None or rid in ids:
                 continue
             ids.append(rid)
             peer = peer or req.peer

@@ -164,8 +164,15 @@ def cancel(hb_id: str) -> wire.CancelRegistration:
 
 
 def quiet(effects: Iterable[Effect]) -> list[Effect]:
-    """The effects without log lines."""
-    return [e for e in effects if not isinstance(e, Log)]
+    """The effects without log lines (each checked: a line about a request names its
+    peer too, so the logs of one request can be followed across both daemons)."""
+    out = []
+    for e in effects:
+        if isinstance(e, Log):
+            assert "request_id" not in e.fields or "peer" in e.fields, e
+        else:
+            out.append(e)
+    return out
 
 
 def records(effects: Iterable[Effect]) -> list[wire.Record]:

@@ -178,12 +178,18 @@ def norm(eff: Effect) -> Norm:
 
 
 def calm(effects: Iterable[Effect]) -> list[Norm]:
-    """The effects without log lines, normalised."""
+    """The effects without log lines, normalised (each line checked by `logs`)."""
+    logs(effects := list(effects))
     return [norm(e) for e in effects if not isinstance(e, Log)]
 
 
 def logs(effects: Iterable[Effect]) -> list[str]:
-    return [e.event for e in effects if isinstance(e, Log)]
+    """The events of the log lines; a line about a request names its peer too (so the
+    logs of one request can be followed across both daemons)."""
+    lines = [e for e in effects if isinstance(e, Log)]
+    for e in lines:
+        assert "request_id" not in e.fields or "peer" in e.fields, e
+    return [e.event for e in lines]
 
 
 def reason(effects: Sequence[Effect]) -> str:

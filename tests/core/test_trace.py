@@ -8,7 +8,7 @@ import threading
 import pytest
 from kvd_client import wire
 
-from kvd.core.trace import NO_TRACE, StageTrace, trace_key
+from kvd.core.trace import NO_TRACE, STAGES_PER_REQUEST, StageTrace, trace_key
 
 
 def _clock() -> itertools.count[int]:
@@ -98,3 +98,93 @@ def test_trace_key_names_the_request_a_record_is_about() -> None:
     assert trace_key(wire.PullDone("p-3", "d-3", (), "")) == "p-3"
     assert trace_key(wire.Heartbeat(("a", "b"))) == ""  # names many: not traced by key
     assert trace_key(wire.KeepAlive("s")) == ""
+
+
+# ---------------------------------------------------------------- per request
+
+
+def test_per_request_table_looks_up_a_request_s_stages_in_order() -> None:
+    ticks = _clock()
+    tr = StageTrace(0, lambda: next(ticks), requests=4)
+    assert tr.on and len(tr) == 0  # no flat ring, but recording
+    tr.mark("d-1", "gateway.request")
+    tr.mark("other", "gateway.request")
+    tr.mark_at("d-1", "nixl.notif_polled", 5)
+    found = tr.lookup(["d-1"])
+    assert found is not None
+    assert found.ids == ("d-1",) and found.peer == ""
+    assert found.records == ((5, "d-1", "nixl.notif_polled"), (1000, "d-1", "gateway.request"))
+    assert tr.lookup(["nope"]) is None and tr.lookup([""]) is None
+    assert tr.drain(10) == []  # nothing went to a ring
+
+
+def test_link_joins_both_ids_and_names_the_peer() -> None:
+    ticks = _clock()
+    tr = StageTrace(0, lambda: next(ticks), requests=8)
+    tr.mark("p-1", "sender.claimed")
+    tr.mark("d-1", "notifier.routed")  # P records D's message under D's id
+    tr.link("p-1", "kvd-d", "d-1")
+    for asked in (["p-1"], ["d-1"], ["d-1", "p-1"]):
+        found = tr.lookup(asked)
+        assert found is not None and found.peer == "kvd-d"
+        assert set(found.ids) == {"p-1", "d-1"}
+        assert [s for _, _, s in found.records] == ["sender.claimed", "notifier.routed"]
+    tr.link("same", "kvd-x", "same")  # one id on both sides: no self link
+    found = tr.lookup(["same"])
+    assert found is not None and found.ids == ("same",) and found.peer == "kvd-x"
+
+
+def test_the_table_keeps_the_most_recent_requests_and_bounds_each() -> None:
+    tr = StageTrace(0, lambda: 1, requests=3)
+    for i in range(10):
+        tr.mark(f"r{i}", "s")
+    assert tr.requests_held == 3
+    assert [tr.lookup([f"r{i}"]) is not None for i in range(10)] == [False] * 7 + [True] * 3
+    for _ in range(STAGES_PER_REQUEST + 5):
+        tr.mark("r9", "beat")
+    found = tr.lookup(["r9"])
+    assert found is not None
+    assert len(found.records) == STAGES_PER_REQUEST and found.dropped == 6
+
+
+def test_off_keeps_nothing_per_request_and_zero_requests_is_no_table() -> None:
+    tr = StageTrace(0, lambda: 1, requests=4)
+    tr.switch(False)
+    tr.mark("r", "s")
+    tr.link("r", "kvd-p", "q")
+    assert tr.lookup(["r"]) is None and tr.requests_held == 0
+    none = StageTrace(0, lambda: 1, requests=0)
+    assert not none.on and none.switch(True) is False
+    with pytest.raises(ValueError, match="requests"):
+        StageTrace(0, lambda: 0, requests=-1)
+
+
+def test_both_kept_at_once_ring_and_table() -> None:
+    tr = StageTrace(8, lambda: 3, requests=8)
+    tr.mark("r", "s")
+    assert tr.drain(10) == [(3, "r", "s")]
+    found = tr.lookup(["r"])
+    assert found is not None and found.records == ((3, "r", "s"),)
+
+
+def test_another_thread_records_into_the_table_while_requests_are_evicted() -> None:
+    """The NIXL thread marks while the loop does: no torn entry, the bound holds."""
+    tr = StageTrace(0, lambda: 1, requests=100)
+
+    def mark(name: str) -> None:
+        for i in range(20_000):
+            tr.mark(f"{name}{i}", name)
+
+    threads = [threading.Thread(target=mark, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert 98 <= tr.requests_held <= 100
+    held = 0
+    for rid in (f"{n}{i}" for n in "ab" for i in range(20_000)):
+        found = tr.lookup([rid])
+        if found is not None:
+            held += 1
+            assert found.records == ((1, rid, rid[0]),)
+    assert held == tr.requests_held
