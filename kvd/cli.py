@@ -269,6 +269,33 @@ def trace(
 
 
 @app.command()
+def doctor(
+    config: ConfigOpt = None,
+    peer: Annotated[
+        list[str] | None, typer.Option("--peer", help="A peer's side channel HOST:PORT.")
+    ] = None,
+    as_json: JsonOpt = False,
+    timeout: Annotated[float, typer.Option(help="Seconds per TCP connect.")] = 2.0,
+) -> None:
+    """Check this node before it serves: limits, /dev/shm, UCX, NIXL, socket, clock, peers."""
+    from kvd.config import ConfigError, load_config
+    from kvd.doctor import as_json as to_json
+    from kvd.doctor import exit_code, render, run
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        err.print(f"[red]config error:[/red] {exc}")
+        raise typer.Exit(2) from None
+    checks = run(cfg, peer or [], timeout)
+    if as_json:
+        print(json.dumps(to_json(checks), indent=2))
+    else:
+        render(checks, console)
+    raise typer.Exit(exit_code(checks))
+
+
+@app.command()
 def demo(
     requests: Annotated[int, typer.Option("--requests", "-n", help="Requests per mode.")] = 100,
     mode: Annotated[str, typer.Option(help="push, pull, ec (encoder cache) or all.")] = "all",
