@@ -10,11 +10,18 @@ after its cause within that bound.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
+import zmq
+from kvd_client import wire
+from kvd_client.errors import ErrorCode
+
+from kvd.core.timeline import make_query
 from kvd.demo import DaemonProc, make_engine
 
 from .conftest import StartDaemon
@@ -144,3 +151,57 @@ def test_trace_shows_both_daemons_stages_of_a_push_and_a_pull(daemons: StartDaem
     (peer,) = json.loads(res.stdout)["peers"]
     assert peer["agent"] == "kvd-p" and peer["clock_error_us"] is not None
     assert abs(peer["clock_offset_us"]) <= peer["clock_error_us"]
+
+
+def _secret(workdir: Path, name: str, secret: bytes) -> str:
+    path = workdir / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, secret)
+    os.close(fd)
+    return f'[auth]\nsecret_file = "{path}"\n'
+
+
+def _ask(d: DaemonProc, q: wire.TraceQuery) -> wire.Record:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{d.side_port}")
+        sock.send(wire.encode(q, 7))
+        assert sock.poll(10_000), "no answer on the side channel"
+        corr, reply = wire.decode(sock.recv())
+        assert corr == 7
+        return reply
+    finally:
+        sock.close(0)
+
+
+def test_trace_queries_are_authenticated_under_a_shared_secret(
+    daemons: StartDaemon, workdir: Path
+) -> None:
+    """With [auth], the daemons' own exchange works (both have the secret), and a query
+    without the secret's MAC is refused and counted, revealing nothing."""
+    auth = _secret(workdir, "secret", b"trace secret")
+    p_d = daemons("kvd-p", auth)
+    d_d = daemons("kvd-d", auth)
+    p = make_engine(p_d.socket, "prefill", num_blocks=16, num_layers=1, chunk_bytes=4096)
+    d = make_engine(d_d.socket, "decode", num_blocks=16, num_layers=1, chunk_bytes=4096)
+    rid = "tr-auth-1-aaaaaaaa"
+    try:
+        d.client.register_push(rid, [3], "127.0.0.1", p_d.side_port)
+        p.client.finished("tr-auth-1-bbbbbbbb", [1])
+        assert _events(d.client, 1) == ["RecvFinished"]
+    finally:
+        p.close()
+        d.close()
+    code, view = _trace(d_d, rid, "--peer")
+    assert code == 0, view
+    assert {r["daemon"] for r in view["timeline"]} == {"kvd-d", "kvd-p"}
+
+    before = json.loads(_kvd("status", "--socket", p_d.socket, "--json").stdout)["counters"]
+    forged = make_query("kvd-intruder", [rid], 1, bytes(16), time.time(), b"another secret")
+    for q in (forged, make_query("kvd-intruder", [rid], 1, bytes(16), time.time(), None)):
+        reply = _ask(p_d, q)
+        assert isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.AUTH, reply
+        assert "failed authentication" in reply.message
+    after = json.loads(_kvd("status", "--socket", p_d.socket, "--json").stdout)["counters"]
+    assert after.get("auth_rejected", 0) - before.get("auth_rejected", 0) == 2
