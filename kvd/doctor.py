@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from kvd_client.errors import KvdError
+
 from kvd.config import Config, resolve_socket_path
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -442,7 +444,10 @@ def run(cfg: Config, peers: Sequence[str], timeout: float = 2.0) -> list[Check]:
         )
         targets = list(dict.fromkeys(peers))
         if client is not None:
-            known = client.status("peers")["peers"]
+            try:
+                known = client.status("peers")["peers"]
+            except KvdError:
+                known = []
             targets += [p["addr"] for p in known if p["addr"] not in targets]
         if not targets:
             checks.append(
@@ -456,7 +461,10 @@ def run(cfg: Config, peers: Sequence[str], timeout: float = 2.0) -> list[Check]:
             error, ms = connect(*hp, timeout)
             ping = None
             if client is not None and not error:
-                ping = client.ping_peer(hp[0], hp[1], max(timeout, 1.0) * 2)
+                try:
+                    ping = client.ping_peer(hp[0], hp[1], max(timeout, 1.0) * 2)
+                except KvdError as exc:
+                    ping = {"ok": False, "error": exc.message}
             checks.append(check_peer(addr, error, ms, ping))
     finally:
         if client is not None:

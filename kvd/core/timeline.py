@@ -106,7 +106,11 @@ def make_answer(
     dropped = 0
     if found is not None:
         ids = found.ids[:16]
-        stages = tuple(wire.TraceStage(t, rid, stage[:128]) for t, rid, stage in found.records)
+        stages = tuple(
+            wire.TraceStage(t, rid[: wire.MAX_ID_LEN], stage[:128])
+            for t, rid, stage in found.records
+            if rid and stage
+        )
         stages, dropped = stages[:2048], found.dropped + max(len(stages) - 2048, 0)
     a = wire.TraceAnswer(agent, q.t0, t1, t2, ids, stages, min(dropped, 0xFFFFFFFF), b"")
     if secret is not None:
