@@ -462,7 +462,8 @@ def run(cfg: Config, peers: Sequence[str], timeout: float = 2.0) -> list[Check]:
             ping = None
             if client is not None and not error:
                 try:
-                    ping = client.ping_peer(hp[0], hp[1], max(timeout, 1.0) * 2)
+                    # a handshake and a READ: more than a connect, on a busy node too
+                    ping = client.ping_peer(hp[0], hp[1], max(timeout * 5, 10.0))
                 except KvdError as exc:
                     ping = {"ok": False, "error": exc.message}
             checks.append(check_peer(addr, error, ms, ping))
