@@ -41,10 +41,11 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, local_ranks
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
-from kvd.core.planner import check_logical, plan_ranks
+from kvd.core.planner import check_logical, plan_request
+from kvd.core.topology import map_ranks
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -56,7 +57,8 @@ _REFUSED: Final = (AuthError, Incompatible, InvalidRequest, RemoteProtocolError)
 
 @dataclass(frozen=True)
 class _View:
-    """What a resolved request's transfer needs (opaque to the machine)."""
+    """What a resolved request's transfer needs (opaque to the machine): one entry per
+    transfer (rank pair) in each list."""
 
     local: list[LocalRegion]
     remote: list[RemoteRegion]
@@ -150,11 +152,7 @@ class Receiver(TransferActor):
             check_logical(reg.geometry, m.block_ids)  # bounds, before anything else
         remote_blocks: tuple[int, ...] = ()
         if isinstance(m, wire.Pull):
-            remote_blocks = m.remote_block_ids
-            if len(m.block_ids) > len(remote_blocks):
-                raise InvalidRequest(
-                    f"{len(m.block_ids)} local blocks but P offers only {len(remote_blocks)}"
-                )
+            remote_blocks = m.remote_block_ids  # how they pair with ours: the planner's
         return proto.Load(
             request_id=m.request_id,
             session=session,
@@ -228,7 +226,7 @@ class Receiver(TransferActor):
             local = local_ranks(self.local, load.engine_id)
         except KvdError:
             return None
-        remote = _ranks_for(info, load.remote_engine_id, len(local))
+        remote = _ranks_for(info, load.remote_engine_id)
         return (local, info, remote) if remote is not None else None
 
     async def _resolve(self, eff: proto.Resolve) -> None:
@@ -236,7 +234,7 @@ class Receiver(TransferActor):
         load = eff.load
         try:
             local = local_ranks(self.local, load.engine_id)
-            info, remote = await self._peer_ranks(load, len(local), eff.refresh)
+            info, remote = await self._peer_ranks(load, eff.refresh)
         except KvdError as exc:
             self._outcome(proto.PeerUnresolved(load.request_id, exc))
             return
@@ -251,9 +249,9 @@ class Receiver(TransferActor):
     ) -> proto.Event:
         """The request checked against P's regions, and what starts its transfer."""
         try:
-            check_compat(p=remote, d=local)
             first: wire.Record
-            plans: list[Any] = []
+            plans: tuple[Any, ...] = ()
+            pairs = map_ranks(remote, local)  # refuses a pair that cannot map, naming both
             if load.mode == "push":
                 first = wire.PushRegistration(
                     request_id=load.request_id,
@@ -270,14 +268,11 @@ class Receiver(TransferActor):
                 )
             else:
                 n = len(load.block_ids)
-                p_blocks = load.remote_block_ids[len(load.remote_block_ids) - n :] if n else ()
                 if n:
-                    plans = plan_ranks(
-                        [r.geometry for r in local],
-                        load.block_ids,
-                        [r.geometry for r in remote],
-                        p_blocks,
+                    rp = plan_request(
+                        remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
                     )
+                    pairs, plans = rp.pairs, rp.plans
                 first = wire.PullDone(
                     load.remote_request_id,
                     load.request_id,
@@ -293,13 +288,17 @@ class Receiver(TransferActor):
             load.request_id,
             info.agent,
             info.handshaked_at,
-            len(remote),
+            len(pairs),
             first,
-            _View(local, remote, plans),
+            _View(
+                [local[x.d] for x in pairs] if plans else [],
+                [remote[x.p] for x in pairs] if plans else [],
+                list(plans),
+            ),
         )
 
     async def _peer_ranks(
-        self, load: proto.Load, tp: int, refresh: bool
+        self, load: proto.Load, refresh: bool
     ) -> tuple[PeerInfo, list[RemoteRegion]]:
         """The peer's regions for the request's engine, re-handshaking once if they are not
         (yet) known. The peer must be the daemon the request's incarnation names (if
@@ -317,15 +316,16 @@ class Receiver(TransferActor):
             )
         engine_id = load.remote_engine_id
         for attempt in range(2):
-            ranks = _ranks_for(info, engine_id, tp)
+            ranks = _ranks_for(info, engine_id)
             if ranks is not None:
                 return info, ranks
             if attempt == 0 and not refresh:
                 info = await self._peer(load.host, load.port, refresh=True)
         ranks = _ranks_of(info, engine_id)
+        tp = ranks[0].tp_size if ranks else 0
         raise Incompatible(
             f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, "
-            f"need {tp} (equal TP)"
+            f"not all {tp} ranks of its TP"
         )
 
     def _disconnected(self, agent: str, exc: KvdError) -> bool:
@@ -468,7 +468,9 @@ def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:
     return info.ranks(next(iter(engines))) if len(engines) == 1 else []
 
 
-def _ranks_for(info: PeerInfo, engine_id: str, tp: int) -> list[RemoteRegion] | None:
-    """P's regions for a request of `tp` ranks, if P has exactly ranks 0..tp-1."""
+def _ranks_for(info: PeerInfo, engine_id: str) -> list[RemoteRegion] | None:
+    """P's regions of the engine, if P has every rank of its TP (ranks 0..tp_size-1)."""
     ranks = _ranks_of(info, engine_id)
-    return ranks if [x.tp_rank for x in ranks] == list(range(tp)) else None
+    if not ranks or [x.tp_rank for x in ranks] != list(range(ranks[0].tp_size)):
+        return None
+    return ranks

@@ -4,11 +4,12 @@
 post a transfer and wait for it. `kvd.adapters.nixl.NixlEngine` implements it; a test
 can implement it with a fake that injects faults.
 
-`TransferBook` posts one transfer per TP rank and keeps, for the region drains, how many
-transfers touch each local region and each remote (agent, region): a region is freed
-(locally) or forgotten (a peer's) only once nothing in flight touches it, and no new
-transfer starts from a local region being released. It also keeps the recent transfers
-for `kvd transfers`. Each actor owns its own book (no state shared between actors).
+`TransferBook` posts one transfer per rank pair (`kvd.core.topology.map_ranks`) and
+keeps, for the region drains, how many transfers touch each local region and each remote
+(agent, region): a region is freed (locally) or forgotten (a peer's) only once nothing in
+flight touches it, and no new transfer starts from a local region being released. It also
+keeps the recent transfers for `kvd transfers`. Each actor owns its own book (no state
+shared between actors).
 
 `TransferActor` is the shell both actors share: the loop that sleeps until the machine's
 next deadline or the next message, feeds the machine, and carries out the effects common
@@ -33,7 +34,7 @@ import numpy as np
 import structlog
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.errors import InvalidRequest, KvdError, NotFound, TransferError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -470,21 +471,3 @@ def local_ranks(local: dict[tuple[str, int], LocalRegion], engine_id: str) -> li
     if len(regs) != tp or [r.tp_rank for r in regs] != list(range(tp)):
         raise InvalidRequest(f"engine {engine_id!r} registered {len(regs)} of {tp} ranks")
     return regs
-
-
-def check_compat(
-    *, p: Sequence[LocalRegion | RemoteRegion], d: Sequence[LocalRegion | RemoteRegion]
-) -> None:
-    """Refuse unless each P rank and its D rank declare the same, non-empty compat.
-
-    Our own regions always have one (the registrar refuses an empty compat); a peer's
-    empty one (a peer from before that rule) matches nothing. The reason names both
-    values in full, so an operator sees which side to fix.
-    """
-    for pr, dr in zip(p, d, strict=True):
-        if pr.compat and pr.compat == dr.compat:
-            continue
-        raise Incompatible(
-            f"KV compatibility differs: P rank {pr.tp_rank} {pr.compat!r} "
-            f"vs D rank {dr.tp_rank} {dr.compat!r}"
-        )
