@@ -10,6 +10,7 @@ own engines and closes them): a case never sees another's regions.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -22,6 +23,7 @@ import pytest
 from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
+from kvd_client.errors import ErrorCode, InvalidRequest
 from kvd_client.layout import KvSpec
 from kvd_client.shm import SharedRegion, staging_name
 
@@ -251,3 +253,150 @@ def test_mla_and_replicated_heads(
     pair: Pair, mode: str, kind: str, spec: KvSpec, ps: Side, ds: Side
 ) -> None:
     run_case(pair, spec, ps, ds, mode, seed=len(kind) + ps.tp + ds.tp)
+
+
+# ------------------------------------------------------------------ refusals
+
+REFUSED = [
+    (
+        "model-and-head-size",
+        spec_of(4),
+        KvSpec("org/other-model", "bfloat16", 4, 16, 2),
+        Side(2),
+        Side(1),
+        ["model P='org/sim-model' D='org/other-model'", "head_size P=8 D=16"],
+    ),
+    (
+        "dtype-and-heads",
+        spec_of(4),
+        KvSpec("org/sim-model", "float16", 2, 8, 2),
+        Side(1),
+        Side(2),
+        ["dtype P='bfloat16' D='float16'", "num_kv_heads P=4 D=2"],
+    ),
+    (
+        "mla-vs-kv",
+        spec_of(1, mla=True, head_size=32),
+        spec_of(1, head_size=32),
+        Side(1),
+        Side(1),
+        ["mla P=True D=False"],
+    ),
+    (
+        "block-sizes-do-not-divide",
+        spec_of(4),
+        spec_of(4),
+        Side(1, 16),
+        Side(1, 24),
+        ["block sizes differ by a non-integer factor: P 16, D 24 tokens"],
+    ),
+]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(
+    ("case", "p_spec", "d_spec", "ps", "ds", "says"), REFUSED, ids=[r[0] for r in REFUSED]
+)
+def test_incompatible_pairs_fail_naming_both_sides(
+    pair: Pair,
+    mode: str,
+    case: str,
+    p_spec: KvSpec,
+    d_spec: KvSpec,
+    ps: Side,
+    ds: Side,
+    says: list[str],
+) -> None:
+    """Both ends of the request end (failed, nothing hangs), D's reason names both
+    sides' values, and not one byte of D changes."""
+    rng = np.random.default_rng(5)
+    pair.n += 1
+    tag = f"{pair.n}{mode}"
+    p = engine(pair.p.socket, f"p{tag}", ps, p_spec, rng)
+    d = engine(pair.d.socket, f"d{tag}", ds, d_spec, rng)
+    try:
+        before = [d.buf(r).copy() for r in range(ds.tp)]
+        pb, db = [3, 1, 7], [5, 2]
+        rid = f"{tag}-x"
+        kw = {"remote_engine_id": p.name, "remote_request_id": f"p-{rid}"}
+        d.client.track(f"d-{rid}", HOST, pair.p.side_port, **kw)
+        assert p.client.finished(f"p-{rid}", pb)
+        if mode == "push":
+            d.client.register_push(f"d-{rid}", db, HOST, pair.p.side_port, **kw)
+        else:
+            d.client.pull(f"d-{rid}", db, HOST, pair.p.side_port, remote_block_ids=pb, **kw)
+        dev = wait_terminal(d.client, f"d-{rid}")
+        pev = wait_terminal(p.client, f"p-{rid}")
+        assert isinstance(dev, wire.RecvFailed), dev
+        assert dev.code == ErrorCode.INCOMPATIBLE, dev
+        for text in says:
+            assert text in dev.reason, dev.reason
+        assert isinstance(pev, wire.SendFailed), pev
+        for r in range(ds.tp):
+            assert np.array_equal(d.buf(r), before[r])
+        deadline = time.monotonic() + 5
+        while p.client.status("leases")["leases"] or d.client.status("leases")["tracked"]:
+            assert time.monotonic() < deadline, "a lease or a tracked request stayed behind"
+            time.sleep(0.02)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_one_side_opaque_the_other_a_spec_is_refused(pair: Pair) -> None:
+    rng = np.random.default_rng(6)
+    pair.n += 1
+    p = engine(pair.p.socket, f"p{pair.n}op", Side(1), spec_of(4), rng)
+    name = f"d{pair.n}op"
+    d = Eng(name, Side(1), spec_of(4), KvdClient(pair.d.socket, role="scheduler", engine_id=name))
+    d.client.connect()
+    try:
+        lay = rank_layout(spec_of(4), Side(1), 0)
+        region = SharedRegion(staging_name(f"topo-{d.name}"), kvlayout.region_bytes(lay))
+        d.regions.append(region)
+        d.client.register_region(region, layout=lay, compat="opaque-hash-of-some-model")
+        rid = f"{pair.n}op"
+        d.client.track(f"d-{rid}", HOST, pair.p.side_port, remote_engine_id=p.name)
+        assert p.client.finished(f"p-{rid}", [1])
+        d.client.pull(
+            f"d-{rid}",
+            [1],
+            HOST,
+            pair.p.side_port,
+            remote_engine_id=p.name,
+            remote_request_id=f"p-{rid}",
+            remote_block_ids=[1],
+        )
+        dev = wait_terminal(d.client, f"d-{rid}")
+        assert isinstance(dev, wire.RecvFailed) and dev.code == ErrorCode.INCOMPATIBLE, dev
+        assert "opaque compat hash" in dev.reason and compat(spec_of(4)) in dev.reason
+        assert isinstance(wait_terminal(p.client, f"p-{rid}"), wire.SendFailed)
+    finally:
+        p.close()
+        d.close()
+
+
+BAD_REGIONS = [
+    # (case, side, layout built for this spec, then changed, what the refusal says)
+    ("chunk", Side(1), spec_of(4), {"chunk_bytes": 1000}, "chunk_bytes=1000, but 16 tokens x 4"),
+    ("parts", Side(1), spec_of(4), {"kv_parts": 1}, "kv_parts=1, but a K/V spec needs 2"),
+    ("layers", Side(1), spec_of(4, layers=3), {}, "layout has 3 layers but the KV spec says 2"),
+    ("layout", Side(1), spec_of(4), {"kv_layout": "HDN"}, "kv_layout 'HDN' must be one of"),
+    ("split", Side(3), spec_of(3), {}, "4 KV heads do not split over TP 3"),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "side", "built", "change", "says"), BAD_REGIONS, ids=[b[0] for b in BAD_REGIONS]
+)
+def test_a_region_that_contradicts_its_spec_is_refused(
+    pair: Pair, case: str, side: Side, built: KvSpec, change: dict[str, object], says: str
+) -> None:
+    lay = dataclasses.replace(rank_layout(built, side, 0), **change)
+    with (
+        SharedRegion(staging_name("topo-bad"), 1 << 20) as region,
+        KvdClient(pair.d.socket, role="worker", engine_id=f"bad-{case}", tp_rank=0) as c,
+    ):
+        with pytest.raises(InvalidRequest) as err:
+            c.register_region(region, layout=lay, tp_size=side.tp, compat=compat(spec_of(4)))
+        assert says in err.value.message, err.value.message
