@@ -238,3 +238,32 @@ def parse_kv_spec(compat: str) -> KvSpec | None:
     if not model:
         raise ValueError("KV spec names no model")
     return KvSpec(model, dtype, nums[0], nums[1], nums[2], mla == "1")
+
+
+def kv_region_layout(
+    spec: KvSpec,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    num_blocks: int,
+    tokens_per_block: int,
+    kv_layout: str = "NHD",
+    layer_major: bool = False,
+) -> wire.RegionLayout:
+    """The layout of one rank's region for a KV spec: chunks of tokens_per_block tokens x
+    the rank's heads x head bytes, in `kv_layout` (NHD or HND); K and V apart (one latent
+    chunk for MLA); block-major unless `layer_major`."""
+    _, heads = spec.heads_on(tp_size, tp_rank)
+    make = _LAYER_MAJOR if layer_major else block_major
+    return make(
+        num_blocks,
+        spec.num_layers,
+        tokens_per_block * heads * spec.head_bytes,
+        kv_parts=1 if spec.mla else 2,
+        tokens_per_block=tokens_per_block,
+        dtype=spec.dtype,
+        kv_layout=kv_layout,
+    )
+
+
+_LAYER_MAJOR = layer_major
