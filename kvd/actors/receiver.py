@@ -13,10 +13,13 @@ machine.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
+import anyio
+import numpy as np
 import structlog
 from kvd_client import wire
 from kvd_client.errors import (
@@ -41,11 +44,16 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
-from kvd.core.planner import check_logical, plan_request
-from kvd.core.topology import map_ranks
+from kvd.core.planner import (
+    Permute,
+    check_logical,
+    permute_chunks,
+    plan_request,
+    receive_permutes,
+)
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -63,6 +71,11 @@ class _View:
     local: list[LocalRegion]
     remote: list[RemoteRegion]
     plans: list[Any]
+    notifs: list[bytes]
+    """One (empty) per NIXL transfer (`transfer_groups`)."""
+    permutes: dict[int, list[tuple[LocalRegion, Permute]]] = field(default_factory=dict)
+    """Receive permutes (`kvd.core.planner.permutes_on_receive`) by transfer (group)
+    index: done before that transfer is reported to the machine; each taken once."""
 
 
 class Receiver(TransferActor):
@@ -172,6 +185,12 @@ class Receiver(TransferActor):
         if not self._known(agent, msg):
             return
         if isinstance(msg, wire.PushDone):
+            req = self.proto.reqs.get(msg.request_id)
+            view = req.view if req is not None else None
+            jobs = view.permutes.pop(msg.tp_rank, None) if isinstance(view, _View) else None
+            if jobs and msg.ok:  # the machine hears of it once D's bytes are in D's layout
+                self._spawn(self._permuted_push, agent, msg, jobs)
+                return
             self._feed(proto.PushDoneArrived(agent, msg), now)
         elif isinstance(msg, wire.PullAck):
             self._feed(proto.PullAckArrived(agent, msg), now)
@@ -251,7 +270,9 @@ class Receiver(TransferActor):
         try:
             first: wire.Record
             plans: tuple[Any, ...] = ()
-            pairs = map_ranks(remote, local)  # refuses a pair that cannot map, naming both
+            permutes: tuple[Permute, ...] = ()
+            # refuses a pair that cannot map, naming both sides' values
+            pairs, permutes = receive_permutes(remote, local, load.block_ids)
             if load.mode == "push":
                 first = wire.PushRegistration(
                     request_id=load.request_id,
@@ -272,7 +293,7 @@ class Receiver(TransferActor):
                     rp = plan_request(
                         remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
                     )
-                    pairs, plans = rp.pairs, rp.plans
+                    pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
                 first = wire.PullDone(
                     load.remote_request_id,
                     load.request_id,
@@ -284,17 +305,20 @@ class Receiver(TransferActor):
             return proto.PeerUnresolved(load.request_id, exc, info.agent)
         if self.trace.on:
             self._mark(load.request_id, "resolved")
+        locs = [local[x.d] for x in pairs]
+        rems = [remote[x.p] for x in pairs]
+        groups = transfer_groups(locs, rems)  # push: one PushDone each
+        group_of = {i: g for g, members in enumerate(groups) for i in members}
+        by_group: dict[int, list[tuple[LocalRegion, Permute]]] = {}
+        for job in permutes:
+            by_group.setdefault(group_of[job.pair], []).append((locs[job.pair], job))
+        transfers = len(groups)
+        if load.mode == "pull" and not plans:
+            view = _View([], [], [], [])
+        else:
+            view = _View(locs, rems, list(plans), [b""] * transfers, by_group)
         return proto.PeerResolved(
-            load.request_id,
-            info.agent,
-            info.handshaked_at,
-            len(pairs),
-            first,
-            _View(
-                [local[x.d] for x in pairs] if plans else [],
-                [remote[x.p] for x in pairs] if plans else [],
-                list(plans),
-            ),
+            load.request_id, info.agent, info.handshaked_at, transfers, first, view
         )
 
     async def _peer_ranks(
@@ -376,13 +400,44 @@ class Receiver(TransferActor):
                 view.local,
                 view.remote,
                 view.plans,
-                [b""] * len(view.plans),
+                view.notifs,
             )
+            jobs = [job for group in view.permutes.values() for job in group]
+            view.permutes.clear()
+            if jobs:
+                await self._permute(jobs)
         except KvdError as exc:
             # lost under a posted READ: fail; a stale view when posting: handshake again
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
             return
         self._outcome(proto.ReadDone(eff.request_id))
+
+    async def _permute(self, jobs: list[tuple[LocalRegion, Permute]]) -> None:
+        """Permute received blocks into D's token layout, in a worker thread (numpy copies
+        release the GIL), with the regions held like a transfer holds them (a region
+        being released is not touched: TransferError)."""
+        book = self.book
+        for loc, _ in jobs:
+            if loc.region_id in book.releasing:
+                raise TransferError(f"local region {loc.region_id} is being released")
+        for loc, _ in jobs:
+            book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
+        try:
+            await anyio.to_thread.run_sync(_run_permutes, jobs)
+        finally:
+            for loc, _ in jobs:
+                book.local[loc.region_id] -= 1
+            book.wake()
+        self._count("receive_permutes", len(jobs))
+
+    async def _permuted_push(
+        self, agent: str, msg: wire.PushDone, jobs: list[tuple[LocalRegion, Permute]]
+    ) -> None:
+        try:
+            await self._permute(jobs)
+        except KvdError as exc:
+            msg = wire.PushDone(msg.request_id, msg.tp_rank, False, int(exc.code), exc.message)
+        self._outcome(proto.PushDoneArrived(agent, msg))
 
     async def _reach(self, peer: str, msg: wire.Record, ids: int) -> None:
         """One heartbeat (or probe) to the P at `peer`; its outcome feeds the give-up rule."""
@@ -458,6 +513,13 @@ class Receiver(TransferActor):
             "sending": len(self.book.in_flight),
             "heartbeat_peers": len(p.heartbeats.peers()),
         }
+
+
+def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:
+    for loc, job in jobs:
+        g = loc.geometry
+        raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
+        permute_chunks(np.ctypeslib.as_array(raw), g, job)
 
 
 def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:

@@ -31,7 +31,7 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
 from kvd.core import sender as proto
 from kvd.core.planner import check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -211,19 +211,13 @@ class Sender(TransferActor):
                     f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
                 )
             rp = plan_request(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
-            notifs = [
+            locs = [local[x.p] for x in rp.pairs]
+            rems = [remote[x.d] for x in rp.pairs]
+            notifs = [  # one per transfer: D counts them
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
-                for i in range(len(rp.pairs))
+                for i in range(len(transfer_groups(locs, rems)))
             ]
-            await self.book.run(
-                "WRITE",
-                eff.key,
-                eff.agent,
-                [local[x.p] for x in rp.pairs],
-                [remote[x.d] for x in rp.pairs],
-                rp.plans,
-                notifs,
-            )
+            await self.book.run("WRITE", eff.key, eff.agent, locs, rems, rp.plans, notifs)
         except KvdError as exc:
             self._outcome(proto.WriteDone(eff.key, exc))
             return

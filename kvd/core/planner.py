@@ -647,6 +647,76 @@ class RankView(Protocol):
     def geometry(self) -> Geometry: ...
     @property
     def layout(self) -> wire.RegionLayout | None: ...
+    @property
+    def mem_type(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Permute:
+    """A receive step: D rank `d`'s `blocks` (physical) arrived in P's token layout
+    `src_layout` (whole chunks) and are permuted in place into D's own before D reports
+    them done. `pair`: the index of its rank pair in the request's pairs."""
+
+    pair: int
+    blocks: Int64Array
+    src_layout: str
+    tokens: int
+    heads: int
+    head_bytes: int
+
+
+def permutes_on_receive(p_kv: RankKv, d_kv: RankKv, pair: Pair, d_mem: str) -> bool:
+    """Whether a pair moves whole chunks in P's layout and D permutes them on receive,
+    rather than descriptors landing every (token, head) in D's layout: when only the
+    token layout differs (same heads, same block size) and D's region is host memory
+    (the daemon permutes it with numpy; GPU memory keeps the descriptors). One
+    descriptor per (token, head) costs hundreds of memcpys; the permute a few
+    (`kvd bench --only topology`). P and D decide alike from the same views."""
+    return (
+        pair.whole
+        and p_kv.tokens_per_block == d_kv.tokens_per_block
+        and p_kv.kv_layout != d_kv.kv_layout
+        and d_mem == "DRAM"
+    )
+
+
+def receive_permutes(
+    p: Sequence[RankView], d: Sequence[RankView], d_logical: Sequence[int]
+) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
+    """D's side of `plan_request` without P's blocks (push: P plans the WRITE): the pairs,
+    and the receive permutes D owes (all of a permuted rank's blocks are filled)."""
+    pairs = map_ranks(p, d)
+    if not pairs or pairs[0].heads == 0:
+        return pairs, ()
+    out: list[Permute] = []
+    for i, pair in enumerate(pairs):
+        pk, dk = _rank_kv(p[pair.p]), _rank_kv(d[pair.d])
+        if permutes_on_receive(pk, dk, pair, d[pair.d].mem_type):
+            blocks = check_logical(d[pair.d].geometry, d_logical)
+            out.append(
+                Permute(i, blocks, pk.kv_layout, dk.tokens_per_block, dk.heads, dk.head_bytes)
+            )
+    return pairs, tuple(out)
+
+
+def permute_chunks(buf: npt.NDArray[np.uint8], geometry: Geometry, job: Permute) -> None:
+    """Permute `job.blocks`' chunks of the region whose bytes `buf` holds (from
+    `geometry.base_addr`) from `job.src_layout` into the other token layout, in place."""
+    g = geometry
+    chunks = np.lib.stride_tricks.as_strided(
+        buf,
+        shape=(g.num_blocks, g.num_layers, g.kv_parts, g.chunk_bytes),
+        strides=(g.block_stride, g.layer_stride, g.kv_stride, 1),
+        writeable=True,
+    )
+    n = int(job.blocks.shape[0])
+    if n == 0:
+        return
+    t, h, hb = job.tokens, job.heads, job.head_bytes
+    got = chunks[job.blocks]  # a gathered copy
+    src = (t, h) if job.src_layout == "NHD" else (h, t)
+    moved = got.reshape(n, g.num_layers, g.kv_parts, *src, hb).transpose(0, 1, 2, 4, 3, 5)
+    chunks[job.blocks] = moved.reshape(n, g.num_layers, g.kv_parts, g.chunk_bytes)
 
 
 def align_tokens(
@@ -779,6 +849,8 @@ class RequestPlan:
 
     pairs: tuple[Pair, ...]
     plans: tuple[Plan, ...]
+    permutes: tuple[Permute, ...] = ()
+    """What D permutes on receive (`permutes_on_receive`), by pair index."""
 
 
 def plan_request(
@@ -811,6 +883,7 @@ def plan_request(
         return RequestPlan(pairs, tuple(plans))
     p_kv = [_rank_kv(r) for r in p]
     d_kv = [_rank_kv(r) for r in d]
+    permutes: list[Permute] = []
     for pair in pairs:
         pk, dk = p_kv[pair.p], d_kv[pair.d]
         pg, dg = p[pair.p].geometry, d[pair.d].geometry
@@ -818,7 +891,8 @@ def plan_request(
             p_phys[pair.p], pk.tokens_per_block, d_phys[pair.d], dk.tokens_per_block
         )
         db = d_phys[pair.d]
-        if (
+        permute = permutes_on_receive(pk, dk, pair, d[pair.d].mem_type)
+        if permute or (
             pair.whole
             and pk.tokens_per_block == dk.tokens_per_block
             and pk.kv_layout == dk.kv_layout
@@ -828,6 +902,17 @@ def plan_request(
             plans.append(
                 plan_transfer(pg, pb, dg, db) if local_is_p else plan_transfer(dg, db, pg, pb)
             )
+            if permute:
+                permutes.append(
+                    Permute(
+                        len(plans) - 1,
+                        db,
+                        pk.kv_layout,
+                        dk.tokens_per_block,
+                        dk.heads,
+                        dk.head_bytes,
+                    )
+                )
             continue
         if local_is_p:
             plan = plan_heads(
@@ -858,7 +943,7 @@ def plan_request(
                 heads=pair.heads,
             )
         plans.append(plan)
-    return RequestPlan(pairs, tuple(plans))
+    return RequestPlan(pairs, tuple(plans), tuple(permutes))
 
 
 def _rank_kv(region: RankView) -> RankKv:

@@ -18,7 +18,14 @@ from kvd_client import wire
 from kvd_client.errors import Incompatible, InvalidRequest
 from kvd_client.layout import KvSpec
 
-from kvd.core.planner import Geometry, Plan, align_tokens, plan_request
+from kvd.core.planner import (
+    Geometry,
+    Plan,
+    align_tokens,
+    permute_chunks,
+    plan_request,
+    receive_permutes,
+)
 from kvd.core.topology import map_ranks
 
 
@@ -29,6 +36,7 @@ class View:
     compat: str
     geometry: Geometry
     layout: wire.RegionLayout | None
+    mem_type: str = "DRAM"
 
 
 def regions(spec: KvSpec, side: Side, base: int) -> tuple[list[View], list[np.ndarray]]:
@@ -117,6 +125,14 @@ def test_any_p_onto_any_d_matches_the_reference(
                 dv.geometry.base_addr,
                 False,
             )
+    # D's receive step: blocks that arrived in P's token layout are permuted into D's
+    _, permutes = receive_permutes(p_views, d_views, db)
+    assert [(j.pair, j.blocks.tolist()) for j in permutes] == [
+        (j.pair, j.blocks.tolist()) for j in rp.permutes
+    ]
+    for job in rp.permutes:
+        d = rp.pairs[job.pair].d
+        permute_chunks(d_bufs[d], d_views[d].geometry, job)
     for r in range(ds.tp):
         lay = d_views[r].layout
         assert lay is not None
@@ -170,6 +186,19 @@ def test_align_tokens_both_ways() -> None:
         align_tokens(a[:2], 32, np.arange(5, dtype=np.int64), 16)
     with pytest.raises(Incompatible, match="non-integer factor: P 16, D 24"):
         align_tokens(a, 16, a, 24)
+
+
+def test_a_layout_conversion_moves_whole_chunks_into_host_memory_and_descriptors_into_gpu() -> None:
+    spec = spec_of(4)
+    pv, _ = regions(spec, Side(1, 16, "NHD"), 0)
+    dv, _ = regions(spec, Side(1, 16, "HND"), 1 << 30)
+    blocks = list(range(6))
+    rp = plan_request(pv, blocks, dv, blocks, local_is_p=True)
+    assert rp.plans[0].descriptors == 1 and len(rp.permutes) == 1  # one run, then permuted
+    gpu = [View(v.tp_rank, v.tp_size, v.compat, v.geometry, v.layout, "VRAM") for v in dv]
+    rp = plan_request(pv, blocks, gpu, blocks, local_is_p=True)
+    # about one descriptor per (block, layer, part, token, head): a few runs happen to merge
+    assert rp.permutes == () and rp.plans[0].descriptors > 6 * 2 * 2 * 16 * 3
 
 
 def test_whole_heads_and_equal_layouts_cost_what_whole_chunks_cost() -> None:

@@ -132,6 +132,7 @@ def run_case(
     tag = f"{pair.n}{mode}"
     p = engine(pair.p.socket, f"p{tag}", ps, spec, rng)
     d = engine(pair.d.socket, f"d{tag}", ds, spec, rng)
+    permuted = d.client.status()["counters"].get("receive_permutes", 0)
     try:
         free_p = list(rng.permutation(ps.num_blocks))
         free_d = list(rng.permutation(ds.num_blocks))
@@ -195,6 +196,10 @@ def run_case(
                     )
             for rank in range(ps.tp):  # P's bytes are read, never written
                 assert np.array_equal(p.buf(rank), p_snapshot[rank])
+        # only the token layout differs: whole chunks moved, then permuted at D (3 requests)
+        conversion = (ps.tp, ps.tokens) == (ds.tp, ds.tokens) and ps.kv_layout != ds.kv_layout
+        done = d.client.status()["counters"].get("receive_permutes", 0) - permuted
+        assert done == (3 * ds.tp if conversion else 0)
     finally:
         p.close()
         d.close()
