@@ -701,22 +701,33 @@ def receive_permutes(
 
 def permute_chunks(buf: npt.NDArray[np.uint8], geometry: Geometry, job: Permute) -> None:
     """Permute `job.blocks`' chunks of the region whose bytes `buf` holds (from
-    `geometry.base_addr`) from `job.src_layout` into the other token layout, in place."""
+    `geometry.base_addr`) from `job.src_layout` into the other token layout, in place.
+
+    Two passes over the bytes: each run of consecutive blocks is copied out, then written
+    back transposed through a strided view of the destination layout (numpy checks that
+    both views lie inside `buf`).
+    """
     g = geometry
-    chunks = np.lib.stride_tricks.as_strided(
-        buf,
-        shape=(g.num_blocks, g.num_layers, g.kv_parts, g.chunk_bytes),
-        strides=(g.block_stride, g.layer_stride, g.kv_stride, 1),
-        writeable=True,
-    )
     n = int(job.blocks.shape[0])
     if n == 0:
         return
     t, h, hb = job.tokens, job.heads, job.head_bytes
-    got = chunks[job.blocks]  # a gathered copy
-    src = (t, h) if job.src_layout == "NHD" else (h, t)
-    moved = got.reshape(n, g.num_layers, g.kv_parts, *src, hb).transpose(0, 1, 2, 4, 3, 5)
-    chunks[job.blocks] = moved.reshape(n, g.num_layers, g.kv_parts, g.chunk_bytes)
+    blocks = np.sort(job.blocks)
+    cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [n]))
+    # (token, head) strides of the source and destination layouts inside a chunk
+    nhd, hnd = (h * hb, hb), (hb, t * hb)
+    src_steps, dst_steps = (nhd, hnd) if job.src_layout == "NHD" else (hnd, nhd)
+    outer = (g.block_stride, g.layer_stride, g.kv_stride)
+    head = np.dtype((np.void, hb))  # a head's bytes move as one item (numpy memcpys it)
+    for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
+        first, count = int(blocks[lo]), hi - lo
+        at = buf[first * g.block_stride :]
+        shape = (count, g.num_layers, g.kv_parts, t, h)
+        src = np.ndarray(shape, head, buffer=at, strides=(*outer, *src_steps))
+        dst = np.ndarray(shape, head, buffer=at, strides=(*outer, *dst_steps))
+        dst[...] = src.copy()
 
 
 def align_tokens(
