@@ -888,9 +888,7 @@ def plan_request(
             pg, dg = p[pair.p].geometry, d[pair.d].geometry
             pb, _, units = align_tokens(p_phys[pair.p], 1, d_phys[pair.d], 1)
             db = d_phys[pair.d][:units]
-            plans.append(
-                plan_transfer(pg, pb, dg, db) if local_is_p else plan_transfer(dg, db, pg, pb)
-            )
+            plans.append(_whole_chunks(pg, pb, dg, db, local_is_p))
         return RequestPlan(pairs, tuple(plans))
     p_kv = [_rank_kv(r) for r in p]
     d_kv = [_rank_kv(r) for r in d]
@@ -910,9 +908,7 @@ def plan_request(
         ):
             db = db[:units]
             pb = pb[:units]
-            plans.append(
-                plan_transfer(pg, pb, dg, db) if local_is_p else plan_transfer(dg, db, pg, pb)
-            )
+            plans.append(_whole_chunks(pg, pb, dg, db, local_is_p))
             if permute:
                 permutes.append(
                     Permute(
@@ -955,6 +951,17 @@ def plan_request(
             )
         plans.append(plan)
     return RequestPlan(pairs, tuple(plans), tuple(permutes))
+
+
+def _whole_chunks(
+    pg: Geometry, pb: Int64Array, dg: Geometry, db: Int64Array, local_is_p: bool
+) -> Plan:
+    """`plan_transfer` of physical ids already validated (`check_logical`), as the
+    caller's side sees it."""
+    for geo in (pg, dg):
+        _validate_once(geo)
+    pg.check_compatible(dg)
+    return _plan_checked(pg, pb, dg, db) if local_is_p else _plan_checked(dg, db, pg, pb)
 
 
 def _rank_kv(region: RankView) -> RankKv:
