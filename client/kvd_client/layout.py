@@ -1,13 +1,17 @@
 """Helpers to describe a KV region: its layout record and the compatibility hash.
 
-Two regions can exchange blocks only if their compatibility hashes match: protocol
-version, model, dtype, KV heads, head size, layers, tokens per block, token layout and
-transfer mode all go into it.
+A region declares a `compat` string. Either an opaque hash (`compat_hash`): two regions
+exchange blocks only if their hashes match (protocol version, model, dtype, KV heads,
+head size, layers, tokens per block, token layout and transfer mode all go into it), at
+equal TP. Or a structured KV spec (`kv_spec`): model, dtype, KV heads, head size, layers
+and MLA must agree, and kvd maps different TP sizes, block sizes and token layouts
+(NHD/HND) onto each other itself (see the README's support matrix).
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 from kvd_client import wire
 
@@ -106,3 +110,160 @@ def compat_hash(
         )
     )
     return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+# ----------------------------------------------------------------------- KV spec
+
+KV_SPEC_PREFIX = "kvspec1"
+"""First field of a structured compat string (`kv_spec`)."""
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+"""Bytes per element of the dtypes a KV spec may name."""
+
+_SPEC_LIMIT = 128  # wire limit of a compat string
+
+
+@dataclass(frozen=True, slots=True)
+class KvSpec:
+    """What a KV region holds, in the terms that decide how two sides map onto each other.
+
+    A region whose compat is a KV spec (`kv_spec`) may exchange blocks with a region of a
+    different TP size, block size or token layout (NHD/HND): kvd maps heads, tokens and
+    layouts itself. Model, dtype, KV heads, head size, layers and MLA must agree.
+    """
+
+    model: str
+    dtype: str
+    num_kv_heads: int
+    """KV heads of the whole model (all TP ranks together); 1 for MLA."""
+    head_size: int
+    """Elements per head (for MLA: the latent KV width, rope part included)."""
+    num_layers: int
+    mla: bool = False
+    """One latent KV per token, replicated on every TP rank (kv_parts 1)."""
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_size * DTYPE_BYTES[self.dtype]
+
+    def heads_on(self, tp_size: int, tp_rank: int) -> tuple[int, int]:
+        """(first global head, count) that rank `tp_rank` of `tp_size` holds.
+
+        KV heads are split evenly over the ranks; with fewer heads than ranks each head
+        is replicated on tp_size / num_kv_heads consecutive ranks (vLLM's rule); MLA's
+        latent is on every rank. Raises ValueError for a split that does not divide.
+        """
+        if self.mla:
+            return 0, 1
+        heads = self.num_kv_heads
+        if heads >= tp_size:
+            if heads % tp_size:
+                raise ValueError(f"{heads} KV heads do not split over TP {tp_size}")
+            per = heads // tp_size
+            return tp_rank * per, per
+        if tp_size % heads:
+            raise ValueError(f"TP {tp_size} is not a multiple of {heads} KV heads")
+        return tp_rank * heads // tp_size, 1
+
+
+def kv_spec(
+    *,
+    model: str,
+    dtype: str,
+    num_kv_heads: int,
+    head_size: int,
+    num_layers: int,
+    mla: bool = False,
+) -> str:
+    """A structured compat string (see `KvSpec`), at most 128 characters.
+
+    A model name too long to fit is shortened to a prefix and a hash of the whole name.
+    """
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    for name, value in (
+        ("num_kv_heads", num_kv_heads),
+        ("head_size", head_size),
+        ("num_layers", num_layers),
+    ):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if mla and num_kv_heads != 1:
+        raise ValueError(f"MLA has one latent KV head, got num_kv_heads={num_kv_heads}")
+    head = "|".join(
+        (KV_SPEC_PREFIX, dtype, str(num_kv_heads), str(head_size), str(num_layers), str(int(mla)))
+    )
+    room = _SPEC_LIMIT - len(head) - 1
+    if len(model) > room:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:12]
+        model = f"{model[: room - 13]}#{digest}"
+    return f"{head}|{model}"
+
+
+def parse_kv_spec(compat: str) -> KvSpec | None:
+    """The KvSpec a compat string states; None for an opaque compat (`compat_hash`).
+
+    Raises ValueError for a string that claims to be a spec but is malformed.
+    """
+    if not compat.startswith(KV_SPEC_PREFIX + "|"):
+        return None
+    parts = compat.split("|", 6)
+    if len(parts) != 7:
+        raise ValueError(f"malformed KV spec {compat!r}: expected 7 '|'-separated fields")
+    _, dtype, heads, size, layers, mla, model = parts
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"KV spec dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    nums: list[int] = []
+    for name, text in (("num_kv_heads", heads), ("head_size", size), ("num_layers", layers)):
+        if not text.isdigit() or int(text) <= 0 or len(text) > 9:
+            raise ValueError(f"KV spec {name} {text!r} is not a positive int")
+        nums.append(int(text))
+    if mla not in ("0", "1"):
+        raise ValueError(f"KV spec mla flag {mla!r} is not 0 or 1")
+    if mla == "1" and nums[0] != 1:
+        raise ValueError(f"KV spec: MLA has one latent KV head, not {nums[0]}")
+    if not model:
+        raise ValueError("KV spec names no model")
+    return KvSpec(model, dtype, nums[0], nums[1], nums[2], mla == "1")
+
+
+def kv_region_layout(
+    spec: KvSpec,
+    *,
+    tp_size: int,
+    tp_rank: int,
+    num_blocks: int,
+    tokens_per_block: int,
+    kv_layout: str = "NHD",
+    layer_major: bool = False,
+) -> wire.RegionLayout:
+    """The layout of one rank's region for a KV spec: chunks of tokens_per_block tokens x
+    the rank's heads x head bytes, in `kv_layout` (NHD or HND); K and V apart (one latent
+    chunk for MLA); block-major unless `layer_major`."""
+    _, heads = spec.heads_on(tp_size, tp_rank)
+    make = _LAYER_MAJOR if layer_major else block_major
+    return make(
+        num_blocks,
+        spec.num_layers,
+        tokens_per_block * heads * spec.head_bytes,
+        kv_parts=1 if spec.mla else 2,
+        tokens_per_block=tokens_per_block,
+        dtype=spec.dtype,
+        kv_layout=kv_layout,
+    )
+
+
+_LAYER_MAJOR = layer_major

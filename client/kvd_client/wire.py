@@ -708,7 +708,9 @@ class Heartbeat(Record):
 @message(63)
 @dataclasses.dataclass(frozen=True)
 class PushDone(Record):
-    """P -> D: rank `tp_rank`'s WRITE into D's blocks finished (ok) or failed."""
+    """P -> D: WRITE number `tp_rank` of the request into D's blocks finished (ok) or
+    failed. A request's WRITEs are one per pair of memory types (usually one for all TP
+    ranks, `kvd.actors.transfers.transfer_groups`); D counts them; a failure may name 0."""
 
     request_id: Id
     tp_rank: U16

@@ -47,6 +47,7 @@ class RemoteRegion:
     compat: str
     mem_type: str = "DRAM"
     device: int = 0
+    layout: wire.RegionLayout | None = None
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,13 @@ machine.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
+import anyio
+import numpy as np
 import structlog
 from kvd_client import wire
 from kvd_client.errors import (
@@ -41,10 +44,16 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
-from kvd.core.planner import check_logical, plan_ranks
+from kvd.core.planner import (
+    Permute,
+    check_logical,
+    permute_chunks,
+    plan_request,
+    receive_permutes,
+)
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -56,11 +65,17 @@ _REFUSED: Final = (AuthError, Incompatible, InvalidRequest, RemoteProtocolError)
 
 @dataclass(frozen=True)
 class _View:
-    """What a resolved request's transfer needs (opaque to the machine)."""
+    """What a resolved request's transfer needs (opaque to the machine): one entry per
+    transfer (rank pair) in each list."""
 
     local: list[LocalRegion]
     remote: list[RemoteRegion]
     plans: list[Any]
+    notifs: list[bytes]
+    """One (empty) per NIXL transfer (`transfer_groups`)."""
+    permutes: dict[int, list[tuple[LocalRegion, Permute]]] = field(default_factory=dict)
+    """Receive permutes (`kvd.core.planner.permutes_on_receive`) by transfer (group)
+    index: done before that transfer is reported to the machine; each taken once."""
 
 
 class Receiver(TransferActor):
@@ -150,11 +165,7 @@ class Receiver(TransferActor):
             check_logical(reg.geometry, m.block_ids)  # bounds, before anything else
         remote_blocks: tuple[int, ...] = ()
         if isinstance(m, wire.Pull):
-            remote_blocks = m.remote_block_ids
-            if len(m.block_ids) > len(remote_blocks):
-                raise InvalidRequest(
-                    f"{len(m.block_ids)} local blocks but P offers only {len(remote_blocks)}"
-                )
+            remote_blocks = m.remote_block_ids  # how they pair with ours: the planner's
         return proto.Load(
             request_id=m.request_id,
             session=session,
@@ -174,6 +185,12 @@ class Receiver(TransferActor):
         if not self._known(agent, msg):
             return
         if isinstance(msg, wire.PushDone):
+            req = self.proto.reqs.get(msg.request_id)
+            view = req.view if req is not None else None
+            jobs = view.permutes.pop(msg.tp_rank, None) if isinstance(view, _View) else None
+            if jobs and msg.ok:  # the machine hears of it once D's bytes are in D's layout
+                self._spawn(self._permuted_push, agent, msg, jobs)
+                return
             self._feed(proto.PushDoneArrived(agent, msg), now)
         elif isinstance(msg, wire.PullAck):
             self._feed(proto.PullAckArrived(agent, msg), now)
@@ -228,7 +245,7 @@ class Receiver(TransferActor):
             local = local_ranks(self.local, load.engine_id)
         except KvdError:
             return None
-        remote = _ranks_for(info, load.remote_engine_id, len(local))
+        remote = _ranks_for(info, load.remote_engine_id)
         return (local, info, remote) if remote is not None else None
 
     async def _resolve(self, eff: proto.Resolve) -> None:
@@ -236,7 +253,7 @@ class Receiver(TransferActor):
         load = eff.load
         try:
             local = local_ranks(self.local, load.engine_id)
-            info, remote = await self._peer_ranks(load, len(local), eff.refresh)
+            info, remote = await self._peer_ranks(load, eff.refresh)
         except KvdError as exc:
             self._outcome(proto.PeerUnresolved(load.request_id, exc))
             return
@@ -251,9 +268,11 @@ class Receiver(TransferActor):
     ) -> proto.Event:
         """The request checked against P's regions, and what starts its transfer."""
         try:
-            check_compat(p=remote, d=local)
             first: wire.Record
-            plans: list[Any] = []
+            plans: tuple[Any, ...] = ()
+            permutes: tuple[Permute, ...] = ()
+            # refuses a pair that cannot map, naming both sides' values
+            pairs, permutes = receive_permutes(remote, local, load.block_ids)
             if load.mode == "push":
                 first = wire.PushRegistration(
                     request_id=load.request_id,
@@ -270,14 +289,11 @@ class Receiver(TransferActor):
                 )
             else:
                 n = len(load.block_ids)
-                p_blocks = load.remote_block_ids[len(load.remote_block_ids) - n :] if n else ()
                 if n:
-                    plans = plan_ranks(
-                        [r.geometry for r in local],
-                        load.block_ids,
-                        [r.geometry for r in remote],
-                        p_blocks,
+                    rp = plan_request(
+                        remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
                     )
+                    pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
                 first = wire.PullDone(
                     load.remote_request_id,
                     load.request_id,
@@ -290,17 +306,24 @@ class Receiver(TransferActor):
         if self.trace.on:
             self._mark(load.request_id, "resolved")
             self.trace.link(load.request_id, info.agent, load.remote_request_id)
+        locs = [local[x.d] for x in pairs]
+        rems = [remote[x.p] for x in pairs]
+        groups = transfer_groups(locs, rems)  # push: one PushDone each
+        group_of = {i: g for g, members in enumerate(groups) for i in members}
+        by_group: dict[int, list[tuple[LocalRegion, Permute]]] = {}
+        for job in permutes:
+            by_group.setdefault(group_of[job.pair], []).append((locs[job.pair], job))
+        transfers = len(groups)
+        if load.mode == "pull" and not plans:
+            view = _View([], [], [], [])
+        else:
+            view = _View(locs, rems, list(plans), [b""] * transfers, by_group)
         return proto.PeerResolved(
-            load.request_id,
-            info.agent,
-            info.handshaked_at,
-            len(remote),
-            first,
-            _View(local, remote, plans),
+            load.request_id, info.agent, info.handshaked_at, transfers, first, view
         )
 
     async def _peer_ranks(
-        self, load: proto.Load, tp: int, refresh: bool
+        self, load: proto.Load, refresh: bool
     ) -> tuple[PeerInfo, list[RemoteRegion]]:
         """The peer's regions for the request's engine, re-handshaking once if they are not
         (yet) known. The peer must be the daemon the request's incarnation names (if
@@ -318,15 +341,16 @@ class Receiver(TransferActor):
             )
         engine_id = load.remote_engine_id
         for attempt in range(2):
-            ranks = _ranks_for(info, engine_id, tp)
+            ranks = _ranks_for(info, engine_id)
             if ranks is not None:
                 return info, ranks
             if attempt == 0 and not refresh:
                 info = await self._peer(load.host, load.port, refresh=True)
         ranks = _ranks_of(info, engine_id)
+        tp = ranks[0].tp_size if ranks else 0
         raise Incompatible(
             f"peer {info.agent} has {len(ranks)} regions for engine {engine_id!r}, "
-            f"need {tp} (equal TP)"
+            f"not all {tp} ranks of its TP"
         )
 
     def _disconnected(self, agent: str, exc: KvdError) -> bool:
@@ -377,13 +401,44 @@ class Receiver(TransferActor):
                 view.local,
                 view.remote,
                 view.plans,
-                [b""] * len(view.plans),
+                view.notifs,
             )
+            jobs = [job for group in view.permutes.values() for job in group]
+            view.permutes.clear()
+            if jobs:
+                await self._permute(jobs)
         except KvdError as exc:
             # lost under a posted READ: fail; a stale view when posting: handshake again
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
             return
         self._outcome(proto.ReadDone(eff.request_id))
+
+    async def _permute(self, jobs: list[tuple[LocalRegion, Permute]]) -> None:
+        """Permute received blocks into D's token layout, in a worker thread (numpy copies
+        release the GIL), with the regions held like a transfer holds them (a region
+        being released is not touched: TransferError)."""
+        book = self.book
+        for loc, _ in jobs:
+            if loc.region_id in book.releasing:
+                raise TransferError(f"local region {loc.region_id} is being released")
+        for loc, _ in jobs:
+            book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
+        try:
+            await anyio.to_thread.run_sync(_run_permutes, jobs)
+        finally:
+            for loc, _ in jobs:
+                book.local[loc.region_id] -= 1
+            book.wake()
+        self._count("receive_permutes", len(jobs))
+
+    async def _permuted_push(
+        self, agent: str, msg: wire.PushDone, jobs: list[tuple[LocalRegion, Permute]]
+    ) -> None:
+        try:
+            await self._permute(jobs)
+        except KvdError as exc:
+            msg = wire.PushDone(msg.request_id, msg.tp_rank, False, int(exc.code), exc.message)
+        self._outcome(proto.PushDoneArrived(agent, msg))
 
     async def _reach(self, peer: str, msg: wire.Record, ids: int) -> None:
         """One heartbeat (or probe) to the P at `peer`; its outcome feeds the give-up rule."""
@@ -461,6 +516,13 @@ class Receiver(TransferActor):
         }
 
 
+def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:
+    for loc, job in jobs:
+        g = loc.geometry
+        raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
+        permute_chunks(np.ctypeslib.as_array(raw), g, job)
+
+
 def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:
     """P's regions of `engine_id` (of its only engine when none is named)."""
     if engine_id:
@@ -469,7 +531,9 @@ def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:
     return info.ranks(next(iter(engines))) if len(engines) == 1 else []
 
 
-def _ranks_for(info: PeerInfo, engine_id: str, tp: int) -> list[RemoteRegion] | None:
-    """P's regions for a request of `tp` ranks, if P has exactly ranks 0..tp-1."""
+def _ranks_for(info: PeerInfo, engine_id: str) -> list[RemoteRegion] | None:
+    """P's regions of the engine, if P has every rank of its TP (ranks 0..tp_size-1)."""
     ranks = _ranks_of(info, engine_id)
-    return ranks if [x.tp_rank for x in ranks] == list(range(tp)) else None
+    if not ranks or [x.tp_rank for x in ranks] != list(range(ranks[0].tp_size)):
+        return None
+    return ranks

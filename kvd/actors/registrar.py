@@ -88,6 +88,7 @@ from kvd.core.addresses import address_problem
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.planner import Geometry
 from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
+from kvd.core.topology import check_region
 from kvd.core.trace import NO_TRACE, Found, StageTrace
 from kvd.logs import RejectLog
 
@@ -305,6 +306,7 @@ class Registrar:
                     f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}"
                 )
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
+        check_region(m.compat, m.layout, m.tp_size, m.tp_rank)  # a KV spec must fit the layout
         mapping: MappedRegion | CudaIpcRegion
         if m.kind == "shm":
             mapping, mem, dev = MappedRegion(m.name, m.nbytes), "DRAM", 0
@@ -500,7 +502,12 @@ class Registrar:
                 ri.compat,
                 ri.mem_type,
                 ri.device,
+                ri.layout,
             )
+            try:
+                check_region(ri.compat, ri.layout, ri.tp_size, ri.tp_rank)
+            except InvalidRequest as exc:
+                raise RemoteProtocolError(f"peer region {ri.region_id}: {exc.message}") from None
             if ri.mem_type not in ("DRAM", "VRAM"):
                 raise RemoteProtocolError(
                     f"peer region {ri.region_id}: unknown memory type {ri.mem_type!r}"

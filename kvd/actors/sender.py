@@ -31,9 +31,9 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, check_compat, local_ranks
+from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
 from kvd.core import sender as proto
-from kvd.core.planner import check_logical, plan_ranks
+from kvd.core.planner import check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -210,20 +210,18 @@ class Sender(TransferActor):
         try:
             local = self._local_ranks(eff.engine_id)
             remote: list[RemoteRegion] = eff.view  # type: ignore[assignment]
-            if len(remote) != len(local) or reg.tp_size != len(local):
-                raise Incompatible(f"TP mismatch: P has {len(local)} ranks, D has {len(remote)}")
-            check_compat(p=local, d=remote)
-            plans = plan_ranks(
-                [r.geometry for r in local],
-                eff.p_blocks,
-                [r.geometry for r in remote],
-                reg.block_ids,
-            )
-            notifs = [
-                wire.encode(wire.PushDone(reg.request_id, rank, True, 0, ""))
-                for rank in range(len(local))
+            if reg.tp_size != len(remote):
+                raise Incompatible(
+                    f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
+                )
+            rp = plan_request(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+            locs = [local[x.p] for x in rp.pairs]
+            rems = [remote[x.d] for x in rp.pairs]
+            notifs = [  # one per transfer: D counts them
+                wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
+                for i in range(len(transfer_groups(locs, rems)))
             ]
-            await self.book.run("WRITE", eff.key, eff.agent, local, remote, plans, notifs)
+            await self.book.run("WRITE", eff.key, eff.agent, locs, rems, rp.plans, notifs)
         except KvdError as exc:
             self._outcome(proto.WriteDone(eff.key, exc))
             return

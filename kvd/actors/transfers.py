@@ -4,11 +4,13 @@
 post a transfer and wait for it. `kvd.adapters.nixl.NixlEngine` implements it; a test
 can implement it with a fake that injects faults.
 
-`TransferBook` posts one transfer per TP rank and keeps, for the region drains, how many
-transfers touch each local region and each remote (agent, region): a region is freed
-(locally) or forgotten (a peer's) only once nothing in flight touches it, and no new
-transfer starts from a local region being released. It also keeps the recent transfers
-for `kvd transfers`. Each actor owns its own book (no state shared between actors).
+`TransferBook` posts the descriptors of every rank pair (`kvd.core.topology.map_ranks`)
+of a request as one NIXL transfer per pair of memory types (usually one) and keeps, for
+the region drains, how many transfers touch each local region and each remote (agent,
+region): a region is freed (locally) or forgotten (a peer's) only once nothing in flight
+touches it, and no new transfer starts from a local region being released. It also keeps
+the recent transfers for `kvd transfers`. Each actor owns its own book (no state shared
+between actors).
 
 `TransferActor` is the shell both actors share: the loop that sleeps until the machine's
 next deadline or the next message, feeds the machine, and carries out the effects common
@@ -34,7 +36,7 @@ import numpy as np
 import structlog
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.errors import InvalidRequest, KvdError, NotFound, TransferError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -351,11 +353,17 @@ class TransferBook:
         plans: Sequence[Plan],
         notifs: Sequence[bytes],
     ) -> None:
-        """Post one transfer per rank concurrently and wait for all; raise the first
-        failure (a KvdError). With no descriptors, only the notification is sent."""
+        """Move `plans[i]` between `local[i]` and `remote[i]` for every rank pair i, as one
+        NIXL transfer per group of pairs of the same memory types (`transfer_groups`:
+        usually one for the whole request), posted concurrently; `notifs[g]` goes with
+        group g. Waits for all; raises the first failure (a KvdError). A group with no
+        descriptors only sends its notification."""
         for loc in local:
             if loc.region_id in self.releasing:
                 raise TransferError(f"local region {loc.region_id} is being released")
+        groups = transfer_groups(local, remote)
+        if len(notifs) != len(groups):
+            raise KvdError(f"{len(notifs)} notifications for {len(groups)} transfers")
         total = sum(p.total_bytes for p in plans)
         descs = sum(p.descriptors for p in plans)
         rec: dict[str, Any] = {
@@ -365,6 +373,7 @@ class TransferBook:
             "bytes": total,
             "descriptors": descs,
             "ranks": len(plans),
+            "transfers": len(groups),
             "state": "in_flight",
             "started": time.time(),
         }
@@ -379,19 +388,23 @@ class TransferBook:
         if tid:
             self.trace.mark(tid, "transfer.handed")
         try:
-            if len(plans) == 1:  # one rank: no task group (it costs a task per request)
-                await self._one(op, agent, plans[0], notifs[0], local[0], remote[0], errors, tid)
+            work = [
+                (_merged(plans, local, remote, group), notif)
+                for group, notif in zip(groups, notifs, strict=True)
+            ]
+            if len(work) == 1:  # one transfer: no task group (it costs a task per request)
+                await self._one(op, agent, *work[0][0], work[0][1], errors, tid)
             else:
                 async with anyio.create_task_group() as tg:
-                    for plan, notif, loc, rem in zip(plans, notifs, local, remote, strict=True):
-                        tg.start_soon(self._one, op, agent, plan, notif, loc, rem, errors, tid)
+                    for merged, notif in work:
+                        tg.start_soon(self._one, op, agent, *merged, notif, errors, tid)
         finally:
             if tid:
                 self.trace.mark(tid, "transfer.returned")
             for loc, rem in zip(local, remote, strict=True):
                 self.local[loc.region_id] -= 1
                 self.remote[(agent, rem.region_id)] -= 1
-            self._wake()
+            self.wake()
             self.in_flight.pop(key, None)
             rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             rec["state"] = "failed" if errors else "done"
@@ -406,25 +419,27 @@ class TransferBook:
         self,
         op: str,
         agent: str,
-        plan: Plan,
+        local: np.ndarray,
+        remote: np.ndarray,
+        nbytes: int,
+        local_mem: str,
+        remote_mem: str,
         notif: bytes,
-        loc: LocalRegion,
-        rem: RemoteRegion,
         errors: list[KvdError],
         trace_id: str = "",
     ) -> None:
         try:
-            if plan.descriptors:
+            if local.shape[0]:
                 await self.transport.transfer(
                     op,
-                    plan.as_tuples_local(loc.device),
-                    plan.as_tuples_remote(rem.device),
+                    local,
+                    remote,
                     agent,
                     notif,
                     self.transfer_timeout,
-                    plan.total_bytes,
-                    local_mem=loc.mem_type,
-                    remote_mem=rem.mem_type,
+                    nbytes,
+                    local_mem=local_mem,
+                    remote_mem=remote_mem,
                     trace_id=trace_id,
                 )
             elif notif:
@@ -434,8 +449,9 @@ class TransferBook:
 
     # ---------------------------------------------------------------- drains
 
-    def _wake(self) -> None:
-        """A transfer ended: let every drain re-check its region (drains are rare)."""
+    def wake(self) -> None:
+        """A transfer (or a receive step holding a region) ended: let every drain re-check
+        its region (drains are rare)."""
         if self._wakeup is not None:
             self._wakeup.set()
             self._wakeup = None
@@ -470,6 +486,41 @@ def _peer_addr(m: wire.Record) -> str:
     return f"{host}:{port}" if host else ""
 
 
+def transfer_groups(
+    local: Sequence[LocalRegion | RemoteRegion], remote: Sequence[LocalRegion | RemoteRegion]
+) -> list[list[int]]:
+    """The rank pairs (indices into `local`/`remote`) that one NIXL transfer carries: pairs
+    of the same (local, remote) memory types, in order of first appearance. A NIXL
+    descriptor list has one memory type, and every region of a side lives in one agent, so
+    this is usually a single transfer for the whole request. Both ends compute it (D
+    counts one completion per group)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, (loc, rem) in enumerate(zip(local, remote, strict=True)):
+        groups.setdefault((loc.mem_type, rem.mem_type), []).append(i)
+    return list(groups.values())
+
+
+def _merged(
+    plans: Sequence[Plan],
+    local: Sequence[LocalRegion],
+    remote: Sequence[RemoteRegion],
+    group: list[int],
+) -> tuple[np.ndarray, np.ndarray, int, str, str]:
+    """One descriptor list per side for a group of pairs (each row with its region's device)."""
+    if len(group) == 1:
+        i = group[0]
+        plan = plans[i]
+        loc_t, rem_t = (
+            plan.as_tuples_local(local[i].device),
+            plan.as_tuples_remote(remote[i].device),
+        )
+    else:
+        loc_t = np.concatenate([plans[i].as_tuples_local(local[i].device) for i in group])
+        rem_t = np.concatenate([plans[i].as_tuples_remote(remote[i].device) for i in group])
+    nbytes = sum(plans[i].total_bytes for i in group)
+    return loc_t, rem_t, nbytes, local[group[0]].mem_type, remote[group[0]].mem_type
+
+
 def local_ranks(local: dict[tuple[str, int], LocalRegion], engine_id: str) -> list[LocalRegion]:
     """An engine's regions by rank; every rank of its TP must be registered."""
     regs = sorted((r for (e, _), r in local.items() if e == engine_id), key=lambda r: r.tp_rank)
@@ -479,21 +530,3 @@ def local_ranks(local: dict[tuple[str, int], LocalRegion], engine_id: str) -> li
     if len(regs) != tp or [r.tp_rank for r in regs] != list(range(tp)):
         raise InvalidRequest(f"engine {engine_id!r} registered {len(regs)} of {tp} ranks")
     return regs
-
-
-def check_compat(
-    *, p: Sequence[LocalRegion | RemoteRegion], d: Sequence[LocalRegion | RemoteRegion]
-) -> None:
-    """Refuse unless each P rank and its D rank declare the same, non-empty compat.
-
-    Our own regions always have one (the registrar refuses an empty compat); a peer's
-    empty one (a peer from before that rule) matches nothing. The reason names both
-    values in full, so an operator sees which side to fix.
-    """
-    for pr, dr in zip(p, d, strict=True):
-        if pr.compat and pr.compat == dr.compat:
-            continue
-        raise Incompatible(
-            f"KV compatibility differs: P rank {pr.tp_rank} {pr.compat!r} "
-            f"vs D rank {dr.tp_rank} {dr.compat!r}"
-        )

@@ -111,6 +111,9 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             ecs["warm_over_memcpy"] <= 1.2,
             "x",
         )
+    topo = sc.get("topology")
+    if topo:
+        out.extend(topology_targets(topo))
     return out
 
 
@@ -140,7 +143,67 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(scale_table(sc["scale"]))
     if "ec" in sc:
         console.print(ec_table(sc["ec"]))
+    if "topology" in sc:
+        console.print(topology_table(sc["topology"]))
     console.print(targets_table(res["targets"]))
+
+
+HETERO_TP_GOAL = 0.9
+"""Heterogeneous TP moves the same bytes at >= this fraction of the equal-TP rate."""
+CONVERT_GOAL = 1.5
+"""A layout conversion costs at most this many memcpys of the request."""
+
+
+def topology_targets(topo: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for name, v in topo["tp"].items():
+        if name.startswith("TP 4->4"):
+            continue
+        r = float(v["vs_equal_tp"])
+        out.append(
+            {
+                "target": f"{name} / equal TP",
+                "goal": f">= {HETERO_TP_GOAL}x",
+                "value": r,
+                "unit": "x",
+                "met": r >= HETERO_TP_GOAL,
+                "case": "",
+            }
+        )
+    conv = topo["convert"]
+    for name in ("conversion push", "conversion pull"):
+        r = float(conv[name]["vs_memcpy"])
+        out.append(
+            {
+                "target": f"{conv['bytes'] >> 20} MiB NHD->HND {name} (added time) / memcpy",
+                "goal": f"<= {CONVERT_GOAL}x",
+                "value": r,
+                "unit": "x",
+                "met": r <= CONVERT_GOAL,
+                "case": "",
+            }
+        )
+    return out
+
+
+def topology_table(topo: dict[str, Any]) -> Table:
+    cfg = topo["config"]
+    t = Table(
+        title=f"5. any P onto any D: {cfg['request_bytes'] / 2**20:.0f} MiB per request "
+        f"({cfg['blocks']} blocks, {cfg['heads']} KV heads x {cfg['head_size']} bf16, "
+        f"{cfg['layers']} layers), median of {cfg['reps']}"
+    )
+    for col in ("contender", "ms", "GB/s", "/equal TP or /memcpy"):
+        t.add_column(col, justify="left" if col == "contender" else "right")
+    for name, v in topo["tp"].items():
+        t.add_row(name, f"{v['median_ms']:.1f}", f"{v['gbps']:.2f}", f"{v['vs_equal_tp']:.2f}")
+    conv = topo["convert"]
+    t.add_row(f"[bold]conversion, {conv['bytes'] >> 20} MiB[/bold]")
+    for name, v in conv.items():
+        if name == "bytes":
+            continue
+        t.add_row(name, f"{v['median_ms']:.1f}", "", f"{v['vs_memcpy']:.2f}")
+    return t
 
 
 def dataplane_table(dp: dict[str, Any]) -> Table:

@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvd.bench import SCENARIOS, control, dataplane, ec, idle, report, scale
+from kvd.bench import SCENARIOS, control, dataplane, ec, idle, report, scale, topology
 from kvd.bench.common import Env, machine, status, status_client
 from kvd.bench.raw import RawInitiator, RawPeerProcess
 from kvd.demo import DaemonProc, start_daemon
@@ -113,11 +113,13 @@ def run_bench(
     ctl_cfg = control.ControlConfig.quick() if quick else control.ControlConfig()
     sc_cfg = scale.ScaleConfig.quick() if quick else scale.ScaleConfig()
     ec_cfg = ec.ECConfig.quick() if quick else ec.ECConfig()
+    topo_cfg = topology.TopoConfig.quick() if quick else topology.TopoConfig()
     steps = {
         "dataplane": len(dataplane.LAYOUTS) * len(dataplane.ALLOCATIONS) * (dp_cfg.reps + 1),
         "control": control.steps(ctl_cfg),
         "scale": scale.steps(sc_cfg),
         "ec": ec.steps(ec_cfg),
+        "topology": topology.steps(topo_cfg),
     }
     t_start = time.perf_counter()
     with Progress(
@@ -138,6 +140,7 @@ def run_bench(
             pairs: list[dataplane.Pair] = []
             ctl: control.CtlPair | None = None
             ecs: ec.ECPair | None = None
+            topo = topology.TopoSet()
             try:
                 if "dataplane" in chosen:
                     dataplane.setup(env, dp_cfg, pairs)
@@ -145,6 +148,8 @@ def run_bench(
                     ctl = control.setup(env, ctl_cfg)
                 if "ec" in chosen:
                     ecs = ec.setup(env)
+                if "topology" in chosen:
+                    topology.setup(env, topo_cfg, topo)
                 bases = dataplane.raw_bases(env, pairs) if pairs else {}
                 ec_bases = ec.raw_bases(env, ecs) if ecs is not None else None
                 env.raw.connect()
@@ -164,7 +169,12 @@ def run_bench(
                 if "ec" in chosen:
                     assert ecs is not None and ec_bases is not None
                     results["scenarios"]["ec"] = ec.run(env, ec_cfg, ecs, ec_bases, seed, progress)
+                if "topology" in chosen:
+                    results["scenarios"]["topology"] = topology.run(
+                        env, topo_cfg, topo, seed, progress
+                    )
             finally:
+                topo.close()
                 dataplane.teardown(pairs)
                 if ctl is not None:
                     ctl.close()

@@ -27,7 +27,10 @@ from typing import Any, Final, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
+from kvd_client import wire
 from kvd_client.errors import Incompatible, InvalidRequest, KvdError
+
+from kvd.core.topology import Pair, RankKv, check_region, map_ranks
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -628,22 +631,343 @@ def check_logical(geometry: Geometry, logical: Sequence[int]) -> Int64Array:
     return check_blocks(geometry, expand_logical(logical, ratio))
 
 
-def plan_ranks(
-    local: Sequence[Geometry],
-    local_blocks: Sequence[int],
-    remote: Sequence[Geometry],
-    remote_blocks: Sequence[int],
-) -> list[Plan]:
-    """One coalesced plan per TP rank pair (equal TP: rank i with rank i), from logical
-    block ids on each side (expanded and validated per region).
+# ------------------------------------------------------------------ any P onto any D
 
-    Raises Incompatible if the two sides have different rank counts, InvalidRequest for
-    a block outside a region.
+
+class RankView(Protocol):
+    """One rank's region as `plan_request` needs it (LocalRegion, RemoteRegion)."""
+
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def compat(self) -> str: ...
+    @property
+    def geometry(self) -> Geometry: ...
+    @property
+    def layout(self) -> wire.RegionLayout | None: ...
+    @property
+    def mem_type(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Permute:
+    """A receive step: D rank `d`'s `blocks` (physical) arrived in P's token layout
+    `src_layout` (whole chunks) and are permuted in place into D's own before D reports
+    them done. `pair`: the index of its rank pair in the request's pairs."""
+
+    pair: int
+    blocks: Int64Array
+    src_layout: str
+    tokens: int
+    heads: int
+    head_bytes: int
+
+
+def permutes_on_receive(p_kv: RankKv, d_kv: RankKv, pair: Pair, d_mem: str) -> bool:
+    """Whether a pair moves whole chunks in P's layout and D permutes them on receive,
+    rather than descriptors landing every (token, head) in D's layout: when only the
+    token layout differs (same heads, same block size) and D's region is host memory
+    (the daemon permutes it with numpy; GPU memory keeps the descriptors). One
+    descriptor per (token, head) costs hundreds of memcpys; the permute a few
+    (`kvd bench --only topology`). P and D decide alike from the same views."""
+    return (
+        pair.whole
+        and p_kv.tokens_per_block == d_kv.tokens_per_block
+        and p_kv.kv_layout != d_kv.kv_layout
+        and d_mem == "DRAM"
+    )
+
+
+def receive_permutes(
+    p: Sequence[RankView], d: Sequence[RankView], d_logical: Sequence[int]
+) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
+    """D's side of `plan_request` without P's blocks (push: P plans the WRITE): the pairs,
+    and the receive permutes D owes (all of a permuted rank's blocks are filled)."""
+    pairs = map_ranks(p, d)
+    if not pairs or pairs[0].heads == 0:
+        return pairs, ()
+    out: list[Permute] = []
+    for i, pair in enumerate(pairs):
+        pk, dk = _rank_kv(p[pair.p]), _rank_kv(d[pair.d])
+        if permutes_on_receive(pk, dk, pair, d[pair.d].mem_type):
+            blocks = check_logical(d[pair.d].geometry, d_logical)
+            out.append(
+                Permute(i, blocks, pk.kv_layout, dk.tokens_per_block, dk.heads, dk.head_bytes)
+            )
+    return pairs, tuple(out)
+
+
+def permute_chunks(buf: npt.NDArray[np.uint8], geometry: Geometry, job: Permute) -> None:
+    """Permute `job.blocks`' chunks of the region whose bytes `buf` holds (from
+    `geometry.base_addr`) from `job.src_layout` into the other token layout, in place.
+
+    Two passes over the bytes: each run of consecutive blocks is copied out, then written
+    back transposed through a strided view of the destination layout (numpy checks that
+    both views lie inside `buf`).
     """
-    if len(local) != len(remote):
-        raise Incompatible(f"TP mismatch: {len(local)} local ranks, {len(remote)} remote")
-    plans = []
-    for loc, rem in zip(local, remote, strict=True):
-        lb, rb = _prepare(loc, local_blocks, rem, remote_blocks, check_logical)
-        plans.append(_plan_checked(loc, lb, rem, rb))
-    return plans
+    g = geometry
+    n = int(job.blocks.shape[0])
+    if n == 0:
+        return
+    t, h, hb = job.tokens, job.heads, job.head_bytes
+    blocks = np.sort(job.blocks)
+    cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
+    starts = np.concatenate(([0], cuts))
+    ends = np.concatenate((cuts, [n]))
+    # (token, head) strides of the source and destination layouts inside a chunk
+    nhd, hnd = (h * hb, hb), (hb, t * hb)
+    src_steps, dst_steps = (nhd, hnd) if job.src_layout == "NHD" else (hnd, nhd)
+    outer = (g.block_stride, g.layer_stride, g.kv_stride)
+    head = np.dtype((np.void, hb))  # a head's bytes move as one item (numpy memcpys it)
+    for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
+        first, count = int(blocks[lo]), hi - lo
+        at = buf[first * g.block_stride :]
+        shape = (count, g.num_layers, g.kv_parts, t, h)
+        src = np.ndarray(shape, head, buffer=at, strides=(*outer, *src_steps))
+        dst = np.ndarray(shape, head, buffer=at, strides=(*outer, *dst_steps))
+        dst[...] = src.copy()
+
+
+def align_tokens(
+    p_blocks: Int64Array, p_tokens: int, d_blocks: Int64Array, d_tokens: int
+) -> tuple[Int64Array, int, int]:
+    """P's physical blocks D's blocks take, the token unit and the number of units.
+
+    D's blocks are the tail of the request's blocks on D (D may hold a prefix itself):
+    they start on a boundary of the larger of the two block sizes, and the last block on
+    either side may be partly filled. With equal block sizes this is "D's n blocks take
+    P's last n". Returns (P's blocks from the first one D takes, unit tokens G, units),
+    where G is the smaller block size and the units are what both sides hold.
+    """
+    m, n = int(p_blocks.shape[0]), int(d_blocks.shape[0])
+    small, large = min(p_tokens, d_tokens), max(p_tokens, d_tokens)
+    if large % small:
+        raise Incompatible(
+            f"block sizes differ by a non-integer factor: P {p_tokens}, D {d_tokens} tokens"
+        )
+    k = large // small
+    if p_tokens == d_tokens:
+        if n > m:
+            raise InvalidRequest(f"D has {n} blocks to fill but P has only {m}")
+        return p_blocks[m - n :], small, n
+    if d_tokens > p_tokens:  # each D block takes k of P's
+        spans = -(-m // k)
+        if n > spans:
+            raise InvalidRequest(
+                f"D has {n} blocks of {d_tokens} tokens to fill but P's {m} blocks of "
+                f"{p_tokens} tokens span only {spans}"
+            )
+        taken = p_blocks[(spans - n) * k :]
+        return taken, small, int(taken.shape[0])
+    spans = -(-n // k)  # P blocks D's blocks reach into
+    if spans > m:
+        raise InvalidRequest(
+            f"D has {n} blocks of {d_tokens} tokens to fill but P has only {m} blocks of "
+            f"{p_tokens} tokens"
+        )
+    return p_blocks[m - spans :], small, n
+
+
+def _unit_offsets(
+    blocks: Int64Array, geo: Geometry, tokens: int, unit: int, units: int, token_step: int
+) -> Int64Array:
+    tok = np.arange(units, dtype=np.int64) * unit
+    out: Int64Array = blocks[tok // tokens] * geo.block_stride + (tok % tokens) * token_step
+    return out
+
+
+def plan_heads(
+    local: Geometry,
+    local_kv: RankKv,
+    local_blocks: Int64Array,
+    remote: Geometry,
+    remote_kv: RankKv,
+    remote_blocks: Int64Array,
+    *,
+    unit: int,
+    units: int,
+    local_head: int,
+    remote_head: int,
+    heads: int,
+) -> Plan:
+    """Descriptors moving `heads` heads (from local head `local_head` and remote head
+    `remote_head`) of `units` token units of `unit` tokens, each side in its own block
+    size and token layout (NHD/HND): bytes land in the destination's layout.
+
+    Block ids are physical and validated; the i-th unit lies in block
+    ``blocks[i*unit // tokens_per_block]`` on each side. Neighbours contiguous on both
+    sides merge, so matching layouts and whole heads cost what whole chunks cost; a head
+    slice costs one descriptor per token run in NHD and per head run in HND; a layout
+    conversion costs one per (token, head).
+    """
+    _validate_once(local)
+    _validate_once(remote)
+    if units == 0:
+        empty = np.empty(0, dtype=np.int64)
+        return Plan(_frozen(empty), _frozen(empty.copy()), _frozen(empty.copy()))
+    hb = local_kv.head_bytes
+    lu = _unit_offsets(
+        local_blocks, local, local_kv.tokens_per_block, unit, units, local_kv.token_step
+    )
+    ru = _unit_offsets(
+        remote_blocks, remote, remote_kv.tokens_per_block, unit, units, remote_kv.token_step
+    )
+    layers = np.arange(local.num_layers, dtype=np.int64)
+    parts = np.arange(local.kv_parts, dtype=np.int64)
+    toks = np.arange(unit, dtype=np.int64)
+    hs = np.arange(heads, dtype=np.int64)
+    outer: list[tuple[int, _Dim]] = [
+        (local.block_stride, (lu, ru, None, None)),
+        (
+            local.layer_stride,
+            (
+                layers * local.layer_stride,
+                layers * remote.layer_stride,
+                local.layer_stride,
+                remote.layer_stride,
+            ),
+        ),
+        (
+            local.kv_stride,
+            (parts * local.kv_stride, parts * remote.kv_stride, local.kv_stride, remote.kv_stride),
+        ),
+    ]
+    outer.sort(key=lambda dim: -dim[0] if dim[1][0].shape[0] > 1 else 0)
+    tok_dim: _Dim = (
+        toks * local_kv.token_step,
+        toks * remote_kv.token_step,
+        local_kv.token_step,
+        remote_kv.token_step,
+    )
+    head_dim: _Dim = (
+        (local_head + hs) * local_kv.head_step,
+        (remote_head + hs) * remote_kv.head_step,
+        local_kv.head_step,
+        remote_kv.head_step,
+    )
+    inner = [tok_dim, head_dim] if local_kv.kv_layout == "NHD" else [head_dim, tok_dim]
+    dims = [d for _, d in outer] + inner
+    la, ra, lengths = _coalesced(local.base_addr, remote.base_addr, dims, hb)
+    return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestPlan:
+    """The transfers of one request: `pairs[i]` moves `plans[i]` (local/remote as the
+    caller's side) between P rank `pairs[i].p` and D rank `pairs[i].d`."""
+
+    pairs: tuple[Pair, ...]
+    plans: tuple[Plan, ...]
+    permutes: tuple[Permute, ...] = ()
+    """What D permutes on receive (`permutes_on_receive`), by pair index."""
+
+
+def plan_request(
+    p: Sequence[RankView],
+    p_logical: Sequence[int],
+    d: Sequence[RankView],
+    d_logical: Sequence[int],
+    *,
+    local_is_p: bool,
+) -> RequestPlan:
+    """Plan every transfer of a request from P's ranks to D's (each in rank order), from
+    logical block ids on each side: D's blocks take the tail of P's (`align_tokens`).
+
+    Raises Incompatible (naming both sides' values) unless the two sides can map
+    (`kvd.core.topology.map_ranks`), InvalidRequest for a block outside a region or
+    counts that cannot match.
+    """
+    pairs = map_ranks(p, d)
+    p_phys = [check_logical(r.geometry, p_logical) for r in p]
+    d_phys = [check_logical(r.geometry, d_logical) for r in d]
+    plans: list[Plan] = []
+    if pairs and pairs[0].heads == 0:  # opaque compat: equal TP, whole chunks, equal sizes
+        for pair in pairs:
+            pg, dg = p[pair.p].geometry, d[pair.d].geometry
+            pb, _, units = align_tokens(p_phys[pair.p], 1, d_phys[pair.d], 1)
+            db = d_phys[pair.d][:units]
+            plans.append(_whole_chunks(pg, pb, dg, db, local_is_p))
+        return RequestPlan(pairs, tuple(plans))
+    p_kv = [_rank_kv(r) for r in p]
+    d_kv = [_rank_kv(r) for r in d]
+    permutes: list[Permute] = []
+    for pair in pairs:
+        pk, dk = p_kv[pair.p], d_kv[pair.d]
+        pg, dg = p[pair.p].geometry, d[pair.d].geometry
+        pb, unit, units = align_tokens(
+            p_phys[pair.p], pk.tokens_per_block, d_phys[pair.d], dk.tokens_per_block
+        )
+        db = d_phys[pair.d]
+        permute = permutes_on_receive(pk, dk, pair, d[pair.d].mem_type)
+        if permute or (
+            pair.whole
+            and pk.tokens_per_block == dk.tokens_per_block
+            and pk.kv_layout == dk.kv_layout
+        ):
+            db = db[:units]
+            pb = pb[:units]
+            plans.append(_whole_chunks(pg, pb, dg, db, local_is_p))
+            if permute:
+                permutes.append(
+                    Permute(
+                        len(plans) - 1,
+                        db,
+                        pk.kv_layout,
+                        dk.tokens_per_block,
+                        dk.heads,
+                        dk.head_bytes,
+                    )
+                )
+            continue
+        if local_is_p:
+            plan = plan_heads(
+                pg,
+                pk,
+                pb,
+                dg,
+                dk,
+                db,
+                unit=unit,
+                units=units,
+                local_head=pair.p_head,
+                remote_head=pair.d_head,
+                heads=pair.heads,
+            )
+        else:
+            plan = plan_heads(
+                dg,
+                dk,
+                db,
+                pg,
+                pk,
+                pb,
+                unit=unit,
+                units=units,
+                local_head=pair.d_head,
+                remote_head=pair.p_head,
+                heads=pair.heads,
+            )
+        plans.append(plan)
+    return RequestPlan(pairs, tuple(plans), tuple(permutes))
+
+
+def _whole_chunks(
+    pg: Geometry, pb: Int64Array, dg: Geometry, db: Int64Array, local_is_p: bool
+) -> Plan:
+    """`plan_transfer` of physical ids already validated (`check_logical`), as the
+    caller's side sees it."""
+    for geo in (pg, dg):
+        _validate_once(geo)
+    pg.check_compatible(dg)
+    return _plan_checked(pg, pb, dg, db) if local_is_p else _plan_checked(dg, db, pg, pb)
+
+
+def _rank_kv(region: RankView) -> RankKv:
+    layout = region.layout
+    if layout is None:
+        raise Incompatible(f"rank {region.tp_rank}'s region has no layout record")
+    kv = check_region(region.compat, layout, region.tp_size, region.tp_rank)
+    assert kv is not None  # map_ranks found a spec
+    return kv

@@ -13,7 +13,7 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
                  resolved (`Resolve`; the P daemon incarnation, compat and ranks checked)
     REGISTERING  push: the registration is being sent (a view found dead when sending is
                  handshaked afresh, once)
-    REGISTERED   push: P has the registration; waiting for a PushDone per rank
+    REGISTERED   push: P has the registration; waiting for a PushDone per transfer
     READING      pull: our READ of P's blocks is in flight
     ACKING       pull: PullDone sent; P acknowledges only if its lease still held
     CANCELLING   aborted while registered: P was told; waiting for its last word
@@ -154,6 +154,8 @@ class PeerResolved:
     since: float
     """When the view was handshaked (a PeerLost about an older view spares it)."""
     ranks: int
+    """PushDones that complete a push: one per NIXL transfer P posts (all rank pairs of
+    the request in one per pair of memory types; `kvd.actors.transfers.transfer_groups`)."""
     first: wire.Record
     view: object = None
 

@@ -195,8 +195,9 @@ class ResolveView:
 
 @dataclass(frozen=True, slots=True)
 class PostWrite:
-    """WRITE P's `p_blocks` of `engine_id` into D's registered blocks through `view`,
-    with one PushDone(ok) notification per rank; then feed `WriteDone(key, ...)`."""
+    """WRITE P's `p_blocks` of `engine_id` (all the request's: D's registered blocks take
+    their tail, `kvd.core.planner.align_tokens`) into D's blocks through `view`, with one
+    PushDone(ok) notification per transfer (rank pair); then feed `WriteDone(key, ...)`."""
 
     key: str
     agent: str
@@ -530,10 +531,7 @@ class Sender:
         reg = req.registration
         assert reg is not None
         self._goto(req, S.MATCHED)
-        if len(reg.block_ids) > len(req.blocks):
-            why = f"D registered {len(reg.block_ids)} blocks, P has {len(req.blocks)}"
-            self._fail_send(req, int(ErrorCode.INVALID), why)
-            return
+        # how D's blocks take P's (block sizes may differ) is the planner's to check
         self._out.append(ResolveView(req.key, req.agent, reg))
 
     def _duplicate_registration(
@@ -655,8 +653,7 @@ class Sender:
         self.leases.release(req.key)  # claimed: it cannot expire under the WRITE
         reg = req.registration
         assert reg is not None
-        n = len(reg.block_ids)
-        p_blocks = req.blocks[len(req.blocks) - n :] if n else ()
+        p_blocks = req.blocks if reg.block_ids else ()
         self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
 
     def _on_write_done(self, ev: WriteDone, now: float) -> None:

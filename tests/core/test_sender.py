@@ -301,9 +301,10 @@ def test_push_finished_first() -> None:
     assert state(tx, "r1") is S.MATCHED and tx.reqs["r1"].agent == D1
     assert tx.next_deadline() == LEASE  # the lease runs on while D's regions are resolved
 
-    # D registered 2 blocks: the last 2 of P's (D had the first one cached)
+    # D registered 2 blocks (D had the first one cached): the WRITE gets all of P's, the
+    # planner pairs D's with their tail (block sizes may differ)
     out = tx.handle(ViewResolved("r1", VIEW), 1.5)
-    assert out == [PostWrite("r1", D1, ENGINE, (11, 12), ev.msg, VIEW)]
+    assert out == [PostWrite("r1", D1, ENGINE, (10, 11, 12), ev.msg, VIEW)]
     assert state(tx, "r1") is S.WRITING
     assert "r1" not in tx.leases  # claimed: it cannot expire under the WRITE
     assert tx.next_deadline() is None
@@ -340,7 +341,7 @@ def test_push_registration_first() -> None:
     tx.handle(ev, 0.0)
     tx.handle(finish("r1"), 2.0)
     assert tx.handle(ViewResolved("r1", VIEW), 2.5) == [
-        PostWrite("r1", D1, ENGINE, (11, 12), ev.msg, VIEW)
+        PostWrite("r1", D1, ENGINE, (10, 11, 12), ev.msg, VIEW)
     ]
     assert tx.handle(WriteDone("r1"), 3.0) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
     assert_empty(tx)
@@ -368,18 +369,19 @@ def test_registration_by_ds_own_id_matches_by_base_id_in_both_orders() -> None:
     assert set(tx.reqs) == {p_id}
 
 
-def test_more_blocks_registered_than_p_has_fails_the_send() -> None:
+def test_block_counts_are_the_planners_to_check() -> None:
+    # D's blocks may outnumber P's (D's blocks are smaller): the machine matches them and
+    # the WRITE's planner decides; its refusal fails the send and tells D
     tx = make()
     tx.handle(finish("r1", blocks=(1, 2)), 0.0)
-    out = tx.handle(registered("d1", "r1", blocks=(5, 6, 7)), 0.1)
+    ev = registered("d1", "r1", blocks=(5, 6, 7))
+    assert tx.handle(ev, 0.1) == [ResolveView("r1", D1, ev.msg)]
+    assert tx.handle(ViewResolved("r1", VIEW), 0.2) == [
+        PostWrite("r1", D1, ENGINE, (1, 2), ev.msg, VIEW)
+    ]
+    out = tx.handle(WriteDone("r1", InvalidRequest("D has 3 blocks to fill but P has only 2")), 0.3)
     assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
-    assert "D registered 3 blocks, P has 2" in reason(out)
-    assert_empty(tx)
-    # and registration first: the finish fails it
-    tx = make()
-    tx.handle(registered("d1", "r1", blocks=(5, 6, 7)), 0.0)
-    out = tx.handle(finish("r1", blocks=()), 0.1)
-    assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
+    assert "P has only 2" in reason(out)
     assert_empty(tx)
 
 
@@ -1398,10 +1400,7 @@ class SenderModel(RuleBasedStateMachine):
     def _match(self, m: MReq) -> None:
         assert m.reg is not None
         m.state = S.MATCHED
-        if len(m.reg.block_ids) > len(m.blocks):
-            self._fail_send(m, INVALID)
-        else:
-            self.expect.append(ResolveView(m.key, m.agent, m.reg))
+        self.expect.append(ResolveView(m.key, m.agent, m.reg))
 
     def _deliver_pull(self, m: MReq, agent: str, msg: wire.PullDone) -> None:
         if msg.generations and msg.generations != self.gens:
@@ -1421,8 +1420,7 @@ class SenderModel(RuleBasedStateMachine):
             return
         assert m.reg is not None
         m.state, m.lease = S.WRITING, None
-        n = len(m.reg.block_ids)
-        p_blocks = m.blocks[len(m.blocks) - n :] if n else ()
+        p_blocks = m.blocks if m.reg.block_ids else ()
         self.expect.append(PostWrite(m.key, m.agent, ENGINE, p_blocks, m.reg, m.view))
 
     def _matched_ready(self, agent: str) -> list[MReq]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvd.bench import stages
+from kvd.bench import stages, topology
 
 from .conftest import shm_segments
 
@@ -43,7 +43,7 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["machine"]["cpus"] > 0
     sc = res["scenarios"]
-    assert set(sc) == {"dataplane", "control", "scale", "ec"}
+    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology"}
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4
@@ -114,8 +114,20 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     for key in ("cold", "raw_write", "warm", "memcpy"):
         _positive(ec[key]["p50_ms"], f"EC {key}")
 
+    topo = sc["topology"]
+    assert set(topo["tp"]) == {
+        f"{name} {mode}" for name in topology.TP_CONTENDERS for mode in ("push", "pull")
+    }
+    for name, row in topo["tp"].items():
+        _positive(row["gbps"], f"topology {name}")
+    assert topo["tp"]["TP 4->4 push"]["vs_equal_tp"] == 1.0
+    assert topo["convert"]["bytes"] >= 32 << 20
+    for name in topology.CONVERT:
+        _positive(topo["convert"][name]["median_ms"], f"conversion {name}")
+
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
+    assert "TP 8->4 push / equal TP" in {t["target"] for t in targets}
     assert "idle daemon CPU" in {t["target"] for t in targets}
     # the run cleaned up after itself: every region it created is unlinked
     assert not {s for s in shm_segments("kvd-bench-") if f"-p{proc.pid}-" in s}
