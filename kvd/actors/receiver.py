@@ -110,6 +110,10 @@ class Receiver(TransferActor):
             trace=trace,
         )
         self.incarnation = incarnation
+        self._permuting: dict[str, tuple[int, list[EventOut]]] = {}
+        """Requests whose received bytes a permute is rewriting in place (how many permutes,
+        and the events held back meanwhile): the engine hears the request ended, and may
+        reuse its blocks, only once no permute can write into them any more."""
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.proto: proto.Receiver = proto.Receiver(
@@ -434,11 +438,29 @@ class Receiver(TransferActor):
     async def _permuted_push(
         self, agent: str, msg: wire.PushDone, jobs: list[tuple[LocalRegion, Permute]]
     ) -> None:
+        rid = msg.request_id
+        running, held = self._permuting.get(rid, (0, []))
+        self._permuting[rid] = (running + 1, held)
         try:
             await self._permute(jobs)
         except KvdError as exc:
-            msg = wire.PushDone(msg.request_id, msg.tp_rank, False, int(exc.code), exc.message)
+            msg = wire.PushDone(rid, msg.tp_rank, False, int(exc.code), exc.message)
+        finally:
+            running, held = self._permuting.pop(rid)
+            if running > 1:
+                self._permuting[rid] = (running - 1, held)
+            else:
+                for ev in held:  # the request ended (e.g. D's watchdog) while we permuted
+                    self.emit(ev)
         self._outcome(proto.PushDoneArrived(agent, msg))
+
+    def _emit(self, ev: EventOut) -> None:
+        rid = getattr(ev.record, "request_id", None)
+        if rid is not None and rid in self._permuting:
+            self._permuting[rid][1].append(ev)
+            self._count("events_held_for_permute")
+            return
+        self.emit(ev)
 
     async def _reach(self, peer: str, msg: wire.Record, ids: int) -> None:
         """One heartbeat (or probe) to the P at `peer`; its outcome feeds the give-up rule."""

@@ -267,7 +267,7 @@ class TransferActor:
     def _carry_out_each(self, effects: list[Any]) -> None:
         for eff in effects:
             if isinstance(eff, Emit):
-                self.emit(EventOut(eff.session, eff.engine_id, eff.record))
+                self._emit(EventOut(eff.session, eff.engine_id, eff.record))
             elif isinstance(eff, Notify):
                 self._notify(eff)
             elif isinstance(eff, SessionEnded):
@@ -280,6 +280,10 @@ class TransferActor:
 
     def _carry_out_own(self, eff: Any) -> None:
         raise NotImplementedError
+
+    def _emit(self, ev: EventOut) -> None:
+        """An event to the engine's clients (the receiver may hold one back)."""
+        self.emit(ev)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._tg is not None

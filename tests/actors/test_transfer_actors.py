@@ -686,6 +686,39 @@ async def test_d_registration_times_out_once_and_a_late_write_is_ignored() -> No
         assert w.receiver.counters["late_answers"] == 1
 
 
+async def test_d_request_ending_during_a_receive_permute_is_told_only_after_it() -> None:
+    """D's bytes are being permuted in place into D's layout when D's watchdog ends the
+    request: the engine must not hear of the end (and reuse the blocks) while the permute
+    can still write into them."""
+    async with world() as w:
+        await registered(w)  # at t=100: the registration times out at 120
+        gate, started = anyio.Event(), anyio.Event()
+
+        async def slow_permute(jobs: list[Any]) -> None:
+            started.set()
+            await gate.wait()
+
+        w.receiver._permute = slow_permute  # type: ignore[method-assign]
+        view = w.receiver.proto.reqs["d-req"].view
+        view.permutes[0] = [("region", "job")]  # type: ignore[union-attr]
+        box = w.receiver.mailbox
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
+        with anyio.fail_after(WAIT):
+            await started.wait()
+        await w.advance(REG_TIMEOUT + 1.0)  # the watchdog ends the request meanwhile
+        await settle()
+        assert w.events.items == []  # held back: the permute still writes into the blocks
+        assert w.receiver.counters["events_held_for_permute"] == 1
+
+        gate.set()
+        await w.events.until(lambda evs: len(evs) == 1)
+        await w.advance(1.0)
+        await settle()
+        [ev] = w.events_of("d-req")
+        assert isinstance(ev, wire.RecvFailed) and ev.code == ErrorCode.TIMEOUT
+        assert w.receiver._permuting == {}
+
+
 class nixlNotFoundError(Exception):
     """What NIXL raises when it holds no metadata for the agent (or memory) named (named
     as NIXL's own: `translate` reads the name)."""
