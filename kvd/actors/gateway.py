@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import socket
 from collections import OrderedDict
@@ -96,6 +97,7 @@ class Gateway:
         counters: dict[str, int],
         rejects: RejectLog,
         status: Callable[[str], Awaitable[dict[str, Any]]],
+        admin: Callable[[wire.Record], Awaitable[dict[str, Any]]],
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
         close_bound: float,
@@ -113,6 +115,7 @@ class Gateway:
         self.counters = counters
         self.rejects = rejects
         self._status = status
+        self._admin = admin
         self._welcome = welcome
         self.clock = clock
         self.trace = trace
@@ -272,6 +275,13 @@ class Gateway:
         if isinstance(msg, (wire.GetStatus, wire.PingPeer)):
             self._tg.start_soon(self._status_request, ident, corr, msg)
             return
+        if isinstance(msg, (wire.Drain, wire.AbortRequest)):
+            if s.role != "cli":
+                why = f"{type(msg).__name__} is an operator request (role cli), not {s.role}'s"
+                self._refuse(ident, corr, "ipc_rejected", "not_operator", InvalidRequest(why))
+                return
+            self._tg.start_soon(self._admin_request, ident, corr, msg)
+            return
         box = self._routes.get(type(msg))
         if isinstance(msg, wire.Abort):
             box = {"send": self.sender, "recv": self.receiver}.get(msg.side)
@@ -339,7 +349,8 @@ class Gateway:
         self.by_ident[ident] = msg.session
         if old is None:
             self._count("sessions_opened")
-            log.info(
+            log.log(
+                _session_level(msg.role),
                 "session_opened",
                 session=msg.session,
                 role=msg.role,
@@ -348,6 +359,15 @@ class Gateway:
                 pid=msg.pid,
             )
         self._send(ident, self._welcome(), corr)
+
+    async def _admin_request(
+        self, ident: bytes, corr: int, msg: wire.Drain | wire.AbortRequest
+    ) -> None:
+        try:
+            data = await self._admin(msg)
+            self._send(ident, wire.StatusReply(wire.plain(data)), corr)
+        except KvdError as exc:
+            self._error(ident, corr, exc)
 
     async def _status_request(
         self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer
@@ -378,7 +398,7 @@ class Gateway:
         s.closing = why
         self.closing[s.session] = s
         self._count("sessions_closed")
-        log.info("session_closing", session=s.session, reason=why)
+        log.log(_session_level(s.role), "session_closing", session=s.session, reason=why)
         self._tg.start_soon(self._end_session, s, client_gone, reply_to)
 
     async def _end_session(
@@ -402,7 +422,7 @@ class Gateway:
         self.closed[s.session] = None
         while len(self.closed) > CLOSED_SESSIONS:
             self.closed.popitem(last=False)
-        log.info("session_closed", session=s.session, reason=s.closing)
+        log.log(_session_level(s.role), "session_closed", session=s.session, reason=s.closing)
         if reply_to is not None:
             self._send(reply_to[0], wire.Ok(), reply_to[1])
 
@@ -448,6 +468,12 @@ class Gateway:
                 for s in self.sessions.values()
             ],
         }
+
+
+def _session_level(role: str) -> int:
+    """CLI sessions come and go with every `kvd status` (`watch kvd status`): debug, not
+    info, so they do not flood the log; engines' sessions are worth an info line."""
+    return logging.DEBUG if role == "cli" else logging.INFO
 
 
 def transport_cap(max_frame: int) -> int:

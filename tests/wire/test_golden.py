@@ -31,6 +31,8 @@ TYPE_IDS = {
     "GetStatus": 30,
     "StatusReply": 31,
     "PingPeer": 32,
+    "Drain": 34,
+    "AbortRequest": 35,
     "SendFinished": 40,
     "RecvFinished": 41,
     "RecvFailed": 42,
