@@ -618,7 +618,7 @@ class Receiver:
             for req in [r for r in self.reqs.values() if r.state is R.TRACKED]:
                 self._count("tracks_dropped_draining")
                 self._drop_tracked(req, now)
-        if not self.reqs:
+        if not self.reqs and Drained() not in self._out:  # (the last one's end said so)
             self._out.append(Drained())
 
     def _on_force_abort(self, ev: ForceAbort, now: float) -> None:

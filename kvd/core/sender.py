@@ -513,7 +513,7 @@ class Sender:
             for req in [r for r in self.reqs.values() if r.state is S.AWAITING]:
                 self._count("waits_failed_draining")
                 self._fail_waiting(req, _DRAINING, S.FAILED)
-        if not self.reqs:
+        if not self.reqs and Drained() not in self._out:  # (the last one's end said so)
             self._out.append(Drained())
 
     def _on_force_abort(self, ev: ForceAbort, now: float) -> None:
