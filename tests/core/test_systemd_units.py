@@ -46,7 +46,8 @@ def _copy_unit(source: Path, tmp_path: Path) -> Path:
     text = source.read_text()
     assert f"ExecStart={INSTALLED_KVD} " in text
     target = tmp_path / name
-    target.write_text(text.replace(f"ExecStart={INSTALLED_KVD} ", f"ExecStart={_executable()} "))
+    # ExecStop= too (the drain): every command line naming the installed kvd
+    target.write_text(text.replace(f"{INSTALLED_KVD} ", f"{_executable()} "))
     return target
 
 
@@ -115,7 +116,7 @@ COMMON = {
     "RuntimeDirectory": "kvd",
     "RuntimeDirectoryMode": "0750",
     "LimitMEMLOCK": "infinity",
-    "TimeoutStopSec": "15",
+    "TimeoutStopSec": "90",
     "KillSignal": "SIGTERM",
     "NoNewPrivileges": "yes",
     "ProtectSystem": "strict",
@@ -148,6 +149,20 @@ def test_unit_settings(name: str) -> None:
 def test_service_runs_the_node_config() -> None:
     settings = _settings("kvd.service")
     assert settings["ExecStart"] == [f"{INSTALLED_KVD} serve --config /etc/kvd/kvd.toml"]
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), [("kvd.service", "kvd.toml"), ("kvd@.service", "kvd-%i.toml")]
+)
+def test_stop_drains_within_the_stop_timeout(name: str, config: str) -> None:
+    """Stopping drains the daemon (the daemon's own socket, from its config) and exits it;
+    the drain's timeout plus the cleanup fit in TimeoutStopSec."""
+    settings = _settings(name)
+    (stop,) = settings["ExecStop"]
+    assert stop.startswith(f"-{INSTALLED_KVD} drain --config /etc/kvd/{config} --exit --timeout ")
+    drain_timeout = float(stop.rsplit(" ", 1)[1])
+    shutdown_timeout = 5.0  # daemon.shutdown_timeout's default
+    assert drain_timeout + shutdown_timeout < float(settings["TimeoutStopSec"][0])
 
 
 def test_template_is_one_daemon_per_gpu() -> None:
