@@ -10,7 +10,8 @@ waits for both answers, bounded by the operator's timeout, keeps the state that
 `exit` (at once when drained, or at the timeout with what was left logged).
 
 A later drain request joins the running one: `exit` is added, and a timeout shortens the
-deadline (never lengthens it).
+deadline (never lengthens it). After a drain timed out, a new request waits again (with
+its own timeout only); a drained daemon stays drained.
 """
 
 from __future__ import annotations
@@ -61,16 +62,21 @@ class Drain:
         if deadline is not None and (self.deadline is None or deadline < self.deadline):
             self.deadline = deadline
         if self.state == "serving":
-            self.state = "draining"
             self.since_wall = time.time()
             self.started = now
-            self.exit = exit_after
-            log.info("drain_requested", timeout_s=timeout or None, exit=exit_after)
+        if self.state in ("serving", "timed_out"):
+            # (after a timeout, a new request waits again, with its own deadline only)
+            if self.state == "timed_out":
+                self.deadline = deadline
+            self.state = "draining"
+            self.ended = None
+            self.exit = self.exit or exit_after
+            log.info("drain_requested", timeout_s=timeout or None, exit=self.exit)
             self._spawn(self._run)
             return
         if exit_after and not self.exit:
             self.exit = True
-            if self.state != "draining":  # over already: exit now
+            if self.state == "drained":  # over already: exit now
                 self._exit_daemon()
 
     async def _run(self) -> None:

@@ -130,7 +130,9 @@ def drain_line(d: dict[str, Any]) -> str:
     sending = d.get("sending", {}).get("count", 0)
     receiving = d.get("receiving", {}).get("count", 0)
     deadline = d.get("deadline_in_s")
-    left = f", deadline in {max(deadline, 0.0):.1f}s" if deadline is not None else ""
+    left = ""
+    if deadline is not None and d["state"] == "draining":
+        left = f", deadline in {max(deadline, 0.0):.1f}s"
     then = ", then exit" if d.get("exit") else ""
     return (
         f"[bold yellow]drain: {d['state']}[/bold yellow] since {since} ({d['for_s']:.1f}s"
