@@ -6,7 +6,10 @@
   never blocks either; a refused request becomes a failure event for that request, so
   every announced request still ends in exactly one terminal event.
 - `drain_events` returns only events about ids this client announced.
-- Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply.
+- Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply,
+  but not for a daemon that is not there: a reply slower than PROBE_AFTER checks that
+  the daemon still listens, and `DaemonUnavailable` says why not (no socket, permission
+  denied, a stale socket) instead of a timeout.
 
 Sessions (the rule that keeps engine and daemon agreeing on who owns which blocks): a
 request announced in a session belongs to that session until the daemon ends it. The

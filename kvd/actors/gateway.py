@@ -10,6 +10,9 @@ Rules:
 - Frames above twice `max_frame_bytes` are cut off by libzmq with their connection;
   that is only visible as a lost connection (`ipc_disconnects`, `kvd.adapters.zmq_monitor`).
 - A session starts with Hello; requests from an unknown identity are refused.
+- Operator requests (`Drain`, `AbortRequest`: `kvd drain`, `kvd abort`) are taken from
+  CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
+  `kvd status`, are logged at debug level.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
   a BUSY reply. Replies are sent when the actor resolves the request's future.
 - Events go to the session that announced the request and to the engine's workers.
