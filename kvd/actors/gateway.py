@@ -100,11 +100,11 @@ class Gateway:
         counters: dict[str, int],
         rejects: RejectLog,
         status: Callable[[str], Awaitable[dict[str, Any]]],
-        admin: Callable[[wire.Record], Awaitable[dict[str, Any]]],
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
         close_bound: float,
         trace: StageTrace = NO_TRACE,
+        admin: Callable[[wire.Record], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -367,6 +367,8 @@ class Gateway:
         self, ident: bytes, corr: int, msg: wire.Drain | wire.AbortRequest
     ) -> None:
         try:
+            if self._admin is None:
+                raise InvalidRequest("this daemon takes no operator requests")
             data = await self._admin(msg)
             self._send(ident, wire.StatusReply(wire.plain(data)), corr)
         except KvdError as exc:
