@@ -25,10 +25,10 @@ from kvd_client.errors import DaemonUnavailable
 from typer.testing import CliRunner
 
 from kvd.cli import app
-from kvd.demo import DaemonProc, Engine, make_engine
+from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
 from .conftest import StartDaemon, shm_segments
-from .traffic import D_TERMINAL, P_TERMINAL, Traffic
+from .traffic import D_TERMINAL, P_TERMINAL, Req, Traffic
 
 HOST = "127.0.0.1"
 
@@ -86,6 +86,26 @@ def run(t: Traffic, ends: Ends, seconds: float) -> None:
         time.sleep(0.003)
 
 
+def held(t: Traffic, mode: str, tag: str) -> Req:
+    """A request of `t`'s (its events, ends and bytes checked by `t`) whose blocks are
+    filled but nothing is announced yet: the test moves it by hand."""
+    key = f"cmpl-{secrets.token_hex(8)}-{tag}-0"
+    r = Req(
+        key,
+        f"{key}-{secrets.token_hex(4)}",
+        f"{key}-{secrets.token_hex(4)}",
+        mode,
+        t.p.alloc(t.rng, 2),
+        t.d.alloc(t.rng, 2),
+        time.monotonic(),
+    )
+    for rank in range(len(t.p.regions)):
+        for j, b in enumerate(r.p_blocks):
+            t.p.block(rank, b)[:] = pattern(f"{key}/{rank}", j, t.p.block_bytes)
+    t.reqs[key], t.by_p[r.p_id], t.by_d[r.d_id] = r, r, r
+    return r
+
+
 def ours(pids: list[int]) -> set[str]:
     """Staging segments of this test process and of the daemons it started."""
     return {n for n in shm_segments() if any(f"-p{pid}-" in n for pid in pids)}
@@ -100,21 +120,54 @@ def test_drain_under_load_ends_every_request_once_and_exits_clean(
 ) -> None:
     """Push and pull requests flow; the drain refuses new ones at once on both sides (D
     recomputes), lets the leased and in-flight ones end, and the daemon exits 0 holding
-    nothing. Every request ends exactly once on each side; every byte delivered is right."""
+    nothing. Every request ends exactly once on each side; every byte delivered is right.
+
+    Besides the random traffic, a few requests are held at the drain's start for certain:
+    P side, leases D has not fetched yet (D registers or pulls them during the drain: they
+    are served); D side, push registrations whose P has not finished yet (P finishes them
+    during the drain: they are written)."""
     p_d, d_d = daemons("kvd-p"), daemons("kvd-d")
     target = p_d if side == "P" else d_d
     p, d = engine(p_d, "prefill"), engine(d_d, "decode")
     ends = Ends(p, d)
-    t = Traffic(p, d, p_d.side_port, random.Random(11), window=16, max_blocks=4)
+    port = p_d.side_port
+    t = Traffic(p, d, port, random.Random(11), window=16, max_blocks=4)
     try:
         run(t, ends, 1.5)
         assert t.ok() > 0, t.unfinished()[:5]
-        assert t.live > 0  # requests in flight, in both modes
         assert {r.mode for r in t.reqs.values()} == {"push", "pull"}
+        # requests certainly in flight when the drain starts
+        if side == "P":  # leased at P, not yet fetched by D
+            kept = [held(t, mode, f"held{i}") for i, mode in enumerate(("push", "pull", "push"))]
+            for r in kept:
+                d.client.track(r.d_id, HOST, port, remote_request_id=r.p_id)
+                p.client.finished(r.p_id, r.p_blocks)
+            want = {r.p_id for r in kept}
+            deadline = time.monotonic() + 30
+            while not want <= {x["request_id"] for x in p.client.status("leases")["leases"]}:
+                assert time.monotonic() < deadline
+                run(t, ends, 0.02)
+        else:  # registered at D for a push, P not finished yet
+            kept = [held(t, "push", f"held{i}") for i in range(3)]
+            for r in kept:
+                d.client.track(r.d_id, HOST, port, remote_request_id=r.p_id)
+                d.client.register_push(r.d_id, r.d_blocks, HOST, port, remote_request_id=r.p_id)
+            deadline = time.monotonic() + 30
+            while p.client.status()["sender"]["pending_registrations"] < len(kept):
+                assert time.monotonic() < deadline
+                run(t, ends, 0.02)
 
         # start the drain, traffic still coming: new work is refused at once, both sides
         started = kvd_json("drain", "--no-wait", "-s", target.socket)
-        assert started["state"] in ("draining", "drained")
+        assert started["state"] == "draining"  # the held requests are in flight
+        in_flight = started["sending" if side == "P" else "receiving"]
+        assert isinstance(in_flight, dict) and in_flight["count"] >= len(kept)
+        # the held requests go on now, during the drain
+        for r in kept:
+            if side == "P":
+                t._d_start(r)
+            else:
+                p.client.finished(r.p_id, r.p_blocks)
         before = t.started
         run(t, ends, 1.5)
         assert t.started > before  # new requests came during the drain
@@ -161,6 +214,9 @@ def test_drain_under_load_ends_every_request_once_and_exits_clean(
         assert t.stray == [] and t.wrong == []
         assert set(ends.sent) == set(t.by_p) and set(ends.recv) == set(t.by_d)
         assert max(ends.sent.values()) == 1 and max(ends.recv.values()) == 1
+        # what was leased or in flight when the drain started was served, bytes checked
+        for r in kept:
+            assert (r.p_end, r.d_end) == ("SendFinished", "RecvFinished"), r
         # the refusals were failures on both sides, with the blocks D recomputes
         for r in refused:
             assert r.d_end == "RecvFailed" and r.p_end in ("SendFailed", "SendExpired")
