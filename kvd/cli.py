@@ -2,7 +2,8 @@
 
 Every inspection command talks to a running daemon over its IPC socket (`--socket`
 chooses one; the default is the daemon's default socket) and prints a rich table, or
-JSON with `--json`.
+JSON with `--json` (errors too). The operator's commands (drain, abort) and the
+first-contact rules live in `kvd.ops`.
 """
 
 from __future__ import annotations
@@ -13,17 +14,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from kvd import __version__
+from kvd.ops import cell as _cell
+from kvd.ops import console, err
+from kvd.ops import table as _table
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="kvd: KV-cache transfer daemon over NIXL."
 )
-console = Console()
-err = Console(stderr=True)
-
 SocketOpt = Annotated[
     str | None, typer.Option("--socket", "-s", help="The daemon's IPC socket path.")
 ]
@@ -31,42 +31,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a t
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="A kvd TOML config file.")]
 
 
-def _client(socket: str | None) -> Any:
-    from kvd_client.client import KvdClient
-    from kvd_client.errors import KvdError
+def _client(socket: str | None, as_json: bool = False) -> Any:
+    from kvd.ops import client
 
-    c = KvdClient(socket, role="cli", timeout=5.0, keepalive_interval=0)
-    try:
-        c.connect()
-    except KvdError as exc:
-        err.print(f"[red]cannot reach kvd at {c.socket_path}: {exc}[/red]")
-        raise typer.Exit(3) from None
-    return c
+    return client(socket, as_json)
 
 
-def _fetch(socket: str | None, section: str) -> dict[str, Any]:
-    c = _client(socket)
-    try:
-        return c.status(section)  # type: ignore[no-any-return]
-    finally:
-        c.close()
+def _fetch(socket: str | None, section: str, as_json: bool = False) -> dict[str, Any]:
+    from kvd.ops import fetch
 
-
-def _table(title: str, rows: list[dict[str, Any]], columns: list[str]) -> Table:
-    t = Table(title=title)
-    for col in columns:
-        t.add_column(col)
-    for r in rows:
-        t.add_row(*(_cell(r.get(c)) for c in columns))
-    return t
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return str(v)
+    return fetch(socket, section, as_json)
 
 
 @app.command()
@@ -86,29 +60,45 @@ def serve(config: ConfigOpt = None) -> None:
 
 
 @app.command("check-config")
-def check_config(file: Path) -> None:
-    """Validate a config file (exit 2 with the key and file named if it is wrong)."""
+def check_config(file: Path, as_json: JsonOpt = False) -> None:
+    """Validate a config file: every error in it, each with the file and key (exit 2)."""
     from kvd.config import ConfigError, load_config
 
     try:
         load_config(file)
     except ConfigError as exc:
-        err.print(f"[red]{exc}[/red]")
+        errors = exc.all()
+        if as_json:
+            out = [{"file": e.source, "key": e.key, "error": e.message} for e in errors]
+            print(json.dumps({"ok": False, "errors": out}, indent=2))
+        else:
+            for e in errors:
+                err.print(f"[red]{_escape(str(e))}[/red]", soft_wrap=True)
+            if len(errors) > 1:
+                err.print(f"{len(errors)} errors in {_escape(str(file))}")
         raise typer.Exit(2) from None
-    console.print(f"{file}: ok")
+    if as_json:
+        print(json.dumps({"ok": True, "errors": []}))
+    else:
+        console.print(f"{file}: ok")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
 
 
 @app.command()
 def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Version, uptime, agent, regions, peers, mailbox depths and counters."""
-    data = _fetch(socket, "status")
+    from kvd.ops import print_status_header
+
+    data = _fetch(socket, "status", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
-    console.print(
-        f"kvd {data['version']}  agent [bold]{data['agent_name']}[/bold]  "
-        f"uptime {data['uptime_s']:.0f}s  side channel {data['side_channel']}"
-    )
+    print_status_header(data)
     console.print(
         _table(
             "regions",
@@ -136,7 +126,7 @@ def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 @app.command()
 def peers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Peer daemons this daemon has handshaked with, and their regions."""
-    data = _fetch(socket, "peers")
+    data = _fetch(socket, "peers", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -149,7 +139,7 @@ def peers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 @app.command()
 def leases(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """P side: leased requests and their expiry. D side: requests being heartbeated."""
-    data = _fetch(socket, "leases")
+    data = _fetch(socket, "leases", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -162,7 +152,7 @@ def leases(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 @app.command()
 def transfers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Transfers in flight and recent ones: state, bytes, descriptors, duration."""
-    data = _fetch(socket, "transfers")
+    data = _fetch(socket, "transfers", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -181,7 +171,7 @@ def transfers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 @app.command()
 def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     """Encoder cache: region use, cached and produced hashes, pinned blocks, hits and misses."""
-    data = _fetch(socket, "ec")
+    data = _fetch(socket, "ec", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -215,18 +205,20 @@ def ping(
     timeout: Annotated[float, typer.Option(help="Seconds for the whole check.")] = 5.0,
 ) -> None:
     """Handshake with a peer, round-trip a notification, READ its canary and check the bytes."""
+    from kvd.ops import fail
+
     host, _, port = peer.rpartition(":")
     if not host or not port.isdigit():
-        err.print("[red]expected HOST:PORT[/red]")
-        raise typer.Exit(2)
-    from kvd_client.errors import InvalidRequest
+        fail("expected HOST:PORT", 2, as_json, "usage")
+    from kvd_client.errors import InvalidRequest, KvdError
 
-    c = _client(socket)
+    c = _client(socket, as_json)
     try:
         data = c.ping_peer(host, int(port), timeout)
     except InvalidRequest as exc:  # an address no daemon would dial
-        err.print(f"[red]{exc.message}[/red]")
-        raise typer.Exit(2) from None
+        fail(exc.message, 2, as_json, "invalid")
+    except KvdError as exc:
+        fail(f"kvd at {c.socket_path}: {exc.message}", 3, as_json, type(exc).__name__)
     finally:
         c.close()
     if as_json:
@@ -234,7 +226,7 @@ def ping(
     else:
         t = Table(title=f"ping {peer}")
         t.add_column("check")
-        t.add_column("result")
+        t.add_column("result", overflow="fold")
         for k, v in data.items():
             t.add_row(k, _cell(v))
         console.print(t)
@@ -255,14 +247,14 @@ def trace(
     """One request's stages on this daemon (and with --peer on its peer), on one clock."""
     from kvd_client.errors import KvdError
 
+    from kvd.ops import fail
     from kvd.tracecmd import run
 
-    c = _client(socket)
+    c = _client(socket, as_json)
     try:
         code = run(c, request_id, peer, as_json, timeout)
     except KvdError as exc:
-        err.print(f"[red]{exc.message}[/red]")
-        raise typer.Exit(2) from None
+        fail(exc.message, 2, as_json, type(exc).__name__)
     finally:
         c.close()
     raise typer.Exit(code)
@@ -281,18 +273,72 @@ def doctor(
     from kvd.config import ConfigError, load_config
     from kvd.doctor import as_json as to_json
     from kvd.doctor import exit_code, render, run
+    from kvd.ops import fail
 
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        err.print(f"[red]config error:[/red] {exc}")
-        raise typer.Exit(2) from None
+        fail(f"config error: {exc}", 2, as_json, "config")
     checks = run(cfg, peer or [], timeout)
     if as_json:
         print(json.dumps(to_json(checks), indent=2))
     else:
         render(checks, console)
     raise typer.Exit(exit_code(checks))
+
+
+@app.command()
+def drain(
+    socket: SocketOpt = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="Take the socket from this kvd config file."),
+    ] = None,
+    as_json: JsonOpt = False,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds to wait for what is in flight to end (0 = until it has; the "
+            "protocol's own timeouts bound it). With --exit the daemon exits at the "
+            "timeout anyway."
+        ),
+    ] = 0.0,
+    exit_after: Annotated[
+        bool, typer.Option("--exit", help="Make the daemon exit once drained.")
+    ] = False,
+    wait: Annotated[
+        bool, typer.Option(help="Follow the drain until it is over (--no-wait: start it).")
+    ] = True,
+) -> None:
+    """Take the daemon out of service: refuse new leases and transfers (each failed at once,
+    on both sides, so D recomputes), let what is in flight end, report (exit 1 if the
+    timeout left requests in flight)."""
+    from kvd.ops import drain as run
+    from kvd.ops import fail
+
+    if timeout < 0 or timeout > 86400:
+        fail("--timeout must be between 0 and 86400 seconds", 2, as_json, "usage")
+    if config is not None and socket is None:
+        from kvd.config import ConfigError, load_config, resolve_socket_path
+
+        try:
+            socket = str(resolve_socket_path(load_config(config)))
+        except ConfigError as exc:
+            fail(str(exc), 2, as_json, "config")
+    raise typer.Exit(run(socket, timeout, exit_after, wait, as_json))
+
+
+@app.command()
+def abort(
+    request_id: Annotated[str, typer.Argument(help="The request id (as kvd leases shows it).")],
+    socket: SocketOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """End a stuck request by hand: P ends the lease, D the request it tracks or receives;
+    the engine gets its failure event (exit 1 if this daemon holds no such request)."""
+    from kvd.ops import abort as run
+
+    raise typer.Exit(run(socket, request_id, as_json))
 
 
 @app.command()

@@ -69,6 +69,30 @@ class ConfigError(Exception):
         """The same error, blamed on `source`."""
         return ConfigError(source, self.key, self.message)
 
+    def all(self) -> list[ConfigError]:
+        """Every error found (one, unless this is a `ConfigErrors`)."""
+        return [self]
+
+
+class ConfigErrors(ConfigError):
+    """Several errors in one file (`parse_config` reports all it finds, not only the
+    first); `key` and `message` are the first's, `str()` lists them all, one per line."""
+
+    def __init__(self, errors: Sequence[ConfigError]) -> None:
+        first = errors[0]
+        super().__init__(first.source, first.key, first.message)
+        self.errors: Final = tuple(errors)
+        Exception.__init__(self, "\n".join(str(e) for e in errors))
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.errors,))
+
+    def with_source(self, source: str) -> ConfigError:
+        return ConfigErrors([e.with_source(source) for e in self.errors])
+
+    def all(self) -> list[ConfigError]:
+        return list(self.errors)
+
 
 def _opt(
     default: Any,
@@ -164,29 +188,43 @@ class _Section:
     def _check_together(self) -> None:
         """Rules that involve more than one field of the section."""
 
-    def _fail(self, name: str, message: str) -> NoReturn:
-        raise ConfigError(CODE_SOURCE, f"{self.SECTION}.{name}", message)
+    @classmethod
+    def _fail(cls, name: str, message: str) -> NoReturn:
+        raise ConfigError(CODE_SOURCE, f"{cls.SECTION}.{name}", message)
 
-    def _checked(self, f: dataclasses.Field[Any], value: Any) -> Any:
+    @classmethod
+    def field_errors(cls, table: Mapping[str, Any]) -> list[ConfigError]:
+        """Every field of `table` (known keys only) that breaks its own rules."""
+        errors = []
+        for f in dataclasses.fields(cls):
+            if f.name in table:
+                try:
+                    cls._checked(f, table[f.name])
+                except ConfigError as exc:
+                    errors.append(exc)
+        return errors
+
+    @classmethod
+    def _checked(cls, f: dataclasses.Field[Any], value: Any) -> Any:
         shown = _render_value(f, value)  # as written, before an int becomes a float
-        expected = _field_types(type(self))[f.name]
+        expected = _field_types(cls)[f.name]
         if expected is float:
             if isinstance(value, bool) or not isinstance(value, int | float):
-                self._fail(f.name, f"must be a number (got {_describe(value)})")
+                cls._fail(f.name, f"must be a number (got {_describe(value)})")
             value = float(value)
             if not math.isfinite(value):
-                self._fail(f.name, f"must be finite (got {value!r})")
+                cls._fail(f.name, f"must be finite (got {value!r})")
         elif expected is int:
             if isinstance(value, bool) or not isinstance(value, int):
-                self._fail(f.name, f"must be an integer (got {_describe(value)})")
+                cls._fail(f.name, f"must be an integer (got {_describe(value)})")
         elif expected is bool:
             if not isinstance(value, bool):
-                self._fail(f.name, f"must be true or false (got {_describe(value)})")
+                cls._fail(f.name, f"must be true or false (got {_describe(value)})")
         elif expected is str:
             if not isinstance(value, str):
-                self._fail(f.name, f"must be a string (got {_describe(value)})")
+                cls._fail(f.name, f"must be a string (got {_describe(value)})")
         else:  # pragma: no cover - a field of a type this module does not handle
-            raise TypeError(f"{self.SECTION}.{f.name}: unsupported type {expected!r}")
+            raise TypeError(f"{cls.SECTION}.{f.name}: unsupported type {expected!r}")
         meta = f.metadata
         gt, ge, le = meta["gt"], meta["ge"], meta["le"]
         if (
@@ -194,14 +232,14 @@ class _Section:
             or (ge is not None and value < ge)
             or (le is not None and value > le)
         ):
-            self._fail(f.name, f"must be {_range_text(f)} (got {shown})")
+            cls._fail(f.name, f"must be {_range_text(f)} (got {shown})")
         choices: tuple[str, ...] = meta["choices"]
         if choices and value not in choices:
             hint = _did_you_mean(value, choices)
-            self._fail(f.name, f"must be one of {_choices_text(choices)} (got {shown}){hint}")
+            cls._fail(f.name, f"must be one of {_choices_text(choices)} (got {shown}){hint}")
         check: _Check | None = meta["check"]
         if check is not None and (message := check(value)) is not None:
-            self._fail(f.name, message)
+            cls._fail(f.name, message)
         return value
 
 
@@ -649,31 +687,48 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
 
 
 def parse_config(data: Mapping[str, Any], source: str) -> Config:
-    """Build a validated `Config` from parsed TOML; errors are blamed on `source`."""
+    """Build a validated `Config` from parsed TOML; errors are blamed on `source`.
+
+    Every error is reported, not only the first (`ConfigErrors` when there are several):
+    unknown sections and keys, and each value that breaks its rules. The rules that
+    relate fields (within a section, then across sections, and the secret file) are
+    checked once every value on its own is right."""
     sections = _section_types()
     built: dict[str, _Section] = {}
+    errors: list[ConfigError] = []
     for raw_name, table in data.items():
         name = str(raw_name)
         cls = sections.get(name)
         if cls is None:
-            raise ConfigError(source, name, "unknown section" + _suggest_section(name))
+            errors.append(ConfigError(source, name, "unknown section" + _suggest_section(name)))
+            continue
         if not isinstance(table, Mapping):
-            raise ConfigError(source, name, f"must be a table (got {_describe(table)})")
+            errors.append(ConfigError(source, name, f"must be a table (got {_describe(table)})"))
+            continue
         known = list(_field_types(cls))
+        bad = [e.with_source(source) for e in cls.field_errors(table)]
         for raw_key in table:
             key = str(raw_key)
             if key not in known:
                 hint = _did_you_mean(key, known)
-                raise ConfigError(source, f"{name}.{key}", "unknown key" + hint)
+                bad.append(ConfigError(source, f"{name}.{key}", "unknown key" + hint))
+        if bad:
+            errors += bad
+            continue
         try:
             built[name] = cls(**table)
         except ConfigError as exc:
-            raise exc.with_source(source) from None
-    try:
-        config = Config(**built)  # type: ignore[arg-type]
-        config.auth.load_secret()  # validated at start, not at the first handshake
-    except ConfigError as exc:
-        raise exc.with_source(source) from None
+            errors.append(exc.with_source(source))
+    if not errors:
+        try:
+            config = Config(**built)  # type: ignore[arg-type]
+            config.auth.load_secret()  # validated at start, not at the first handshake
+        except ConfigError as exc:
+            errors.append(exc.with_source(source))
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
     return config
 
 

@@ -10,6 +10,7 @@ crashes takes the whole daemon down with the reason logged: no half-alive daemon
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from typing import Any, Final
@@ -17,12 +18,14 @@ from typing import Any, Final
 import anyio
 import structlog
 from kvd_client import wire
+from kvd_client.errors import InvalidRequest, KvdError, NotFound
 
 from kvd import __version__
 from kvd.actors.base import Clock, Mailbox
 from kvd.actors.ecrouter import ECRouter
 from kvd.actors.gateway import Gateway
 from kvd.actors.messages import (
+    AbortByOperator,
     DrainLocalRegion,
     DrainRemoteRegion,
     EventOut,
@@ -38,6 +41,7 @@ from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
 from kvd.core.trace import StageTrace
+from kvd.drain import Drain
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.daemon")
@@ -58,6 +62,7 @@ class Daemon:
         self.agent_name = resolve_agent_name(cfg)
         size = cfg.daemon.mailbox_size
         secret = cfg.auth.load_secret()
+        self.authenticated = secret is not None
         self.clock = Clock()
         self.trace = StageTrace(
             cfg.daemon.trace_records, time.monotonic_ns, requests=cfg.daemon.trace_requests
@@ -174,13 +179,32 @@ class Daemon:
             counters=self.counters,
             rejects=self.rejects,
             status=self.status,
+            admin=self.admin,
             welcome=self._welcome,
             clock=self.clock,
             close_bound=cfg.transfer.transfer_timeout + cfg.side_channel.handshake_timeout + 5.0,
             trace=self.trace,
         )
 
+        self.drain = Drain(
+            sender=self.sender_box,
+            receiver=self.receiver_box,
+            clock=self.clock,
+            spawn=self._spawn,
+            exit_daemon=self._request_exit,
+        )
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._exit: anyio.Event | None = None
+
     # ---------------------------------------------------------------- wiring
+
+    def _spawn(self, fn: Any) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(fn)
+
+    def _request_exit(self) -> None:
+        if self._exit is not None:
+            self._exit.set()
 
     def _publish(self, msg: Any) -> None:
         """Registrar views: local regions to the sender (it checks finished blocks), the
@@ -243,6 +267,8 @@ class Daemon:
             return await self.ec_box.call(Snapshot(section))
         if section in ("trace", "trace_on", "trace_off"):
             return self._trace_section(section)
+        if section == "drain":
+            return await self.drain.status()
         out: dict[str, Any] = {
             "version": __version__,
             "agent_name": self.agent_name,
@@ -250,7 +276,10 @@ class Daemon:
             "uptime_s": round(time.time() - self.started, 3),
             "stalled_s": round(self.clock.core.stalled, 3),
             "stalls": self.clock.stall_count,
+            "pid": os.getpid(),
             "socket": self.socket_path,
+            "settings": self._settings(),
+            "drain": await self.drain.status(),
             "side_channel": f"{self.cfg.side_channel.advertised_host}:{self.side.port}",
             "mailboxes": {name: box.stats() for name, box in boxes.items()}
             | {"events": self.events.stats()},
@@ -262,6 +291,49 @@ class Daemon:
         out["regions"] = out["registrar"].pop("regions")
         out["peers"] = (await self.registrar_box.call(Snapshot("peers")))["peers"]
         out["sessions"] = self.gateway.snapshot()["sessions"]
+        return out
+
+    def _settings(self) -> dict[str, Any]:
+        """The effective settings an operator checks first (`kvd status`)."""
+        c = self.cfg
+        return {
+            "socket": self.socket_path,
+            "socket_mode": f"{c.daemon.socket_mode:#o}",
+            "auth": "on" if self.authenticated else "off",
+            "kv_lease_duration": c.transfer.kv_lease_duration,
+            "lease_wait_timeout": c.transfer.lease_wait_timeout,
+            "push_registration_timeout": c.transfer.push_registration_timeout,
+            "transfer_timeout": c.transfer.transfer_timeout,
+            "handshake_timeout": c.side_channel.handshake_timeout,
+            "client_timeout": c.daemon.client_timeout,
+            "shutdown_timeout": c.daemon.shutdown_timeout,
+            "ucx_tls": c.nixl.ucx_tls,
+        }
+
+    async def admin(self, msg: wire.Record) -> dict[str, Any]:
+        """An operator's request from a CLI session (`kvd drain`, `kvd abort`)."""
+        if isinstance(msg, wire.Drain):
+            self.drain.start(msg.timeout, msg.exit)
+            return await self.drain.status()
+        if isinstance(msg, wire.AbortRequest):
+            return await self._abort_request(msg.request_id)
+        raise InvalidRequest(f"{type(msg).__name__} is not an operator request")
+
+    async def _abort_request(self, request_id: str) -> dict[str, Any]:
+        """End the request on each side that holds it; NotFound if neither does."""
+        out: dict[str, Any] = {"request_id": request_id}
+        found = False
+        for side, box in (("send", self.sender_box), ("recv", self.receiver_box)):
+            try:
+                out[side] = await box.call(AbortByOperator(request_id))
+                found = True
+            except NotFound:
+                out[side] = None
+            except KvdError as exc:  # e.g. a WRITE in flight: it ends by itself
+                out[side] = {"error": exc.message}
+                found = True
+        if not found:
+            raise NotFound(f"no request {request_id!r} on this daemon (neither sent nor received)")
         return out
 
     def _trace_section(self, section: str) -> dict[str, Any]:
@@ -288,6 +360,8 @@ class Daemon:
         ok = False
         try:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._exit = anyio.Event()
                 await tg.start(self.clock.run)
                 tg.start_soon(self.rejects.run)
                 await self.engine.start(self.notifier.sink)
@@ -310,7 +384,7 @@ class Daemon:
                     side_channel=f"{self.cfg.side_channel.host}:{self.side.port}",
                 )
                 systemd.ready(f"serving {self.socket_path}")
-                await self._wait_for_signal()
+                await self._wait_for_stop()
                 ok = True
                 tg.cancel_scope.cancel()
         finally:
@@ -360,6 +434,24 @@ class Daemon:
             log.error("registrar_cleanup_failed", error=repr(exc))
         self.ecrouter.close()
         await self.engine.close()
+
+    async def _wait_for_stop(self) -> None:
+        """Until a signal, or a drain started with `exit` is over."""
+        exit_event = self._exit
+        assert exit_event is not None
+        async with anyio.create_task_group() as tg:
+
+            async def on_signal() -> None:
+                await self._wait_for_signal()
+                tg.cancel_scope.cancel()
+
+            async def on_exit() -> None:
+                await exit_event.wait()
+                log.info("exiting_after_drain", state=self.drain.state)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signal)
+            tg.start_soon(on_exit)
 
     async def _wait_for_signal(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -457,6 +457,7 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
     kv_modes = [m for m in modes if m in ("push", "pull")]
     with Progress(console=console, transient=as_json) as bar:
         if kv_modes:
+            console.print("starting a P daemon and a D daemon (NIXL agents, side channels)")
             with cluster() as (pd, dd):
                 p = make_engine(
                     pd.socket, "prefill", num_blocks=1024, num_layers=8, chunk_bytes=16 * 1024

@@ -6,7 +6,10 @@
   never blocks either; a refused request becomes a failure event for that request, so
   every announced request still ends in exactly one terminal event.
 - `drain_events` returns only events about ids this client announced.
-- Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply.
+- Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply,
+  but not for a daemon that is not there: a reply slower than PROBE_AFTER checks that
+  the daemon still listens, and `DaemonUnavailable` says why not (no socket, permission
+  denied, a stale socket) instead of a timeout.
 
 Sessions (the rule that keeps engine and daemon agreeing on who owns which blocks): a
 request announced in a session belongs to that session until the daemon ends it. The
@@ -44,7 +47,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd_client import __version__, wire
-from kvd_client.errors import ErrorCode, KvdError, ProtocolError, Timeout, error_from_code
+from kvd_client.errors import (
+    DaemonUnavailable,
+    ErrorCode,
+    KvdError,
+    ProtocolError,
+    Timeout,
+    error_from_code,
+)
 from kvd_client.shm import SharedRegion
 
 Event = (
@@ -73,6 +83,39 @@ DOWN_REASON: Final = "kvd daemon unavailable (reconnecting); the request was not
 REGION_RETRIES: Final = 10
 """Times a region is registered again after a reconnection before the client gives up on
 it (one try per second); the daemon then refuses the engine's requests clearly."""
+
+
+PROBE_AFTER: Final = 0.5
+"""Seconds a reply may take before the client checks that the daemon still listens (and
+then every second): a reply from a dead daemon is not waited for."""
+
+
+def daemon_problem(path: str) -> str | None:
+    """Why no daemon can be reached at the IPC socket `path`, or None if one listens
+    (never blocks). Says what to do: the socket missing, not permitted, or stale."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setblocking(False)
+    try:
+        s.connect(path)
+        return None
+    except BlockingIOError:
+        return None  # listening, its backlog is full
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return (
+                f"no kvd daemon at {path}: is it running? set --socket / $KVD_SOCKET "
+                "(vLLM: kvd_socket) to its socket"
+            )
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return (
+                f"permission denied on {path}: run as the daemon's user or group "
+                "(daemon.socket_mode), or with sudo"
+            )
+        if exc.errno == errno.ECONNREFUSED:
+            return f"no kvd daemon listens at {path} (the socket file is stale: it died?)"
+        return f"cannot reach kvd at {path}: {exc.strerror}"
+    finally:
+        s.close()
 
 
 def daemon_listening(path: str) -> bool:
@@ -175,8 +218,18 @@ class KvdClient:
 
     # ---------------------------------------------------------------- connection
 
-    def connect(self) -> wire.Welcome:
-        """Open the socket and say Hello (waits for Welcome, up to `timeout`)."""
+    def connect(self, wait_for_daemon: float | None = None) -> wire.Welcome:
+        """Open the socket and say Hello (waits for Welcome, up to `timeout`).
+
+        A daemon that is not (yet) listening is waited for up to `wait_for_daemon` seconds
+        (default `timeout`; 0 = fail at once): then DaemonUnavailable says why (the
+        socket missing, not permitted, stale)."""
+        wait = self.timeout if wait_for_daemon is None else wait_for_daemon
+        deadline = time.monotonic() + wait
+        while (problem := daemon_problem(self.socket_path)) is not None:
+            if time.monotonic() >= deadline:
+                raise DaemonUnavailable(problem)
+            time.sleep(0.05)
         self._open()
         if self._ka_thread is None and self.keepalive_interval > 0:
             self._ka_thread = threading.Thread(
@@ -307,14 +360,22 @@ class KvdClient:
             raise ProtocolError("not connected")
         corr = next(self._corr)
         self._sock.send(wire.encode(msg, corr))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        start = time.monotonic()
+        deadline = start + (self.timeout if timeout is None else timeout)
+        probe_at = start + PROBE_AFTER
         while True:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = min(deadline, probe_at) - now
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     raise Timeout(
                         f"no reply from kvd at {self.socket_path} within {timeout or self.timeout}s"
                     )
+                if now >= probe_at:  # a slow reply: is anyone still there to send it?
+                    probe_at = now + 1.0
+                    if (problem := daemon_problem(self.socket_path)) is not None:
+                        raise DaemonUnavailable(problem)
                 continue
             rcorr, reply = wire.decode(self._sock.recv())
             if rcorr == corr:

@@ -105,6 +105,13 @@ class Timeout(KvdError):
     code = ErrorCode.TIMEOUT
 
 
+class DaemonUnavailable(KvdError):
+    """No daemon listens at the client's socket (missing, not permitted, or stale); raised
+    by the client itself, never sent on the wire."""
+
+    code = ErrorCode.NOT_FOUND
+
+
 class ShuttingDown(KvdError):
     code = ErrorCode.SHUTTING_DOWN
 

@@ -587,7 +587,7 @@ class PingPeer(Record):
     timeout: Annotated[float, Range(0.001, 3600.0)]
 
 
-@message(35)
+@message(36)
 @dataclasses.dataclass(frozen=True)
 class GetTrace(Record):
     """`kvd trace`: the daemon's stage records of one request (StatusReply), and with
@@ -597,6 +597,29 @@ class GetTrace(Record):
     request_id: Id
     peer: bool
     timeout: Annotated[float, Range(0.001, 3600.0)]
+
+
+@message(34)
+@dataclasses.dataclass(frozen=True)
+class Drain(Record):
+    """Operator (role cli): take the daemon out of service. No new lease or transfer is
+    accepted (each refused at once, on both sides, so D recomputes); what is leased or
+    in flight runs to its end. `timeout` (0 = none) bounds the wait; `exit` ends the
+    daemon once drained (or at the timeout). Answered at once (StatusReply, the drain
+    state); `GetStatus("drain")` follows it."""
+
+    timeout: Annotated[float, Range(0.0, 86400.0)]
+    exit: bool
+
+
+@message(35)
+@dataclasses.dataclass(frozen=True)
+class AbortRequest(Record):
+    """Operator (role cli): end a stuck request by hand, on whichever side (P sending, D
+    receiving) this daemon holds it; its engine gets the failure event. Answered with a
+    StatusReply naming what was ended on each side."""
+
+    request_id: Id
 
 
 # Events: daemon -> client, corr = 0. Past tense.

@@ -10,6 +10,9 @@ Rules:
 - Frames above twice `max_frame_bytes` are cut off by libzmq with their connection;
   that is only visible as a lost connection (`ipc_disconnects`, `kvd.adapters.zmq_monitor`).
 - A session starts with Hello; requests from an unknown identity are refused.
+- Operator requests (`Drain`, `AbortRequest`: `kvd drain`, `kvd abort`) are taken from
+  CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
+  `kvd status`, are logged at debug level.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
   a BUSY reply. Replies are sent when the actor resolves the request's future.
 - Events go to the session that announced the request and to the engine's workers.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 import os
 import socket
 from collections import OrderedDict
@@ -100,6 +104,7 @@ class Gateway:
         clock: Clock,
         close_bound: float,
         trace: StageTrace = NO_TRACE,
+        admin: Callable[[wire.Record], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.socket_mode = socket_mode
@@ -113,6 +118,7 @@ class Gateway:
         self.counters = counters
         self.rejects = rejects
         self._status = status
+        self._admin = admin
         self._welcome = welcome
         self.clock = clock
         self.trace = trace
@@ -272,6 +278,13 @@ class Gateway:
         if isinstance(msg, (wire.GetStatus, wire.PingPeer, wire.GetTrace)):
             self._tg.start_soon(self._status_request, ident, corr, msg)
             return
+        if isinstance(msg, (wire.Drain, wire.AbortRequest)):
+            if s.role != "cli":
+                why = f"{type(msg).__name__} is an operator request (role cli), not {s.role}'s"
+                self._refuse(ident, corr, "ipc_rejected", "not_operator", InvalidRequest(why))
+                return
+            self._tg.start_soon(self._admin_request, ident, corr, msg)
+            return
         box = self._routes.get(type(msg))
         if isinstance(msg, wire.Abort):
             box = {"send": self.sender, "recv": self.receiver}.get(msg.side)
@@ -339,7 +352,8 @@ class Gateway:
         self.by_ident[ident] = msg.session
         if old is None:
             self._count("sessions_opened")
-            log.info(
+            log.log(
+                _session_level(msg.role),
                 "session_opened",
                 session=msg.session,
                 role=msg.role,
@@ -348,6 +362,17 @@ class Gateway:
                 pid=msg.pid,
             )
         self._send(ident, self._welcome(), corr)
+
+    async def _admin_request(
+        self, ident: bytes, corr: int, msg: wire.Drain | wire.AbortRequest
+    ) -> None:
+        try:
+            if self._admin is None:
+                raise InvalidRequest("this daemon takes no operator requests")
+            data = await self._admin(msg)
+            self._send(ident, wire.StatusReply(wire.plain(data)), corr)
+        except KvdError as exc:
+            self._error(ident, corr, exc)
 
     async def _status_request(
         self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer | wire.GetTrace
@@ -380,7 +405,7 @@ class Gateway:
         s.closing = why
         self.closing[s.session] = s
         self._count("sessions_closed")
-        log.info("session_closing", session=s.session, reason=why)
+        log.log(_session_level(s.role), "session_closing", session=s.session, reason=why)
         self._tg.start_soon(self._end_session, s, client_gone, reply_to)
 
     async def _end_session(
@@ -404,7 +429,7 @@ class Gateway:
         self.closed[s.session] = None
         while len(self.closed) > CLOSED_SESSIONS:
             self.closed.popitem(last=False)
-        log.info("session_closed", session=s.session, reason=s.closing)
+        log.log(_session_level(s.role), "session_closed", session=s.session, reason=s.closing)
         if reply_to is not None:
             self._send(reply_to[0], wire.Ok(), reply_to[1])
 
@@ -450,6 +475,12 @@ class Gateway:
                 for s in self.sessions.values()
             ],
         }
+
+
+def _session_level(role: str) -> int:
+    """CLI sessions come and go with every `kvd status` (`watch kvd status`): debug, not
+    info, so they do not flood the log; engines' sessions are worth an info line."""
+    return logging.DEBUG if role == "cli" else logging.INFO
 
 
 def transport_cap(max_frame: int) -> int:

@@ -232,3 +232,21 @@ class DrainLocalRegion(Call[None]):
     """Before we free a local region, finish or fail every transfer that touches it."""
 
     region_id: int
+
+
+# ------------------------------------------------------------------ operations (drain, abort)
+
+
+@dataclass
+class StartDrain(Call[None]):
+    """Daemon -> sender and receiver: the daemon goes out of service (the machines'
+    `StartDrain`). Resolved once nothing of the actor's is in flight; a notice between
+    actors, never refused."""
+
+
+@dataclass
+class AbortByOperator(Outside, Call[dict[str, Any]]):
+    """`kvd abort`: end the request by hand on this actor's side. Resolved with the state
+    it was in; fails NotFound when the actor holds no such request."""
+
+    request_id: str

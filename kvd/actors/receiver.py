@@ -14,6 +14,7 @@ machine.
 from __future__ import annotations
 
 import ctypes
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -44,7 +45,13 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
+from kvd.actors.transfers import (
+    DRAIN_LISTED,
+    TransferActor,
+    Transport,
+    local_ranks,
+    transfer_groups,
+)
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
 from kvd.core.planner import (
@@ -150,6 +157,16 @@ class Receiver(TransferActor):
 
     def _end_session(self, session: str) -> proto.Event:
         return proto.EndSession(session)
+
+    def _start_drain(self) -> proto.Event:
+        return proto.StartDrain()
+
+    def _force_abort(self, request_id: str) -> proto.Event:
+        return proto.ForceAbort(request_id)
+
+    def _state_of(self, request_id: str) -> str:
+        req = self.proto.reqs.get(request_id)
+        return req.state.value if req is not None else ""
 
     def _client_event(self, req: ClientRequest) -> proto.Event:
         m = req.msg
@@ -504,6 +521,19 @@ class Receiver(TransferActor):
 
     def snapshot(self, section: str, now: float) -> dict[str, Any]:
         p = self.proto
+        if section == "drain":
+            live = list(itertools.islice(p.reqs.values(), DRAIN_LISTED))
+            return {
+                "count": len(p.reqs),
+                "requests": [
+                    {
+                        "request_id": r.request_id,
+                        "state": r.state.value,
+                        "age_s": round(now - r.started, 3),
+                    }
+                    for r in live
+                ],
+            }
         if section == "leases":
             return {
                 "tracked": [

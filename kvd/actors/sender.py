@@ -11,6 +11,7 @@ back through the actor's own mailbox, so only the actor's loop touches the machi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +32,13 @@ from kvd.actors.messages import (
     PeerUpdated,
     RemoteRegion,
 )
-from kvd.actors.transfers import TransferActor, Transport, local_ranks, transfer_groups
+from kvd.actors.transfers import (
+    DRAIN_LISTED,
+    TransferActor,
+    Transport,
+    local_ranks,
+    transfer_groups,
+)
 from kvd.core import sender as proto
 from kvd.core.planner import check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -109,6 +116,16 @@ class Sender(TransferActor):
 
     def _end_session(self, session: str) -> proto.Event:
         return proto.EndSession(session)
+
+    def _start_drain(self) -> proto.Event:
+        return proto.StartDrain()
+
+    def _force_abort(self, request_id: str) -> proto.Event:
+        return proto.ForceAbort(request_id)
+
+    def _state_of(self, request_id: str) -> str:
+        req = self.proto.reqs.get(request_id)
+        return req.state.value if req is not None else ""
 
     def _client_event(self, req: ClientRequest) -> proto.Event:
         m = req.msg
@@ -235,6 +252,15 @@ class Sender(TransferActor):
 
     def snapshot(self, section: str, now: float) -> dict[str, Any]:
         p = self.proto
+        if section == "drain":
+            live = list(itertools.islice(p.reqs.values(), DRAIN_LISTED))
+            return {
+                "count": len(p.reqs),
+                "requests": [
+                    {"request_id": r.key, "state": r.state.value, "age_s": round(now - r.since, 3)}
+                    for r in live
+                ],
+            }
         if section == "leases":
             leases = [
                 {

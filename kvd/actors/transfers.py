@@ -40,6 +40,7 @@ from kvd_client.errors import InvalidRequest, KvdError, NotFound, TransferError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
+    AbortByOperator,
     ClientRequest,
     DrainLocalRegion,
     DrainRemoteRegion,
@@ -49,13 +50,16 @@ from kvd.actors.messages import (
     RemoteRegion,
     SessionClosed,
     Snapshot,
+    StartDrain,
 )
-from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
 from kvd.core.planner import Plan
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 RECENT_TRANSFERS: Final = 256
+DRAIN_LISTED: Final = 100
+"""Live requests each side lists in the `drain` status section (the count is exact)."""
 
 
 class Transport(Protocol):
@@ -147,6 +151,8 @@ class TransferActor:
         self.local: dict[tuple[str, int], LocalRegion] = {}
         self.peers: dict[str, PeerInfo] = {}
         self.closing: dict[str, list[SessionClosed]] = {}
+        self.drains: list[StartDrain] = []
+        """Drain calls waiting for the machine's `Drained`."""
         self._tg: anyio.abc.TaskGroup | None = None
         self._ready: deque[Any] = deque()
         """Events an effect produced at once (no IO needed): fed in the same turn."""
@@ -190,6 +196,11 @@ class TransferActor:
             self._spawn(self._drain_remote, msg)
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot(msg.section, now))
+        elif isinstance(msg, StartDrain):
+            self.drains.append(msg)
+            self._feed(self._start_drain(), now)
+        elif isinstance(msg, AbortByOperator):
+            self._operator_abort(msg, now)
         elif not self._own(msg, now):
             raise TypeError(f"{self.name} got {type(msg).__name__}")
 
@@ -199,6 +210,28 @@ class TransferActor:
 
     def _end_session(self, session: str) -> Any:
         raise NotImplementedError
+
+    def _start_drain(self) -> Any:
+        """The machine's StartDrain event."""
+        raise NotImplementedError
+
+    def _force_abort(self, request_id: str) -> Any:
+        """The machine's ForceAbort event."""
+        raise NotImplementedError
+
+    def _state_of(self, request_id: str) -> str:
+        """The live request's state ("" if none)."""
+        raise NotImplementedError
+
+    def _operator_abort(self, msg: AbortByOperator, now: float) -> None:
+        was = self._state_of(msg.request_id)
+        try:
+            self._feed(self._force_abort(msg.request_id), now)
+        except KvdError as exc:
+            msg.fail(exc)
+            return
+        now_state = self._state_of(msg.request_id)
+        msg.resolve({"was": was, "now": now_state or "ended"})
 
     def _client_event(self, req: ClientRequest) -> Any:
         """The machine's event for a client request; raises KvdError to refuse it."""
@@ -273,6 +306,10 @@ class TransferActor:
             elif isinstance(eff, SessionEnded):
                 for call in self.closing.pop(eff.session, []):
                     call.resolve(None)
+            elif isinstance(eff, Drained):
+                for drain in self.drains:
+                    drain.resolve(None)
+                self.drains.clear()
             elif isinstance(eff, Log):
                 getattr(self.log, eff.level)(eff.event, **eff.fields)
             else:

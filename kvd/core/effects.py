@@ -46,3 +46,8 @@ class Log:
     level: str
     event: str
     fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """The machine is draining and nothing of it is left in flight: answer the drain."""

@@ -31,6 +31,13 @@ Rules it keeps:
 - A peer that refuses our handshake, or has not answered for a whole lease, is no
   longer heartbeated or probed (nothing is retried forever).
 - A closing session is answered (`SessionEnded`) once none of its requests is left.
+- Drain (`StartDrain`, the daemon going out of service): requests only tracked are
+  dropped (P told), new tracks are ignored, and a registration or pull fails at once
+  (RecvFailed with its blocks, P told); what is already receiving runs to its end.
+  `Drained` says when nothing is left.
+- An operator's abort (`ForceAbort`, `kvd abort`) ends a request whatever its session,
+  by the same rules as the engine's own abort (the terminal event waits for a READ in
+  flight or P's answer to the cancel).
 """
 
 from __future__ import annotations
@@ -46,12 +53,14 @@ from kvd_client.errors import (
     InvalidRequest,
     KvdError,
     LocalProtocolError,
+    NotFound,
+    ShuttingDown,
     Timeout,
     TransferError,
     error_from_code,
 )
 
-from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
 from kvd.core.heartbeats import HeartbeatSchedule
 from kvd.core.timers import TimerHeap
 
@@ -140,6 +149,20 @@ class AbortRecv:
 @dataclass(frozen=True, slots=True)
 class EndSession:
     session: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartDrain:
+    """The daemon goes out of service: take no new transfer, finish what runs (answered
+    by `Drained` once nothing is left; again at every later StartDrain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForceAbort:
+    """The operator ends the request by hand (`kvd abort`), whichever session owns it.
+    Raises NotFound when no live request has this id."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,6 +277,8 @@ Event = (
     | Load
     | AbortRecv
     | EndSession
+    | StartDrain
+    | ForceAbort
     | PeerResolved
     | PeerUnresolved
     | Sent
@@ -324,7 +349,17 @@ class CancelAt:
 
 
 Effect = (
-    Emit | Notify | SessionEnded | Log | Resolve | SendFor | PostRead | Beat | ProbePeer | CancelAt
+    Emit
+    | Notify
+    | SessionEnded
+    | Log
+    | Resolve
+    | SendFor
+    | PostRead
+    | Beat
+    | ProbePeer
+    | CancelAt
+    | Drained
 )
 
 
@@ -349,6 +384,7 @@ class RecvRequest:
     view: object = None
     refreshed: bool = False
     aborted: bool = False
+    abort_reason: str = "aborted by the client"
 
     @property
     def mode(self) -> str:
@@ -382,6 +418,8 @@ class Receiver:
         self.failing_since: dict[str, float] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.closing: set[str] = set()
+        self.draining_since: float | None = None
+        """Daemon time the drain started (None: not draining)."""
         self._out: list[Effect] = []
 
     # ---------------------------------------------------------------- the interface
@@ -475,10 +513,12 @@ class Receiver:
                 self.ended.popitem(last=False)
         if req.session in self.closing:
             self._maybe_session_ended(req.session)
+        if self.draining_since is not None and not self.reqs:
+            self._out.append(Drained())
 
     def _finish(self, req: RecvRequest, now: float) -> None:
         if req.aborted:
-            self._fail(req, _aborted(), now)
+            self._fail(req, _aborted(req.abort_reason), now)
             return
         self._count("recv_ok")
         self._out.append(Emit(req.session, req.engine_id, wire.RecvFinished(req.request_id)))
@@ -519,6 +559,9 @@ class Receiver:
     def _on_track(self, ev: Track, now: float) -> None:
         if ev.request_id in self.reqs:
             return  # tracked already (or loading): nothing to add
+        if self.draining_since is not None:
+            self._count("tracks_ignored_draining")  # its registration or pull will fail
+            return
         req = RecvRequest(
             ev.request_id,
             R.TRACKED,
@@ -537,6 +580,9 @@ class Receiver:
             raise InvalidRequest(f"request {ev.request_id!r} is already receiving")
         if req is not None and req.session != ev.session:
             raise InvalidRequest(f"request {ev.request_id!r} is tracked by another session")
+        if self.draining_since is not None:
+            self._refuse_load_draining(req, ev)
+            return
         self._count(f"{ev.mode}_requests")
         old_peer = ""
         if req is None:
@@ -553,6 +599,41 @@ class Receiver:
             self._forget_if_idle(old_peer)
         self._goto(req, R.HANDSHAKING)
         self._out.append(Resolve(ev, refresh=False))
+
+    def _refuse_load_draining(self, req: RecvRequest | None, ev: Load) -> None:
+        """No new transfer while draining: the engine gets its failure now (the blocks to
+        recompute) and P is told, so it frees any lease at once."""
+        self._count("loads_refused_draining")
+        self._count("recv_failed")
+        self._log("info", "load_refused_draining", request_id=ev.request_id, peer=ev.peer)
+        if req is not None:
+            self._end(req, R.DROPPED)  # only tracked: the failure below is its end
+        self._out.append(CancelAt(ev.peer, ev.hb_id))
+        exc = ShuttingDown(_DRAINING)
+        rec = wire.RecvFailed(ev.request_id, int(exc.code), exc.message, ev.block_ids)
+        self._out.append(Emit(ev.session, ev.engine_id, rec))
+
+    def _on_start_drain(self, ev: StartDrain, now: float) -> None:
+        if self.draining_since is None:
+            self.draining_since = now
+            self._log("info", "drain_started", live=len(self.reqs))
+            for req in [r for r in self.reqs.values() if r.state is R.TRACKED]:
+                self._count("tracks_dropped_draining")
+                self._drop_tracked(req, now)
+        if not self.reqs and Drained() not in self._out:  # (the last one's end said so)
+            self._out.append(Drained())
+
+    def _on_force_abort(self, ev: ForceAbort, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None:
+            raise NotFound(f"no request {ev.request_id!r} is being received (D side)")
+        self._count("operator_aborts")
+        self._log(
+            "warning", "aborted_by_operator", request_id=req.request_id, state=req.state.value
+        )
+        if not req.aborted:
+            req.abort_reason = "aborted by the operator (kvd abort) on D"
+        self._abort(req, now)
 
     def _on_abort(self, ev: AbortRecv, now: float) -> None:
         req = self.reqs.get(ev.request_id)
@@ -602,7 +683,9 @@ class Receiver:
         req.first, req.view = ev.first, ev.view
         if req.mode == "push":
             if req.aborted:
-                self._fail(req, _aborted(), now)  # cancels at P: it may hold a lease
+                self._fail(
+                    req, _aborted(req.abort_reason), now
+                )  # cancels at P: it may hold a lease
                 return
             self._goto(req, R.REGISTERING)
             self._out.append(SendFor(req.request_id, req.agent, ev.first))
@@ -619,7 +702,7 @@ class Receiver:
         if req is None or req.state is not R.HANDSHAKING:
             return
         req.agent = ev.agent
-        self._fail(req, _aborted() if req.aborted else ev.error, now)
+        self._fail(req, _aborted(req.abort_reason) if req.aborted else ev.error, now)
 
     def _ack(self, req: RecvRequest, now: float) -> None:
         assert req.first is not None
@@ -643,9 +726,11 @@ class Receiver:
         if req.state is R.REGISTERING and ev.stale and not req.refreshed and not req.aborted:
             self._rehandshake(req, ev.error, now)
         elif req.state is R.CANCELLING:
-            self._fail(req, _aborted(f"aborted; cancel not delivered: {ev.error.message}"), now)
+            self._fail(
+                req, _aborted(f"{req.abort_reason}; cancel not delivered: {ev.error.message}"), now
+            )
         elif req.state is R.REGISTERING:
-            self._fail(req, _aborted() if req.aborted else ev.error, now)
+            self._fail(req, _aborted(req.abort_reason) if req.aborted else ev.error, now)
         elif req.state is R.ACKING:
             self._fail(req, ev.error, now)
 
@@ -675,7 +760,7 @@ class Receiver:
         elif ev.stale and not req.refreshed and not req.aborted:
             self._rehandshake(req, ev.error, now)
         else:
-            self._fail(req, _aborted() if req.aborted else ev.error, now)
+            self._fail(req, _aborted(req.abort_reason) if req.aborted else ev.error, now)
 
     # ---------------------------------------------------------------- P's answers
 
@@ -694,7 +779,9 @@ class Receiver:
     def _pushed(self, req: RecvRequest, ev: PushDoneArrived, now: float) -> None:
         msg = ev.msg
         if not msg.ok:
-            exc = _aborted() if req.aborted else error_from_code(msg.code, msg.reason)
+            exc = (
+                _aborted(req.abort_reason) if req.aborted else error_from_code(msg.code, msg.reason)
+            )
             self._fail(req, exc, now)
         elif msg.tp_rank >= req.ranks:
             self._reject(ev.agent, f"push completion for rank {msg.tp_rank} of {req.ranks}")
@@ -713,7 +800,11 @@ class Receiver:
             self._finish(req, now)
         else:
             self._fail(
-                req, _aborted() if req.aborted else error_from_code(msg.code, msg.reason), now
+                req,
+                _aborted(req.abort_reason)
+                if req.aborted
+                else error_from_code(msg.code, msg.reason),
+                now,
             )
 
     def _unknown_answer(self, agent: str, rid: str, what: str) -> None:
@@ -793,7 +884,7 @@ class Receiver:
         elif req.state is R.ACKING:
             self._fail(req, Timeout("P did not acknowledge the pull in time"), now)
         elif req.state is R.CANCELLING:
-            self._fail(req, _aborted("aborted; P did not answer the cancel"), now)
+            self._fail(req, _aborted(f"{req.abort_reason}; P did not answer the cancel"), now)
 
     # ---------------------------------------------------------------- views
 
@@ -802,7 +893,10 @@ class Receiver:
         return {s.value: self._states[s] for s in R if s not in TERMINAL}
 
 
-def _aborted(reason: str = "aborted by the client") -> KvdError:
+_DRAINING: Final = "D's kvd daemon is draining (going out of service): it takes no new transfers"
+
+
+def _aborted(reason: str) -> KvdError:
     return TransferError(reason)
 
 
@@ -811,6 +905,8 @@ _HANDLERS: Final[dict[type, Callable[[Receiver, Any, float], None]]] = {
     Load: Receiver._on_load,
     AbortRecv: Receiver._on_abort,
     EndSession: Receiver._on_end_session,
+    StartDrain: Receiver._on_start_drain,
+    ForceAbort: Receiver._on_force_abort,
     PeerResolved: Receiver._on_resolved,
     PeerUnresolved: Receiver._on_unresolved,
     Sent: Receiver._on_sent,

@@ -31,6 +31,13 @@ Rules it keeps:
 - Tombstones: an ended request is remembered (bounded, by base id) so that a late
   registration, pull or finish is answered at once instead of waiting.
 - A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
+- Drain (`StartDrain`, the daemon going out of service): no new lease is granted. A
+  `finished` during the drain fails at once (SendFailed to P's engine; a tombstone that
+  refuses D's registration or pull at once, so D recomputes), registrations and pulls
+  that wait for a lease are answered failed, new ones are refused as they come; what is
+  leased is served until it ends. `Drained` says when nothing is left.
+- An operator's abort (`ForceAbort`, `kvd abort`) ends a request whatever its session,
+  like the engine's own abort; a WRITE in flight is not cut (its end answers).
 """
 
 from __future__ import annotations
@@ -43,9 +50,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, LocalProtocolError
+from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, LocalProtocolError, NotFound
 
-from kvd.core.effects import Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
 from kvd.core.ids import base_request_id
 from kvd.core.leases import LeaseTable
 from kvd.core.timers import TimerHeap
@@ -101,6 +108,20 @@ class EndSession:
     """The client session went away: end what it owns (answered by `SessionEnded`)."""
 
     session: str
+
+
+@dataclass(frozen=True, slots=True)
+class StartDrain:
+    """The daemon goes out of service: grant no new lease, serve what is leased
+    (answered by `Drained` once nothing is left; again at every later StartDrain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForceAbort:
+    """The operator ends the request by hand (`kvd abort`), whichever session owns it.
+    Raises NotFound when no live request has this id, InvalidRequest while its WRITE runs."""
+
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +189,8 @@ Event = (
     Finish
     | AbortSend
     | EndSession
+    | StartDrain
+    | ForceAbort
     | RegistrationArrived
     | HeartbeatArrived
     | PullDoneArrived
@@ -207,7 +230,7 @@ class PostWrite:
     view: object
 
 
-Effect = Emit | Notify | SessionEnded | Log | ResolveView | PostWrite
+Effect = Emit | Notify | SessionEnded | Log | ResolveView | PostWrite | Drained
 
 
 # ------------------------------------------------------------------ state
@@ -282,6 +305,8 @@ class Sender:
         self.resyncing: dict[str, tuple[int, int]] = {}
         """Peer -> (nonce, stall epoch) of the Resync we await: its ack covers that epoch
         only (a stall after the Resync went out needs another)."""
+        self.draining_since: float | None = None
+        """Daemon time the drain started (None: not draining)."""
         self._out: list[Effect] = []
 
     # ---------------------------------------------------------------- the interface
@@ -400,6 +425,8 @@ class Sender:
             self._bury(req.key, tomb)
         if req.session in self.closing:
             self._maybe_session_ended(req.session)
+        if self.draining_since is not None and not self.reqs:
+            self._out.append(Drained())
 
     def _emit(self, req: SendRequest, record: wire.Record) -> None:
         if req.session:
@@ -428,6 +455,9 @@ class Sender:
         have = self.reqs.get(ev.request_id)
         if have is not None and have.state is not S.AWAITING:
             raise InvalidRequest(f"request {ev.request_id!r} already holds a lease")
+        if self.draining_since is not None:
+            self._refuse_finish_draining(ev)
+            return
         tomb = self._tomb(ev.request_id)
         if tomb is not None and tomb.refuses_finish and have is None:
             # D gave up before P finished: nothing will ever read the blocks
@@ -461,6 +491,52 @@ class Sender:
             self._deliver_pull(waiting, waiting.agent, waiting.early_pull)
         else:
             self._match(waiting, now)
+
+    def _refuse_finish_draining(self, ev: Finish) -> None:
+        """No new lease while draining: P's engine is told now, and D's registration or
+        pull for it (by P's id or one sharing its base) is refused at once by the tombstone."""
+        self._count("finishes_refused_draining")
+        self._log("info", "finish_refused_draining", request_id=ev.request_id)
+        self._out.append(
+            Emit(
+                ev.session,
+                ev.engine_id,
+                wire.SendFailed(ev.request_id, _DRAINING.code, _DRAINING.reason),
+            )
+        )
+        self._bury(ev.request_id, _DRAINING)
+
+    def _on_start_drain(self, ev: StartDrain, now: float) -> None:
+        if self.draining_since is None:
+            self.draining_since = now
+            self._log("info", "drain_started", live=len(self.reqs))
+            # what waits for a lease will not get one: answer D now (it recomputes)
+            for req in [r for r in self.reqs.values() if r.state is S.AWAITING]:
+                self._count("waits_failed_draining")
+                self._fail_waiting(req, _DRAINING, S.FAILED)
+        if not self.reqs and Drained() not in self._out:  # (the last one's end said so)
+            self._out.append(Drained())
+
+    def _on_force_abort(self, ev: ForceAbort, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None:
+            raise NotFound(f"no request {ev.request_id!r} is being sent (P side)")
+        if req.state is S.WRITING:
+            raise InvalidRequest(
+                f"request {ev.request_id!r} is being written to D: it ends when the WRITE "
+                "returns (bounded by transfer.transfer_timeout)"
+            )
+        self._count("operator_aborts")
+        self._log("warning", "aborted_by_operator", request_id=req.key, state=req.state.value)
+        self._step(req, ev, now)
+
+    def _operator_aborted(self, req: SendRequest, ev: ForceAbort, now: float) -> None:
+        if req.state is S.AWAITING:
+            self._fail_waiting(req, _OPERATOR, S.ABORTED)
+            return
+        self._emit(req, wire.SendFailed(req.key, _OPERATOR.code, _OPERATOR.reason))
+        self._push_failed(req, _OPERATOR.code, _OPERATOR.reason)
+        self._end(req, S.ABORTED, _OPERATOR)
 
     def _on_abort(self, ev: AbortSend, now: float) -> None:
         req = self.reqs.get(ev.request_id)
@@ -507,6 +583,8 @@ class Sender:
             tomb = self._tomb(key) or self._tomb(msg.request_id)
             if tomb is None and msg.p_session in self.ended_sessions:
                 tomb = _GONE
+            if tomb is None and self.draining_since is not None:
+                tomb = _DRAINING  # it would wait for a lease that will not be granted
             if tomb is not None:
                 self._count("late_registrations")
                 self._out.append(
@@ -561,6 +639,8 @@ class Sender:
         tomb = self._tomb(msg.request_id)
         if tomb is None and msg.p_session in self.ended_sessions:
             tomb = _GONE
+        if tomb is None and self.draining_since is not None:
+            tomb = _DRAINING  # it would wait for a lease that will not be granted
         if tomb is not None:
             self._pull_refused(ev.agent, msg, tomb.code, tomb.reason)
             return
@@ -765,11 +845,21 @@ _GONE: Final = Tombstone(
     int(ErrorCode.TRANSFER), "P's engine session ended before the request was sent"
 )
 _DONE: Final = Tombstone(int(ErrorCode.INVALID), "the request was already delivered", by_base=False)
+_DRAINING: Final = Tombstone(
+    int(ErrorCode.SHUTTING_DOWN),
+    "P's kvd daemon is draining (going out of service): it grants no new leases",
+    refuses_finish=True,
+)
+_OPERATOR: Final = Tombstone(
+    int(ErrorCode.TRANSFER), "aborted by the operator (kvd abort) on P", refuses_finish=True
+)
 
 _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     Finish: Sender._on_finish,
     AbortSend: Sender._on_abort,
     EndSession: Sender._on_end_session,
+    StartDrain: Sender._on_start_drain,
+    ForceAbort: Sender._on_force_abort,
     RegistrationArrived: Sender._on_registration,
     HeartbeatArrived: Sender._on_heartbeat,
     PullDoneArrived: Sender._on_pull_done,
@@ -787,6 +877,10 @@ _ON: Final[dict[tuple[SendState, type], Callable[[Sender, SendRequest, Any, floa
     (S.HELD, AbortSend): Sender._aborted,
     (S.MATCHED, AbortSend): Sender._aborted,
     (S.WRITING, AbortSend): lambda self, req, ev, now: None,  # the WRITE's end answers
+    # the operator aborts (WRITING is refused before: the WRITE's end answers)
+    (S.AWAITING, ForceAbort): Sender._operator_aborted,
+    (S.HELD, ForceAbort): Sender._operator_aborted,
+    (S.MATCHED, ForceAbort): Sender._operator_aborted,
     # D registers
     (S.HELD, RegistrationArrived): Sender._held_registered,
     (S.AWAITING, RegistrationArrived): Sender._duplicate_registration,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from kvd.config import (
     AuthConfig,
     Config,
     ConfigError,
+    ConfigErrors,
     DaemonConfig,
     ECConfig,
     TransferConfig,
@@ -408,3 +410,56 @@ def test_advertised_host() -> None:
     assert Config().side_channel.advertised_host == "127.0.0.1"
     cfg = parse_config({"side_channel": {"host": "0.0.0.0", "advertise_host": "10.1.2.3"}}, "t")
     assert cfg.side_channel.advertised_host == "10.1.2.3"
+
+
+def test_every_error_in_a_file_is_reported_not_only_the_first() -> None:
+    data = {
+        "daemon": {"client_timeout": -1, "mailbox_sise": 3, "socket_mode": "x"},
+        "transfer": {"kv_lease_duration": 0},
+        "bogus": {},
+        "ec": {"region_bytes": 3, "block_bytes": 2},  # a rule across fields, values fine
+    }
+    with pytest.raises(ConfigErrors) as info:
+        parse_config(data, "many.toml")
+    errors = info.value.all()
+    assert sorted(e.key for e in errors) == [
+        "bogus",
+        "daemon.client_timeout",
+        "daemon.mailbox_sise",
+        "daemon.socket_mode",
+        "ec.region_bytes",
+        "transfer.kv_lease_duration",
+    ]
+    assert all(e.source == "many.toml" for e in errors)
+    assert "did you mean 'mailbox_size'" in str(info.value)
+    assert len(str(info.value).splitlines()) == 6  # one line each
+    # it survives pickling (the daemon's start-up error crosses processes in tests)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert [str(e) for e in again.all()] == [str(e) for e in errors]
+    # a single error is raised as itself, as before
+    with pytest.raises(ConfigError) as one:
+        parse_config({"daemon": {"client_timeout": -1}}, "one.toml")
+    assert not isinstance(one.value, ConfigErrors) and one.value.key == "daemon.client_timeout"
+
+
+def test_check_config_lists_every_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[daemon]\nclient_timeout = -1\nmailbox_size = "a"\n[transfer]\nbogus = 1\n')
+    res = subprocess.run(
+        [sys.executable, "-m", "kvd", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2
+    for key in ("daemon.client_timeout", "daemon.mailbox_size", "transfer.bogus"):
+        assert f"{bad}: {key}:" in res.stderr, res.stderr
+    assert "3 errors" in res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "kvd", "check-config", str(bad), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = json.loads(res.stdout)
+    assert res.returncode == 2 and out["ok"] is False and len(out["errors"]) == 3

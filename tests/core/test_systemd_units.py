@@ -46,7 +46,8 @@ def _copy_unit(source: Path, tmp_path: Path) -> Path:
     text = source.read_text()
     assert f"ExecStart={INSTALLED_KVD} " in text
     target = tmp_path / name
-    target.write_text(text.replace(f"ExecStart={INSTALLED_KVD} ", f"ExecStart={_executable()} "))
+    # ExecStop= too (the drain): every command line naming the installed kvd
+    target.write_text(text.replace(f"{INSTALLED_KVD} ", f"{_executable()} "))
     return target
 
 
@@ -110,7 +111,7 @@ COMMON = {
     "RuntimeDirectory": "kvd",
     "RuntimeDirectoryMode": "0750",
     "LimitMEMLOCK": "infinity",
-    "TimeoutStopSec": "15",
+    "TimeoutStopSec": "90",
     "KillSignal": "SIGTERM",
     "NoNewPrivileges": "yes",
     "ProtectSystem": "strict",
@@ -149,3 +150,14 @@ def test_one_daemon_per_node_only() -> None:
     register on the same daemon, which pairs them with the peer's once per node pair):
     there is no per-GPU template."""
     assert sorted(p.name for p in UNITS.iterdir()) == ["kvd.service"]
+
+
+def test_stop_drains_within_the_stop_timeout() -> None:
+    """Stopping drains the daemon (the daemon's own socket, from its config) and exits it;
+    the drain's timeout plus the cleanup fit in TimeoutStopSec."""
+    settings = _settings("kvd.service")
+    (stop,) = settings["ExecStop"]
+    assert stop.startswith(f"-{INSTALLED_KVD} drain --config /etc/kvd/kvd.toml --exit --timeout ")
+    drain_timeout = float(stop.rsplit(" ", 1)[1])
+    shutdown_timeout = 5.0  # daemon.shutdown_timeout's default
+    assert drain_timeout + shutdown_timeout < float(settings["TimeoutStopSec"][0])

@@ -190,6 +190,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "PingPeer": (13, wire.PingPeer(host="decode-1.example", port=5601, timeout=2.5)),
     "GetTrace": (14, wire.GetTrace(request_id=REQ, peer=True, timeout=2.5)),
+    "Drain": (15, wire.Drain(timeout=120.5, exit=True)),
+    "AbortRequest": (16, wire.AbortRequest(request_id=REQ)),
     "SendFinished": (0, wire.SendFinished(request_id=REQ)),
     "RecvFinished": (0, wire.RecvFinished(request_id=REQ)),
     "RecvFailed": (
