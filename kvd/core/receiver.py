@@ -629,7 +629,11 @@ class Receiver:
             raise NotFound(f"no request {ev.request_id!r} is being received (D side)")
         self._count("operator_aborts")
         self._log(
-            "warning", "aborted_by_operator", request_id=req.request_id, state=req.state.value
+            "warning",
+            "aborted_by_operator",
+            request_id=req.request_id,
+            peer=req.agent,
+            state=req.state.value,
         )
         if not req.aborted:
             req.abort_reason = "aborted by the operator (kvd abort) on D"

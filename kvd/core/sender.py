@@ -496,7 +496,7 @@ class Sender:
         """No new lease while draining: P's engine is told now, and D's registration or
         pull for it (by P's id or one sharing its base) is refused at once by the tombstone."""
         self._count("finishes_refused_draining")
-        self._log("info", "finish_refused_draining", request_id=ev.request_id)
+        self._log("info", "finish_refused_draining", request_id=ev.request_id, peer="")
         self._out.append(
             Emit(
                 ev.session,
@@ -527,7 +527,13 @@ class Sender:
                 "returns (bounded by transfer.transfer_timeout)"
             )
         self._count("operator_aborts")
-        self._log("warning", "aborted_by_operator", request_id=req.key, state=req.state.value)
+        self._log(
+            "warning",
+            "aborted_by_operator",
+            request_id=req.key,
+            peer=req.agent,
+            state=req.state.value,
+        )
         self._step(req, ev, now)
 
     def _operator_aborted(self, req: SendRequest, ev: ForceAbort, now: float) -> None:
