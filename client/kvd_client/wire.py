@@ -816,6 +816,21 @@ class ResyncAck(Record):
     nonce: U64
 
 
+@message(71)
+@dataclasses.dataclass(frozen=True)
+class Sealed(Record):
+    """An authenticated peer message (with a shared secret): `body` is the encoding of any
+    other peer message (a notification of any kind, a region drop), sent under the session
+    key `key_id` that a handshake derived, as number `counter` (1, 2, ...) of its direction.
+    `mac` is HMAC-SHA256 over key_id, counter (8 bytes, big-endian) and body with that
+    direction's key (`kvd.core.peersession`)."""
+
+    key_id: Annotated[bytes, Len(16, 16)]
+    counter: Annotated[int, Range(1, (1 << 64) - 1)]
+    body: Blob
+    mac: Annotated[bytes, Len(32, 32)]
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceStage(Record):
     """One stage record of a request in a daemon's stage trace (`TraceAnswer`)."""
@@ -996,3 +1011,6 @@ class ECXferAck(Record):
     code: U16
     reason: Text
     nbytes: U64
+    mac: Annotated[bytes, Len(0, 64)] = b""
+    """With a shared secret: HMAC-SHA256 over b"ecack", the request's nonce and the ack with
+    an empty mac, so an ack answers exactly one request and only the producer can say ok."""

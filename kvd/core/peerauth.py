@@ -48,7 +48,14 @@ NONCE_BYTES: Final = 16
 """Length of the random nonce a sender puts in each message it authenticates (at least
 this many are required)."""
 
-Signed = wire.Handshake | wire.RegionDropped | wire.ECXferReq | wire.TraceQuery | wire.TraceAnswer
+Signed = (
+    wire.Handshake
+    | wire.RegionDropped
+    | wire.ECXferReq
+    | wire.ECXferAck
+    | wire.TraceQuery
+    | wire.TraceAnswer
+)
 """The peer messages that carry a `mac` field."""
 
 

@@ -378,6 +378,16 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             code=int(ErrorCode.NOT_FOUND),
             reason="unknown encoder output",
             nbytes=0,
+            mac=bytes(range(100, 132)),
+        ),
+    ),
+    "Sealed": (
+        0,
+        wire.Sealed(
+            key_id=bytes(range(16)),
+            counter=(1 << 40) + 7,
+            body=wire.encode(wire.Heartbeat(("cmpl-a-0", "cmpl-b-1"))),
+            mac=bytes(range(200, 232)),
         ),
     ),
 }

@@ -50,6 +50,7 @@ TYPE_IDS = {
     "Probe": 68,
     "Resync": 69,
     "ResyncAck": 70,
+    "Sealed": 71,
     "TraceQuery": 75,
     "TraceAnswer": 76,
     "ECAllocate": 80,
