@@ -474,12 +474,14 @@ class AuthConfig(_Section):
     secret_file: str = _opt(
         "",
         "Path of a shared secret (use an absolute path). When set, peers must prove they "
-        "know it (HMAC-SHA256) or are refused: in handshakes, region-drop notices and "
-        "encoder-cache transfer requests (a transfer request is served once), so the "
-        "nodes' clocks must agree within 2 minutes. All daemons that exchange KV or "
-        "encoder outputs need the same secret. The file must exist, be non-empty and "
-        "have no group or other permissions (chmod 600); a trailing newline is ignored. "
-        "Empty: peers are not authenticated.",
+        "know it (HMAC-SHA256) or are refused: each handshake derives a session key for "
+        "the two daemons, and every later peer message (NIXL notifications, region-drop "
+        "notices) is sealed under it with a counter and admitted once; encoder-cache "
+        "transfer requests are served once and their acks are MACed. The nodes' clocks "
+        "must agree within 2 minutes. All daemons that exchange KV or encoder outputs "
+        "need the same secret. The file must exist, be non-empty and have no group or "
+        "other permissions (chmod 600); a trailing newline is ignored. Empty: peers are "
+        "not authenticated (a warning at start, and `kvd status` says so).",
     )
 
     def load_secret(self) -> bytes | None:

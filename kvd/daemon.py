@@ -40,6 +40,7 @@ from kvd.actors.sidechannel import SideChannel
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
+from kvd.core.peersession import Keyring
 from kvd.core.trace import StageTrace
 from kvd.drain import Drain
 from kvd.logs import RejectLog
@@ -63,6 +64,7 @@ class Daemon:
         size = cfg.daemon.mailbox_size
         secret = cfg.auth.load_secret()
         self.authenticated = secret is not None
+        self.keyring = Keyring(self.agent_name) if secret is not None else None
         self.clock = Clock()
         self.trace = StageTrace(
             cfg.daemon.trace_records, time.monotonic_ns, requests=cfg.daemon.trace_requests
@@ -81,6 +83,7 @@ class Daemon:
             ucx_tls=cfg.nixl.ucx_tls,
             trace=self.trace,
         )
+        self.engine.keyring = self.keyring
         self.side = SideChannel(
             host=cfg.side_channel.host,
             port=cfg.side_channel.port,
@@ -92,6 +95,7 @@ class Daemon:
             agent_name=self.agent_name,
             secret=secret,
             trace=self.trace,
+            keyring=self.keyring,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -101,6 +105,7 @@ class Daemon:
             lease_duration=cfg.transfer.kv_lease_duration,
             handshake_timeout=cfg.side_channel.handshake_timeout,
             secret=secret,
+            keyring=self.keyring,
             publish=self._publish,
             drain_local=self._drain_local,
             counters=self.counters,
@@ -165,6 +170,7 @@ class Daemon:
             counters=self.counters,
             rejects=self.rejects,
             trace=self.trace,
+            keyring=self.keyring,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,
@@ -281,6 +287,7 @@ class Daemon:
             "settings": self._settings(),
             "drain": await self.drain.status(),
             "side_channel": f"{self.cfg.side_channel.advertised_host}:{self.side.port}",
+            "session_keys": self.keyring.snapshot() if self.keyring is not None else {},
             "mailboxes": {name: box.stats() for name, box in boxes.items()}
             | {"events": self.events.stats()},
             "counters": dict(sorted(self.counters.items())),
@@ -383,6 +390,12 @@ class Daemon:
                     socket=self.socket_path,
                     side_channel=f"{self.cfg.side_channel.host}:{self.side.port}",
                 )
+                if not self.authenticated:
+                    log.warning(
+                        "peer_auth_off",
+                        detail="no [auth] secret_file: any host that reaches the side channel, "
+                        "the EC port or the NIXL agent is trusted as a peer",
+                    )
                 systemd.ready(f"serving {self.socket_path}")
                 await self._wait_for_stop()
                 ok = True

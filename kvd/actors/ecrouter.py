@@ -21,7 +21,10 @@ Producer (role producer/both):
   once more, in case our view is stale, then refuse). The destination blocks must lie in
   that EC region (the planner refuses anything else). The output is pinned, WRITten into
   the consumer's blocks, acked (`ECXferAck`), then unpinned. Nothing is WRITten for a
-  refused request. Malformed and refused requests are counted and logged at a bounded
+  refused request. With a secret, each ack carries a MAC over b"ecack", the request's
+  nonce and the ack: a consumer takes an ok ack only with a valid one (else it is
+  counted in `ec_auth_rejected` and the fetch waits on); a refusal is taken either way
+  (it only costs a local encode). Malformed and refused requests are counted and logged at a bounded
   rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
   their connection (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
@@ -113,6 +116,9 @@ EC_SEGMENT_PREFIX: Final = "kvd-ec-"
 EC_XFER_CONTEXT: Final = b"ecxfer"
 """Domain separation of an `ECXferReq`'s MAC from the MACs of other peer messages."""
 
+EC_ACK_CONTEXT: Final = b"ecack"
+"""Domain separation of an `ECXferAck`'s MAC (followed by its request's nonce)."""
+
 EC_NONCES_MAX: Final = 1 << 18
 """Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
 until its request is stale (at most twice `AUTH_WINDOW_S`): room for over 1,000
@@ -176,6 +182,8 @@ class _Fetch:
     nbytes: int
     compat: str
     waiters: list[str] = field(default_factory=list)
+    nonce: bytes = b""
+    """The nonce of our request: its ack must be MACed under it (with a shared secret)."""
 
 
 class ECRouter:
@@ -472,6 +480,7 @@ class ECRouter:
             timestamp=self.wall_clock(),
             nonce=os.urandom(NONCE_BYTES),
         )
+        f.nonce = req.nonce
         if self.secret is not None:
             req = replace(req, mac=message_mac(self.secret, req, EC_XFER_CONTEXT))
         self._tg.start_soon(self._send_req, f.producer, req)
@@ -514,10 +523,28 @@ class ECRouter:
             pool.unpin(mm_hash)
 
     def _fetch_done(self, ack: wire.ECXferAck) -> None:
-        f = self.fetches.pop(ack.mm_hash, None)
+        f = self.fetches.get(ack.mm_hash)
         if f is None:
             self._count("ec_acks_unexpected")
             return
+        if (
+            self.secret is not None
+            and ack.ok
+            and not mac_valid(self.secret, ack, EC_ACK_CONTEXT + f.nonce)
+        ):
+            # Only the producer may say the bytes are there. A refusal without a valid MAC
+            # is taken: a producer that cannot check our request cannot MAC its answer
+            # either, and a forged refusal only costs a local encode.
+            self.rejects.reject(
+                "ecrouter",
+                "ec_auth_rejected",
+                "ec_ack_auth_rejected",
+                "ack_bad_mac",
+                mm_hash=ack.mm_hash,
+                producer=f"{f.producer[0]}:{f.producer[1]}",
+            )
+            return
+        del self.fetches[ack.mm_hash]
         self.deadlines.discard(ack.mm_hash)
         pool = self.cons_pool
         assert pool is not None
@@ -623,7 +650,7 @@ class ECRouter:
                         if refused is None:
                             self._tg.start_soon(self._serve_one, frames[0], req)
                         else:
-                            await self._ack(frames[0], refused)
+                            await self._ack(frames[0], refused, req.nonce)
             # A ready frame is received without suspending: without this, a consumer that
             # keeps the socket busy would starve every other task.
             await anyio.lowlevel.checkpoint()
@@ -690,9 +717,11 @@ class ECRouter:
             error=exc.message,
         )
 
-    async def _ack(self, ident: bytes, ack: wire.ECXferAck) -> None:
+    async def _ack(self, ident: bytes, ack: wire.ECXferAck, nonce: bytes) -> None:
         # A ROUTER never blocks a send: a consumer that does not read loses its acks.
         assert self._router is not None
+        if self.secret is not None:
+            ack = replace(ack, mac=message_mac(self.secret, ack, EC_ACK_CONTEXT + nonce))
         try:
             await self._router.send_multipart([ident, wire.encode(ack)])
         except zmq.ZMQError as exc:
@@ -770,7 +799,7 @@ class ECRouter:
         finally:
             if pinned and mm_hash in pool:
                 pool.unpin(mm_hash)
-        await self._ack(ident, ack)
+        await self._ack(ident, ack, req.nonce)
 
     # ---------------------------------------------------------------- status
 

@@ -9,12 +9,19 @@ what D's daemon hears from P (push completions, pull acks, re-sync requests) to 
 receiver, probes to the registrar. It never blocks. Heartbeats and probes are outside
 input (`HeartbeatReceived`, `ProbeReceived`): dropped and counted when their mailbox is
 full, the next one comes. Everything else is never dropped (`Mailbox.post`'s rule).
+With a shared secret (a `Keyring`), every notification must be a `wire.Sealed` envelope
+under the session key of the agent NIXL names as its sender, with a MAC that verifies and
+a counter inside the replay window (`kvd.core.peersession`); the message inside is then
+routed as above. Anything else (bare, forged, replayed, too old, under another peer's or
+an old incarnation's key) is dropped before it is decoded further, counted in
+`notifs_auth_rejected` and `auth_rejected_<reason>`, and logged at a bounded rate.
 With the stage trace on, it records for each message that names a request when the NIXL
 thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from kvd_client import wire
@@ -22,6 +29,7 @@ from kvd_client.errors import Busy, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
+from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -40,6 +48,7 @@ class Notifier:
         counters: dict[str, int],
         rejects: RejectLog,
         trace: StageTrace = NO_TRACE,
+        keyring: Keyring | None = None,
     ) -> None:
         self.sender = sender
         self.receiver = receiver
@@ -48,6 +57,7 @@ class Notifier:
         self.counters = counters
         self.rejects = rejects
         self.trace = trace
+        self.keyring = keyring
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -63,6 +73,15 @@ class Notifier:
             return  # NIXL transfers posted without a notification message
         try:
             _, msg = wire.decode(raw, self.max_frame)
+            if self.keyring is not None:
+                opened = self._open(agent, msg)
+                if isinstance(opened, AuthRefusal):
+                    self._auth_refused(agent, opened)
+                    return
+                _, msg = wire.decode(opened, self.max_frame)  # authentic: now decode it
+                if isinstance(msg, (wire.Sealed, wire.Handshake)):
+                    self._auth_refused(agent, AuthRefusal.NESTED)
+                    return
         except RemoteProtocolError as exc:
             self.rejects.reject(
                 "notifier",
@@ -97,3 +116,17 @@ class Notifier:
         if self.trace.on and polled_ns and (rid := trace_key(msg)):
             self.trace.mark_at(rid, "nixl.notif_polled", polled_ns)
             self.trace.mark(rid, "notifier.routed")
+
+    def _open(self, agent: str, msg: wire.Record) -> bytes | AuthRefusal:
+        """The body of an authentic, fresh envelope from `agent`, or why not."""
+        assert self.keyring is not None
+        if not isinstance(msg, wire.Sealed):
+            return AuthRefusal.UNSEALED
+        got = self.keyring.open(msg, time.monotonic(), agent)
+        return got if isinstance(got, AuthRefusal) else got[1]
+
+    def _auth_refused(self, agent: str, why: AuthRefusal) -> None:
+        self._count(f"auth_rejected_{why.value}")
+        self.rejects.reject(
+            "notifier", "notifs_auth_rejected", "notif_auth_rejected", why.value, peer=agent
+        )

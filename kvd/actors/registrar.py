@@ -86,6 +86,7 @@ from kvd.adapters.shm import (
 )
 from kvd.core.addresses import address_problem
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
+from kvd.core.peersession import Keyring, Party, derive_session
 from kvd.core.planner import Geometry
 from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
 from kvd.core.topology import check_region
@@ -154,6 +155,7 @@ class Registrar:
         rejects: RejectLog,
         reap_leftovers: bool = True,
         trace: StageTrace = NO_TRACE,
+        keyring: Keyring | None = None,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -163,6 +165,7 @@ class Registrar:
         self.lease_duration = lease_duration
         self.handshake_timeout = handshake_timeout
         self.secret = secret
+        self.keyring = keyring if secret is not None else None
         self._publish = publish
         self._drain_local = drain_local
         self.counters = counters
@@ -372,7 +375,7 @@ class Registrar:
             with anyio.move_on_after(notify_timeout or self.handshake_timeout):
                 async with anyio.create_task_group() as tg:
                     for p in list(self.peers.values()):
-                        tg.start_soon(self._notify_drop, p.info, notice)
+                        tg.start_soon(self._notify_drop, p.info, self._sealed(p.info, notice))
         # 2. local transfers touching it finish or fail.
         if drain:
             with anyio.move_on_after(self.handshake_timeout):
@@ -415,7 +418,15 @@ class Registrar:
             if why is not None:  # else removed, or gone already
                 log.info("staging_segment_kept", segment=name, reason=why, **where)
 
-    async def _notify_drop(self, peer: PeerInfo, notice: wire.RegionDropped) -> None:
+    def _sealed(self, peer: PeerInfo, msg: wire.Record) -> wire.Record:
+        """With a shared secret, `msg` in an envelope under our session key with `peer`
+        (the side channel refuses anything else after the handshake); else `msg`."""
+        if self.keyring is None:
+            return msg
+        env = self.keyring.seal(peer.agent, wire.encode(msg), time.monotonic())
+        return msg if env is None else env  # no key: the peer refuses it, as it should
+
+    async def _notify_drop(self, peer: PeerInfo, notice: wire.Record) -> None:
         try:
             reply = await self._side_request(peer.host, peer.port, notice)
             if not isinstance(reply, wire.Ok):
@@ -448,7 +459,7 @@ class Registrar:
 
     # ---------------------------------------------------------------- handshakes
 
-    async def _our_handshake(self, context: bytes) -> wire.Handshake:
+    async def _our_handshake(self, context: bytes, nonce: bytes | None = None) -> wire.Handshake:
         assert self.canary is not None
         hs = wire.Handshake(
             agent_name=self.engine.name,
@@ -460,13 +471,30 @@ class Registrar:
             regions=self._region_infos(),
             canary_addr=self.canary.addr,
             canary_bytes=CANARY_BYTES,
-            nonce=os.urandom(16),
+            nonce=nonce or os.urandom(16),
             timestamp=time.time(),
             mac=b"",
         )
         if self.secret is not None:
             hs = replace(hs, mac=handshake_mac(self.secret, hs, context))
         return hs
+
+    def _install_key(
+        self, *, dialer: wire.Handshake | Party, acceptor: wire.Handshake | Party
+    ) -> None:
+        """With a secret, the session key of an authenticated handshake (`derive_session`),
+        installed before anything can be sent to or arrive from the peer under it."""
+        if self.keyring is None or self.secret is None:
+            return
+        d, a = (
+            p if isinstance(p, Party) else Party(p.agent_name, p.incarnation, p.nonce)
+            for p in (dialer, acceptor)
+        )
+        peer = a.agent if d.agent == self.engine.name else d.agent
+        self.keyring.install(
+            peer, derive_session(self.secret, dialer=d, acceptor=a), time.monotonic()
+        )
+        self.counters["session_keys_derived"] = self.counters.get("session_keys_derived", 0) + 1
 
     def _check_mac(self, hs: wire.Handshake, context: bytes) -> None:
         if self.secret is None:
@@ -576,6 +604,7 @@ class Registrar:
                 raise RemoteProtocolError(f"handshake reply is a {type(reply).__name__}")
             self._check_mac(reply, b"rep" + ours.nonce)
             info = await self._learn(reply, host, port, dialed=True)
+            self._install_key(dialer=ours, acceptor=reply)
             self.counters["handshakes_ok"] = self.counters.get("handshakes_ok", 0) + 1
             log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
             fut.set_result(info)
@@ -625,7 +654,12 @@ class Registrar:
             if where is not None:  # we dial it to tell the peer about dropped regions
                 raise InvalidRequest(where)
             await self._learn(hs, hs.side_host, hs.side_port, dialed=False)
-            reply = await self._our_handshake(b"rep" + hs.nonce)
+            nonce = os.urandom(16)
+            self._install_key(
+                dialer=hs,
+                acceptor=Party(self.engine.name, self.incarnation, nonce),
+            )
+            reply = await self._our_handshake(b"rep" + hs.nonce, nonce)
             self.counters["handshakes_accepted"] = self.counters.get("handshakes_accepted", 0) + 1
             log.info("peer_handshake_accepted", peer=hs.agent_name)
             msg.resolve(reply)
@@ -676,6 +710,8 @@ class Registrar:
     async def _forget(self, agent: str) -> None:
         """Drop a peer: its NIXL entry goes, the next use handshakes afresh."""
         p = self.peers.pop(agent, None)
+        if self.keyring is not None:
+            self.keyring.forget(agent)  # its messages in flight fail from now on
         if p is None:
             return
         if self.peer_by_addr.get(p.info.addr) == agent:

@@ -13,6 +13,12 @@ with its clock when they arrived and when the answer leaves (`kvd.core.timeline`
 with a shared secret, a query without a valid MAC is refused like a bad handshake
 (counted in `auth_rejected`). Replies are sent as they complete, so a slow handshake never
 blocks the socket.
+
+With a shared secret (a `Keyring`), only the handshake and the trace query (request and
+reply, each with its own MAC and nonce) travel bare: a region drop must come sealed under
+the session key its handshake derived (`kvd.core.peersession`), fresh, and naming the
+peer that key belongs to; anything else is refused AUTH and counted (`side_auth_rejected`,
+and `auth_rejected_<reason>`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
 from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.timeline import check_query, make_answer
 from kvd.core.trace import NO_TRACE, StageTrace
 from kvd.logs import RejectLog
@@ -56,6 +63,7 @@ class SideChannel:
         agent_name: str = "",
         secret: bytes | None = None,
         trace: StageTrace = NO_TRACE,
+        keyring: Keyring | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -67,6 +75,7 @@ class SideChannel:
         self.agent_name = agent_name
         self.secret = secret
         self.trace = trace
+        self.keyring = keyring
         self._sock: zmq.asyncio.Socket | None = None
 
     def _disconnected(self) -> None:
@@ -126,14 +135,60 @@ class SideChannel:
         except RemoteProtocolError as exc:
             await self._refuse(ident, salvage_corr(frame), exc)
             return
-        if isinstance(msg, wire.TraceQuery):
+        if isinstance(msg, wire.TraceQuery):  # request/reply with its own MAC and nonce
             await self._trace_query(ident, corr, msg, t1)
             return
-        if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
+        if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed)):
             why = f"{type(msg).__name__} is not a side-channel request"
             await self._refuse(ident, corr, RemoteProtocolError(why))
             return
+        if self.keyring is not None and not isinstance(msg, wire.Handshake):
+            opened = self._open(msg)
+            if isinstance(opened, AuthRefusal):
+                await self._auth_refused(ident, corr, msg, opened)
+                return
+            try:
+                _, msg = wire.decode(opened[1], self.max_frame)  # authentic: now decode it
+            except RemoteProtocolError as exc:
+                await self._refuse(ident, corr, exc)
+                return
+            refusal = None
+            if isinstance(msg, (wire.Sealed, wire.Handshake)):
+                refusal = AuthRefusal.NESTED
+            elif isinstance(msg, wire.RegionDropped) and msg.agent_name != opened[0]:
+                refusal = AuthRefusal.WRONG_PEER  # a peer speaks for itself only
+            if refusal is not None:
+                await self._auth_refused(ident, corr, msg, refusal)
+                return
+        if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
+            why = f"{type(msg).__name__} is not a side-channel request"
+            if isinstance(msg, wire.Sealed):
+                why = "a sealed message, but this daemon has no shared secret"
+            await self._refuse(ident, corr, RemoteProtocolError(why))
+            return
         tg.start_soon(self._handle, ident, corr, msg)
+
+    def _open(self, msg: wire.Record) -> tuple[str, bytes] | AuthRefusal:
+        """(peer, body) of an authentic, fresh envelope, or why not."""
+        assert self.keyring is not None
+        if not isinstance(msg, wire.Sealed):
+            return AuthRefusal.UNSEALED
+        return self.keyring.open(msg, time.monotonic())
+
+    async def _auth_refused(
+        self, ident: bytes, corr: int, msg: wire.Record, why: AuthRefusal
+    ) -> None:
+        key = f"auth_rejected_{why.value}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        self.rejects.reject(
+            "sidechannel",
+            "side_auth_rejected",
+            "side_request_auth_rejected",
+            why.value,
+            type=type(msg).__name__,
+        )
+        err = AuthError(f"side-channel message refused: {why.value}")
+        await self._send(ident, wire.ErrorReply.of(err.code, err.message), corr)
 
     async def _handle(
         self, ident: bytes, corr: int, msg: wire.Handshake | wire.RegionDropped

@@ -33,8 +33,10 @@ from typing import Any, Final, TypeVar
 
 import numpy as np
 import structlog
+from kvd_client import wire
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
+from kvd.core.peersession import Keyring
 from kvd.core.trace import NO_TRACE, StageTrace
 
 log = structlog.get_logger("kvd.nixl")
@@ -149,6 +151,9 @@ class NixlEngine:
         self._stop = threading.Event()
         self.stats = NixlStats()
         self.trace = trace
+        self.keyring: Keyring | None = None
+        """Set (with a shared secret) before the first peer: every notification we send
+        is then sealed (`_seal`)."""
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -361,6 +366,7 @@ class NixlEngine:
         remote memory named, Timeout past `timeout`). `trace_id`: the request the stage
         trace records this transfer under.
         """
+        notif = self._seal(peer, notif) if notif else notif
         loop = self._loop
         if loop is None or self._thread is None:
             raise TransferError("NIXL engine is not running")
@@ -404,6 +410,7 @@ class NixlEngine:
         """Send one notification; NIXL sends it within the call, so every failure is one of
         posting (see `translate`)."""
         trace = self.trace
+        msg = self._seal(peer, msg)
 
         def send(agent: Any) -> None:
             if trace.on and trace_id:
@@ -431,6 +438,11 @@ class NixlEngine:
             asyncio.get_running_loop().call_soon(done, err)
             return
         trace = self.trace
+        try:
+            msg = self._seal(peer, msg)
+        except KvdError as err:
+            asyncio.get_running_loop().call_soon(done, err)
+            return
 
         def send() -> None:
             if trace.on and trace_id:
@@ -445,6 +457,17 @@ class NixlEngine:
                 loop.call_soon_threadsafe(done, None)
 
         self._cmds.put(send)
+
+    def _seal(self, peer: str, msg: bytes) -> bytes:
+        """With a keyring (a shared secret), `msg` in an envelope under our session key with
+        `peer` (`kvd.core.peersession`), sealed here on the loop in the order the thread
+        posts. Without a key for the peer nothing is sent (PeerUnknown: handshake again)."""
+        if self.keyring is None:
+            return msg
+        env = self.keyring.seal(peer, msg, time.monotonic())
+        if env is None:
+            raise PeerUnknown(f"no session key with {peer!r}: handshake first")
+        return wire.encode(env)
 
     async def register(self, addr: int, nbytes: int, mem: str = "DRAM", dev: int = 0) -> Any:
         """Register memory: "DRAM" (host, incl. shared memory) or "VRAM" (a GPU's, dev = GPU id)."""
