@@ -201,14 +201,16 @@ class Sender(TransferActor):
         ranks = self._known_view(agent, msg)
         if ranks is not None:
             return ranks
-        if not msg.side_host or not msg.side_port:
+        # D's address as its handshake gave it, not as the registration claims: a peer is
+        # not trusted about its own address (the fields only serve a peer we lost).
+        known = self.peers.get(agent)
+        host, port = (known.host, known.port) if known else (msg.side_host, msg.side_port)
+        if not host or not port:
             raise Incompatible(f"D {agent} named regions we do not know, and no address")
         self._count("peer_view_refreshes")
-        info = await self.registrar.call(EnsurePeer(msg.side_host, msg.side_port, refresh=True))
+        info = await self.registrar.call(EnsurePeer(host, port, refresh=True))
         if info.agent != agent:
-            raise Incompatible(
-                f"{msg.side_host}:{msg.side_port} is {info.agent}, not {agent} who registered"
-            )
+            raise Incompatible(f"{host}:{port} is {info.agent}, not {agent} who registered")
         ranks = _fits(info, msg)
         if ranks is None:
             have = tuple(r.generation for r in info.ranks(msg.engine_id))
@@ -268,6 +270,7 @@ class Sender(TransferActor):
                     "expires_in_s": round(lease.deadline - now, 3),
                     "age_s": round(now - lease.granted_at, 3),
                     "state": p.reqs[lease.request_id].state.value,
+                    "peer": p.reqs[lease.request_id].agent,
                 }
                 for lease in p.leases.leases()
                 if lease.request_id in p.reqs

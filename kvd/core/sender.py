@@ -28,6 +28,12 @@ Rules it keeps:
   region generations that are current; a WRITE happens only under a claimed lease,
   through the exact view of D's regions D named, and never into a D that has not
   re-synced since our last stall.
+- Bound to one peer: a request belongs to the first D agent that heartbeats, registers
+  for or pulls it. Another agent's heartbeat does not extend its lease, and its
+  registration, pull completion or cancel is refused (answered as a failure to that
+  agent only, counted as `foreign_requests_refused`/`heartbeats_foreign`); the request
+  carries on for the peer it is bound to. (Agents are who NIXL says sent a message:
+  with a shared secret, who holds the session key it was sealed under.)
 - Tombstones: an ended request is remembered (bounded, by base id) so that a late
   registration, pull or finish is answered at once instead of waiting.
 - A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
@@ -604,6 +610,12 @@ class Sender:
             self._add(waiting)
             self._timers.set(key, now + self.registration_timeout)
             return
+        if self._foreign(req, ev.agent, "registration"):
+            why = "this request is bound to another peer"
+            self._out.append(
+                Notify(ev.agent, wire.PushDone(msg.request_id, 0, False, int(ErrorCode.AUTH), why))
+            )
+            return
         self._step(req, ev, now)
 
     def _held_registered(self, req: SendRequest, ev: RegistrationArrived, now: float) -> None:
@@ -631,15 +643,37 @@ class Sender:
 
     def _on_heartbeat(self, ev: HeartbeatArrived, now: float) -> None:
         keys = [k for i in ev.request_ids if (k := self.leases.find(i)) is not None]
-        self.leases.extend(keys, now)
-        self._count("heartbeats_received")
         if unknown := len(ev.request_ids) - len(keys):
             self._count("heartbeat_unknown_ids", unknown)
+        mine = []
+        for k in keys:
+            req = self.reqs.get(k)
+            if req is not None and not req.agent:
+                req.agent = ev.agent  # the first peer to speak for a lease holds it
+            if req is None or req.agent == ev.agent:
+                mine.append(k)
+        self.leases.extend(mine, now)
+        self._count("heartbeats_received")
+        if foreign := len(keys) - len(mine):
+            self._count("heartbeats_foreign", foreign)
+            self._reject(ev.agent, f"heartbeat for {foreign} lease(s) bound to another peer")
+
+    def _foreign(self, req: SendRequest, agent: str, what: str) -> bool:
+        """Whether `req` is bound to another peer than `agent` (then refused, counted)."""
+        if not req.agent or req.agent == agent:
+            return False
+        self._count("foreign_requests_refused")
+        self._reject(agent, f"{what} for request {req.key!r}, bound to another peer")
+        return True
 
     def _on_pull_done(self, ev: PullDoneArrived, now: float) -> None:
         msg = ev.msg
         req = self._find(msg.request_id)
         if req is not None:
+            if self._foreign(req, ev.agent, "pull completion"):
+                why = "this request is bound to another peer"
+                self._pull_refused(ev.agent, msg, int(ErrorCode.AUTH), why)
+                return
             self._step(req, ev, now)
             return
         tomb = self._tomb(msg.request_id)
@@ -688,8 +722,7 @@ class Sender:
         if req is None:
             self._bury(ev.request_id, _CANCELLED)
             return
-        if req.agent and req.agent != ev.agent:
-            self._reject(ev.agent, "cancel for another peer's request")
+        if self._foreign(req, ev.agent, "cancel"):
             return
         self._step(req, ev, now)
 

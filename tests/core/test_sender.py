@@ -486,12 +486,43 @@ def test_heartbeats_extend_the_lease_never_shorten_it() -> None:
     tx.handle(HeartbeatArrived(D1, (p_id,)), 5.0)
     assert tx.next_deadline() == 5.0 + EXTENSION
     # D's own id for it finds the lease by its base id
-    tx.handle(HeartbeatArrived(D2, ("cmpl-h-0-dddddddd",)), 8.0)
+    tx.handle(HeartbeatArrived(D1, ("cmpl-h-0-dddddddd",)), 8.0)
     assert tx.next_deadline() == 8.0 + EXTENSION
     assert tx.counters["heartbeats_received"] == 3
     assert tx.counters["heartbeat_unknown_ids"] == 1
     assert tx.handle_timer(8.0 + EXTENSION - 0.01) == []
     assert calm(tx.handle_timer(8.0 + EXTENSION)) == [("expired", "s1", p_id, 0)]
+
+
+AUTH: Final = int(ErrorCode.AUTH)
+
+
+def test_a_lease_is_bound_to_the_first_peer_that_speaks_for_it() -> None:
+    """Another peer can neither heartbeat, register for, complete a pull of nor cancel a
+    request bound to D1: each is refused to it alone and counted, and D1's request goes on."""
+    tx = make()
+    tx.handle(finish("pull-r"), 0.0)
+    tx.handle(HeartbeatArrived(D1, ("pull-r",)), 5.0)  # D1 holds it from now on
+    assert tx.reqs["pull-r"].agent == D1
+    assert tx.next_deadline() == 5.0 + EXTENSION
+    tx.handle(HeartbeatArrived(D2, ("pull-r",)), 7.0)  # would push the lease to 11
+    assert tx.next_deadline() == 5.0 + EXTENSION
+    assert tx.counters["heartbeats_foreign"] == 1
+    out = tx.handle(pulled("pull-r", "d2-r", agent=D2), 7.5)
+    assert calm(out) == [("pull_ack", D2, "d2-r", False, AUTH)]
+    out = tx.handle(CancelArrived(D2, "pull-r"), 7.6)
+    assert calm(out) == []
+    assert state(tx, "pull-r") is S.HELD
+    assert tx.counters["foreign_requests_refused"] == 2
+    # D1's own pull completion is acknowledged
+    out = tx.handle(pulled("pull-r", "d1-r"), 8.0)
+    assert calm(out) == [("finished", "s1", "pull-r", 0), ("pull_ack", D1, "d1-r", True, 0)]
+    # push: D1 registered; D2's registration for the same request is refused to D2
+    matched(tx, "push-r", "d1-p", 10.0)
+    out = tx.handle(registered("d2-p", "push-r", agent=D2), 10.5)
+    assert calm(out) == [("push_done", D2, "d2-p", AUTH)]
+    assert state(tx, "push-r") is S.MATCHED and tx.reqs["push-r"].agent == D1
+    assert tx.counters["foreign_requests_refused"] == 3
 
 
 def test_next_deadline_is_the_earliest_of_leases_waits_and_resyncs() -> None:
@@ -985,8 +1016,12 @@ def test_a_second_registration_is_answered_and_the_first_goes_on() -> None:
     matched(tx, "m", "d-m", 0.0)
     writing(tx, "w", "d-w", 0.0)
     for rid in ("a", "m", "w"):
+        # from another peer: the request is bound to D1 (AUTH); from D1 itself: INVALID
         out = tx.handle(registered("d-dup", rid, agent=D2), 0.5)
-        assert calm(out) == [("push_done", D2, "d-dup", INVALID)]
+        assert calm(out) == [("push_done", D2, "d-dup", AUTH)]
+        assert logs(out) == ["notif_rejected"]
+        out = tx.handle(registered("d-dup", rid, agent=D1), 0.6)
+        assert calm(out) == [("push_done", D1, "d-dup", INVALID)]
         assert logs(out) == ["notif_rejected"]
     assert {k: (r.state, r.agent) for k, r in tx.reqs.items()} == {
         "a": (S.AWAITING, D1),
@@ -1686,6 +1721,8 @@ class SenderModel(RuleBasedStateMachine):
             else:
                 wait = self.now + REG
                 self.live[base] = MReq(base, key, S.AWAITING, agent=agent, reg=msg, wait=wait)
+        elif m.agent and m.agent != agent:
+            self.expect.append(("push_done", agent, d, AUTH))  # bound to another peer
         elif m.state is S.HELD:
             m.agent, m.reg = agent, msg
             self._match(m)
@@ -1726,6 +1763,8 @@ class SenderModel(RuleBasedStateMachine):
             else:
                 wait = self.now + WAIT
                 self.live[base] = MReq(base, p, S.AWAITING, agent=agent, pull=msg, wait=wait)
+        elif m.agent and m.agent != agent:
+            self._refuse_pull(agent, msg, AUTH)  # bound to another peer
         elif m.state is S.HELD:
             self._deliver_pull(m, agent, msg)
         else:
@@ -1768,7 +1807,10 @@ class SenderModel(RuleBasedStateMachine):
         for b in bases:
             m = self.live.get(b)
             if m is not None and m.lease is not None:
-                m.lease = max(m.lease, self.now + EXTENSION)
+                if not m.agent:
+                    m.agent = agent  # the first peer to speak for a lease holds it
+                if m.agent == agent:
+                    m.lease = max(m.lease, self.now + EXTENSION)
         ids = tuple(d_of(b) if by_d else p_of(b) for b in bases)
         self._run(HeartbeatArrived(agent, ids))
 
