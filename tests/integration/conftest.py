@@ -8,6 +8,10 @@ Their daemons leave other processes' leftover staging segments alone
 (`daemon.reap_leftover_segments = false`) unless a test turns reaping on: reaping is
 machine-wide, and a test daemon must not remove what a test running beside it (another
 suite, a demo) is watching. tests/integration/test_leftovers.py turns it on.
+
+With `KVD_TEST_AUTH=1` in the environment, every daemon a test starts without an `[auth]`
+section of its own shares one secret (`[auth] secret_file`): the same tests then run
+with every peer message authenticated (see README, Security).
 """
 
 from __future__ import annotations
@@ -45,6 +49,9 @@ def daemons(workdir: Path) -> Iterator[StartDaemon]:
     ) -> DaemonProc:
         merged = {section: dict(values) for section, values in (overrides or {}).items()}
         merged.setdefault("daemon", {}).setdefault("reap_leftover_segments", False)
+        if "[auth]" not in extra:
+            for section, values in auth_overrides(workdir).items():
+                merged.setdefault(section, {}).update(values)
         d = start_daemon(workdir, name, extra, env, overrides=merged)
         started.append(d)
         return d
@@ -60,6 +67,31 @@ def daemons(workdir: Path) -> Iterator[StartDaemon]:
         if os.path.exists(d.socket):
             problems.append(f"{d.name} left its socket {d.socket}")
     assert not problems, "\n".join(problems)
+
+
+def auth_overrides(workdir: Path) -> dict[str, dict[str, Any]]:
+    """The config overrides that put a daemon under the shared secret of `workdir` with
+    KVD_TEST_AUTH=1 (nothing otherwise): for daemons a test starts itself."""
+    if os.environ.get("KVD_TEST_AUTH") != "1":
+        return {}
+    return {"auth": {"secret_file": shared_secret(workdir)}}
+
+
+def shared_secret_bytes(workdir: Path) -> bytes | None:
+    """The secret daemons share with KVD_TEST_AUTH=1 (None otherwise)."""
+    if os.environ.get("KVD_TEST_AUTH") != "1":
+        return None
+    return Path(shared_secret(workdir)).read_bytes().rstrip(b"\n")
+
+
+def shared_secret(workdir: Path) -> str:
+    """The path of a secret file the daemons of one test share (made once, mode 0600)."""
+    path = workdir / "shared-secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode() + b"\n")
+        os.close(fd)
+    return str(path)
 
 
 def shm_segments(prefix: str = "kvd") -> set[str]:

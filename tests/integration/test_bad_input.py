@@ -55,6 +55,7 @@ from zmq.utils.monitor import recv_monitor_message
 from kvd.actors.ecrouter import EC_XFER_CONTEXT
 from kvd.actors.registrar import handshake_mac
 from kvd.core.peerauth import message_mac
+from kvd.core.peersession import AuthRefusal, Keyring, Party, derive_session
 from kvd.demo import (
     DEMO_COMPAT,
     DaemonProc,
@@ -233,7 +234,9 @@ class FakePeer:
     """A real NIXL agent that handshakes with daemons like a peer daemon and forges notifications.
 
     It exposes one real, registered region (engine FAKE_ENGINE) laid out like the test
-    engines, so a daemon that accepted a registration from it could WRITE into it.
+    engines, so a daemon that accepted a registration from it could WRITE into it. It
+    knows the secret, so like a daemon it derives the session key of each handshake and
+    seals what it sends (`send`; `send_bare` does not) and opens what it receives.
     """
 
     def __init__(self, name: str, secret: bytes) -> None:
@@ -251,6 +254,7 @@ class FakePeer:
         self.side = _SideResponder()
         self.remote_md: dict[str, bytes] = {}
         self.inbox: list[tuple[str, wire.Record]] = []
+        self.keys = Keyring(name)
 
     def region(self, **changes: Any) -> wire.RegionInfo:
         info = wire.RegionInfo(
@@ -298,21 +302,40 @@ class FakePeer:
         corr, reply = got
         assert corr == 77 and isinstance(reply, wire.Handshake), reply
         assert reply.mac == handshake_mac(self.secret, reply, b"rep" + hs.nonce)
+        key = derive_session(
+            self.secret,
+            dialer=Party(hs.agent_name, hs.incarnation, hs.nonce),
+            acceptor=Party(reply.agent_name, reply.incarnation, reply.nonce),
+        )
+        self.keys.install(reply.agent_name, key, time.monotonic())
         if reply.agent_name not in self.remote_md:
             assert self.agent.add_remote_agent(reply.nixl_md) == reply.agent_name.encode()
             self.remote_md[reply.agent_name] = reply.nixl_md
         return reply
 
+    def sealed(self, d: DaemonProc, raw: bytes) -> bytes:
+        """`raw` sealed under our session key with `d` (as a daemon would send it)."""
+        env = self.keys.seal(d.name, raw, time.monotonic())
+        assert env is not None, f"no handshake with {d.name} yet"
+        return wire.encode(env)
+
     def send(self, d: DaemonProc, raw: bytes) -> None:
+        self.send_bare(d, self.sealed(d, raw))
+
+    def send_bare(self, d: DaemonProc, raw: bytes) -> None:
         self.agent.send_notif(d.name, raw)
         self.pump()
 
     def pump(self) -> None:
         for peer, msgs in self.agent.get_new_notifs().items():
+            name = peer if isinstance(peer, str) else peer.decode()
             for raw in msgs:
-                self.inbox.append(
-                    (peer if isinstance(peer, str) else peer.decode(), wire.decode(raw)[1])
-                )
+                msg = wire.decode(raw)[1]
+                if isinstance(msg, wire.Sealed):
+                    opened = self.keys.open(msg, time.monotonic(), name)
+                    assert not isinstance(opened, AuthRefusal), (name, opened)
+                    msg = wire.decode(opened[1])[1]
+                self.inbox.append((name, msg))
 
     def wait_for(
         self, match: Callable[[wire.Record], bool], what: str, timeout: float = 10.0
@@ -858,7 +881,9 @@ def test_unauthenticated_region_drop_is_refused(env: Env, mac: bytes) -> None:
     assert got is not None
     corr, reply = got
     assert corr == 5 and isinstance(reply, wire.ErrorReply) and reply.code == ErrorCode.AUTH
-    assert delta(before, counters(env.p), "auth_rejected") == 1
+    # with a secret a region drop must come sealed under the peer's session key
+    assert delta(before, counters(env.p), "side_auth_rejected") == 1
+    assert delta(before, counters(env.p), "auth_rejected_unsealed") == 1
     peer = next(p for p in status(env.p, "peers")["peers"] if p["agent"] == d_agent)
     assert {r["engine_id"] for r in peer["regions"]} >= {"decode"}
     assert_peer_serves(env.d, env.p)
@@ -1294,14 +1319,16 @@ def test_notifications_from_an_agent_that_never_handshaked_are_rejected(env: Env
         for m in msgs:
             ghost.send_notif(env.p.name, wire.encode(m))
             ghost.get_new_notifs()
-        target = before["counters"].get("notifs_rejected", 0) + len(msgs)
+        # without the secret it has no session key: each is refused before it is read
+        target = before["counters"].get("notifs_auth_rejected", 0) + len(msgs)
 
         def all_rejected() -> dict[str, int] | None:
             ghost.get_new_notifs()
             c = counters(env.p)
-            return c if c.get("notifs_rejected", 0) >= target else None
+            return c if c.get("notifs_auth_rejected", 0) >= target else None
 
         after = eventually(all_rejected, "P to reject the ghost's notifications")
+        assert delta(before["counters"], after, "auth_rejected_unsealed") == len(msgs)
         for key in ("push_registrations", "heartbeats_received", "pulls_refused", "pulls_acked"):
             assert delta(before["counters"], after, key) == 0, key
         now = status(env.p)
@@ -1588,7 +1615,9 @@ def test_flood_of_messages_that_are_not_notifications_is_logged_in_a_few_lines(e
     lines_before = len(warnings_logged(env.d))
     t0 = time.monotonic()
     for _ in range(n):
-        env.fake.agent.send_notif(env.d.name, wire.encode(wire.GetStatus("status")))
+        env.fake.agent.send_notif(
+            env.d.name, env.fake.sealed(env.d, wire.encode(wire.GetStatus("status")))
+        )
     env.fake.pump()
     after = env.counters_until(env.d, "notifs_rejected", before.get("notifs_rejected", 0) + n)
     elapsed = time.monotonic() - t0

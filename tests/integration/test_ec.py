@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import zmq
 from kvd_client import wire
 from kvd_client.errors import ErrorCode, InvalidRequest
 
+from kvd.actors.ecrouter import EC_XFER_CONTEXT
+from kvd.core.peerauth import message_mac
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
-from .conftest import StartDaemon, shm_segments
+from .conftest import StartDaemon, auth_overrides, shared_secret_bytes, shm_segments
 
 MiB = 1 << 20
 
@@ -103,6 +107,7 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
         region = next(r for r in cons.client.status()["regions"] if r["engine_id"] == "kvd-ec")
         agent = cons.client.status()["agent_name"]
         side_port = int(cons.client.status()["side_channel"].rsplit(":", 1)[1])
+        secret = shared_secret_bytes(Path(c.config).parent)
 
         def req(**kw: object) -> bytes:
             base = dict(
@@ -116,7 +121,11 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
                 dst_block_ids=(0, 1, 2),
             )
             base.update(kw)
-            return wire.encode(wire.ECXferReq(**base))  # type: ignore[arg-type]
+            msg = wire.ECXferReq(**base)  # type: ignore[arg-type]
+            if secret is not None:  # KVD_TEST_AUTH=1: signed as a daemon signs it
+                msg = replace(msg, timestamp=time.time(), nonce=os.urandom(16))
+                msg = replace(msg, mac=message_mac(secret, msg, EC_XFER_CONTEXT))
+            return wire.encode(msg)
 
         # malformed frames are dropped (no ack) and counted
         assert _raw_xfer(port, b"\xc1garbage", 500) is None
@@ -178,7 +187,12 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         for p in outs:
             cons.client.ec_ensure(p)
         c.kill()  # mid-stream: some fetches may have completed, the rest are in flight
-        restarted = start_daemon(c.config.parent, "kvd-con", ec_cfg("consumer", 32 * MiB))
+        restarted = start_daemon(
+            c.config.parent,
+            "kvd-con",
+            ec_cfg("consumer", 32 * MiB),
+            overrides=auth_overrides(c.config.parent),
+        )
         ended: dict[str, str] = {}
         deadline = time.monotonic() + 15
         while len(ended) < 6 and time.monotonic() < deadline:
