@@ -336,6 +336,12 @@ class FakePeer:
                     assert not isinstance(opened, AuthRefusal), (name, opened)
                     msg = wire.decode(opened[1])[1]
                 self.inbox.append((name, msg))
+                if isinstance(msg, wire.Resync):
+                    # as a daemon does: a daemon that stalled (a busy test machine) asks
+                    # its peers to re-sync before it WRITEs to them again
+                    ack = wire.encode(wire.ResyncAck(msg.nonce))
+                    env = self.keys.seal(name, ack, time.monotonic())
+                    self.agent.send_notif(name, ack if env is None else wire.encode(env))
 
     def wait_for(
         self, match: Callable[[wire.Record], bool], what: str, timeout: float = 10.0
