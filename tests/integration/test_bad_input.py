@@ -1873,14 +1873,17 @@ def test_daemons_still_move_verified_bytes(env: Env) -> None:
 
 def test_push_registration_naming_a_generation_p_does_not_know_writes_nothing(env: Env) -> None:
     """D registers into a generation of its region that P's view does not hold (D's engine
-    re-registered, or the view is stale): P may not WRITE through its old view. With no
-    address to handshake again (this peer gives none), it fails closed at once."""
+    re-registered, or the view is stale): P may not WRITE through its old view. P handshakes
+    again at the address the peer's handshake gave (not one a registration names), where
+    this peer answers no handshake: it fails closed."""
     env.fake.connect(env.p)
     env.fake.buf[:] = 0
     before = status(env.p)
     _, done, p_evs = _push_from_fake(env, (6, 2), 2, generations=(7,))
-    assert (done.ok, done.code) == (False, ErrorCode.INCOMPATIBLE), done
-    assert "no address" in done.reason, done.reason
+    assert not done.ok, done
+    assert "handshake reply is a Ok" in done.reason, done.reason
+    last = env.fake.side.received[-1]  # P dialed the address from the fake's handshake
+    assert isinstance(last, wire.Handshake) and last.agent_name == env.p.name, last
     assert [type(e) for e in p_evs] == [wire.SendFailed], p_evs
     after = status(env.p)
     assert after["nixl"]["transfers_posted"] == before["nixl"]["transfers_posted"]
