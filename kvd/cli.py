@@ -99,7 +99,7 @@ def _escape(text: str) -> str:
 
 @app.command()
 def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """Version, uptime, agent, regions, peers, mailbox depths and counters."""
+    """Version, uptime, agent, regions, peers, limits and their use, mailbox depths, counters."""
     from kvd.ops import print_status_header
 
     data = _fetch(socket, "status", as_json)
@@ -125,6 +125,8 @@ def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         )
     )
     console.print(_table("peers", data["peers"], ["agent", "addr", "lease_duration", "age_s"]))
+    limits = [{"name": k, **v} for k, v in data["limits"].items()]
+    console.print(_table("limits", limits, ["name", "limit", "used", "peak", "refused"]))
     boxes = [{"mailbox": k, **v} for k, v in data["mailboxes"].items()]
     console.print(_table("mailboxes", boxes, ["mailbox", "depth", "size", "rejected"]))
     counters = [{"counter": k, "value": v} for k, v in data["counters"].items()]

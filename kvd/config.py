@@ -466,6 +466,53 @@ class TransferConfig(_Section):
 
 
 @dataclass(frozen=True)
+class LimitsConfig(_Section):
+    """Limits on what clients and peers may make the daemon hold. Beyond each, the input
+    is refused with an error naming the limit (a client gets it as the reply or as its
+    request's failed event; a peer's refused registration or pull is answered failed, so
+    its D recomputes), counted, and shown with its current use in `kvd status`."""
+
+    SECTION: ClassVar[str] = "limits"
+
+    max_clients: int = _opt(
+        1024,
+        "Client sessions (engine schedulers and workers, `kvd` CLI calls) open at once; a "
+        "Hello beyond it is refused (BUSY). CLI sessions may use 8 more, so the daemon can "
+        "still be inspected at the limit.",
+        ge=1,
+        le=1_000_000,
+    )
+    pending_registrations_per_peer: int = _opt(
+        16384,
+        "Push registrations and pulls from one peer D that P keeps while P's engine has "
+        "not finished the request; beyond it P answers the registration (or pull) failed "
+        "at once, and D fails the request for its engine to recompute.",
+        ge=1,
+        le=100_000_000,
+    )
+    notifs_per_peer_per_s: float = _opt(
+        100_000.0,
+        "NIXL notifications accepted from one peer agent per second, with bursts of up "
+        "to one second's worth; a peer's notifications beyond it are dropped and counted "
+        "(set it well above the peer's real traffic: a dropped completion fails its "
+        "request only when a watchdog fires).",
+        ge=1,
+        le=100_000_000,
+    )
+    pending_bytes: int = _opt(
+        256 * MiB,
+        "Estimated bytes of per-request state each transfer machine may hold (about 1 KiB "
+        "plus 40 bytes per block id per request). P: leases, and registrations and pulls "
+        "waiting for P's engine; D: requests tracked or receiving. Beyond it a new "
+        "registration or pull is answered failed, and a client's finish, push "
+        "registration or pull ends failed at once (its track is refused).",
+        ge=64 * KiB,
+        le=1024 * GiB,
+        fmt="bytes",
+    )
+
+
+@dataclass(frozen=True)
 class AuthConfig(_Section):
     """Authentication of peer daemons."""
 
@@ -638,6 +685,7 @@ class Config:
     side_channel: SideChannelConfig = field(default_factory=SideChannelConfig)
     nixl: NixlConfig = field(default_factory=NixlConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

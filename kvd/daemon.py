@@ -123,6 +123,8 @@ class Daemon:
             registration_timeout=cfg.transfer.push_registration_timeout,
             transfer_timeout=cfg.transfer.transfer_timeout,
             tombstones=cfg.transfer.expired_tombstones,
+            max_pending_per_peer=cfg.limits.pending_registrations_per_peer,
+            pending_bytes=cfg.limits.pending_bytes,
             counters=self.counters,
             rejects=self.rejects,
             trace=self.trace,
@@ -141,6 +143,7 @@ class Daemon:
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,
             rejects=self.rejects,
+            pending_bytes=cfg.limits.pending_bytes,
             trace=self.trace,
         )
         self.ecrouter = ECRouter(
@@ -169,6 +172,8 @@ class Daemon:
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
             rejects=self.rejects,
+            notifs_per_peer_per_s=cfg.limits.notifs_per_peer_per_s,
+            clock=self.clock,
             trace=self.trace,
             keyring=self.keyring,
         )
@@ -189,6 +194,7 @@ class Daemon:
             welcome=self._welcome,
             clock=self.clock,
             close_bound=cfg.transfer.transfer_timeout + cfg.side_channel.handshake_timeout + 5.0,
+            max_clients=cfg.limits.max_clients,
             trace=self.trace,
         )
 
@@ -296,6 +302,7 @@ class Daemon:
         for name, box in boxes.items():
             out[name] = await box.call(Snapshot("status"))
         out["regions"] = out["registrar"].pop("regions")
+        out["limits"] = self._limits(out["sender"].pop("limits"), out["receiver"].pop("limits"))
         out["peers"] = (await self.registrar_box.call(Snapshot("peers")))["peers"]
         out["sessions"] = self.gateway.snapshot()["sessions"]
         return out
@@ -342,6 +349,17 @@ class Daemon:
         if not found:
             raise NotFound(f"no request {request_id!r} on this daemon (neither sent nor received)")
         return out
+
+    def _limits(self, sent: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+        """Each limit of `[limits]`: its value, its current use and the inputs it refused.
+        `pending_bytes` bounds each transfer machine: P's (sender) and D's (receiver)."""
+        return {
+            "max_clients": self.gateway.limits(),
+            "pending_registrations_per_peer": sent["pending_registrations_per_peer"],
+            "notifs_per_peer_per_s": self.notifier.limits(),
+            "pending_bytes_sender": sent["pending_bytes"],
+            "pending_bytes_receiver": got["pending_bytes"],
+        }
 
     def _trace_section(self, section: str) -> dict[str, Any]:
         """`trace`: the stage-trace records, oldest first, at most TRACE_CHUNK (they leave

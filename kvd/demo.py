@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -69,11 +69,14 @@ def start_daemon(
     env: dict[str, str] | None = None,
     *,
     overrides: dict[str, dict[str, Any]] | None = None,
+    prefix: Sequence[str] = (),
 ) -> DaemonProc:
     """Start `kvd serve` with a small config; returns once its socket answers.
 
     `overrides` replaces or adds keys of the sections written here ([daemon],
-    [side_channel], [log]) or of new ones; `extra` is TOML appended as is.
+    [side_channel], [log]) or of new ones; `extra` is TOML appended as is. `prefix` is a
+    command that execs the rest (e.g. `ip netns exec NS`, to run it in a network
+    namespace): the process started is still the daemon.
     """
     sock = str(workdir / f"{name}.sock")
     cfg = workdir / f"{name}.toml"
@@ -94,7 +97,7 @@ def start_daemon(
     penv.update(env or {})
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd", "serve", "--config", str(cfg)],
+            [*prefix, sys.executable, "-m", "kvd", "serve", "--config", str(cfg)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=penv,
@@ -289,10 +292,12 @@ def run_mode(
     window: int = 16,
     timeout: float = 120.0,
     progress: Any = None,
+    p_host: str = "127.0.0.1",
 ) -> ModeResult:
     """Send n requests P -> D in `mode` and verify every byte at D.
 
-    Every request must end exactly once on each side.
+    Every request must end exactly once on each side. `p_host` is the address of P's
+    side channel as D's engine names it.
     """
     res = ModeResult(mode, requests=n)
     todo: list[_Req] = []
@@ -334,10 +339,14 @@ def run_mode(
             by_p[r.p_id] = r
             by_d[r.d_id] = r
             d.client.track(
-                r.d_id, "127.0.0.1", p_port, remote_request_id=r.p_id if mode == "pull" else ""
+                r.d_id,
+                p_host,
+                p_port,
+                remote_engine_id=p.name,
+                remote_request_id=r.p_id if mode == "pull" else "",
             )
             if mode == "push" and rng.random() < 0.5:
-                _d_start(mode, d, r, p_port)
+                _d_start(mode, d, r, p_host, p_port, p.name)
                 p.client.finished(r.p_id, r.p_blocks)
                 r.p_finished = True
             else:
@@ -347,7 +356,7 @@ def run_mode(
         # D side of the others arrives a little later, in random order
         rng.shuffle(pending_d)
         while pending_d:
-            _d_start(mode, d, pending_d.pop(), p_port)
+            _d_start(mode, d, pending_d.pop(), p_host, p_port, p.name)
         for ev in p.client.drain_events():
             if isinstance(ev, (wire.ECReady, wire.ECUnavailable)):
                 continue
@@ -398,16 +407,17 @@ def run_mode(
     return res
 
 
-def _d_start(mode: str, d: Engine, r: _Req, p_port: int) -> None:
+def _d_start(mode: str, d: Engine, r: _Req, p_host: str, p_port: int, p_engine: str) -> None:
     r.d_started = time.perf_counter()
     if mode == "push":
-        d.client.register_push(r.d_id, r.d_blocks, "127.0.0.1", p_port)
+        d.client.register_push(r.d_id, r.d_blocks, p_host, p_port, remote_engine_id=p_engine)
     else:
         d.client.pull(
             r.d_id,
             r.d_blocks,
-            "127.0.0.1",
+            p_host,
             p_port,
+            remote_engine_id=p_engine,
             remote_request_id=r.p_id,
             remote_block_ids=r.p_blocks,
         )

@@ -117,7 +117,10 @@ def run_ec(
     window: int = 8,
     timeout: float = 120.0,
     progress: Any = None,
+    name: str = "img",
 ) -> ECResult:
+    """Stream n images through the producer to the consumer; every byte checked. `name`
+    prefixes the images' hashes (runs against the same daemons use distinct ones)."""
     res = ECResult(requests=n)
     unique = unique or max(1, n * 3 // 5)
     sizes = {i: rng.randint(min_bytes, max_bytes) for i in range(unique)}
@@ -136,7 +139,7 @@ def run_ec(
 
     def encode(image: int) -> wire.ECParams:
         nbytes = sizes[image]
-        mm_hash = f"img-{image:05d}"
+        mm_hash = f"{name}-{image:05d}"
         blocks = producer.client.ec_allocate(mm_hash, nbytes)
         producer.write(blocks.block_ids, output_bytes(image, nbytes))
         p = producer.client.ec_commit(

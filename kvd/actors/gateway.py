@@ -9,7 +9,11 @@ Rules:
   or handshaked for it.
 - Frames above twice `max_frame_bytes` are cut off by libzmq with their connection;
   that is only visible as a lost connection (`ipc_disconnects`, `kvd.adapters.zmq_monitor`).
-- A session starts with Hello; requests from an unknown identity are refused.
+- A session starts with Hello; requests from an unknown identity are refused. At most
+  `max_clients` sessions are open at once; `kvd` CLI sessions may use CLI_RESERVE more,
+  so the daemon can still be inspected at the limit (roles are declared by the client:
+  the reserve is a convenience, not a protection). A Hello beyond it is answered BUSY,
+  naming the limit, and counted (`limit_clients_refused`).
 - Operator requests (`Drain`, `AbortRequest`: `kvd drain`, `kvd abort`) are taken from
   CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
   `kvd status`, are logged at debug level.
@@ -54,7 +58,14 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, NotFound, RemoteProtocolError
+from kvd_client.errors import (
+    Busy,
+    ErrorCode,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    RemoteProtocolError,
+)
 
 from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed, TraceCmd
@@ -66,6 +77,8 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.gateway", actor="gateway")
 
 ROLES = ("scheduler", "worker", "cli")
+CLI_RESERVE: Final = 8
+"""Sessions of role `cli` allowed beyond `max_clients` (see the module docstring)."""
 CLOSED_SESSIONS: Final = 65536
 """Closed session ids remembered (answered NOT_FOUND either way; kept for `kvd status`)."""
 
@@ -103,6 +116,7 @@ class Gateway:
         welcome: Callable[[], wire.Welcome],
         clock: Clock,
         close_bound: float,
+        max_clients: int = 1024,
         trace: StageTrace = NO_TRACE,
         admin: Callable[[wire.Record], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
@@ -123,6 +137,7 @@ class Gateway:
         self.clock = clock
         self.trace = trace
         self.close_bound = close_bound
+        self.max_clients = max_clients
         """Longest an owner may take to end a closing session's requests before the
         session is declared closed anyway (and an error logged)."""
         self.sessions: dict[str, _Session] = {}
@@ -347,6 +362,9 @@ class Gateway:
                     )
                     self._count("sessions_replaced")
                     self._close(other, "replaced: its process is gone", client_gone=True)
+        if old is None and (full := self._full(msg.role)) is not None:
+            self._refuse(ident, corr, "limit_clients_refused", "max_clients", Busy(full))
+            return
         s = _Session(msg.session, ident, msg.role, msg.engine_id, msg.tp_rank, msg.pid, now)
         self.sessions[msg.session] = s
         self.by_ident[ident] = msg.session
@@ -373,6 +391,25 @@ class Gateway:
             self._send(ident, wire.StatusReply(wire.plain(data)), corr)
         except KvdError as exc:
             self._error(ident, corr, exc)
+
+    def _full(self, role: str) -> str | None:
+        """Why a new session of `role` is refused (the client limit), or None."""
+        limit = self.max_clients + (CLI_RESERVE if role == "cli" else 0)
+        if len(self.sessions) < limit:
+            return None
+        return (
+            f"limits.max_clients reached: {len(self.sessions)} client sessions open "
+            f"(limit {self.max_clients}, and {CLI_RESERVE} more for kvd CLI sessions)"
+        )
+
+    def limits(self) -> dict[str, Any]:
+        """The client limit, its use (every session, this status call's own included)
+        and its refusals, for `kvd status`."""
+        return {
+            "limit": self.max_clients,
+            "used": len(self.sessions),
+            "refused": self.counters.get("limit_clients_refused", 0),
+        }
 
     async def _status_request(
         self, ident: bytes, corr: int, msg: wire.GetStatus | wire.PingPeer | wire.GetTrace

@@ -15,6 +15,9 @@ a counter inside the replay window (`kvd.core.peersession`); the message inside 
 routed as above. Anything else (bare, forged, replayed, too old, under another peer's or
 an old incarnation's key) is dropped before it is decoded further, counted in
 `notifs_auth_rejected` and `auth_rejected_<reason>`, and logged at a bounded rate.
+A peer may send at most `limits.notifs_per_peer_per_s` notifications a second (bursts of
+one second's worth, `kvd.core.ratelimit.RateLimiter`): beyond it they are dropped before
+decoding and counted (`limit_notifs_dropped`), so a flooding peer costs a counter each.
 With the stage trace on, it records for each message that names a request when the NIXL
 thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
@@ -22,19 +25,23 @@ thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Final
 
 from kvd_client import wire
 from kvd_client.errors import Busy, RemoteProtocolError
 
-from kvd.actors.base import Mailbox
+from kvd.actors.base import SYSTEM_CLOCK, Clock, Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
 from kvd.core.peersession import AuthRefusal, Keyring
+from kvd.core.ratelimit import RateLimiter
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 _TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
 _TO_RECEIVER = (wire.PushDone, wire.PullAck, wire.Resync)
+RATE_KEYS: Final = 4096
+"""Peers whose notification rate is tracked apart; further peers share one bucket."""
+_OTHER_PEERS: Final = "\0other-peers"
 
 
 class Notifier:
@@ -47,6 +54,8 @@ class Notifier:
         max_frame: int,
         counters: dict[str, int],
         rejects: RejectLog,
+        notifs_per_peer_per_s: float = 100_000.0,
+        clock: Clock = SYSTEM_CLOCK,
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
     ) -> None:
@@ -58,19 +67,34 @@ class Notifier:
         self.rejects = rejects
         self.trace = trace
         self.keyring = keyring
+        self.clock = clock
+        self.rate: RateLimiter[str] = RateLimiter(
+            notifs_per_peer_per_s, notifs_per_peer_per_s, RATE_KEYS, _OTHER_PEERS
+        )
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
 
     def sink(self, agent: str, msgs: list[bytes], polled_ns: int = 0) -> None:
         """A batch of notifications from `agent`, polled at `polled_ns` (0: not traced)."""
+        now = self.clock.now()
         for raw in msgs:
-            self._one(agent, raw, polled_ns)
+            self._one(agent, raw, polled_ns, now)
 
-    def _one(self, agent: str, raw: bytes, polled_ns: int) -> None:
+    def _one(self, agent: str, raw: bytes, polled_ns: int, now: float) -> None:
         self._count("notifs_received")
         if not raw:
             return  # NIXL transfers posted without a notification message
+        if not self.rate.allow(agent, now):
+            self.rejects.reject(
+                "notifier",
+                "limit_notifs_dropped",
+                "notif_dropped",
+                "notifs_per_peer_per_s",
+                peer=agent,
+                limit=self.rate.rate,
+            )
+            return
         try:
             _, msg = wire.decode(raw, self.max_frame)
             if self.keyring is not None:
@@ -130,3 +154,11 @@ class Notifier:
         self.rejects.reject(
             "notifier", "notifs_auth_rejected", "notif_auth_rejected", why.value, peer=agent
         )
+
+    def limits(self) -> dict[str, Any]:
+        """The notification rate limit, the busiest peer's rate, and the drops, for status."""
+        return {
+            "limit": self.rate.rate,
+            "used": self.rate.busiest(self.clock.now()),
+            "refused": self.counters.get("limit_notifs_dropped", 0),
+        }

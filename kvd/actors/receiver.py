@@ -104,6 +104,7 @@ class Receiver(TransferActor):
         side_host: str,
         side_port_ref: Callable[[], int],
         rejects: RejectLog | None = None,
+        pending_bytes: int = 256 << 20,
         trace: StageTrace = NO_TRACE,
     ) -> None:
         super().__init__(
@@ -128,6 +129,7 @@ class Receiver(TransferActor):
             probe_interval=probe_interval,
             push_registration_timeout=push_registration_timeout,
             transfer_timeout=transfer_timeout,
+            pending_bytes=pending_bytes,
             counters=counters,
         )
 
@@ -565,6 +567,7 @@ class Receiver(TransferActor):
             "states": states,
             "sending": len(self.book.in_flight),
             "heartbeat_peers": len(p.heartbeats.peers()),
+            "limits": p.limits(),
         }
 
 

@@ -63,6 +63,8 @@ class Sender(TransferActor):
         transfer_timeout: float,
         tombstones: int,
         counters: dict[str, int],
+        max_pending_per_peer: int = 16384,
+        pending_bytes: int = 256 << 20,
         rejects: RejectLog | None = None,
         trace: StageTrace = NO_TRACE,
     ) -> None:
@@ -81,6 +83,8 @@ class Sender(TransferActor):
             lease_wait_timeout=lease_wait_timeout,
             registration_timeout=registration_timeout,
             max_tombstones=tombstones,
+            max_pending_per_peer=max_pending_per_peer,
+            pending_bytes=pending_bytes,
             counters=counters,
         )
         self._stall_seen = self.clock.stall_count
@@ -299,6 +303,7 @@ class Sender(TransferActor):
             "early_pulls": early_pulls,
             "sending": len(self.book.in_flight),
             "tombstones": len(p.tombstones),
+            "limits": p.limits(),
         }
 
 

@@ -52,7 +52,7 @@ from kvd.actors.messages import (
     Snapshot,
     StartDrain,
 )
-from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, Refused, SessionEnded
 from kvd.core.planner import Plan
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
@@ -312,6 +312,8 @@ class TransferActor:
                 self.drains.clear()
             elif isinstance(eff, Log):
                 getattr(self.log, eff.level)(eff.event, **eff.fields)
+            elif isinstance(eff, Refused):
+                self.rejects.reject(self.name, eff.counter, eff.event, eff.kind, **eff.fields)
             else:
                 self._carry_out_own(eff)
 

@@ -51,3 +51,15 @@ class Log:
 @dataclass(frozen=True, slots=True)
 class Drained:
     """The machine is draining and nothing of it is left in flight: answer the drain."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Input refused by a limit (`kvd.core.limits`): count it under `counter` and log it
+    as `event`, at a bounded rate per `kind` (the actor's `RejectLog`): a flood of
+    refusals must not become a flood of log lines."""
+
+    counter: str
+    event: str
+    kind: str
+    fields: dict[str, Any] = field(default_factory=dict)

@@ -1,4 +1,5 @@
-"""Which log lines about repeated events to write: bounded lines and memory whatever arrives.
+"""Rate limits with bounded memory whatever arrives: which log lines to write
+(`LogLimiter`), and which of a peer's messages to take (`RateLimiter`).
 
 Anyone who can reach a socket can make the daemon reject input as fast as it can send
 it; one log line per rejection would turn that into a log flood. So:
@@ -14,6 +15,11 @@ it; one log line per rejection would turn that into a log flood. So:
 - At most `max_keys` keys are remembered; occurrences of any further key count under
   the `overflow` key. Memory is O(max_keys) whatever the input.
 - Time is an argument; `next_deadline()` says when `due(now)` next has work.
+
+`RateLimiter` is a token bucket per key (a peer): `rate` events per second, bursts of up
+to `burst`. A bucket that has refilled is forgotten (a new one is the same), and at most
+`max_keys` buckets are kept; further keys share the `overflow` key's bucket. It also
+counts each key's events in the current whole second, for `kvd status`.
 
 This module only decides; it never logs or reads a clock (see `kvd.logs.RejectLog`).
 """
@@ -101,3 +107,79 @@ class LogLimiter(Generic[K]):
         self._suppressed.clear()
         self._ends = TimerHeap()
         return out
+
+
+class RateLimiter(Generic[K]):
+    """Token buckets per key (see the module docstring): `allow` says whether to take an
+    event; memory is O(max_keys) whatever the keys."""
+
+    __slots__ = (
+        "_buckets",
+        "_full",
+        "_pruned",
+        "_seconds",
+        "burst",
+        "max_keys",
+        "overflow",
+        "rate",
+    )
+
+    def __init__(self, rate: float, burst: float, max_keys: int, overflow: K) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be > 0 (got {rate!r})")
+        if not burst >= 1:
+            raise ValueError(f"burst must be >= 1 (got {burst!r})")
+        if max_keys < 1:
+            raise ValueError(f"max_keys must be >= 1 (got {max_keys!r})")
+        self.rate = rate
+        self.burst = burst
+        self.max_keys = max_keys
+        self.overflow = overflow
+        self._buckets: dict[K, tuple[float, float]] = {}
+        """Key -> (tokens, when they were counted)."""
+        self._full: TimerHeap[K] = TimerHeap()
+        """When each bucket is full again (then it is forgotten)."""
+        self._seconds: dict[K, tuple[int, int]] = {}
+        """Key -> (whole second, events in it), for `busiest`."""
+        self._pruned = -1
+
+    def __len__(self) -> int:
+        """Buckets kept now (at most max_keys, plus the overflow key's)."""
+        return len(self._buckets)
+
+    def allow(self, key: K, now: float) -> bool:
+        """One event of `key` at `now`: True to take it (a token is spent), False to refuse."""
+        for gone, _ in self._full.pop_due(now):
+            del self._buckets[gone]
+        have = self._buckets.get(key)
+        if have is None:
+            if len(self._buckets) >= self.max_keys and key != self.overflow:
+                return self.allow(self.overflow, now)
+            tokens = self.burst
+        else:
+            tokens = min(self.burst, have[0] + (now - have[1]) * self.rate)
+        self._tally(key, int(now))
+        ok = tokens >= 1.0
+        if ok:
+            tokens -= 1.0
+        self._buckets[key] = (tokens, now)
+        self._full.set(key, now + (self.burst - tokens) / self.rate)
+        return ok
+
+    def _tally(self, key: K, second: int) -> None:
+        seconds = self._seconds
+        if key not in seconds and len(seconds) >= self.max_keys:
+            if self._pruned != second:  # O(max_keys), at most once a second
+                self._pruned = second
+                for old in [k for k, (s, _) in seconds.items() if s < second - 1]:
+                    del seconds[old]
+            if len(seconds) >= self.max_keys:
+                key = self.overflow
+        seen = seconds.get(key)
+        seconds[key] = (second, seen[1] + 1 if seen is not None and seen[0] == second else 1)
+
+    def busiest(self, now: float) -> int:
+        """The most events one key brought in the last whole second or the current one
+        (taken or refused)."""
+        second = int(now)
+        return max((n for s, n in self._seconds.values() if s >= second - 1), default=0)

@@ -38,6 +38,9 @@ Rules it keeps:
 - An operator's abort (`ForceAbort`, `kvd abort`) ends a request whatever its session,
   by the same rules as the engine's own abort (the terminal event waits for a READ in
   flight or P's answer to the cancel).
+- Bounded (`kvd.core.limits`): every live request is charged its estimated bytes against
+  `pending_bytes`. A track beyond it is refused (Busy); a push registration or pull
+  beyond it ends failed at once (RecvFailed naming the limit, and P told to free).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ from typing import Any, Final
 
 from kvd_client import wire
 from kvd_client.errors import (
+    Busy,
+    ErrorCode,
     InvalidRequest,
     KvdError,
     LocalProtocolError,
@@ -60,8 +65,9 @@ from kvd_client.errors import (
     error_from_code,
 )
 
-from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, Refused, SessionEnded
 from kvd.core.heartbeats import HeartbeatSchedule
+from kvd.core.limits import PendingBudget, record_cost
 from kvd.core.timers import TimerHeap
 
 MAX_HB_IDS: Final = 8192
@@ -353,6 +359,7 @@ Effect = (
     | Notify
     | SessionEnded
     | Log
+    | Refused
     | Resolve
     | SendFor
     | PostRead
@@ -385,6 +392,8 @@ class RecvRequest:
     refreshed: bool = False
     aborted: bool = False
     abort_reason: str = "aborted by the client"
+    cost: int = 0
+    """Estimated bytes charged to the pending budget while it is live."""
 
     @property
     def mode(self) -> str:
@@ -405,9 +414,12 @@ class Receiver:
     probe_interval: float
     push_registration_timeout: float
     transfer_timeout: float
+    pending_bytes: int = 256 << 20
+    """Bound of the estimated bytes of live requests (`kvd.core.limits`)."""
     counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.budget = PendingBudget(self.pending_bytes)
         self.reqs: dict[str, RecvRequest] = {}
         self._states: Counter[RecvState] = Counter()
         self.heartbeats = HeartbeatSchedule()
@@ -504,6 +516,8 @@ class Receiver:
         self._goto(req, state)
         del self.reqs[req.request_id]
         self._states[state] -= 1
+        self.budget.give(req.cost)
+        req.cost = 0
         self.heartbeats.untrack(req.request_id)
         self._forget_if_idle(req.peer)
         self.watchdogs.discard(req.request_id)
@@ -562,6 +576,10 @@ class Receiver:
         if self.draining_since is not None:
             self._count("tracks_ignored_draining")  # its registration or pull will fail
             return
+        cost = record_cost(ev)
+        if not self.budget.take(cost):
+            self._count("limit_pending_bytes_refused")
+            raise Busy(self.budget.why(cost, "tracking a request"))
         req = RecvRequest(
             ev.request_id,
             R.TRACKED,
@@ -571,6 +589,7 @@ class Receiver:
             ev.hb_id,
             now,
         )
+        req.cost = cost
         self._put(req)
         self._beat(req, now)
 
@@ -584,6 +603,10 @@ class Receiver:
             self._refuse_load_draining(req, ev)
             return
         self._count(f"{ev.mode}_requests")
+        cost = record_cost(ev)
+        if not self.budget.take(cost, req.cost if req is not None else 0):
+            self._refuse_load(ev, req, self.budget.why(cost, f"a {ev.mode}"), now)
+            return
         old_peer = ""
         if req is None:
             req = RecvRequest(
@@ -593,6 +616,7 @@ class Receiver:
         elif req.peer != ev.peer or req.hb_id != ev.hb_id:
             self.heartbeats.untrack(req.request_id)
             old_peer, req.peer, req.hb_id = req.peer, ev.peer, ev.hb_id
+        req.cost = cost
         req.load, req.engine_id, req.started = ev, ev.engine_id, now
         self._beat(req, now)
         if old_peer:
@@ -638,6 +662,30 @@ class Receiver:
         if not req.aborted:
             req.abort_reason = "aborted by the operator (kvd abort) on D"
         self._abort(req, now)
+
+    def _refuse_load(self, ev: Load, tracked: RecvRequest | None, why: str, now: float) -> None:
+        """No room for it: the request ends failed at once, and P (which may hold a lease
+        on its blocks) is told to free them."""
+        self._out.append(
+            Refused(
+                "limit_pending_bytes_refused",
+                "load_refused",
+                "pending_bytes",
+                {"request_id": ev.request_id, "reason": why},
+            )
+        )
+        if tracked is not None:
+            self._drop_tracked(tracked, now)
+        else:
+            self._out.append(CancelAt(ev.peer, ev.hb_id))
+        fail = wire.RecvFailed(ev.request_id, int(ErrorCode.BUSY), why, ev.block_ids)
+        self._out.append(Emit(ev.session, ev.engine_id, fail))
+
+    def limits(self) -> dict[str, dict[str, int]]:
+        """Its limit, its use and refusals (for `kvd status`)."""
+        b = self.budget
+        used = {"limit": b.limit, "used": b.used, "peak": b.peak, "refused": b.refused}
+        return {"pending_bytes": used}
 
     def _on_abort(self, ev: AbortRecv, now: float) -> None:
         req = self.reqs.get(ev.request_id)

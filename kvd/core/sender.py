@@ -44,6 +44,12 @@ Rules it keeps:
   leased is served until it ends. `Drained` says when nothing is left.
 - An operator's abort (`ForceAbort`, `kvd abort`) ends a request whatever its session,
   like the engine's own abort; a WRITE in flight is not cut (its end answers).
+- Bounded (`kvd.core.limits`): at most `max_pending_per_peer` registrations and pulls
+  from one D wait in AWAITING, and every live request is charged its estimated bytes
+  against `pending_bytes`. A registration or pull beyond either is answered failed at
+  once (D fails the request and its engine recomputes); a finish beyond the bytes ends
+  failed at once (SendFailed to P's engine, and D answered if it registered), with a
+  tombstone so that D's later registration or pull is answered at once too.
 """
 
 from __future__ import annotations
@@ -58,9 +64,10 @@ from typing import Any, Final
 from kvd_client import wire
 from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, LocalProtocolError, NotFound
 
-from kvd.core.effects import Drained, Emit, Log, Notify, SessionEnded
+from kvd.core.effects import Drained, Emit, Log, Notify, Refused, SessionEnded
 from kvd.core.ids import base_request_id
 from kvd.core.leases import LeaseTable
+from kvd.core.limits import PendingBudget, record_cost
 from kvd.core.timers import TimerHeap
 
 
@@ -236,7 +243,7 @@ class PostWrite:
     view: object
 
 
-Effect = Emit | Notify | SessionEnded | Log | ResolveView | PostWrite | Drained
+Effect = Emit | Notify | SessionEnded | Log | Refused | ResolveView | PostWrite | Drained
 
 
 # ------------------------------------------------------------------ state
@@ -272,6 +279,8 @@ class SendRequest:
     early_pull: wire.PullDone | None = None
     view: object = None
     view_ready: bool = False
+    cost: int = 0
+    """Estimated bytes charged to the pending budget while it is live."""
 
 
 _RESYNC: Final = "\0resync:"
@@ -287,6 +296,10 @@ class Sender:
     registration_timeout: float
     resync_timeout: float = 5.0
     max_tombstones: int = 65536
+    max_pending_per_peer: int = 16384
+    """Registrations and early pulls one D may have waiting in AWAITING."""
+    pending_bytes: int = 256 << 20
+    """Bound of the estimated bytes of live requests (`kvd.core.limits`)."""
     counters: dict[str, int] = field(default_factory=dict)
     nonce: Callable[[int], int] = field(default_factory=lambda: random.SystemRandom().getrandbits)
     """Random bits for re-sync nonces (a test passes a deterministic source)."""
@@ -297,6 +310,8 @@ class Sender:
         self._states: Counter[SendState] = Counter()
         self._awaiting_registrations = 0
         self._awaiting_pulls = 0
+        self._awaiting_by_agent: Counter[str] = Counter()
+        self.budget = PendingBudget(self.pending_bytes)
         self._by_base: dict[str, dict[str, None]] = {}
         self._timers: TimerHeap[str] = TimerHeap()
         self.tombstones: OrderedDict[str, Tombstone] = OrderedDict()
@@ -370,6 +385,11 @@ class Sender:
         """Count `req` in (n=+1) or out of (n=-1) the per-state tallies of live requests."""
         self._states[req.state] += n
         if req.state is S.AWAITING:
+            left = self._awaiting_by_agent[req.agent] + n
+            if left:
+                self._awaiting_by_agent[req.agent] = left
+            else:
+                del self._awaiting_by_agent[req.agent]
             if req.registration is not None:
                 self._awaiting_registrations += n
             if req.early_pull is not None:
@@ -384,6 +404,8 @@ class Sender:
         if self.reqs.get(req.key) is req:
             del self.reqs[req.key]
             self._index(req, -1)
+            self.budget.give(req.cost)
+            req.cost = 0
             base = base_request_id(req.key)
             keys = self._by_base.get(base)
             if keys is not None:
@@ -476,12 +498,19 @@ class Sender:
         waiting = have if have is not None else self._find(ev.request_id)
         if waiting is not None and waiting.state is not S.AWAITING:
             waiting = None
+        freed = waiting.cost if waiting is not None else 0
+        cost = record_cost(ev, waiting.registration if waiting is not None else None)
+        if not self.budget.take(cost, freed):
+            self._refuse_finish(ev, waiting, self.budget.why(cost, "a lease"))
+            return
         if waiting is not None:
+            waiting.cost = 0  # charged again below, as `cost`
             self._drop(waiting)  # it comes back under P's id, below
         self.leases.grant(ev.request_id, now, owner=ev.session)
         self._count("leases_granted")
         if waiting is None:
             held = SendRequest(ev.request_id, S.HELD, now, ev.engine_id, ev.block_ids, ev.session)
+            held.cost = cost
             self._add(held)
             return
         # D came first: the request takes P's id, and what waited is served now
@@ -491,6 +520,7 @@ class Sender:
             ev.block_ids,
             ev.session,
         )
+        waiting.cost = cost
         self._add(waiting)
         if waiting.early_pull is not None:
             self._count("early_pulls_served")
@@ -550,6 +580,42 @@ class Sender:
         self._push_failed(req, _OPERATOR.code, _OPERATOR.reason)
         self._end(req, S.ABORTED, _OPERATOR)
 
+    def _refuse_finish(self, ev: Finish, waiting: SendRequest | None, why: str) -> None:
+        """No room for the lease: the request ends failed now on both sides (P's engine,
+        and D if it registered or pulled), and D's later word is answered at once."""
+        self._out.append(
+            Refused(
+                "limit_pending_bytes_refused",
+                "finish_refused",
+                "pending_bytes",
+                {"request_id": ev.request_id, "reason": why},
+            )
+        )
+        self._out.append(
+            Emit(ev.session, ev.engine_id, wire.SendFailed(ev.request_id, int(ErrorCode.BUSY), why))
+        )
+        tomb = Tombstone(int(ErrorCode.BUSY), why)
+        if waiting is not None:
+            self._fail_waiting(waiting, tomb, S.FAILED)
+        self._bury(ev.request_id, tomb)
+
+    def _over(self, agent: str, cost: int, what: str) -> str | None:
+        """Why D's registration or pull (charged `cost`) may not wait for P's engine, or
+        None after charging it (see the module docstring)."""
+        if self._awaiting_by_agent[agent] >= self.max_pending_per_peer:
+            why = (
+                f"limits.pending_registrations_per_peer reached: {self.max_pending_per_peer} "
+                f"registrations and pulls from {agent} wait for P's engine"
+            )
+            counter, kind = "limit_pending_registrations_refused", "pending_registrations"
+        elif not self.budget.take(cost):
+            why = self.budget.why(cost, what)
+            counter, kind = "limit_pending_bytes_refused", "pending_bytes"
+        else:
+            return None
+        self._out.append(Refused(counter, "peer_request_refused", kind, {"peer": agent}))
+        return why
+
     def _on_abort(self, ev: AbortSend, now: float) -> None:
         req = self.reqs.get(ev.request_id)
         if req is not None and req.session and req.session != ev.session:
@@ -605,8 +671,18 @@ class Sender:
                     )
                 )
                 return
+            cost = record_cost(msg)
+            if (why := self._over(ev.agent, cost, "a push registration")) is not None:
+                self._out.append(
+                    Notify(
+                        ev.agent,
+                        wire.PushDone(msg.request_id, 0, False, int(ErrorCode.BUSY), why),
+                    )
+                )
+                return
             self._count("push_registrations")
             waiting = SendRequest(key, S.AWAITING, now, agent=ev.agent, registration=msg)
+            waiting.cost = cost
             self._add(waiting)
             self._timers.set(key, now + self.registration_timeout)
             return
@@ -685,8 +761,14 @@ class Sender:
             self._pull_refused(ev.agent, msg, tomb.code, tomb.reason)
             return
         # P's engine may not have finished yet (its `finished` is on its way): wait for it
+        cost = record_cost(msg)
+        if (refusal := self._over(ev.agent, cost, "a pull")) is not None:
+            busy = int(ErrorCode.BUSY)
+            self._out.append(Notify(ev.agent, wire.PullAck(msg.d_request_id, False, busy, refusal)))
+            return
         self._count("early_pulls")
         waiting = SendRequest(msg.request_id, S.AWAITING, now, agent=ev.agent, early_pull=msg)
+        waiting.cost = cost
         self._add(waiting)
         self._timers.set(waiting.key, now + self.lease_wait_timeout)
 
@@ -869,6 +951,24 @@ class Sender:
     def by_state(self) -> dict[str, int]:
         """Live requests per state (kept as they move: O(states), not O(requests))."""
         return {s.value: self._states[s] for s in S if s not in TERMINAL}
+
+    def limits(self) -> dict[str, dict[str, int]]:
+        """Its limits, their use and refusals (for `kvd status`)."""
+        c = self.counters
+        busiest = max(self._awaiting_by_agent.values(), default=0)
+        return {
+            "pending_registrations_per_peer": {
+                "limit": self.max_pending_per_peer,
+                "used": busiest,
+                "refused": c.get("limit_pending_registrations_refused", 0),
+            },
+            "pending_bytes": {
+                "limit": self.budget.limit,
+                "used": self.budget.used,
+                "peak": self.budget.peak,
+                "refused": self.budget.refused,
+            },
+        }
 
     def awaiting(self) -> tuple[int, int]:
         """D's push registrations and early pulls waiting for P's finish."""

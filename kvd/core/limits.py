@@ -1,0 +1,83 @@
+"""The memory a protocol machine may keep for requests that are pending, estimated and bounded.
+
+Outside input (a peer's registrations and pulls, a client's requests) makes the daemon
+keep per-request state until the request ends. Counting entries alone does not bound
+memory (one registration may name a million block ids), so each entry is charged an
+estimate of the bytes it holds: a fixed cost for its records (the request object, its
+dict and timer entries, the message) plus a cost per block id and per character of the
+ids it names. A machine takes an entry only if its charge fits under `limit`; the
+charge is returned when the entry goes. The estimate is deliberately generous (CPython
+objects, not wire bytes), so the daemon's real use stays below the bound.
+
+No IO and no clock: the machines own their budget and decide what a refusal means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Final
+
+ENTRY_BYTES: Final = 1024
+"""Estimated bytes of one pending request's records, apart from its block ids and text."""
+BLOCK_ID_BYTES: Final = 40
+"""Estimated bytes of one block id held in a tuple (a pointer and an int object)."""
+
+
+def entry_cost(blocks: int, text: int = 0) -> int:
+    """Estimated bytes of a pending entry holding `blocks` block ids and `text` characters."""
+    return ENTRY_BYTES + BLOCK_ID_BYTES * blocks + text
+
+
+@dataclass
+class PendingBudget:
+    """Estimated bytes of pending state held, against a bound (see the module docstring)."""
+
+    limit: int
+    used: int = 0
+    peak: int = 0
+    refused: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"limit must be >= 1 (got {self.limit!r})")
+
+    def take(self, cost: int, freed: int = 0) -> bool:
+        """Charge `cost` in place of `freed` (what an entry that grows was charged) if the
+        result fits under the limit; False (counted in `refused`, nothing changed) if not."""
+        after = self.used - freed + cost
+        if after > self.limit and cost > freed:
+            self.refused += 1
+            return False
+        self.used = after
+        self.peak = max(self.peak, after)
+        return True
+
+    def give(self, cost: int) -> None:
+        """Return what an entry was charged."""
+        self.used -= cost
+        if self.used < 0:  # a bug in the caller; never let it widen the bound
+            raise ValueError(f"pending budget returned more than it was charged ({self.used})")
+
+    def why(self, cost: int, what: str) -> str:
+        """The refusal's reason, naming the limit."""
+        return (
+            f"limits.pending_bytes reached: {what} needs ~{cost} bytes, "
+            f"{self.used} of {self.limit} in use"
+        )
+
+
+def record_cost(*records: object) -> int:
+    """`entry_cost` of the messages (frozen dataclasses) a pending entry keeps: each tuple
+    item counts as a block id, each character of a text or bytes field as a byte."""
+    items = text = 0
+    for record in records:
+        if record is None:
+            continue
+        for f in dataclasses.fields(record):  # type: ignore[arg-type]
+            value = getattr(record, f.name)
+            if isinstance(value, str | bytes):
+                text += len(value)
+            elif isinstance(value, tuple):
+                items += len(value)
+    return entry_cost(items, text)

@@ -1,0 +1,235 @@
+"""Limits (`[limits]`) in the sans-IO core: the per-peer token buckets
+(`kvd.core.ratelimit.RateLimiter`), the pending-bytes budget (`kvd.core.limits`) and how
+the sender and receiver machines refuse what does not fit. Time is an argument; no sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvd_client import wire
+from kvd_client.errors import Busy, ErrorCode, TransferError
+
+from kvd.core.effects import Emit, Notify, Refused
+from kvd.core.limits import BLOCK_ID_BYTES, ENTRY_BYTES, PendingBudget, entry_cost, record_cost
+from kvd.core.ratelimit import RateLimiter
+from kvd.core.receiver import AbortRecv, CancelAt, PeerUnresolved, RecvState
+from kvd.core.sender import AbortSend, CancelArrived, SendState
+
+from .test_receiver import load, track
+from .test_receiver import make as make_receiver
+from .test_sender import D1, D2, REG, WAIT, finish, make, pulled, registered
+
+BUSY = int(ErrorCode.BUSY)
+
+
+# ------------------------------------------------------------------ the token buckets
+
+
+def test_a_peer_gets_its_burst_then_its_rate() -> None:
+    lim: RateLimiter[str] = RateLimiter(8.0, 8.0, 8, "other")
+    assert [lim.allow("a", 100.0) for _ in range(10)] == [True] * 8 + [False] * 2
+    assert lim.allow("b", 100.0)  # another peer has its own bucket
+    assert not lim.allow("a", 100.0625)  # half a token refilled
+    assert lim.allow("a", 100.125) and not lim.allow("a", 100.125)  # one token per 1/rate
+    assert lim.busiest(100.125) == 13  # taken and refused alike
+    assert lim.busiest(102.0) == 0
+
+
+def test_refilled_buckets_are_forgotten_and_keys_beyond_the_bound_share_one() -> None:
+    lim: RateLimiter[str] = RateLimiter(100.0, 2.0, 4, "other")
+    for i in range(4):
+        assert lim.allow(f"p{i}", 0.0)
+    assert len(lim) == 4
+    assert lim.allow("p4", 0.0) and lim.allow("p5", 0.0)  # the shared bucket: 2 tokens
+    assert not lim.allow("p6", 0.0)
+    assert len(lim) == 5  # 4 keys and the overflow key
+    assert lim.allow("p7", 1.0)  # every bucket refilled by now: forgotten, room again
+    assert len(lim) == 1
+
+
+def test_a_flood_of_keys_keeps_memory_bounded() -> None:
+    lim: RateLimiter[int] = RateLimiter(1.0, 1.0, 16, -1)
+    taken = sum(lim.allow(i, 5.0 + i * 1e-6) for i in range(10_000))
+    assert taken == 16 + 1  # 16 keys, then one token of the shared bucket
+    assert len(lim) <= 17 and len(lim._seconds) <= 17
+
+
+@pytest.mark.parametrize(("rate", "burst"), [(0.0, 1.0), (1.0, 0.5)])
+def test_rate_limiter_refuses_impossible_settings(rate: float, burst: float) -> None:
+    with pytest.raises(ValueError):
+        RateLimiter(rate, burst, 4, "o")
+
+
+# ------------------------------------------------------------------ the budget
+
+
+def test_budget_charges_what_fits_and_counts_refusals() -> None:
+    b = PendingBudget(10_000)
+    assert b.take(6_000) and not b.take(5_000)
+    assert (b.used, b.refused) == (6_000, 1)
+    assert b.take(9_000, freed=6_000)  # an entry that grows: charged the difference
+    assert not b.take(12_000, freed=9_000)
+    assert b.take(100, freed=9_000)  # shrinking always fits
+    b.give(100)
+    assert (b.used, b.peak, b.refused) == (0, 9_000, 2)
+    with pytest.raises(ValueError):
+        b.give(1)
+    assert "limits.pending_bytes" in b.why(5, "a pull")
+
+
+def test_record_cost_counts_block_ids_and_text() -> None:
+    reg = registered("d1", blocks=tuple(range(1000))).msg
+    assert record_cost(reg) >= ENTRY_BYTES + 1000 * BLOCK_ID_BYTES + len("d1")
+    assert record_cost(reg, None) == record_cost(reg)
+    assert entry_cost(0) == ENTRY_BYTES
+
+
+# ------------------------------------------------------------------ P: the sender
+
+
+def _answers(effects: list[object]) -> list[tuple[str, str, int]]:
+    out = []
+    for e in effects:
+        if isinstance(e, Notify) and isinstance(e.record, wire.PushDone):
+            out.append(("push_done", e.record.request_id, e.record.code))
+        elif isinstance(e, Notify) and isinstance(e.record, wire.PullAck):
+            out.append(("pull_ack", e.record.d_request_id, e.record.code))
+    return out
+
+
+def _refused(effects: list[object]) -> list[str]:
+    return [e.counter for e in effects if isinstance(e, Refused)]
+
+
+def test_registrations_beyond_the_per_peer_limit_are_answered_failed_at_once() -> None:
+    m = make(max_pending_per_peer=3)
+    for i in range(3):
+        assert m.handle(registered(f"d{i}"), 0.0) == []
+    out = m.handle(registered("d3"), 0.0)
+    assert _answers(out) == [("push_done", "d3", BUSY)]
+    reason = next(e.record.reason for e in out if isinstance(e, Notify))
+    assert "limits.pending_registrations_per_peer" in reason and D1 in reason
+    assert _refused(out) == ["limit_pending_registrations_refused"]
+    # an early pull counts too; another peer has its own allowance
+    assert _answers(m.handle(pulled("p9", "d9"), 0.0)) == [("pull_ack", "d9", BUSY)]
+    assert m.handle(registered("e0", agent=D2), 0.0) == []
+    assert m.limits()["pending_registrations_per_peer"]["used"] == 3
+    # once one of D1's ends (P's engine finished it), D1 may register again
+    m.handle(finish("d0"), 1.0)
+    assert m.handle(registered("d4"), 1.0) == []
+
+
+def test_registrations_beyond_the_pending_bytes_are_answered_failed() -> None:
+    one = record_cost(registered("d0", blocks=(7, 8)).msg)
+    m = make(pending_bytes=3 * one)
+    for i in range(3):
+        assert m.handle(registered(f"d{i}"), 0.0) == []
+    out = m.handle(registered("d3"), 0.0)
+    assert _answers(out) == [("push_done", "d3", BUSY)]
+    assert _refused(out) == ["limit_pending_bytes_refused"]
+    assert m.budget.used == 3 * one and m.budget.refused == 1
+    # a huge registration never fits, however few are waiting
+    m.handle(CancelArrived(D1, "d0"), 0.0)
+    huge = registered("big", blocks=tuple(range(100_000)))
+    assert _answers(m.handle(huge, 0.0)) == [("push_done", "big", BUSY)]
+
+
+def test_a_finish_beyond_the_pending_bytes_ends_failed_on_both_sides() -> None:
+    m = make(pending_bytes=4096)
+    out = m.handle(finish("p1", blocks=tuple(range(200))), 0.0)
+    fails = [e.record for e in out if isinstance(e, Emit)]
+    assert [(type(r), r.request_id, r.code) for r in fails] == [(wire.SendFailed, "p1", BUSY)]
+    assert "limits.pending_bytes" in fails[0].reason
+    assert "p1" not in m.reqs and m.budget.used == 0
+    # D's later registration for it is answered at once (not after registration_timeout)
+    assert _answers(m.handle(registered("d1", "p1"), 0.5)) == [("push_done", "d1", BUSY)]
+    # a registration that came first is answered when the finish is refused
+    assert m.handle(registered("d2", "p2"), 1.0) == []
+    out = m.handle(finish("p2", blocks=tuple(range(200))), 1.0)
+    assert _answers(out) == [("push_done", "d2", BUSY)]
+    assert [type(e.record) for e in out if isinstance(e, Emit)] == [wire.SendFailed]
+    assert m.reqs == {} and m.budget.used == 0
+    # a small one still fits
+    assert m.handle(finish("p3", blocks=(1,)), 2.0) == []
+    assert m.reqs["p3"].state is SendState.HELD
+
+
+def test_the_sender_budget_is_returned_whatever_way_requests_end() -> None:
+    rng = random.Random(7)
+    m = make(pending_bytes=24 * 1024, max_pending_per_peer=4)
+    now = 0.0
+    for step in range(3000):
+        now += rng.random() * 0.5
+        rid = f"r{rng.randrange(40)}"
+        kind = rng.randrange(6)
+        agent = rng.choice((D1, D2))
+        blocks = tuple(range(rng.randrange(1, 300)))
+        try:
+            if kind == 0:
+                m.handle(finish(rid, blocks=blocks), now)
+            elif kind == 1:
+                m.handle(registered(f"d-{rid}", rid, agent=agent, blocks=blocks[:20]), now)
+            elif kind == 2:
+                m.handle(pulled(rid, f"d-{rid}", agent=agent), now)
+            elif kind == 3:
+                m.handle(AbortSend(rid, "s1"), now)
+            elif kind == 4:
+                m.handle(CancelArrived(agent, rid), now)
+            else:
+                m.handle_timer(now)
+        except Exception as exc:  # a refusal of a client's request leaves it unchanged
+            assert type(exc).__name__ == "InvalidRequest", (step, exc)
+        live = sum(r.cost for r in m.reqs.values())
+        assert m.budget.used == live <= m.budget.limit, step
+    m.handle_timer(now + REG + WAIT + 1e6)  # every lease and wait runs out
+    assert m.reqs == {} and m.budget.used == 0
+    assert m.budget.refused > 0  # the bounds were hit on the way
+
+
+# ------------------------------------------------------------------ D: the receiver
+
+
+def test_a_track_beyond_the_pending_bytes_is_refused_and_changes_nothing() -> None:
+    r = make_receiver()
+    r.budget = PendingBudget(record_cost(track("a")))
+    r.handle(track("a"), 0.0)
+    assert "a" in r.reqs
+    with pytest.raises(Busy, match=r"limits\.pending_bytes"):
+        r.handle(track("b"), 0.0)
+    assert set(r.reqs) == {"a"} and r.budget.refused == 1
+
+
+def test_a_load_beyond_the_pending_bytes_ends_failed_and_frees_p() -> None:
+    r = make_receiver()
+    r.budget = PendingBudget(record_cost(load("a")) + 100)
+    r.handle(load("a"), 0.0)
+    assert r.reqs["a"].state is RecvState.HANDSHAKING
+    out = r.handle(load("b", blocks=(4, 5)), 0.0)
+    assert "b" not in r.reqs
+    fails = [e.record for e in out if isinstance(e, Emit)]
+    assert [(type(f), f.request_id, f.code, f.block_ids) for f in fails] == [
+        (wire.RecvFailed, "b", BUSY, (4, 5))
+    ]
+    assert [e for e in out if isinstance(e, CancelAt)] == [CancelAt("p1:5001", "b")]
+    assert _refused(out) == ["limit_pending_bytes_refused"]
+    # a tracked request whose load does not fit: dropped (P told), failed once
+    r.budget = PendingBudget(r.budget.used + record_cost(track("c")) + 10)
+    r.budget.used = r.budget.limit - record_cost(track("c")) - 10
+    r.handle(track("c"), 1.0)
+    out = r.handle(load("c", blocks=tuple(range(500))), 1.0)
+    assert "c" not in r.reqs
+    assert [type(e.record) for e in out if isinstance(e, Emit)] == [wire.RecvFailed]
+    assert [e for e in out if isinstance(e, CancelAt)] == [CancelAt("p1:5001", "c")]
+
+
+def test_the_receiver_budget_is_returned_when_requests_end() -> None:
+    r = make_receiver()
+    r.handle(track("a"), 0.0)
+    r.handle(load("b"), 0.0)
+    assert r.budget.used == sum(q.cost for q in r.reqs.values()) > 0
+    r.handle(AbortRecv("a", "s1"), 1.0)  # only tracked: dropped at once
+    assert r.budget.used == r.reqs["b"].cost
+    r.handle(PeerUnresolved("b", TransferError("P is gone")), 2.0)
+    assert r.reqs == {} and r.budget.used == 0
