@@ -565,7 +565,8 @@ class Receiver(TransferActor):
             "states": states,
             "sending": len(self.book.in_flight),
             "heartbeat_peers": len(p.heartbeats.peers()),
-        }
+            "failures": dict(self.failures),
+        } | self.book.totals()
 
 
 def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:

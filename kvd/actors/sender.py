@@ -299,7 +299,8 @@ class Sender(TransferActor):
             "early_pulls": early_pulls,
             "sending": len(self.book.in_flight),
             "tombstones": len(p.tombstones),
-        }
+            "failures": dict(self.failures),
+        } | self.book.totals()
 
 
 def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegion] | None:
