@@ -368,8 +368,8 @@ class NixlEngine:
         (so including the post: a same-host copy may finish inside it). The notification
         is delivered to the peer by NIXL when the transfer completes. Raises TransferError
         (PeerDisconnected when the peer is gone, PeerUnknown when NIXL holds no metadata
-        for it or for the remote memory named, Timeout past `timeout`). `trace_id`: the request the stage
-        trace records this transfer under.
+        for it or for the remote memory named, Timeout past `timeout`). `trace_id`: the
+        request the stage trace records this transfer under.
         """
         notif = self._seal(peer, notif) if notif else notif
         loop = self._loop

@@ -164,7 +164,7 @@ class FakeClock(Clock):
         super().__init__()
         self.t = start
 
-    def now(self) -> XferTiming:
+    def now(self) -> float:
         return self.t
 
 
