@@ -206,6 +206,23 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def top(
+    socket: SocketOpt = None,
+    interval: Annotated[float, typer.Option(help="Seconds between frames.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+) -> None:
+    """Live view: throughput, in flight, leases, regions, EC, errors, per peer (q quits)."""
+    from kvd.top import run_top
+
+    c = _client(socket)
+    try:
+        code = run_top(lambda: c.status("status"), interval=interval, once=once)
+    finally:
+        c.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def ping(
     peer: Annotated[str, typer.Argument(help="HOST:PORT of the peer daemon's side channel.")],
     socket: SocketOpt = None,
