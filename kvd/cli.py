@@ -394,6 +394,7 @@ def bench(
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     only: Annotated[str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology.")] = "",
     seed: Annotated[int, typer.Option(help="Random seed (block allocation, ids).")] = 0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")] = None,
 ) -> None:
     """Benchmark kvd against raw NIXL and memcpy on the same bytes: medians, ratios, targets."""
     from kvd.bench import SCENARIOS
@@ -407,7 +408,9 @@ def bench(
             f"{', '.join(SCENARIOS)}[/red]"
         )
         raise typer.Exit(2)
-    code = run_bench(quick=quick, json_path=json_file, only=chosen, seed=seed, console=err)
+    code = run_bench(
+        quick=quick, json_path=json_file, only=chosen, seed=seed, console=err, plot_dir=plot
+    )
     raise typer.Exit(code)
 
 
