@@ -8,6 +8,7 @@ first-contact rules live in `kvd.ops`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -407,6 +408,9 @@ def bench(
             f"[red]unknown scenario(s) {', '.join(unknown)}; choose from "
             f"{', '.join(SCENARIOS)}[/red]"
         )
+        raise typer.Exit(2)
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        err.print("[red]--plot needs matplotlib: pip install 'kvd[plot]'[/red]")
         raise typer.Exit(2)
     code = run_bench(
         quick=quick, json_path=json_file, only=chosen, seed=seed, console=err, plot_dir=plot
