@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 WIDTH: Final = 80
+_SIDE: Final = {"sender": "P", "receiver": "D"}
 Status = dict[str, Any]
 
 
@@ -109,7 +110,7 @@ def _errors(cur: Status, prev: Status | None) -> Table:
         now = _get(cur, side, "failures", default={})
         was = _get(prev, side, "failures", default={})
         for reason, n in now.items():
-            rows.append((f"{side[:4]} {reason}", n, n - was.get(reason, 0)))
+            rows.append((f"{_SIDE[side]} {reason}", n, n - was.get(reason, 0)))
     nixl_now = _get(cur, "nixl", "errors", default={})
     nixl_was = _get(prev, "nixl", "errors", default={})
     for name, n in nixl_now.items():
@@ -132,7 +133,7 @@ def _xfer(cur: Status, prev: Status | None, dt: float) -> Table:
         for op, st in sorted(_get(cur, side, "xfer_stats", default={}).items()):
             was = _get(prev, side, "xfer_stats", op, default=None)
             t.add_row(
-                f"{op} ({'P' if side == 'sender' else 'D'})",
+                f"{op} ({_SIDE[side]})",
                 str(st["count"]),
                 _num(_rate(st["count"], was["count"] if was else None, dt)),
                 _bytes(_rate(st["bytes_sum"], was["bytes_sum"] if was else None, dt)),
@@ -224,11 +225,14 @@ def render(cur: Status, prev: Status | None, dt: float, note: str = "") -> Rende
     moved_rate = _rate(moved, _get(prev, "nixl", "bytes_moved", default=None), dt)
     head = Text.assemble(
         ("kvd top ", "bold"),
-        (str(cur.get("agent_name", "?")), "bold cyan"),
+        (str(cur.get("agent_name", "?"))[:40], "bold cyan"),
         f"  v{cur.get('version', '?')}  up {cur.get('uptime_s', 0):.0f}s",
-        f"  moved {_bytes(moved)} ({_bytes(moved_rate)}/s)",
     )
-    parts: list[RenderableType] = [head, Text(f"mailboxes: {depth}", style="dim")]
+    parts: list[RenderableType] = [
+        head,
+        Text(f"moved {_bytes(moved)} ({_bytes(moved_rate)}/s)"),
+        Text(f"mailboxes: {depth}", style="dim"),
+    ]
     parts += [_xfer(cur, prev, dt), _now(cur, prev, dt)]
     ec = _ec(cur)
     if ec is not None:
