@@ -93,7 +93,9 @@ def test_histograms_and_failures_move_with_real_transfers(daemons: StartDaemon) 
     p_d = daemons(
         "kvd-hp",
         f"[metrics]\nport = {p_port}\n",
-        overrides={"transfer": {"kv_lease_duration": 1.0}},
+        # short, so that the expiry below comes soon; long enough that no push or pull
+        # here outlives it on a loaded machine
+        overrides={"transfer": {"kv_lease_duration": 3.0}},
     )
     d_d = daemons("kvd-hd", f"[metrics]\nport = {d_port}\n")
     p = make_engine(p_d.socket, "prefill", num_blocks=32, num_layers=2, chunk_bytes=4096)
