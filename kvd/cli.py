@@ -216,8 +216,11 @@ def top(
     from kvd.top import run_top
 
     c = _client(socket)
+    c.timeout = max(2.0, 2 * interval)  # a dead daemon shows within a frame or two
     try:
-        code = run_top(lambda: c.status("status"), interval=interval, once=once)
+        code = run_top(
+            lambda: c.status("status"), interval=interval, once=once, reconnect=c.connect
+        )
     finally:
         c.close()
     raise typer.Exit(code)

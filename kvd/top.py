@@ -281,7 +281,7 @@ def run_top(
     interval: float = 1.0,
     once: bool = False,
     console: Console | None = None,
-    reconnect: Callable[[], None] | None = None,
+    reconnect: Callable[[], object] | None = None,
 ) -> int:
     """Show frames until `q` (0) or Ctrl-C (130); with `once`, print one frame (rates over
     one `interval`) and return. A failed fetch shows its error and is retried (after
