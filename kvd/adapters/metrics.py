@@ -128,6 +128,14 @@ class DaemonCollector(Collector):
         )
         inflight.add_metric([self.agent], float(nixl.get("inflight", 0)))
         yield inflight
+        errors = CounterMetricFamily(
+            "kvd_nixl_errors",
+            "NIXL exceptions by type (posting, completion, handle release)",
+            labels=["agent", "error"],
+        )
+        for name, n in sorted(dict(nixl.get("errors", {})).items()):
+            errors.add_metric([self.agent, name], float(n))
+        yield errors
 
     def _histograms(self) -> Iterator[Metric]:
         merged: dict[str, dict[str, list[Histogram]]] = {}
