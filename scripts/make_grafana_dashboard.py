@@ -6,6 +6,7 @@ checks it against a running daemon); README "Operations > Metrics" lists them.
 """
 
 import json
+from pathlib import Path
 
 A = 'agent=~"$agent"'
 
@@ -37,7 +38,7 @@ panels_spec = [
     (
         "Transfer time p50 / p99",
         [
-            "histogram_quantile(%s, sum by (le, agent, op) (rate(" % x
+            f"histogram_quantile({x}, sum by (le, agent, op) (rate("
             + q("kvd_nixl_xfer_time_seconds_bucket")
             + R
             + ")))"
@@ -49,7 +50,7 @@ panels_spec = [
     (
         "Post time p50 / p99",
         [
-            "histogram_quantile(%s, sum by (le, agent, op) (rate(" % x
+            f"histogram_quantile({x}, sum by (le, agent, op) (rate("
             + q("kvd_nixl_post_time_seconds_bucket")
             + R
             + ")))"
@@ -200,4 +201,4 @@ dash = {
     },
     "panels": panels,
 }
-open("configs/grafana/kvd.json", "w").write(json.dumps(dash, indent=2) + "\n")
+Path("configs/grafana/kvd.json").write_text(json.dumps(dash, indent=2) + "\n")
