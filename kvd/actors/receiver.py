@@ -405,6 +405,7 @@ class Receiver(TransferActor):
             if exc is None:
                 self._outcome(proto.Sent(eff.request_id))
                 return
+            self._count("notifs_failed")
             # a notification is sent within the call: a peer found gone was gone at post
             stale = self._stale(eff.agent, exc) or isinstance(exc, PeerDisconnected)
             self._outcome(proto.SendFailed(eff.request_id, exc, stale))
