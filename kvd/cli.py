@@ -8,6 +8,7 @@ first-contact rules live in `kvd.ops`.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -208,6 +209,26 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def top(
+    socket: SocketOpt = None,
+    interval: Annotated[float, typer.Option(help="Seconds between frames.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit.")] = False,
+) -> None:
+    """Live view: throughput, in flight, leases, regions, EC, errors, per peer (q quits)."""
+    from kvd.top import run_top
+
+    c = _client(socket)
+    c.timeout = max(2.0, 2 * interval)  # a dead daemon shows within a frame or two
+    try:
+        code = run_top(
+            lambda: c.status("status"), interval=interval, once=once, reconnect=c.connect
+        )
+    finally:
+        c.close()
+    raise typer.Exit(code)
+
+
+@app.command()
 def ping(
     peer: Annotated[str, typer.Argument(help="HOST:PORT of the peer daemon's side channel.")],
     socket: SocketOpt = None,
@@ -379,6 +400,7 @@ def bench(
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     only: Annotated[str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology.")] = "",
     seed: Annotated[int, typer.Option(help="Random seed (block allocation, ids).")] = 0,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")] = None,
 ) -> None:
     """Benchmark kvd against raw NIXL and memcpy on the same bytes: medians, ratios, targets."""
     from kvd.bench import SCENARIOS
@@ -392,7 +414,12 @@ def bench(
             f"{', '.join(SCENARIOS)}[/red]"
         )
         raise typer.Exit(2)
-    code = run_bench(quick=quick, json_path=json_file, only=chosen, seed=seed, console=err)
+    if plot is not None and importlib.util.find_spec("matplotlib") is None:
+        err.print("[red]--plot needs matplotlib: pip install 'kvd[plot]'[/red]")
+        raise typer.Exit(2)
+    code = run_bench(
+        quick=quick, json_path=json_file, only=chosen, seed=seed, console=err, plot_dir=plot
+    )
     raise typer.Exit(code)
 
 

@@ -433,7 +433,7 @@ class Daemon:
     def _start_metrics(self) -> None:
         if self.cfg.metrics.port == 0:
             return
-        from kvd.adapters.metrics import DaemonCollector, serve_metrics
+        from kvd.adapters.metrics import DaemonCollector, Sources, serve_metrics
 
         boxes = {
             "registrar": self.registrar_box,
@@ -442,12 +442,18 @@ class Daemon:
             "ecrouter": self.ec_box,
             "events": self.events,
         }
-        collector = DaemonCollector(
-            self.agent_name,
-            self.counters,
-            lambda: {name: box.stats() for name, box in boxes.items()},
-            lambda: dict(self.engine.stats.__dict__),
+        sides = {"sender": self.sender, "receiver": self.receiver}
+        sources = Sources(
+            counters=self.counters,
+            mailboxes=lambda: {name: box.stats() for name, box in boxes.items()},
+            nixl=lambda: dict(self.engine.stats.__dict__),
+            transfer_stats=[actor.book.stats for actor in sides.values()],
+            failures={side: actor.failures for side, actor in sides.items()},
+            in_flight=lambda: {side: len(a.book.in_flight) for side, a in sides.items()},
+            leases=lambda: len(self.sender.proto.leases),
+            clients=self.gateway.client_counts,
         )
+        collector = DaemonCollector(self.agent_name, sources)
         self._metrics = serve_metrics(self.cfg.metrics.host, self.cfg.metrics.port, collector)
         log.info("metrics_serving", addr=f"{self.cfg.metrics.host}:{self.cfg.metrics.port}")
 

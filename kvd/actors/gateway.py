@@ -492,6 +492,14 @@ class Gateway:
                     self._send(s.ident, ev.record, 0)
             self._count("events_sent" if sent else "events_orphaned")
 
+    def client_counts(self) -> dict[str, int]:
+        """Open sessions per role; safe from another thread (one list copy under the GIL,
+        then reads of immutable strings): the metrics exporter calls it."""
+        out: dict[str, int] = {}
+        for s in list(self.sessions.values()):
+            out[s.role] = out.get(s.role, 0) + 1
+        return out
+
     def snapshot(self) -> dict[str, Any]:
         now = self.clock.now()
         return {

@@ -407,6 +407,7 @@ class Receiver(TransferActor):
             if exc is None:
                 self._outcome(proto.Sent(eff.request_id))
                 return
+            self._count("notifs_failed")
             # a notification is sent within the call: a peer found gone was gone at post
             stale = self._stale(eff.agent, exc) or isinstance(exc, PeerDisconnected)
             self._outcome(proto.SendFailed(eff.request_id, exc, stale))
@@ -568,7 +569,8 @@ class Receiver(TransferActor):
             "sending": len(self.book.in_flight),
             "heartbeat_peers": len(p.heartbeats.peers()),
             "limits": p.limits(),
-        }
+            "failures": dict(self.failures),
+        } | self.book.totals()
 
 
 def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:

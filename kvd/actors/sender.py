@@ -304,7 +304,8 @@ class Sender(TransferActor):
             "sending": len(self.book.in_flight),
             "tombstones": len(p.tombstones),
             "limits": p.limits(),
-        }
+            "failures": dict(self.failures),
+        } | self.book.totals()
 
 
 def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegion] | None:

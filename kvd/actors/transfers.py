@@ -36,7 +36,13 @@ import numpy as np
 import structlog
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.errors import (
+    ErrorCode,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    TransferError,
+)
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -54,6 +60,7 @@ from kvd.actors.messages import (
 )
 from kvd.core.effects import Drained, Emit, Log, Notify, Refused, SessionEnded
 from kvd.core.planner import Plan
+from kvd.core.stats import TransferStats, XferTiming
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -95,9 +102,10 @@ class Transport(Protocol):
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
-    ) -> float:
+    ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
-        `notif` is delivered to the peer when it completes. Raises as `send_notif` does
+        `notif` is delivered to the peer when it completes. Returns its post and transfer
+        times (fed to the actor's histograms). Raises as `send_notif` does
         (PeerUnknown also when the peer's metadata lacks the remote memory named).
         `trace_id` as above."""
 
@@ -157,6 +165,9 @@ class TransferActor:
         self._ready: deque[Any] = deque()
         """Events an effect produced at once (no IO needed): fed in the same turn."""
         self._draining = False
+        self.failures: dict[str, int] = {}
+        """Requests this side ended failed or expired, by reason (the error code's name,
+        or `expired`), counted as the terminal event leaves for the client."""
 
     # ---------------------------------------------------------------- loop
 
@@ -300,6 +311,9 @@ class TransferActor:
     def _carry_out_each(self, effects: list[Any]) -> None:
         for eff in effects:
             if isinstance(eff, Emit):
+                reason = failure_reason(eff.record)
+                if reason is not None:
+                    self.failures[reason] = self.failures.get(reason, 0) + 1
                 self._emit(EventOut(eff.session, eff.engine_id, eff.record))
             elif isinstance(eff, Notify):
                 self._notify(eff)
@@ -340,6 +354,7 @@ class TransferActor:
 
         def done(exc: KvdError | None) -> None:
             if exc is not None:
+                self._count("notifs_failed")
                 self.log.warning(
                     "notification_not_delivered",
                     request_id=trace_key(eff.record),
@@ -382,6 +397,11 @@ class TransferBook:
         self.remote: dict[tuple[str, int], int] = {}
         self.releasing: set[int] = set()
         self._wakeup: anyio.Event | None = None
+        self.stats = TransferStats()
+        """Every completed NIXL transfer's times, bytes and descriptors (the exporter and
+        `kvd status` read them; only this book writes them)."""
+        self.by_peer: dict[str, list[int]] = {}
+        """Per peer agent: [requests transferred, bytes, requests failed] (`kvd top`)."""
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -452,8 +472,14 @@ class TransferBook:
             rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             rec["state"] = "failed" if errors else "done"
             self.recent.append(rec)
+        peer = self.by_peer.get(agent)
+        if peer is None:
+            peer = self.by_peer[agent] = [0, 0, 0]
         if errors:
+            peer[2] += 1
             raise errors[0]
+        peer[0] += 1
+        peer[1] += total
         self._count("transfers_ok")
         self._count("bytes_transferred", total)
         self._count("descriptors", descs)
@@ -473,7 +499,7 @@ class TransferBook:
     ) -> None:
         try:
             if local.shape[0]:
-                await self.transport.transfer(
+                timing = await self.transport.transfer(
                     op,
                     local,
                     remote,
@@ -485,6 +511,7 @@ class TransferBook:
                     remote_mem=remote_mem,
                     trace_id=trace_id,
                 )
+                self.stats.observe(op, timing, nbytes, int(local.shape[0]))
             elif notif:
                 await self.transport.send_notif(agent, notif, trace_id)
         except KvdError as exc:
@@ -521,6 +548,28 @@ class TransferBook:
 
     def snapshot(self) -> dict[str, Any]:
         return {"in_flight": list(self.in_flight.values()), "recent": list(self.recent)}
+
+    def totals(self) -> dict[str, Any]:
+        """For the `status` section: per-op histogram summaries and per-peer totals."""
+        return {
+            "xfer_stats": self.stats.summary(),
+            "by_peer": {
+                agent: {"transfers": n, "bytes": b, "failed": f}
+                for agent, (n, b, f) in self.by_peer.items()
+            },
+        }
+
+
+def failure_reason(record: wire.Record) -> str | None:
+    """The reason label of a terminal failure event (None for any other event)."""
+    if isinstance(record, wire.SendExpired):
+        return "expired"
+    if isinstance(record, wire.SendFailed | wire.RecvFailed):
+        try:
+            return ErrorCode(record.code).name.lower()
+        except ValueError:
+            return f"code_{record.code}"
+    return None
 
 
 def _peer_addr(m: wire.Record) -> str:

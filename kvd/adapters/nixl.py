@@ -37,6 +37,7 @@ from kvd_client import wire
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
 from kvd.core.peersession import Keyring
+from kvd.core.stats import XferTiming
 from kvd.core.trace import NO_TRACE, StageTrace
 
 log = structlog.get_logger("kvd.nixl")
@@ -103,10 +104,12 @@ def translate(exc: BaseException, *, posting: bool = False) -> KvdError:
 @dataclass
 class _Xfer:
     handle: Any
-    future: asyncio.Future[float]
+    future: asyncio.Future[XferTiming]
     deadline: float
     started: float
     trace_id: str = ""
+    post_s: float = 0.0
+    """Seconds spent preparing and posting it (descriptor lists, initialize, transfer)."""
 
 
 @dataclass
@@ -301,7 +304,8 @@ class NixlEngine:
             self.stats.transfers_done += 1
             if self.trace.on and x.trace_id:
                 self.trace.mark(x.trace_id, "nixl.done")
-            loop.call_soon_threadsafe(_set_result, x.future, time.monotonic() - x.started)
+            done = XferTiming(x.post_s, time.monotonic() - x.started)
+            loop.call_soon_threadsafe(_set_result, x.future, done)
         else:
             self.stats.transfers_failed += 1
             self._count_error(exc)
@@ -357,20 +361,21 @@ class NixlEngine:
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
-    ) -> float:
+    ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
 
-        Returns the seconds from post to completion. The notification is delivered to the
-        peer by NIXL when the transfer completes. Raises TransferError (PeerDisconnected
-        when the peer is gone, PeerUnknown when NIXL holds no metadata for it or for the
-        remote memory named, Timeout past `timeout`). `trace_id`: the request the stage
-        trace records this transfer under.
+        Returns the seconds spent posting it, and from the start of posting to completion
+        (so including the post: a same-host copy may finish inside it). The notification
+        is delivered to the peer by NIXL when the transfer completes. Raises TransferError
+        (PeerDisconnected when the peer is gone, PeerUnknown when NIXL holds no metadata
+        for it or for the remote memory named, Timeout past `timeout`). `trace_id`: the
+        request the stage trace records this transfer under.
         """
         notif = self._seal(peer, notif) if notif else notif
         loop = self._loop
         if loop is None or self._thread is None:
             raise TransferError("NIXL engine is not running")
-        fut: asyncio.Future[float] = loop.create_future()
+        fut: asyncio.Future[XferTiming] = loop.create_future()
 
         trace = self.trace
 
@@ -398,6 +403,7 @@ class NixlEngine:
             except BaseException as exc:
                 self._finish(x, exc, at_post=True)
                 return
+            x.post_s = time.monotonic() - started
             if state == "DONE":
                 self._finish(x, None)
             else:

@@ -47,10 +47,16 @@ def median(xs: Sequence[float]) -> float:
     return float(np.median(np.asarray(xs, dtype=np.float64)))
 
 
-def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
-    """p50/p99/p99.9/max of a latency sample, in milliseconds."""
+CDF_POINTS = 200
+"""Most points of a latency sample's distribution kept in the JSON (for `--plot`)."""
+
+
+def summary_ms(seconds: Sequence[float], *, cdf: bool = False) -> dict[str, Any]:
+    """p50/p99/p99.9/max of a latency sample, in milliseconds; with `cdf`, also the
+    sorted sample thinned to at most CDF_POINTS evenly spaced ranks (first and last kept),
+    from which `kvd bench --plot` draws its distribution."""
     ms = [s * 1e3 for s in seconds]
-    return {
+    out: dict[str, Any] = {
         "n": len(ms),
         "p50_ms": round(pct(ms, 0.50), 4),
         "p99_ms": round(pct(ms, 0.99), 4),
@@ -58,6 +64,18 @@ def summary_ms(seconds: Sequence[float]) -> dict[str, float]:
         "max_ms": round(max(ms), 4) if ms else 0.0,
         "mean_ms": round(sum(ms) / len(ms), 4) if ms else 0.0,
     }
+    if cdf:
+        out["cdf_ms"] = cdf_points(ms)
+    return out
+
+
+def cdf_points(xs: Sequence[float], points: int = CDF_POINTS) -> list[float]:
+    """xs sorted, thinned to at most `points` evenly spaced ranks (min and max kept)."""
+    s = sorted(xs)
+    if len(s) <= points:
+        return [round(x, 4) for x in s]
+    step = (len(s) - 1) / (points - 1)
+    return [round(s[round(i * step)], 4) for i in range(points)]
 
 
 def machine() -> dict[str, Any]:

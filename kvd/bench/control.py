@@ -358,8 +358,8 @@ def run(
     busy_events = [b["events"] for b in busy]
     return {
         "request_bytes": cfg.request_bytes,
-        "push": summary_ms(push),
-        "pull": summary_ms(pull),
+        "push": summary_ms(push, cdf=True),
+        "pull": summary_ms(pull, cdf=True),
         "drain_idle": {
             "n": len(idle_us),
             "p50_us": round(pct(idle_us, 0.5), 2),

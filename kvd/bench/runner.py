@@ -93,7 +93,13 @@ def idle_daemon(env: Env, window_s: float) -> dict[str, Any]:
 
 
 def run_bench(
-    *, quick: bool, json_path: Path | None, only: list[str], seed: int, console: Console
+    *,
+    quick: bool,
+    json_path: Path | None,
+    only: list[str],
+    seed: int,
+    console: Console,
+    plot_dir: Path | None = None,
 ) -> int:
     """Run the scenarios in `only` (all when empty); returns the exit code."""
     chosen = [s for s in SCENARIOS if not only or s in only]
@@ -189,4 +195,9 @@ def run_bench(
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=2) + "\n")
         console.print(f"results written to {json_path}")
+    if plot_dir is not None:
+        from kvd.bench.plots import write_all
+
+        for png in write_all(results, plot_dir):
+            console.print(f"chart written to {png}")
     return 0

@@ -266,7 +266,7 @@ def live_leases(
         res["grant_us_per_lease"] = round(granted_s / n * 1e6, 2)
         # latency of ordinary requests while the leases are live
         lat = measure(env, pair, "push", cfg.latency_requests, rng)
-        res["push_with_leases"] = summary_ms(lat)
+        res["push_with_leases"] = summary_ms(lat, cdf=True)
         res["push_baseline_p50_ms"] = base_p50_ms
         t = time.perf_counter()
         snap = status(env.p_cli, "leases")

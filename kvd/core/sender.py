@@ -473,6 +473,12 @@ class Sender:
         self._log("warning", "pull_refused", request_id=msg.request_id, peer=agent, reason=reason)
         self._out.append(Notify(agent, wire.PullAck(msg.d_request_id, False, code, reason)))
 
+    def _count_after_expiry(self, tomb: Tombstone) -> None:
+        """D's registration or pull named a request whose lease had expired: D's
+        heartbeats did not reach us in time (or D was too slow): `notifs_after_expiry`."""
+        if tomb.code == int(ErrorCode.LEASE_EXPIRED):
+            self._count("notifs_after_expiry")
+
     def _reject(self, agent: str, why: str) -> None:
         self._count("notifs_rejected")
         self._log("warning", "notif_rejected", peer=agent, reason=why)
@@ -665,6 +671,7 @@ class Sender:
                 tomb = _DRAINING  # it would wait for a lease that will not be granted
             if tomb is not None:
                 self._count("late_registrations")
+                self._count_after_expiry(tomb)
                 self._out.append(
                     Notify(
                         ev.agent, wire.PushDone(msg.request_id, 0, False, tomb.code, tomb.reason)
@@ -758,6 +765,7 @@ class Sender:
         if tomb is None and self.draining_since is not None:
             tomb = _DRAINING  # it would wait for a lease that will not be granted
         if tomb is not None:
+            self._count_after_expiry(tomb)
             self._pull_refused(ev.agent, msg, tomb.code, tomb.reason)
             return
         # P's engine may not have finished yet (its `finished` is on its way): wait for it

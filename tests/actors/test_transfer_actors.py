@@ -56,6 +56,7 @@ from kvd.actors.sender import Sender
 from kvd.adapters.nixl import PeerDisconnected, translate
 from kvd.config import Config, DaemonConfig
 from kvd.core.planner import Geometry
+from kvd.core.stats import XferTiming
 from kvd.daemon import Daemon
 from kvd.logs import RejectLog
 
@@ -253,12 +254,12 @@ class FakePort:
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
-    ) -> float:
+    ) -> XferTiming:
         record = wire.decode(notif)[1] if notif else None
         xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
         self.transfers.add(xfer)
         await xfer.wait()
-        return 0.001
+        return XferTiming(0.0, 0.001)
 
     def sent(self, kind: type[R]) -> list[tuple[str, R]]:
         return [(peer, r) for peer, r in self.notifs.items if isinstance(r, kind)]

@@ -26,8 +26,9 @@ def _positive(value: Any, what: str) -> None:
 @pytest.mark.timeout(180)
 def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvd", "bench", "--quick", "--json", str(out)],
+        [sys.executable, "-m", "kvd", "bench", "--quick", "--json", str(out), "--plot", str(plots)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -65,6 +66,9 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     for mode in ("push", "pull"):
         assert ctl[mode]["n"] > 0
         assert 0 < ctl[mode]["p50_ms"] <= ctl[mode]["p99_ms"] <= ctl[mode]["p999_ms"]
+        cdf = ctl[mode]["cdf_ms"]  # the sorted sample the latency chart is drawn from
+        assert cdf == sorted(cdf) and 2 <= len(cdf) <= min(ctl[mode]["n"], 200)
+        assert cdf[-1] == ctl[mode]["max_ms"]
     _positive(ctl["drain_idle"]["p50_us"], "idle drain_events")
     _positive(ctl["drain_busy"]["median_events"], "busy drain_events events")
     trace = ctl["trace"]
@@ -129,5 +133,11 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert targets and all(isinstance(t["met"], bool) for t in targets)
     assert "TP 8->4 push / equal TP" in {t["target"] for t in targets}
     assert "idle daemon CPU" in {t["target"] for t in targets}
+    # --plot: one PNG chart per scenario
+    charts = sorted(p.name for p in plots.iterdir())
+    assert charts == ["control_latency_cdf.png", "dataplane.png", "ec.png", "scale.png"]
+    for name in charts:
+        data = (plots / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
     # the run cleaned up after itself: every region it created is unlinked
     assert not {s for s in shm_segments("kvd-bench-") if f"-p{proc.pid}-" in s}
