@@ -34,7 +34,7 @@ from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 _TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
-_TO_RECEIVER = (wire.PushDone, wire.PullAck, wire.Resync)
+_TO_RECEIVER = (wire.PushDone, wire.LayersPushed, wire.PullAck, wire.Resync)
 
 
 class Notifier:

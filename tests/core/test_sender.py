@@ -1049,7 +1049,7 @@ def test_matching_registration_then_finished() -> None:
     assert tx.handle(registered("d1", "r1"), 0.0) == []
     assert tx.by_state()["awaiting"] == 1
     assert [type(e) for e in tx.handle(finish("r1"), 1.0)] == [ResolveView]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0, "streaming": 0}
 
 
 def test_matching_finished_then_registration() -> None:
@@ -1057,7 +1057,7 @@ def test_matching_finished_then_registration() -> None:
     tx.handle(finish("r1"), 0.0)
     assert [r.key for r in tx.held()] == ["r1"]  # an unmatched finish
     assert [type(e) for e in tx.handle(registered("d1", "r1"), 1.0)] == [ResolveView]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0, "streaming": 0}
 
 
 def test_matching_base_id_fallback_both_orders() -> None:
@@ -1070,7 +1070,7 @@ def test_matching_base_id_fallback_both_orders() -> None:
     assert tx.handle(finish("cmpl-y-0"), 0.0) == []  # an id with no suffix is its own base
     ev = registered("cmpl-y-0-00000000")
     assert tx.handle(ev, 0.0) == [ResolveView("cmpl-y-0", D1, ev.msg)]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 2, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 2, "writing": 0, "streaming": 0}
     check_index(tx)
 
 
