@@ -1050,6 +1050,9 @@ class Sender:
         self._timers.discard(req.key)
         self._count("stream_finishes")
         n = len(reg.block_ids)
+        if not ev.block_ids:  # P's engine gave the request up (an empty finish says so)
+            self._stream_failed(req, int(ErrorCode.TRANSFER), "P finished it with no blocks", now)
+            return
         if ev.engine_id != st.engine_id or (n and ev.block_ids[-n:] != st.blocks[-n:]):
             why = "P finished the request with other blocks than its workers streamed"
             self._stream_failed(req, int(ErrorCode.INVALID), why, now)
