@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import pytest
@@ -38,6 +38,7 @@ from kvd.core.receiver import (
     Effect,
     EndSession,
     Event,
+    LayersPushedArrived,
     Load,
     PeerKnown,
     PeerLost,
@@ -1567,3 +1568,98 @@ class ReceiverModel(RuleBasedStateMachine):
 
 ReceiverModel.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestReceiverModel = ReceiverModel.TestCase
+
+
+# ------------------------------------------------------------------ layer-wise push
+
+
+def layered(rx: Receiver, ld: Load, now: float, *, ranks: int, layers: int) -> None:
+    """A push REGISTERED with P, our regions having `layers` layers."""
+    rx.handle(ld, now)
+    ev = replace(resolved(ld, ranks=ranks, since=now), layers=layers)
+    rx.handle(ev, now)
+    rx.handle(Sent(ld.request_id), now)
+    assert rx.reqs[ld.request_id].state is S.REGISTERED
+
+
+def pushed(
+    rank: int, *ranges: tuple[str, int, int], agent: str = AGENTS[P1]
+) -> LayersPushedArrived:
+    return LayersPushedArrived(
+        agent, wire.LayersPushed(rank, tuple(wire.LayerRange(r, a, b) for r, a, b in ranges))
+    )
+
+
+def test_layerwise_done_once_every_layer_of_every_rank_arrived() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=2, layers=4)
+    layered(rx, load("r2"), 0.0, ranks=2, layers=4)
+    # layers in any order, several requests in one notification
+    assert quiet(rx.handle(pushed(0, ("r1", 0, 1), ("r2", 0, 2)), 0.1)) == []
+    assert quiet(rx.handle(pushed(1, ("r1", 2, 4)), 0.2)) == []
+    assert quiet(rx.handle(pushed(0, ("r1", 1, 4), ("r2", 2, 4)), 0.3)) == []
+    assert rx.reqs["r1"].done_ranks == {0} and rx.reqs["r2"].done_ranks == {0}
+    assert quiet(rx.handle(pushed(1, ("r1", 0, 2)), 0.4)) == [finished("r1")]
+    assert quiet(rx.handle(pushed(1, ("r2", 0, 4)), 0.5)) == [finished("r2")]
+    assert rx.counters["recv_ok"] == 2
+    assert_empty(rx)
+    # a late one is a late answer, not a second end
+    out = rx.handle(pushed(1, ("r2", 0, 4)), 0.6)
+    assert quiet(out) == [] and rx.counters["late_answers"] == 1
+
+
+def test_layerwise_a_repeated_or_foreign_layer_is_rejected_never_counted() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=1, layers=3)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    for bad in (
+        pushed(0, ("r1", 1, 3)),  # layer 1 again
+        pushed(0, ("r1", 2, 4)),  # past our layers
+        pushed(1, ("r1", 2, 3)),  # a rank we do not have
+        pushed(0, ("r1", 2, 3), agent=AGENTS[P2]),  # another P
+        pushed(0, ("nobody", 0, 1)),
+    ):
+        out = rx.handle(bad, 0.2)
+        assert records(out) == [] and [e.event for e in out if isinstance(e, Log)] == [
+            "notif_rejected"
+        ]
+    assert rx.counters["notifs_rejected"] == 5
+    assert rx.reqs["r1"].layer_bits == {0: 0b011}
+    assert quiet(rx.handle(pushed(0, ("r1", 2, 3)), 0.3)) == [finished("r1")]
+
+
+def test_layerwise_p_lost_after_some_layers_fails_never_done() -> None:
+    rx = make()
+    layered(rx, load("r1", blocks=(4, 5)), 0.0, ranks=1, layers=4)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    out = rx.handle(PeerLost(AGENTS[P1], "killed"), 0.2)
+    assert one_failure(out, "r1").block_ids == (4, 5)
+    assert_empty(rx)
+    out = rx.handle(pushed(0, ("r1", 2, 4)), 0.3)  # the rest, too late
+    assert records(out) == [] and rx.counters.get("recv_ok", 0) == 0
+
+
+def test_layerwise_abort_mid_stream_waits_for_ps_word_and_ends_failed_once() -> None:
+    rx = make()
+    layered(rx, load("r1", p_id="p-1"), 0.0, ranks=1, layers=2)
+    rx.handle(pushed(0, ("r1", 0, 1)), 0.1)
+    out = quiet(rx.handle(AbortRecv("r1", "s1"), 0.2))
+    assert out == [SendFor("r1", AGENTS[P1], cancel("p-1"))]
+    assert rx.reqs["r1"].state is S.CANCELLING
+    # P's last layer was already on its way: every layer arrived, still failed (aborted)
+    out = rx.handle(pushed(0, ("r1", 1, 2)), 0.3)
+    assert one_failure(out, "r1").reason.startswith("aborted")
+    assert_empty(rx)
+    assert quiet(rx.handle(push_done("r1", ok=False, code=TRANSFER), 0.4)) == []
+
+
+def test_layerwise_and_push_done_ranks_add_up() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=2, layers=2)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    assert quiet(rx.handle(push_done("r1", 1), 0.2)) == [finished("r1")]
+    rx = make()
+    layered(rx, load("r2"), 0.0, ranks=1, layers=2)
+    rx.handle(pushed(0, ("r2", 0, 1)), 0.1)
+    out = rx.handle(push_done("r2", ok=False, code=TRANSFER), 0.2)
+    assert one_failure(out, "r2").code == TRANSFER

@@ -41,6 +41,9 @@ from kvd.core.sender import (
     Event,
     Finish,
     HeartbeatArrived,
+    LayersSaved,
+    LayersWritten,
+    PostLayers,
     PostWrite,
     PullDoneArrived,
     RegionsChanged,
@@ -234,6 +237,27 @@ def assert_empty(tx: Sender) -> None:
     assert len(tx.leases) == 0
     assert tx.resyncing == {}
     assert tx.next_deadline() is None
+
+
+def saved(
+    rid: str, layers: int, *, rank: int = 0, ranks: int = 1, of: int = 4, blocks=BLOCKS
+) -> LayersSaved:
+    """P's worker of `rank`: layers [0, layers) of `rid` (of `of`) are in host memory."""
+    return LayersSaved(rid, ENGINE, rank, ranks, layers, of, blocks)
+
+
+def posts(effects: Iterable[Effect]) -> list[tuple[str, int, int, int]]:
+    return [(e.key, e.tp_rank, e.first, e.end) for e in effects if isinstance(e, PostLayers)]
+
+
+def streaming(tx: Sender, rid: str, d_rid: str, now: float, *, ranks: int = 1) -> None:
+    """D registered for P's `rid`; its worker of rank 0 saved layer 0; D's view is resolved."""
+    ev = registered(d_rid, rid)
+    ev = RegistrationArrived(ev.agent, replace(ev.msg, tp_size=ranks))
+    assert tx.handle(ev, now) == []
+    assert tx.handle(saved(rid, 1, ranks=ranks), now) == [ResolveView(rid, D1, ev.msg)]
+    assert state(tx, rid) is S.STREAMING
+    assert posts(tx.handle(ViewResolved(rid, VIEW), now)) == [(rid, 0, 0, 1)]
 
 
 # ------------------------------------------------------------------ the table
@@ -1950,3 +1974,195 @@ class SenderModel(RuleBasedStateMachine):
 
 SenderModel.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestSenderModel = SenderModel.TestCase
+
+
+# ------------------------------------------------------------------ layer-wise push
+
+
+def test_layerwise_each_layer_written_at_once_and_finish_only_ends_it() -> None:
+    tx = make()
+    ev = registered("d1", "r1")
+    ev = RegistrationArrived(ev.agent, replace(ev.msg, tp_size=2))
+    tx.handle(ev, 0.0)
+    out = tx.handle(saved("r1", 1, ranks=2), 0.1)
+    assert out == [ResolveView("r1", D1, ev.msg)]  # D's view first
+    assert tx.handle(saved("r1", 2, rank=1, ranks=2), 0.2) == []  # no view yet: remembered
+    out = tx.handle(ViewResolved("r1", VIEW), 0.3)
+    assert out == [
+        PostLayers("r1", D1, ENGINE, 0, 0, 1, (11, 12), ev.msg, VIEW),
+        PostLayers("r1", D1, ENGINE, 1, 0, 2, (11, 12), ev.msg, VIEW),
+    ]
+    assert posts(tx.handle(saved("r1", 3, ranks=2), 0.4)) == [("r1", 0, 1, 3)]
+    assert tx.handle(saved("r1", 2, ranks=2), 0.4) == []  # older news: nothing
+    for rank, first, end in ((0, 0, 1), (1, 0, 2), (0, 1, 3)):
+        assert calm(tx.handle(LayersWritten("r1", rank, first, end), 0.5)) == []
+    assert posts(tx.handle(saved("r1", 4, ranks=2), 0.6)) == [("r1", 0, 3, 4)]
+    assert posts(tx.handle(saved("r1", 4, rank=1, ranks=2), 0.6)) == [("r1", 1, 2, 4)]
+    tx.handle(LayersWritten("r1", 0, 3, 4), 0.7)
+    assert tx.handle(LayersWritten("r1", 1, 2, 4), 0.7) == []  # D has it all; P not finished
+    assert len(tx.leases) == 0 and tx.by_state()["streaming"] == 1
+    assert tx.handle(finish("r1"), 0.8) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
+    assert_empty(tx)
+    assert tx.counters["sends_layered"] == 1 and tx.counters.get("leases_granted", 0) == 0
+    assert [(f, t) for _, f, t in tx.moves] == [
+        (S.AWAITING, S.STREAMING),
+        (S.STREAMING, S.DELIVERED),
+    ]
+
+
+def test_layerwise_finish_writes_what_no_worker_announced() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0, ranks=2)
+    out = tx.handle(finish("r1"), 1.0)
+    assert posts(out) == [("r1", 0, 1, 4), ("r1", 1, 0, 4)]
+    assert tx.next_deadline() is None  # claimed: no lease, no wait
+    tx.handle(LayersWritten("r1", 0, 0, 1), 1.1)
+    tx.handle(LayersWritten("r1", 1, 0, 4), 1.1)
+    assert tx.handle(saved("r1", 4, rank=1, ranks=2), 1.1) == []  # a late notice: nothing
+    assert calm(tx.handle(LayersWritten("r1", 0, 1, 4), 1.2)) == [("finished", "s1", "r1", 0)]
+    assert_empty(tx)
+
+
+def test_layerwise_nothing_without_a_registration_and_never_after_a_finish() -> None:
+    tx = make()
+    assert tx.handle(saved("r1", 1), 0.0) == []  # nobody registered: dropped
+    assert tx.counters["layers_unmatched"] == 1 and tx.reqs == {}
+    tx.handle(finish("r1"), 0.1)
+    assert tx.handle(saved("r1", 2), 0.1) == []  # held: the whole request goes at match
+    assert state(tx, "r1") is S.HELD and tx.counters["layers_unmatched"] == 2
+    # a registration of more blocks than the worker names is left to the finish to refuse
+    tx.handle(registered("d2", "r2", blocks=(1, 2, 3, 4)), 0.2)
+    assert tx.handle(saved("r2", 1), 0.2) == []
+    assert state(tx, "r2") is S.AWAITING and tx.counters["layers_refused"] == 1
+
+
+def test_layerwise_notice_with_other_blocks_is_refused() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    out = tx.handle(saved("r1", 2, blocks=(10, 11, 13)), 0.1)
+    assert calm(out) == [] and logs(out) == ["layers_refused"]
+
+
+def test_layerwise_finish_with_other_blocks_fails_once_writes_return() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    assert calm(tx.handle(finish("r1", (10, 11, 99)), 0.5)) == []  # a WRITE is in flight
+    assert state(tx, "r1") is S.STREAMING
+    out = tx.handle(LayersWritten("r1", 0, 0, 1), 0.6)
+    assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
+    assert_empty(tx)
+
+
+@pytest.mark.parametrize("blocks", [(), (10, 11, 12)])
+def test_layerwise_empty_finish_fails_it(blocks: tuple[int, ...]) -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(LayersWritten("r1", 0, 0, 1), 0.1)
+    out = tx.handle(finish("r1", blocks), 0.2)
+    if blocks:
+        assert posts(out) == [("r1", 0, 1, 4)]
+    else:
+        assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
+        assert_empty(tx)
+
+
+def test_layerwise_abort_mid_stream_waits_for_writes_then_tells_d() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    assert calm(tx.handle(AbortSend("r1", "s1"), 0.1)) == []  # the WRITE still runs
+    assert tx.handle(saved("r1", 3), 0.1) == []  # nothing more is written
+    out = tx.handle(LayersWritten("r1", 0, 0, 1), 0.2)
+    assert calm(out) == [("push_done", D1, "d1", NOT_FOUND)]  # P never finished: no event
+    assert_empty(tx)
+    # the late finish of an engine that aborted: a lease as for any aborted request
+    assert calm(tx.handle(registered("d1", "r1"), 0.3)) == [("push_done", D1, "d1", NOT_FOUND)]
+
+
+def test_layerwise_abort_after_d_has_everything_tells_d_nothing() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 4), 0.0)
+    tx.handle(ViewResolved("r1", VIEW), 0.0)
+    tx.handle(LayersWritten("r1", 0, 0, 4), 0.1)
+    assert calm(tx.handle(AbortSend("r1", "s1"), 0.2)) == []  # D is done: no contradiction
+    assert_empty(tx)
+
+
+def test_layerwise_cancel_by_d_and_write_failure() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(finish("r1"), 0.1)  # the rest goes now
+    out = tx.handle(CancelArrived(D1, "r1"), 0.2)
+    assert calm(out) == []  # waits for the WRITEs
+    tx.handle(LayersWritten("r1", 0, 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 0, 1, 4), 0.3)
+    # D's every layer landed before P heard the cancel: D ends by itself, P fails its send
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
+    assert_empty(tx)
+    tx = make()
+    streaming(tx, "r2", "d2", 0.0)
+    out = tx.handle(LayersWritten("r2", 0, 0, 1, TransferError("gone")), 0.1)
+    assert calm(out) == [("push_done", D1, "d2", TRANSFER)]
+    assert logs(out) == ["push_failed"]
+    assert_empty(tx)
+
+
+def test_layerwise_p_engine_that_never_finishes_times_out() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(LayersWritten("r1", 0, 0, 1), 0.1)
+    assert tx.next_deadline() == REG
+    out = tx.handle_timer(REG)
+    assert calm(out) == [("push_done", D1, "d1", TIMEOUT)]
+    assert_empty(tx)
+    # the finish that comes after all is refused at once
+    assert calm(tx.handle(finish("r1"), REG + 1)) == [("failed", "s1", "r1", TIMEOUT)]
+
+
+def test_layerwise_session_end_ends_a_finished_stream_once_writes_return() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(finish("r1"), 0.1)
+    assert calm(tx.handle(EndSession("s1"), 0.2)) == []  # WRITEs in flight
+    tx.handle(LayersWritten("r1", 0, 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 0, 1, 4), 0.3)
+    assert calm(out) == [SessionEnded("s1")]  # every layer landed: D is done, nothing to say
+    assert_empty(tx)
+
+
+def test_layerwise_after_a_stall_no_layer_until_d_resyncs() -> None:
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    ev = registered("d1", "r1")
+    tx.handle(ev, 0.0)
+    tx.handle(saved("r1", 2), 0.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 0.1) == [Notify(D1, wire.Resync(1))]
+    assert tx.handle(saved("r1", 3), 0.2) == []
+    assert posts(tx.handle(ResyncAcked(D1, 1), 0.3)) == [("r1", 0, 0, 3)]
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 2), 0.0)
+    tx.handle(ViewResolved("r1", VIEW), 0.1)
+    out = tx.handle_timer(0.1 + RESYNC)
+    assert calm(out) == [("push_done", D1, "d1", TRANSFER)]
+    assert_empty(tx)
+
+
+def test_layerwise_view_failure_and_bad_outcomes() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 1), 0.0)
+    out = tx.handle(ViewResolved("r1", error=Incompatible("no")), 0.1)
+    assert calm(out) == [("push_done", D1, "d1", INCOMPATIBLE)]
+    assert_empty(tx)
+    with pytest.raises(LocalProtocolError):
+        tx.handle(LayersWritten("r1", 0, 0, 1), 0.2)
+    # a second registration while streaming is answered, the stream goes on
+    streaming(tx, "r2", "d2", 0.0)
+    out = tx.handle(registered("d3", "r2"), 0.1)
+    assert calm(out) == [("push_done", D1, "d3", INVALID)]
+    assert state(tx, "r2") is S.STREAMING
+    with pytest.raises(InvalidRequest):  # finished twice
+        tx.handle(finish("r2"), 0.2)
+        tx.handle(finish("r2"), 0.3)
