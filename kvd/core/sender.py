@@ -949,7 +949,11 @@ class Sender:
     # ---------------------------------------------------------------- layer-wise push
 
     def _on_layers(self, ev: LayersSaved, now: float) -> None:
-        req = self._find(ev.request_id)
+        req = self.reqs.get(ev.request_id)
+        if req is None and ev.request_id in self.tombstones:
+            req = None  # a late notice for a request that ended: never revives it
+        elif req is None:
+            req = self._find(ev.request_id)
         if req is None or not (
             (req.state is S.AWAITING and req.registration is not None) or (req.state is S.STREAMING)
         ):

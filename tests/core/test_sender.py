@@ -1345,6 +1345,28 @@ class MReq:
     view_ready: bool = False
     lease: float | None = None
     wait: float | None = None
+    stream: MStream | None = None
+    wait_seq: int = 0
+
+
+NL: Final = 3
+"""Layers of the engine in the model (one rank)."""
+STREAM_BLOCKS: Final = (10, 11, 12)
+"""What P's worker names; P's engine finishes with 10, 11, ... (as many as it has)."""
+
+
+@dataclass
+class MStream:
+    """The reference's layer-wise push (one rank)."""
+
+    blocks: tuple[int, ...]
+    saved: int = 0
+    posted: int = 0
+    written: int = 0
+    in_flight: int = 0
+    finished: bool = False
+    ending: tuple[SendState, MTomb, tuple[str, int] | None] | None = None
+    """(end state, tombstone, the event for P's session: (kind, code), if any)."""
 
 
 @dataclass
@@ -1352,6 +1374,8 @@ class MResync:
     nonce: int | None
     epoch: int
     due: float
+    seq: int = 0
+    """Timers due at the same time fire in the order they were set (the machine's rule)."""
 
 
 class SenderModel(RuleBasedStateMachine):
@@ -1389,6 +1413,8 @@ class SenderModel(RuleBasedStateMachine):
         self.closed_ends: set[str] = set()
         """Ended by their session's close (no event: the engine is gone)."""
         self.written: set[str] = set()
+        self.layers_posted: set[tuple[str, int]] = set()
+        self.seq = 0
         self.stalls = 0
         self.region_changes = 0
         self.resync_stalls: dict[int, int] = {}
@@ -1474,7 +1500,8 @@ class SenderModel(RuleBasedStateMachine):
     def _write_when_synced(self, m: MReq) -> None:
         if self.synced.get(m.agent, 0) < self.epoch:
             if m.agent not in self.resyncing:
-                self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC)
+                self.seq += 1
+                self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC, self.seq)
                 self.expect.append(("resync", m.agent))
             return
         assert m.reg is not None
@@ -1486,8 +1513,65 @@ class SenderModel(RuleBasedStateMachine):
         return [
             m
             for m in self.live.values()
-            if m.state is S.MATCHED and m.view_ready and m.agent == agent
+            if m.state in (S.MATCHED, S.STREAMING) and m.view_ready and m.agent == agent
         ]
+
+    def _synced(self, m: MReq) -> bool:
+        if self.synced.get(m.agent, 0) >= self.epoch:
+            return True
+        if m.agent not in self.resyncing:
+            self.seq += 1
+            self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC, self.seq)
+            self.expect.append(("resync", m.agent))
+        return False
+
+    def _m_stream(self, m: MReq) -> None:
+        st_ = m.stream
+        assert st_ is not None and m.reg is not None
+        if st_.ending is not None or not m.view_ready or not self._synced(m):
+            return
+        if st_.saved > st_.posted:
+            n = len(m.reg.block_ids)
+            p_blocks = st_.blocks[len(st_.blocks) - n :] if n else ()
+            self.expect.append(
+                PostLayers(
+                    m.key, m.agent, ENGINE, 0, st_.posted, st_.saved, p_blocks, m.reg, m.view
+                )
+            )
+            st_.posted = st_.saved
+            st_.in_flight += 1
+
+    def _m_settle(self, m: MReq) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        if st_.in_flight:
+            return
+        if st_.ending is not None:
+            end, tomb, event = st_.ending
+            if event is not None:
+                self._emit(m, event[0], event[1])
+            if st_.written < NL:
+                self._push_failed(m, tomb.code)
+            self._end(m, end, tomb)
+        elif st_.finished and st_.written == NL:
+            self.write_ok.add(m.key)
+            self._emit(m, "finished")
+            self._end(m, S.DELIVERED, M_DONE)
+
+    def _m_ending(
+        self, m: MReq, end: SendState, tomb: MTomb, event: tuple[str, int] | None
+    ) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        if st_.ending is None:
+            st_.ending = (end, tomb, event)
+        self._m_settle(m)
+
+    def _m_stream_failed(self, m: MReq, code: int) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        event = ("failed", code) if st_.finished else None
+        self._m_ending(m, S.FAILED, MTomb(code, by_base=False), event)
 
     def _timers(self) -> None:
         now = self.now
@@ -1500,10 +1584,26 @@ class SenderModel(RuleBasedStateMachine):
             if m.state is S.AWAITING and m.wait is not None and m.wait <= now:
                 code = NOT_FOUND if m.pull is not None else TIMEOUT
                 self._fail_waiting(m, MTomb(code, refuses=True), S.FAILED)
-        for agent, pending in list(self.resyncing.items()):
-            if pending.due <= now:
-                del self.resyncing[agent]
-                for m in self._matched_ready(agent):
+        # a stream's wait and a re-sync's deadline both touch a stream: in the machine's order
+        due: list[tuple[float, int, str, Any]] = [
+            (m.wait, m.wait_seq, "wait", m)
+            for m in self.live.values()
+            if m.state is S.STREAMING and m.wait is not None and m.wait <= now
+        ]
+        due += [(r.due, r.seq, "resync", a) for a, r in self.resyncing.items() if r.due <= now]
+        for _, _, kind, what in sorted(due, key=lambda d: (d[0], d[1])):
+            if kind == "wait":
+                m = what
+                if self.live.get(m.base) is m and m.wait is not None:
+                    m.wait = None
+                    self._m_ending(m, S.FAILED, MTomb(TIMEOUT, refuses=True), None)
+                continue
+            agent = what
+            del self.resyncing[agent]
+            for m in self._matched_ready(agent):
+                if m.state is S.STREAMING:
+                    self._m_stream_failed(m, TRANSFER)
+                else:
                     self._fail_send(m, TRANSFER)
 
     # ------------------------------------------------------------ driving the machine
@@ -1573,8 +1673,19 @@ class SenderModel(RuleBasedStateMachine):
                 self.written.add(key)
                 self.ops.append(eff)
             elif isinstance(eff, ResolveView):
-                assert eff.key in self.finished
-                assert self.tx.reqs[eff.key].state is S.MATCHED
+                state = self.tx.reqs[eff.key].state
+                assert (state is S.MATCHED and eff.key in self.finished) or state is S.STREAMING
+                self.ops.append(eff)
+            elif isinstance(eff, PostLayers):
+                key = eff.key
+                assert self.emitted[key] == 0 and key not in self.closed_ends
+                assert self.tx.reqs[key].state is S.STREAMING
+                assert (eff.agent, eff.registration) in self.registrations
+                assert self.views.get(key) == eff.view
+                assert self.acked_stalls.get(eff.agent, 0) >= self.stalls
+                assert (key, eff.first) not in self.layers_posted  # each layer once
+                self.layers_posted.update((key, n) for n in range(eff.first, eff.end))
+                assert 0 <= eff.first < eff.end <= NL
                 self.ops.append(eff)
             elif isinstance(eff, SessionEnded):
                 self.answered[eff.session] += 1
@@ -1598,7 +1709,11 @@ class SenderModel(RuleBasedStateMachine):
         leases = {lease.request_id: lease.deadline for lease in tx.leases.leases()}
         assert leases == {m.key: m.lease for m in self.live.values() if m.lease is not None}
         dues = [m.lease for m in self.live.values() if m.lease is not None]
-        dues += [m.wait for m in self.live.values() if m.state is S.AWAITING and m.wait is not None]
+        dues += [
+            m.wait
+            for m in self.live.values()
+            if m.state in (S.AWAITING, S.STREAMING) and m.wait is not None
+        ]
         dues += [r.due for r in self.resyncing.values()]
         deadline = tx.next_deadline()
         assert deadline == (min(dues) if dues else None)
@@ -1638,6 +1753,18 @@ class SenderModel(RuleBasedStateMachine):
             self.live[base] = MReq(
                 base, p, S.HELD, session=session, blocks=ev.block_ids, lease=lease
             )
+        elif m.state is S.STREAMING:
+            assert m.stream is not None and m.reg is not None and not m.stream.finished
+            m.stream.finished, m.session, m.wait = True, session, None
+            n = len(m.reg.block_ids)
+            if not ev.block_ids:
+                self._m_stream_failed(m, TRANSFER)
+            elif n and ev.block_ids[-n:] != m.stream.blocks[-n:]:
+                self._m_stream_failed(m, INVALID)
+            else:
+                m.stream.saved = NL
+                self._m_stream(m)
+                self._m_settle(m)
         else:
             assert m.state is S.AWAITING  # one P request per base id, finished once
             m.key, m.session, m.blocks = p, session, ev.block_ids
@@ -1651,7 +1778,7 @@ class SenderModel(RuleBasedStateMachine):
     def _finish_again(self, letter: str, slot: str) -> None:
         """Not what an engine does; refused while the request holds its lease."""
         m = self.live.get(self._base(letter, False))
-        if m is None or m.state is S.AWAITING:
+        if m is None or m.state is S.AWAITING or (m.stream is not None and not m.stream.finished):
             return
         before = {k: (r.state, r.session, r.blocks) for k, r in self.tx.reqs.items()}
         with pytest.raises(InvalidRequest):
@@ -1679,6 +1806,10 @@ class SenderModel(RuleBasedStateMachine):
                 self._emit(m, "failed", TRANSFER)
                 self._push_failed(m, NOT_FOUND)
                 self._end(m, S.ABORTED, M_ABORTED)
+            elif m.state is S.STREAMING:
+                assert m.stream is not None
+                event = ("failed", TRANSFER) if m.stream.finished else None
+                self._m_ending(m, S.ABORTED, M_ABORTED, event)
             # WRITING: the WRITE's outcome answers
         else:
             self._bury(p, M_ABORTED)
@@ -1701,6 +1832,11 @@ class SenderModel(RuleBasedStateMachine):
                 self._push_failed(m, TRANSFER)
                 self.closed_ends.add(m.key)
                 self._end(m, S.ABORTED, M_GONE)
+            elif m.state is S.STREAMING:
+                assert m.stream is not None
+                if m.stream.ending is None:
+                    self.closed_ends.add(m.key)
+                self._m_ending(m, S.ABORTED, M_GONE, None)
         if session in self.closing and not any(m.session == session for m in self.live.values()):
             self.closing.discard(session)
             self.expect.append(SessionEnded(session))
@@ -1818,6 +1954,10 @@ class SenderModel(RuleBasedStateMachine):
             self._emit(m, "failed", TRANSFER)
             self._push_failed(m, TRANSFER)
             self._end(m, S.FAILED, M_CANCELLED)
+        elif m.state is S.STREAMING:
+            assert m.stream is not None
+            event = ("failed", TRANSFER) if m.stream.finished else None
+            self._m_ending(m, S.FAILED, M_CANCELLED, event)
         # WRITING: its PushDone answers D
         self._run(CancelArrived(agent, rid))
 
@@ -1864,12 +2004,15 @@ class SenderModel(RuleBasedStateMachine):
             self.synced[agent] = pending.epoch
             self.acked_stalls[agent] = self.resync_stalls[nonce]
             for m in self._matched_ready(agent):
-                self._write_when_synced(m)
+                if m.state is S.STREAMING:
+                    self._m_stream(m)
+                else:
+                    self._write_when_synced(m)
         self._run(ResyncAcked(agent, nonce))
 
     # ------------------------------------------------------------ our own work and state
 
-    def _take(self, kind: type[ResolveView] | type[PostWrite], i: int) -> Any:
+    def _take(self, kind: type[ResolveView] | type[PostWrite] | type[PostLayers], i: int) -> Any:
         ops = [op for op in self.ops if isinstance(op, kind)]
         op = ops[i % len(ops)]
         self.ops.remove(op)
@@ -1901,7 +2044,14 @@ class SenderModel(RuleBasedStateMachine):
         self.view_seq += 1
         view = f"view-{self.view_seq}"
         m = self.live.get(base_of(op.key))
-        if m is not None and m.key == op.key and m.state is S.MATCHED and not m.view_ready:
+        if m is not None and m.key == op.key and m.state is S.STREAMING and not m.view_ready:
+            if ok:
+                m.view, m.view_ready = view, True
+                self.views[m.key] = view
+                self._m_stream(m)
+            else:
+                self._m_stream_failed(m, INCOMPATIBLE)
+        elif m is not None and m.key == op.key and m.state is S.MATCHED and not m.view_ready:
             if ok:
                 m.view, m.view_ready = view, True
                 self.views[m.key] = view
@@ -1922,6 +2072,67 @@ class SenderModel(RuleBasedStateMachine):
         else:
             self._fail_send(m, TRANSFER)
         self._run(WriteDone(op.key, None if ok else TransferError("WRITE failed")))
+
+    # ------------------------------------------------------------ P's workers (layer-wise)
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        layers=st.integers(1, NL),
+        blocks=st.sampled_from((STREAM_BLOCKS, STREAM_BLOCKS, (10, 11, 13))),
+        late=st.sampled_from((False, False, True)),
+    )
+    def p_worker_saves(self, letter: str, layers: int, blocks: tuple[int, ...], late: bool) -> None:
+        self._worker_saves(self._base(letter, late), layers, blocks)
+
+    def _worker_saves(self, base: str, layers: int, blocks: tuple[int, ...]) -> None:
+        p = p_of(base)
+        m = self.live.get(base)
+        if m is not None and m.key != p and p in self.tombs:
+            pass  # a late notice for P's request that ended: never revives it
+        elif m is not None and m.state is S.AWAITING and m.reg is not None:
+            m.key, m.state, m.blocks = p, S.STREAMING, blocks
+            m.stream = MStream(blocks, saved=layers)
+            self.seq += 1
+            m.wait_seq = self.seq
+            self.expect.append(ResolveView(p, m.agent, m.reg))
+        elif m is not None and m.state is S.STREAMING:
+            assert m.stream is not None
+            if blocks == m.stream.blocks and layers > m.stream.saved:
+                m.stream.saved = layers
+                self._m_stream(m)
+        self._run(LayersSaved(p, ENGINE, 0, 1, layers, NL, blocks))
+
+    def _streamable(self) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if (m.state is S.AWAITING and m.reg is not None) or m.state is S.STREAMING
+        ]
+
+    @precondition(lambda self: bool(self._streamable()))
+    @rule(i=st.integers(0, 3), more=st.integers(1, NL))
+    def p_worker_saves_next(self, i: int, more: int) -> None:
+        """The worker of a request D registered for saves its next layers (the usual case)."""
+        ms = self._streamable()
+        m = ms[i % len(ms)]
+        have = m.stream.saved if m.stream is not None else 0
+        blocks = m.stream.blocks if m.stream is not None else STREAM_BLOCKS
+        self._worker_saves(m.base, min(NL, have + more), blocks)
+
+    @precondition(lambda self: any(isinstance(op, PostLayers) for op in self.ops))
+    @rule(i=st.integers(0, 3), ok=st.sampled_from((True, True, True, False)))
+    def layers_written(self, i: int, ok: bool) -> None:
+        op: PostLayers = self._take(PostLayers, i)
+        m = self.live[base_of(op.key)]  # a WRITE in flight keeps its request alive
+        assert m.key == op.key and m.state is S.STREAMING and m.stream is not None
+        m.stream.in_flight -= 1
+        if ok:
+            m.stream.written += op.end - op.first
+            self._m_settle(m)
+        else:
+            self._m_stream_failed(m, TRANSFER)
+        err = None if ok else TransferError("WRITE failed")
+        self._run(LayersWritten(op.key, 0, op.first, op.end, err))
 
     @precondition(lambda self: self.stalls + self.region_changes < 5)
     @rule(generation=st.sampled_from((0, 1, 2)))
@@ -1951,6 +2162,8 @@ class SenderModel(RuleBasedStateMachine):
         for _ in range(100):
             if any(isinstance(op, PostWrite) for op in self.ops):
                 self.write_done(0, True)
+            elif any(isinstance(op, PostLayers) for op in self.ops):
+                self.layers_written(0, True)
             elif self.ops:
                 self.view_resolved(0, True)
             elif any(r.nonce is not None for r in self.resyncing.values()):
