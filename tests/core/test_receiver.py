@@ -1060,6 +1060,11 @@ class MReq:
     aborted: bool = False
     refreshed: bool = False
     deadline: float | None = None
+    layer_bits: dict[int, int] = field(default_factory=dict)
+
+
+ML: Final = 2
+"""Layers of D's regions in the model (a layer-wise push must deliver each per rank)."""
 
 
 @dataclass
@@ -1388,7 +1393,9 @@ class ReceiverModel(RuleBasedStateMachine):
         agent = AGENTS[ld.peer]
         event: Event
         if ok:
-            event = PeerResolved(ld.request_id, agent, self.now, ranks, first_of(ld), VIEW)
+            event = PeerResolved(
+                ld.request_id, agent, self.now, ranks, first_of(ld), VIEW, layers=ML
+            )
             self.ranks[ld.request_id] = ranks
         else:
             event = PeerUnresolved(ld.request_id, Incompatible("refused"), agent if reached else "")
@@ -1477,6 +1484,55 @@ class ReceiverModel(RuleBasedStateMachine):
                     self._finish(m)
         code = 0 if ok else LEASE_EXPIRED
         self._run(push_done(rid, rank, ok=ok, code=code, agent=agent))
+
+    @rule(
+        rid=st.sampled_from(RIDS),
+        agent=st.sampled_from(AGENT_LIST),
+        rank=st.integers(0, 2),
+        first=st.integers(0, ML),
+        span=st.integers(1, 2),
+    )
+    def layers_pushed(self, rid: str, agent: str, rank: int, first: int, span: int) -> None:
+        """A LayersPushed riding one of P's layer-wise WRITEs (possibly a repeat, or out of
+        range: rejected, never counted)."""
+        end = first + span
+        m = self.live.get(rid)
+        if m is not None and m.agent == agent and m.phase in _GOOD and self.mode[rid] == "push":
+            self._p_answers(rid)
+            bits = (1 << end) - (1 << first)
+            have = m.layer_bits.get(rank, 0)
+            if rank < m.ranks and end <= ML and not have & bits:
+                have |= bits
+                m.layer_bits[rank] = have
+                if have == (1 << ML) - 1:
+                    m.done.add(rank)
+                    self.pushed_ok.setdefault(rid, set()).add(rank)
+                    if len(m.done) == m.ranks:
+                        self._finish(m)
+        msg = wire.LayersPushed(rank, (wire.LayerRange(rid, first, end),))
+        self._run(LayersPushedArrived(agent, msg))
+
+    def _pushing(self) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if m.phase in _GOOD and self.mode.get(m.rid) == "push" and m.agent
+        ]
+
+    @precondition(lambda self: bool(self._pushing()))
+    @rule(
+        i=st.integers(0, 3), rank=st.integers(0, 1), first=st.integers(0, 1), span=st.integers(1, 2)
+    )
+    def p_pushes_layers(self, i: int, rank: int, first: int, span: int) -> None:
+        """P's layer-wise WRITE of a request registered with it lands (the usual case)."""
+        ms = self._pushing()
+        m = ms[i % len(ms)]
+        if first == 0 and m.ranks:  # mostly: the next layers of one of its ranks
+            rank %= m.ranks
+            have = m.layer_bits.get(rank, 0)
+            first = next((n for n in range(ML) if not have >> n & 1), 0)
+            span = min(span, ML - first)
+        self.layers_pushed(m.rid, m.agent, rank, first, span)
 
     @rule(rid=st.sampled_from(RIDS), agent=st.sampled_from(AGENT_LIST), ok=st.booleans())
     def pull_ack(self, rid: str, agent: str, ok: bool) -> None:
