@@ -972,7 +972,13 @@ class Sender:
             or ev.num_layers != st.num_layers
         ):
             self._count("layers_refused")
-            self._log("warning", "layers_refused", request_id=req.key, reason="blocks changed")
+            self._log(
+                "warning",
+                "layers_refused",
+                request_id=req.key,
+                peer=req.agent,
+                reason="blocks changed",
+            )
             return
         if ev.layers > st.saved[ev.tp_rank]:
             st.saved[ev.tp_rank] = ev.layers
@@ -1008,7 +1014,7 @@ class Sender:
         st, reg = req.stream, req.registration
         assert st is not None and reg is not None
         if st.whole:  # goes whole once P finished and nothing of it is in flight
-            if st.finished and not st.in_flight and st.ending is None:
+            if req.state is S.STREAMING and st.finished and not st.in_flight and not st.ending:
                 self._write_whole(req, now)
             return
         if st.ending is not None or not req.view_ready:
@@ -1053,6 +1059,12 @@ class Sender:
         req.session = ev.session
         self._timers.discard(req.key)
         self._count("stream_finishes")
+        if st.ending is not None:  # it ends once its WRITEs return; P's engine hears how
+            if st.ending.event is None:
+                failed = wire.SendFailed(req.key, st.ending.tomb.code, st.ending.tomb.reason)
+                st.ending = replace(st.ending, event=failed)
+            self._settle(req, now)
+            return
         n = len(reg.block_ids)
         if not ev.block_ids:  # P's engine gave the request up (an empty finish says so)
             self._stream_failed(req, int(ErrorCode.TRANSFER), "P finished it with no blocks", now)

@@ -16,7 +16,6 @@ from kvd.core.planner import (
     Plan,
     check_blocks,
     expand_logical,
-    plan_layers,
     plan_per_chunk,
     plan_transfer,
 )
@@ -551,7 +550,7 @@ def _apply(plan: Plan, src: np.ndarray, dst: np.ndarray) -> None:
     ("p_shape", "d_shape"), [("block", "block"), ("layer", "block"), ("layer", "layer")]
 )
 @pytest.mark.parametrize(("first", "end"), [(0, 1), (2, 3), (1, 4), (0, 4)])
-def test_plan_layers_copies_exactly_those_layers(
+def test_a_layer_range_copies_exactly_those_layers(
     p_shape: str, d_shape: str, first: int, end: int
 ) -> None:
     """A layer range's plan moves those layers' chunks of the blocks, in any layout, and
@@ -566,7 +565,7 @@ def test_plan_layers_copies_exactly_those_layers(
     rng = np.random.default_rng(first * 10 + end)
     src = rng.integers(1, 255, size=loc.nbytes, dtype=np.uint8)
     got = np.zeros(rem.nbytes, dtype=np.uint8)
-    plan = plan_layers(loc, lb, rem, rb, first, end)
+    plan = plan_transfer(loc.layers(first, end), lb, rem.layers(first, end), rb)
     _apply(plan, src, got)
     want = np.zeros(rem.nbytes, dtype=np.uint8)
     full = plan_per_chunk(loc, lb, rem, rb)
@@ -581,10 +580,10 @@ def test_plan_layers_copies_exactly_those_layers(
         assert plan.descriptors < int(keep.sum())  # coalesced, not one per chunk
 
 
-def test_plan_layers_refuses_a_range_outside_the_region() -> None:
+def test_a_layer_range_outside_the_region_is_refused() -> None:
     g = Geometry.block_major(0, num_blocks=4, num_layers=4, kv_parts=2, chunk_bytes=16)
     for first, end in ((4, 5), (-1, 1), (2, 2), (3, 1)):
         with pytest.raises(InvalidRequest):
-            plan_layers(g, [0], g, [1], first, end)
+            g.layers(first, end)
     assert g.layers(0, 4) is g
     assert g.layers(1, 3) is g.layers(1, 3)  # one object per range: validated once

@@ -246,18 +246,20 @@ def saved(
     return LayersSaved(rid, ENGINE, rank, ranks, layers, of, blocks)
 
 
-def posts(effects: Iterable[Effect]) -> list[tuple[str, int, int, int]]:
-    return [(e.key, e.tp_rank, e.first, e.end) for e in effects if isinstance(e, PostLayers)]
+def posts(effects: Iterable[Effect]) -> list[tuple[str, int, int]]:
+    return [(e.key, e.first, e.end) for e in effects if isinstance(e, PostLayers)]
 
 
 def streaming(tx: Sender, rid: str, d_rid: str, now: float, *, ranks: int = 1) -> None:
-    """D registered for P's `rid`; its worker of rank 0 saved layer 0; D's view is resolved."""
+    """D registered for P's `rid`; its worker of rank 0 saved layer 0; D's view is resolved
+    (so layer 0 is written if P has one rank)."""
     ev = registered(d_rid, rid)
     ev = RegistrationArrived(ev.agent, replace(ev.msg, tp_size=ranks))
     assert tx.handle(ev, now) == []
     assert tx.handle(saved(rid, 1, ranks=ranks), now) == [ResolveView(rid, D1, ev.msg)]
     assert state(tx, rid) is S.STREAMING
-    assert posts(tx.handle(ViewResolved(rid, VIEW), now)) == [(rid, 0, 0, 1)]
+    want = [(rid, 0, 1)] if ranks == 1 else []
+    assert posts(tx.handle(ViewResolved(rid, VIEW), now)) == want
 
 
 # ------------------------------------------------------------------ the table
@@ -1528,18 +1530,17 @@ class SenderModel(RuleBasedStateMachine):
     def _m_stream(self, m: MReq) -> None:
         st_ = m.stream
         assert st_ is not None and m.reg is not None
-        if st_.ending is not None or not m.view_ready or not self._synced(m):
+        if st_.ending is not None or not m.view_ready or st_.saved <= st_.posted:
             return
-        if st_.saved > st_.posted:
-            n = len(m.reg.block_ids)
-            p_blocks = st_.blocks[len(st_.blocks) - n :] if n else ()
-            self.expect.append(
-                PostLayers(
-                    m.key, m.agent, ENGINE, 0, st_.posted, st_.saved, p_blocks, m.reg, m.view
-                )
-            )
-            st_.posted = st_.saved
-            st_.in_flight += 1
+        if not self._synced(m):
+            return
+        n = len(m.reg.block_ids)
+        p_blocks = st_.blocks[len(st_.blocks) - n :] if n else ()
+        self.expect.append(
+            PostLayers(m.key, m.agent, ENGINE, st_.posted, st_.saved, p_blocks, m.reg, m.view)
+        )
+        st_.posted = st_.saved
+        st_.in_flight += 1
 
     def _m_settle(self, m: MReq) -> None:
         st_ = m.stream
@@ -1757,7 +1758,12 @@ class SenderModel(RuleBasedStateMachine):
             assert m.stream is not None and m.reg is not None and not m.stream.finished
             m.stream.finished, m.session, m.wait = True, session, None
             n = len(m.reg.block_ids)
-            if not ev.block_ids:
+            if m.stream.ending is not None:
+                end, tomb, event = m.stream.ending
+                if event is None:
+                    m.stream.ending = (end, tomb, ("failed", tomb.code))
+                self._m_settle(m)
+            elif not ev.block_ids:
                 self._m_stream_failed(m, TRANSFER)
             elif n and ev.block_ids[-n:] != m.stream.blocks[-n:]:
                 self._m_stream_failed(m, INVALID)
@@ -2132,7 +2138,7 @@ class SenderModel(RuleBasedStateMachine):
         else:
             self._m_stream_failed(m, TRANSFER)
         err = None if ok else TransferError("WRITE failed")
-        self._run(LayersWritten(op.key, 0, op.first, op.end, err))
+        self._run(LayersWritten(op.key, op.first, op.end, err))
 
     @precondition(lambda self: self.stalls + self.region_changes < 5)
     @rule(generation=st.sampled_from((0, 1, 2)))
@@ -2201,18 +2207,15 @@ def test_layerwise_each_layer_written_at_once_and_finish_only_ends_it() -> None:
     assert out == [ResolveView("r1", D1, ev.msg)]  # D's view first
     assert tx.handle(saved("r1", 2, rank=1, ranks=2), 0.2) == []  # no view yet: remembered
     out = tx.handle(ViewResolved("r1", VIEW), 0.3)
-    assert out == [
-        PostLayers("r1", D1, ENGINE, 0, 0, 1, (11, 12), ev.msg, VIEW),
-        PostLayers("r1", D1, ENGINE, 1, 0, 2, (11, 12), ev.msg, VIEW),
-    ]
-    assert posts(tx.handle(saved("r1", 3, ranks=2), 0.4)) == [("r1", 0, 1, 3)]
+    # a layer goes once every rank has it: [0, 1) now
+    assert out == [PostLayers("r1", D1, ENGINE, 0, 1, (11, 12), ev.msg, VIEW)]
+    assert posts(tx.handle(saved("r1", 3, ranks=2), 0.4)) == [("r1", 1, 2)]
     assert tx.handle(saved("r1", 2, ranks=2), 0.4) == []  # older news: nothing
-    for rank, first, end in ((0, 0, 1), (1, 0, 2), (0, 1, 3)):
-        assert calm(tx.handle(LayersWritten("r1", rank, first, end), 0.5)) == []
-    assert posts(tx.handle(saved("r1", 4, ranks=2), 0.6)) == [("r1", 0, 3, 4)]
-    assert posts(tx.handle(saved("r1", 4, rank=1, ranks=2), 0.6)) == [("r1", 1, 2, 4)]
-    tx.handle(LayersWritten("r1", 0, 3, 4), 0.7)
-    assert tx.handle(LayersWritten("r1", 1, 2, 4), 0.7) == []  # D has it all; P not finished
+    for first, end in ((0, 1), (1, 2)):
+        assert calm(tx.handle(LayersWritten("r1", first, end), 0.5)) == []
+    assert posts(tx.handle(saved("r1", 4, ranks=2), 0.6)) == []  # rank 1 has only 2
+    assert posts(tx.handle(saved("r1", 4, rank=1, ranks=2), 0.6)) == [("r1", 2, 4)]
+    assert tx.handle(LayersWritten("r1", 2, 4), 0.7) == []  # D has it all; P not finished
     assert len(tx.leases) == 0 and tx.by_state()["streaming"] == 1
     assert tx.handle(finish("r1"), 0.8) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
     assert_empty(tx)
@@ -2225,14 +2228,25 @@ def test_layerwise_each_layer_written_at_once_and_finish_only_ends_it() -> None:
 
 def test_layerwise_finish_writes_what_no_worker_announced() -> None:
     tx = make()
-    streaming(tx, "r1", "d1", 0.0, ranks=2)
+    streaming(tx, "r1", "d1", 0.0, ranks=2)  # rank 1 saved nothing yet: nothing written
     out = tx.handle(finish("r1"), 1.0)
-    assert posts(out) == [("r1", 0, 1, 4), ("r1", 1, 0, 4)]
+    assert posts(out) == [("r1", 0, 4)]
     assert tx.next_deadline() is None  # claimed: no lease, no wait
-    tx.handle(LayersWritten("r1", 0, 0, 1), 1.1)
-    tx.handle(LayersWritten("r1", 1, 0, 4), 1.1)
     assert tx.handle(saved("r1", 4, rank=1, ranks=2), 1.1) == []  # a late notice: nothing
-    assert calm(tx.handle(LayersWritten("r1", 0, 1, 4), 1.2)) == [("finished", "s1", "r1", 0)]
+    assert calm(tx.handle(LayersWritten("r1", 0, 4), 1.2)) == [("finished", "s1", "r1", 0)]
+    assert_empty(tx)
+
+
+def test_layerwise_a_request_that_cannot_be_cut_goes_whole_at_the_finish() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    out = tx.handle(LayersWritten("r1", 0, 1, unsupported=True), 0.1)
+    assert calm(out) == [] and tx.counters["streams_whole"] == 1
+    assert tx.handle(saved("r1", 3), 0.2) == []  # no more layer WRITEs
+    ev = tx.reqs["r1"].registration
+    assert tx.handle(finish("r1"), 0.3) == [PostWrite("r1", D1, ENGINE, (11, 12), ev, VIEW)]
+    assert state(tx, "r1") is S.WRITING
+    assert calm(tx.handle(WriteDone("r1"), 0.4)) == [("finished", "s1", "r1", 0)]
     assert_empty(tx)
 
 
@@ -2261,7 +2275,7 @@ def test_layerwise_finish_with_other_blocks_fails_once_writes_return() -> None:
     streaming(tx, "r1", "d1", 0.0)
     assert calm(tx.handle(finish("r1", (10, 11, 99)), 0.5)) == []  # a WRITE is in flight
     assert state(tx, "r1") is S.STREAMING
-    out = tx.handle(LayersWritten("r1", 0, 0, 1), 0.6)
+    out = tx.handle(LayersWritten("r1", 0, 1), 0.6)
     assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
     assert_empty(tx)
 
@@ -2270,10 +2284,10 @@ def test_layerwise_finish_with_other_blocks_fails_once_writes_return() -> None:
 def test_layerwise_empty_finish_fails_it(blocks: tuple[int, ...]) -> None:
     tx = make()
     streaming(tx, "r1", "d1", 0.0)
-    tx.handle(LayersWritten("r1", 0, 0, 1), 0.1)
+    tx.handle(LayersWritten("r1", 0, 1), 0.1)
     out = tx.handle(finish("r1", blocks), 0.2)
     if blocks:
-        assert posts(out) == [("r1", 0, 1, 4)]
+        assert posts(out) == [("r1", 1, 4)]
     else:
         assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
         assert_empty(tx)
@@ -2284,7 +2298,7 @@ def test_layerwise_abort_mid_stream_waits_for_writes_then_tells_d() -> None:
     streaming(tx, "r1", "d1", 0.0)
     assert calm(tx.handle(AbortSend("r1", "s1"), 0.1)) == []  # the WRITE still runs
     assert tx.handle(saved("r1", 3), 0.1) == []  # nothing more is written
-    out = tx.handle(LayersWritten("r1", 0, 0, 1), 0.2)
+    out = tx.handle(LayersWritten("r1", 0, 1), 0.2)
     assert calm(out) == [("push_done", D1, "d1", NOT_FOUND)]  # P never finished: no event
     assert_empty(tx)
     # the late finish of an engine that aborted: a lease as for any aborted request
@@ -2296,7 +2310,7 @@ def test_layerwise_abort_after_d_has_everything_tells_d_nothing() -> None:
     tx.handle(registered("d1", "r1"), 0.0)
     tx.handle(saved("r1", 4), 0.0)
     tx.handle(ViewResolved("r1", VIEW), 0.0)
-    tx.handle(LayersWritten("r1", 0, 0, 4), 0.1)
+    tx.handle(LayersWritten("r1", 0, 4), 0.1)
     assert calm(tx.handle(AbortSend("r1", "s1"), 0.2)) == []  # D is done: no contradiction
     assert_empty(tx)
 
@@ -2307,14 +2321,14 @@ def test_layerwise_cancel_by_d_and_write_failure() -> None:
     tx.handle(finish("r1"), 0.1)  # the rest goes now
     out = tx.handle(CancelArrived(D1, "r1"), 0.2)
     assert calm(out) == []  # waits for the WRITEs
-    tx.handle(LayersWritten("r1", 0, 0, 1), 0.3)
-    out = tx.handle(LayersWritten("r1", 0, 1, 4), 0.3)
+    tx.handle(LayersWritten("r1", 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 1, 4), 0.3)
     # D's every layer landed before P heard the cancel: D ends by itself, P fails its send
     assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
     assert_empty(tx)
     tx = make()
     streaming(tx, "r2", "d2", 0.0)
-    out = tx.handle(LayersWritten("r2", 0, 0, 1, TransferError("gone")), 0.1)
+    out = tx.handle(LayersWritten("r2", 0, 1, TransferError("gone")), 0.1)
     assert calm(out) == [("push_done", D1, "d2", TRANSFER)]
     assert logs(out) == ["push_failed"]
     assert_empty(tx)
@@ -2323,7 +2337,7 @@ def test_layerwise_cancel_by_d_and_write_failure() -> None:
 def test_layerwise_p_engine_that_never_finishes_times_out() -> None:
     tx = make()
     streaming(tx, "r1", "d1", 0.0)
-    tx.handle(LayersWritten("r1", 0, 0, 1), 0.1)
+    tx.handle(LayersWritten("r1", 0, 1), 0.1)
     assert tx.next_deadline() == REG
     out = tx.handle_timer(REG)
     assert calm(out) == [("push_done", D1, "d1", TIMEOUT)]
@@ -2337,8 +2351,8 @@ def test_layerwise_session_end_ends_a_finished_stream_once_writes_return() -> No
     streaming(tx, "r1", "d1", 0.0)
     tx.handle(finish("r1"), 0.1)
     assert calm(tx.handle(EndSession("s1"), 0.2)) == []  # WRITEs in flight
-    tx.handle(LayersWritten("r1", 0, 0, 1), 0.3)
-    out = tx.handle(LayersWritten("r1", 0, 1, 4), 0.3)
+    tx.handle(LayersWritten("r1", 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 1, 4), 0.3)
     assert calm(out) == [SessionEnded("s1")]  # every layer landed: D is done, nothing to say
     assert_empty(tx)
 
@@ -2351,7 +2365,7 @@ def test_layerwise_after_a_stall_no_layer_until_d_resyncs() -> None:
     tx.handle(saved("r1", 2), 0.0)
     assert tx.handle(ViewResolved("r1", VIEW), 0.1) == [Notify(D1, wire.Resync(1))]
     assert tx.handle(saved("r1", 3), 0.2) == []
-    assert posts(tx.handle(ResyncAcked(D1, 1), 0.3)) == [("r1", 0, 0, 3)]
+    assert posts(tx.handle(ResyncAcked(D1, 1), 0.3)) == [("r1", 0, 3)]
     tx = make()
     tx.handle(Stalled(), 0.0)
     tx.handle(registered("d1", "r1"), 0.0)
@@ -2370,7 +2384,7 @@ def test_layerwise_view_failure_and_bad_outcomes() -> None:
     assert calm(out) == [("push_done", D1, "d1", INCOMPATIBLE)]
     assert_empty(tx)
     with pytest.raises(LocalProtocolError):
-        tx.handle(LayersWritten("r1", 0, 0, 1), 0.2)
+        tx.handle(LayersWritten("r1", 0, 1), 0.2)
     # a second registration while streaming is answered, the stream goes on
     streaming(tx, "r2", "d2", 0.0)
     out = tx.handle(registered("d3", "r2"), 0.1)
