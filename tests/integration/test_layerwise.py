@@ -136,7 +136,7 @@ def test_layerwise_push_several_requests_every_byte(
                     notice.append((reqs[-1][0], reqs[-1][2]))
                 assert w.layers_saved(upto, notice)
             if layer < LAYERS - 1:
-                # each layer is written as soon as it is announced, one WRITE per rank for
+                # each layer is written as soon as every rank announced it, one WRITE for
                 # every request at once (the first may wait for D's view and a re-sync)
                 wait_until(lambda b=before: layer_writes(p) > b, 10, f"layer {layer} written")
                 assert d.client.drain_events() == []
