@@ -16,6 +16,7 @@ own, blocked in ZMQ (no GIL held), so it sees the event when it arrives.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 
 from kvd.bench.common import BenchError, Env, Side, make_side, median, new_id, pct, status
+
+_LAYER_RID = re.compile(r"/l(\d+)-(\d+)$")
+"""How the sender names a layer WRITE in `kvd transfers` (`<request>/l<first>-<end>`)."""
 
 
 @dataclass(frozen=True)
@@ -149,12 +153,12 @@ def _one(env: Env, cfg: LayerwiseConfig, pair: LwPair, layerwise: bool, rng: Any
 
 def _layer_write_ms(env: Env) -> list[float]:
     """P's record of its recent single-layer WRITEs (post to completion), in ms."""
-    recs = status(env.p_cli, "transfers")["recent"]
-    return [
-        float(r["duration_ms"])
-        for r in recs
-        if r["op"] == "WRITE" and "/r0/l" in r["request_id"] and r["state"] == "done"
-    ]
+    out: list[float] = []
+    for r in status(env.p_cli, "transfers")["recent"]:
+        m = _LAYER_RID.search(r["request_id"])
+        if r["op"] == "WRITE" and r["state"] == "done" and m and int(m[2]) - int(m[1]) == 1:
+            out.append(float(r["duration_ms"]))
+    return out
 
 
 def run(
