@@ -987,9 +987,6 @@ class Sender:
     def _start_stream(self, req: SendRequest, ev: LayersSaved, now: float) -> None:
         reg = req.registration
         assert reg is not None
-        if len(reg.block_ids) > len(ev.block_ids) or reg.tp_size != ev.tp_size:
-            self._count("layers_refused")  # P's finish fails it, naming why
-            return
         self._count("streams_started")
         # the request takes P's id now (as at a finish), keeping its registration's wait
         self._drop(req)
@@ -1022,8 +1019,7 @@ class Sender:
         ready = min(st.saved)
         if ready <= st.posted or not self._synced(req, now):
             return
-        n = len(reg.block_ids)
-        p_blocks = st.blocks[len(st.blocks) - n :] if n else ()
+        p_blocks = st.blocks if reg.block_ids else ()  # how D's take P's: the planner's
         self._out.append(
             PostLayers(req.key, req.agent, st.engine_id, st.posted, ready, p_blocks, reg, req.view)
         )
@@ -1038,8 +1034,9 @@ class Sender:
             raise LocalProtocolError(f"LayersWritten for {ev.key!r}, which is not streaming")
         st.in_flight -= 1
         if ev.unsupported:
-            st.whole = True  # nothing was written: it goes whole at P's finish
-            self._count("streams_whole")
+            if not st.whole:  # nothing was written: it goes whole at P's finish
+                st.whole = True
+                self._count("streams_whole")
             self._settle(req, now)
             return
         if ev.error is not None:
@@ -1065,11 +1062,10 @@ class Sender:
                 st.ending = replace(st.ending, event=failed)
             self._settle(req, now)
             return
-        n = len(reg.block_ids)
         if not ev.block_ids:  # P's engine gave the request up (an empty finish says so)
             self._stream_failed(req, int(ErrorCode.TRANSFER), "P finished it with no blocks", now)
             return
-        if ev.engine_id != st.engine_id or (n and ev.block_ids[-n:] != st.blocks[-n:]):
+        if ev.engine_id != st.engine_id or ev.block_ids != st.blocks:
             why = "P finished the request with other blocks than its workers streamed"
             self._stream_failed(req, int(ErrorCode.INVALID), why, now)
             return
@@ -1085,8 +1081,7 @@ class Sender:
         if not self._synced(req, now):
             return
         self._goto(req, S.WRITING)
-        n = len(reg.block_ids)
-        p_blocks = req.blocks[len(req.blocks) - n :] if n else ()
+        p_blocks = req.blocks if reg.block_ids else ()
         self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
 
     def _settle(self, req: SendRequest, now: float) -> None:

@@ -1534,8 +1534,7 @@ class SenderModel(RuleBasedStateMachine):
             return
         if not self._synced(m):
             return
-        n = len(m.reg.block_ids)
-        p_blocks = st_.blocks[len(st_.blocks) - n :] if n else ()
+        p_blocks = st_.blocks if m.reg.block_ids else ()
         self.expect.append(
             PostLayers(m.key, m.agent, ENGINE, st_.posted, st_.saved, p_blocks, m.reg, m.view)
         )
@@ -1757,7 +1756,6 @@ class SenderModel(RuleBasedStateMachine):
         elif m.state is S.STREAMING:
             assert m.stream is not None and m.reg is not None and not m.stream.finished
             m.stream.finished, m.session, m.wait = True, session, None
-            n = len(m.reg.block_ids)
             if m.stream.ending is not None:
                 end, tomb, event = m.stream.ending
                 if event is None:
@@ -1765,7 +1763,7 @@ class SenderModel(RuleBasedStateMachine):
                 self._m_settle(m)
             elif not ev.block_ids:
                 self._m_stream_failed(m, TRANSFER)
-            elif n and ev.block_ids[-n:] != m.stream.blocks[-n:]:
+            elif ev.block_ids != m.stream.blocks:
                 self._m_stream_failed(m, INVALID)
             else:
                 m.stream.saved = NL
@@ -2208,7 +2206,7 @@ def test_layerwise_each_layer_written_at_once_and_finish_only_ends_it() -> None:
     assert tx.handle(saved("r1", 2, rank=1, ranks=2), 0.2) == []  # no view yet: remembered
     out = tx.handle(ViewResolved("r1", VIEW), 0.3)
     # a layer goes once every rank has it: [0, 1) now
-    assert out == [PostLayers("r1", D1, ENGINE, 0, 1, (11, 12), ev.msg, VIEW)]
+    assert out == [PostLayers("r1", D1, ENGINE, 0, 1, BLOCKS, ev.msg, VIEW)]
     assert posts(tx.handle(saved("r1", 3, ranks=2), 0.4)) == [("r1", 1, 2)]
     assert tx.handle(saved("r1", 2, ranks=2), 0.4) == []  # older news: nothing
     for first, end in ((0, 1), (1, 2)):
@@ -2244,7 +2242,7 @@ def test_layerwise_a_request_that_cannot_be_cut_goes_whole_at_the_finish() -> No
     assert calm(out) == [] and tx.counters["streams_whole"] == 1
     assert tx.handle(saved("r1", 3), 0.2) == []  # no more layer WRITEs
     ev = tx.reqs["r1"].registration
-    assert tx.handle(finish("r1"), 0.3) == [PostWrite("r1", D1, ENGINE, (11, 12), ev, VIEW)]
+    assert tx.handle(finish("r1"), 0.3) == [PostWrite("r1", D1, ENGINE, BLOCKS, ev, VIEW)]
     assert state(tx, "r1") is S.WRITING
     assert calm(tx.handle(WriteDone("r1"), 0.4)) == [("finished", "s1", "r1", 0)]
     assert_empty(tx)
@@ -2257,10 +2255,6 @@ def test_layerwise_nothing_without_a_registration_and_never_after_a_finish() -> 
     tx.handle(finish("r1"), 0.1)
     assert tx.handle(saved("r1", 2), 0.1) == []  # held: the whole request goes at match
     assert state(tx, "r1") is S.HELD and tx.counters["layers_unmatched"] == 2
-    # a registration of more blocks than the worker names is left to the finish to refuse
-    tx.handle(registered("d2", "r2", blocks=(1, 2, 3, 4)), 0.2)
-    assert tx.handle(saved("r2", 1), 0.2) == []
-    assert state(tx, "r2") is S.AWAITING and tx.counters["layers_refused"] == 1
 
 
 def test_layerwise_notice_with_other_blocks_is_refused() -> None:
