@@ -181,6 +181,12 @@ def run_case(
                     for n in range(1, layers + 1):
                         for w in p.workers:
                             assert w.layers_saved(n, [(f"p-{rid}", pb)])
+                    # the notices travel on the workers' sockets, the finish on the
+                    # scheduler's: as in an engine, P finishes after its workers saved
+                    want = p_before.get("streams_started", 0) + i + 1
+                    while p.client.status()["counters"].get("streams_started", 0) < want:
+                        assert time.monotonic() < deadline, "the stream never started"
+                        time.sleep(0.01)
                 assert p.client.finished(f"p-{rid}", pb)
             else:
                 assert p.client.finished(f"p-{rid}", pb)
