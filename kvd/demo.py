@@ -177,6 +177,13 @@ class Engine:
         buf = np.frombuffer(self.regions[rank].buf, dtype=np.uint8)
         return buf[b * self.block_bytes : (b + 1) * self.block_bytes]
 
+    def chunk(self, rank: int, b: int, layer: int, part: int) -> np.ndarray:
+        """Block `b`'s bytes of one layer and K/V part (any layout)."""
+        lay = self.layout
+        at = b * lay.block_stride + layer * lay.layer_stride + part * lay.kv_stride
+        buf = np.frombuffer(self.regions[rank].buf, dtype=np.uint8)
+        return buf[at : at + lay.chunk_bytes]
+
     def alloc(self, rng: random.Random, n: int) -> list[int]:
         if n > len(self.free):
             raise RuntimeError(f"{self.name}: out of KV blocks")
@@ -206,8 +213,10 @@ def make_engine(
     tp: int = 1,
     workers: bool = False,
     compat: str = DEMO_COMPAT,
+    layer_major: bool = False,
 ) -> Engine:
-    lay = kvlayout.block_major(num_blocks, num_layers, chunk_bytes)
+    shape = kvlayout.layer_major if layer_major else kvlayout.block_major
+    lay = shape(num_blocks, num_layers, chunk_bytes)
     nbytes = kvlayout.region_bytes(lay)
     client = KvdClient(socket, role="scheduler", engine_id=name)
     client.connect()

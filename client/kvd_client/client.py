@@ -680,6 +680,30 @@ class KvdClient:
         )
         return request_id in self._announced_send
 
+    def layers_saved(self, layers: int, requests: Sequence[tuple[str, Sequence[int]]]) -> bool:
+        """P's worker (this session's engine and rank): the first `layers` layers of these
+        requests (P's id, logical blocks) are in host memory now.
+
+        One way and never blocking: no reply, nothing to wait for in the forward pass. The
+        daemon WRITEs those layers at once to a D that registered for the request; it is
+        only a head start (P's `finished` writes whatever no notice named), so a notice that
+        cannot be sent is simply not sent (returns False)."""
+        if not requests:
+            return True
+        if self._sock is None or self._lost.is_set() or self._phase is not _Phase.UP:
+            return False
+        msg = wire.LayersSaved(
+            self.engine_id,
+            self.tp_rank,
+            layers,
+            tuple(wire.SavedRequest(rid, tuple(blocks)) for rid, blocks in requests),
+        )
+        try:
+            self._sock.send(wire.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
     def abort(self, request_id: str, side: str | None = None) -> None:
         """Give up on a request; its terminal event still comes.
 

@@ -564,6 +564,28 @@ class Abort(Record):
     side: Annotated[str, Len(4, 4)]
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedRequest(Record):
+    """One request in a `LayersSaved`: P's id and its logical blocks, as the worker copied them."""
+
+    request_id: Id
+    block_ids: BlockIds
+
+
+@message(29)
+@dataclasses.dataclass(frozen=True)
+class LayersSaved(Record):
+    """P's worker (one way, corr 0, never answered): rank `tp_rank` of `engine_id` has the
+    first `layers` layers of these requests' blocks in host memory. Cumulative, so any one
+    message says everything so far; a lost or refused one only delays the WRITE to P's
+    `finished` (which writes whatever was not announced)."""
+
+    engine_id: Id
+    tp_rank: U16
+    layers: Annotated[int, Range(1, 1 << 16)]
+    requests: Annotated[tuple[SavedRequest, ...], Len(1, 1 << 14)]
+
+
 @message(30)
 @dataclasses.dataclass(frozen=True)
 class GetStatus(Record):
@@ -874,6 +896,26 @@ class TraceAnswer(Record):
     mac: Annotated[bytes, Len(0, 64)]
     """HMAC-SHA256 over the fields above, bound to the query's nonce, when a shared
     secret is configured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRange(Record):
+    """Layers [first, end) of one request (D's id) in a `LayersPushed`."""
+
+    request_id: Id
+    first: Annotated[int, Range(0, 1 << 16)]
+    end: Annotated[int, Range(1, 1 << 16)]
+
+
+@message(74)
+@dataclasses.dataclass(frozen=True)
+class LayersPushed(Record):
+    """P -> D, carried by the layer-wise WRITE it describes (so it arrives after the bytes):
+    rank `tp_rank` of each request received these layers. D reports a request done once
+    every layer of every rank arrived (a failure still comes as a PushDone(ok=False))."""
+
+    tp_rank: U16
+    ranges: Annotated[tuple[LayerRange, ...], Len(1, 1 << 14)]
 
 
 # --------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ Rules:
   CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
   `kvd status`, are logged at debug level.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
-  a BUSY reply. Replies are sent when the actor resolves the request's future.
+  a BUSY reply. Replies are sent when the actor resolves the request's future. A
+  worker's `LayersSaved` is one-way: never answered, dropped and counted when busy.
 - Events go to the session that announced the request and to the engine's workers.
 - A session that neither sends nor pings for `client_timeout` (daemon time: a stall of
   the daemon itself does not count) is closed: its regions, leases and requests are
@@ -68,7 +69,14 @@ from kvd_client.errors import (
 )
 
 from kvd.actors.base import Clock, Mailbox
-from kvd.actors.messages import ClientRequest, EventOut, PingPeerCmd, SessionClosed, TraceCmd
+from kvd.actors.messages import (
+    ClientRequest,
+    EventOut,
+    LayersAnnounced,
+    PingPeerCmd,
+    SessionClosed,
+    TraceCmd,
+)
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import peer_address_problem
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -300,6 +308,9 @@ class Gateway:
                 return
             self._tg.start_soon(self._admin_request, ident, corr, msg)
             return
+        if isinstance(msg, wire.LayersSaved):
+            self._layers_saved(s, msg)
+            return
         box = self._routes.get(type(msg))
         if isinstance(msg, wire.Abort):
             box = {"send": self.sender, "recv": self.receiver}.get(msg.side)
@@ -319,6 +330,18 @@ class Gateway:
             self._error(ident, corr, exc)
             return
         req.reply.add_done_callback(lambda f: self._reply_done(ident, corr, f))
+
+    def _layers_saved(self, s: _Session, msg: wire.LayersSaved) -> None:
+        """A one-way notice: never answered (the worker does not wait on its forward pass);
+        dropped and counted when the sender is busy (P's finish writes what it named)."""
+        if s.role != "worker" or s.engine_id != msg.engine_id or s.tp_rank != msg.tp_rank:
+            why = f"LayersSaved for {msg.engine_id!r} rank {msg.tp_rank} from a {s.role} session"
+            self._reject(s.ident, "ipc_rejected", "layers_not_from_rank", why)
+            return
+        try:
+            self.sender.post(LayersAnnounced(s.session, msg))
+        except KvdError:
+            self._count("layer_notices_dropped")
 
     def _reply_done(self, ident: bytes, corr: int, fut: asyncio.Future[wire.Record]) -> None:
         if fut.cancelled():

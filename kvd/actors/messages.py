@@ -87,6 +87,15 @@ class ClientRequest(Outside, Call[wire.Record]):
     msg: wire.Record
 
 
+@dataclass(frozen=True)
+class LayersAnnounced(Outside):
+    """Gateway -> sender: a worker's one-way `LayersSaved` (never answered; refused and
+    counted when the mailbox is full: the request's finish writes what it named)."""
+
+    session: str
+    msg: wire.LayersSaved
+
+
 @dataclass
 class SessionClosed(Call[None]):
     """A client said goodbye, stopped pinging or was replaced: end everything it announced.

@@ -38,7 +38,7 @@ from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 _TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
-_TO_RECEIVER = (wire.PushDone, wire.PullAck, wire.Resync)
+_TO_RECEIVER = (wire.PushDone, wire.LayersPushed, wire.PullAck, wire.Resync)
 RATE_KEYS: Final = 4096
 """Peers whose notification rate is tracked apart; further peers share one bucket."""
 _OTHER_PEERS: Final = "\0other-peers"

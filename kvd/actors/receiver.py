@@ -215,6 +215,8 @@ class Receiver(TransferActor):
                 self._spawn(self._permuted_push, agent, msg, jobs)
                 return
             self._feed(proto.PushDoneArrived(agent, msg), now)
+        elif isinstance(msg, wire.LayersPushed):
+            self._feed(proto.LayersPushedArrived(agent, msg), now)
         elif isinstance(msg, wire.PullAck):
             self._feed(proto.PullAckArrived(agent, msg), now)
         elif isinstance(msg, wire.Resync):
@@ -342,7 +344,13 @@ class Receiver(TransferActor):
         else:
             view = _View(locs, rems, list(plans), [b""] * transfers, by_group)
         return proto.PeerResolved(
-            load.request_id, info.agent, info.handshaked_at, transfers, first, view
+            load.request_id,
+            info.agent,
+            info.handshaked_at,
+            transfers,
+            first,
+            view,
+            layers=local[0].geometry.num_layers,
         )
 
     async def _peer_ranks(

@@ -7,17 +7,24 @@ outcome of its own work) with the daemon's time, and carries out the effects: ev
 clients, notifications to peers, resolving D's regions (a handshake when our view is
 stale) and the WRITEs themselves, through the transport port. Outcomes of that work come
 back through the actor's own mailbox, so only the actor's loop touches the machine.
+
+Layer-wise push: workers' `LayersSaved` notices (one way, validated here) feed the
+machine; the `PostLayers` it returns during one turn of the loop (which takes up to
+`turn_batch` waiting messages together) are posted at the turn's end, coalesced: those
+going to the same D region (agent, rank, region generation) become one WRITE of all
+their descriptors, carrying one `LayersPushed` that names each request's layers.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, Final
 
 import structlog
 from kvd_client import wire
-from kvd_client.errors import Incompatible, KvdError, NotFound
+from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
@@ -25,6 +32,7 @@ from kvd.actors.messages import (
     EnsurePeer,
     EventOut,
     HeartbeatReceived,
+    LayersAnnounced,
     LocalRegion,
     LocalRegionsChanged,
     NotifReceived,
@@ -40,15 +48,19 @@ from kvd.actors.transfers import (
     transfer_groups,
 )
 from kvd.core import sender as proto
-from kvd.core.planner import check_logical, plan_request
+from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sender", actor="sender")
 
+MAX_COALESCED: Final = 1024
+"""Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
+
 
 class Sender(TransferActor):
     name = "sender"
+    turn_batch = 64
 
     def __init__(
         self,
@@ -88,6 +100,7 @@ class Sender(TransferActor):
             counters=counters,
         )
         self._stall_seen = self.clock.stall_count
+        self._layer_posts: list[proto.PostLayers] = []
 
     # ---------------------------------------------------------------- input
 
@@ -102,6 +115,8 @@ class Sender(TransferActor):
                 self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
         elif isinstance(msg, NotifReceived):
             self._notif(msg.agent, msg.msg, now)
+        elif isinstance(msg, LayersAnnounced):
+            self._layers_announced(msg.msg, now)
         elif isinstance(msg, LocalRegionsChanged):
             self.local = msg.regions
             gens: dict[str, list[tuple[int, int]]] = {}
@@ -149,6 +164,50 @@ class Sender(TransferActor):
         for r in regions:
             check_logical(r.geometry, block_ids)
 
+    def _layers_announced(self, msg: wire.LayersSaved, now: float) -> None:
+        """A worker's notice, checked against our regions (each request on its own: one bad
+        entry is counted, the others still stream)."""
+        try:
+            ranks = self._local_ranks(msg.engine_id)
+            layers = ranks[0].geometry.num_layers
+            if msg.tp_rank >= len(ranks) or msg.layers > layers:
+                raise InvalidRequest(
+                    f"layers {msg.layers} of rank {msg.tp_rank}: engine {msg.engine_id!r} has "
+                    f"{len(ranks)} ranks of {layers} layers"
+                )
+        except KvdError as exc:
+            self._reject_layers(exc)
+            return
+        self._count("layer_notices")
+        for entry in msg.requests:
+            try:
+                self._check_blocks(msg.engine_id, entry.block_ids)
+            except KvdError as exc:
+                self._reject_layers(exc, entry.request_id)
+                continue
+            self._feed(
+                proto.LayersSaved(
+                    entry.request_id,
+                    msg.engine_id,
+                    msg.tp_rank,
+                    len(ranks),
+                    msg.layers,
+                    layers,
+                    entry.block_ids,
+                ),
+                now,
+            )
+
+    def _reject_layers(self, exc: KvdError, request_id: str = "") -> None:
+        self.rejects.reject(
+            self.name,
+            "layer_notices_rejected",
+            "layer_notice_rejected",
+            type(exc).__name__,
+            request_id=request_id,
+            error=exc.message,
+        )
+
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
         if not self._known(agent, msg):
             return
@@ -185,6 +244,8 @@ class Sender(TransferActor):
             if self.trace.on:
                 self._mark(eff.key, "claimed")
             self._spawn(self._write, eff)
+        elif isinstance(eff, proto.PostLayers):
+            self._layer_posts.append(eff)  # posted, coalesced, at the end of the turn
         else:
             raise TypeError(f"sender cannot carry out {type(eff).__name__}")
 
@@ -251,6 +312,83 @@ class Sender(TransferActor):
         log.debug("push_done", request_id=eff.key, peer=eff.agent)
         self._outcome(proto.WriteDone(eff.key))
 
+    def _turn_end(self) -> None:
+        if not self._layer_posts:
+            return
+        groups: dict[tuple[Any, ...], list[proto.PostLayers]] = {}
+        for eff in self._layer_posts:
+            view: list[RemoteRegion] = eff.view  # type: ignore[assignment]
+            d = tuple((r.region_id, r.generation) for r in view)
+            groups.setdefault((eff.agent, eff.engine_id, d), []).append(eff)
+        self._layer_posts = []
+        for effs in groups.values():
+            for i in range(0, len(effs), MAX_COALESCED):
+                self._spawn(self._write_layers, effs[i : i + MAX_COALESCED])
+
+    async def _write_layers(self, effs: list[proto.PostLayers]) -> None:
+        """One WRITE of several requests' layers into the same D regions (agent, and each
+        region's generation): every rank pair of every request, as one NIXL transfer per
+        group of pairs (`transfer_groups`), each carrying the LayersPushed that names all
+        the requests' layers in it. A request whose ranks cannot be cut by layer (a
+        permute on receive, other layer counts) is answered `unsupported`, unwritten."""
+        head = effs[0]
+        try:
+            local = self._local_ranks(head.engine_id)
+        except KvdError as exc:
+            for eff in effs:
+                self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, exc))
+            return
+        locs: list[LocalRegion] = []
+        rems: list[RemoteRegion] = []
+        plans: list[Plan] = []
+        going: list[proto.PostLayers] = []
+        groups = 0
+        for eff in effs:
+            remote: list[RemoteRegion] = eff.view  # type: ignore[assignment]
+            try:
+                if eff.registration.tp_size != len(remote):
+                    raise Incompatible(
+                        f"D registered for {eff.registration.tp_size} ranks, "
+                        f"its daemon announces {len(remote)}"
+                    )
+                rp = _layer_plan(local, eff, remote)
+            except _CannotCut:
+                self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, unsupported=True))
+                continue
+            except KvdError as exc:
+                self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, exc))
+                continue
+            el = [local[x.p] for x in rp.pairs]
+            er = [remote[x.d] for x in rp.pairs]
+            groups = len(transfer_groups(el, er))
+            locs += el
+            rems += er
+            plans += rp.plans
+            going.append(eff)
+        if not going:
+            return
+        if len(going) > 1:
+            self._count("layer_writes_coalesced", len(going) - 1)
+        notifs = [
+            wire.encode(
+                wire.LayersPushed(
+                    g,
+                    tuple(
+                        wire.LayerRange(e.registration.request_id, e.first, e.end) for e in going
+                    ),
+                )
+            )
+            for g in range(groups)
+        ]
+        error: KvdError | None = None
+        try:
+            rid = f"{head.key}/l{head.first}-{head.end}"
+            await self.book.run("WRITE", rid, head.agent, locs, rems, plans, notifs)
+        except KvdError as exc:
+            error = exc
+        for eff in going:
+            self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, error))
+
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)
 
@@ -287,7 +425,7 @@ class Sender(TransferActor):
                     "state": r.state.value,
                 }
                 for r in p.reqs.values()
-                if r.state is proto.SendState.WRITING
+                if r.state in (proto.SendState.WRITING, proto.SendState.STREAMING)
             ]
             return {"leases": leases + writing}
         if section == "transfers":
@@ -299,6 +437,7 @@ class Sender(TransferActor):
             "states": states,
             "held": states["held"],
             "writing": states["writing"],
+            "streaming": states["streaming"],
             "pending_registrations": registrations,
             "early_pulls": early_pulls,
             "sending": len(self.book.in_flight),
@@ -306,6 +445,30 @@ class Sender(TransferActor):
             "limits": p.limits(),
             "failures": dict(self.failures),
         } | self.book.totals()
+
+
+class _CannotCut(Exception):
+    """This request's transfer cannot be cut by layer (it goes whole at P's finish)."""
+
+
+def _layer_plan(
+    local: list[LocalRegion], eff: proto.PostLayers, remote: list[RemoteRegion]
+) -> RequestPlan:
+    """The request's plan (`plan_request`) restricted to layers [first, end) of every
+    rank's region on both sides. Only a request whose ranks map chunk for chunk (no
+    permute on receive) with equal layer counts can be cut so."""
+    try:
+        lv = [replace(r, geometry=r.geometry.layers(eff.first, eff.end)) for r in local]
+        rv = [replace(r, geometry=r.geometry.layers(eff.first, eff.end)) for r in remote]
+    except InvalidRequest as exc:
+        raise _CannotCut(exc.message) from None
+    layers = {r.geometry.num_layers for r in local} | {r.geometry.num_layers for r in remote}
+    if len(layers) != 1:
+        raise _CannotCut("layer counts differ")
+    rp = plan_request(lv, eff.p_blocks, rv, eff.registration.block_ids, local_is_p=True)
+    if rp.permutes:
+        raise _CannotCut("D permutes on receive")
+    return rp
 
 
 def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegion] | None:

@@ -171,6 +171,10 @@ class TransferActor:
 
     # ---------------------------------------------------------------- loop
 
+    turn_batch: ClassVar[int] = 1
+    """Messages already waiting that one turn of the loop takes together (the sender takes
+    several, so that layer WRITEs ready at once coalesce in `_turn_end`)."""
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
             self._tg = tg
@@ -181,7 +185,15 @@ class TransferActor:
                 self._woke(now)
                 if msg is not None:
                     self._dispatch(msg, now)
+                    for _ in range(self.turn_batch - 1):
+                        if not self.mailbox.depth():
+                            break
+                        self._dispatch(self.mailbox.receive_nowait(), now)
                 self._carry_out(self.proto.handle_timer(now))
+                self._turn_end()
+
+    def _turn_end(self) -> None:
+        """Called last at every turn of the loop (the sender posts its coalesced WRITEs)."""
 
     def _woke(self, now: float) -> None:
         """Called first at every turn of the loop (the sender checks for a stall)."""

@@ -13,10 +13,12 @@ process, a P daemon, a D daemon and a raw-NIXL helper) and reports medians and r
 4. `ec`: a 4.5 MB encoder output, cold (vs raw NIXL) and warm (vs memcpy).
 5. `topology`: heterogeneous TP (8->4, 4->8) against equal TP on the same bytes, and a
    256 MiB NHD->HND layout conversion against a memcpy.
+6. `layerwise`: a simulated 32-layer prefill; when D is ready after the last layer's
+   compute, with layer-wise push and with whole-request push.
 
 Targets are reported met or missed; nothing here asserts a timing. The entry point is
 `kvd.bench.runner.run_bench`; this package imports nothing itself, so that the raw-NIXL
 helper process (`python -m kvd.bench.raw`) starts light.
 """
 
-SCENARIOS = ("dataplane", "control", "scale", "ec", "topology")
+SCENARIOS = ("dataplane", "control", "scale", "ec", "topology", "layerwise")

@@ -95,6 +95,16 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             cc["lost"] == 0 and cc["failed"] == 0 and cc["verified"] == cc["requests"],
             "requests",
         )
+    lw = sc.get("layerwise")
+    if lw:
+        v = lw["layerwise"]["p50_ms"]
+        add(
+            f"layer-wise: D ready after the last of {lw['layers']} layers (p50)",
+            f"<= one layer's WRITE + 1 ms ({lw['goal_ms']:.2f} ms)",
+            v,
+            v <= lw["goal_ms"],
+            "ms",
+        )
     ecs = sc.get("ec")
     if ecs:
         add(
@@ -145,6 +155,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(ec_table(sc["ec"]))
     if "topology" in sc:
         console.print(topology_table(sc["topology"]))
+    if "layerwise" in sc:
+        console.print(layerwise_table(sc["layerwise"]))
     console.print(targets_table(res["targets"]))
 
 
@@ -349,6 +361,25 @@ def idle_table(idle: dict[str, Any]) -> Table:
     t.caption = (
         f"resolution {idle['resolution_pct']:.2f} % of a core (clock ticks); "
         "threads not listed used none"
+    )
+    return t
+
+
+def layerwise_table(lw: dict[str, Any]) -> Table:
+    """D's ready time after the last layer's compute, layer-wise beside whole-request."""
+    t = Table(
+        title=f"5. layer-wise push: {lw['layers']}-layer prefill, D ready after the last layer"
+    )
+    t.add_column("push")
+    for col in ("p50", "p90", "max"):
+        t.add_column(f"{col} ms", justify="right")
+    for key, name in (("layerwise", "layer-wise (each layer at once)"), ("whole", "whole request")):
+        r = lw[key]
+        t.add_row(name, f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}", f"{r['max_ms']:.3f}")
+    t.caption = (
+        f"{lw['compute_ms_per_layer']:g} ms compute and {lw['bytes_per_layer'] >> 10} KiB per "
+        f"layer; one layer's WRITE (P's daemon, median) {lw['one_layer_write_ms']:.3f} ms; "
+        f"{lw['reps']} requests each, alternating"
     )
     return t
 

@@ -15,7 +15,17 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from kvd.bench import SCENARIOS, control, dataplane, ec, idle, report, scale, topology
+from kvd.bench import (
+    SCENARIOS,
+    control,
+    dataplane,
+    ec,
+    idle,
+    layerwise,
+    report,
+    scale,
+    topology,
+)
 from kvd.bench.common import Env, machine, status, status_client
 from kvd.bench.raw import RawInitiator, RawPeerProcess
 from kvd.demo import DaemonProc, start_daemon
@@ -120,12 +130,14 @@ def run_bench(
     sc_cfg = scale.ScaleConfig.quick() if quick else scale.ScaleConfig()
     ec_cfg = ec.ECConfig.quick() if quick else ec.ECConfig()
     topo_cfg = topology.TopoConfig.quick() if quick else topology.TopoConfig()
+    lw_cfg = layerwise.LayerwiseConfig.quick() if quick else layerwise.LayerwiseConfig()
     steps = {
         "dataplane": len(dataplane.LAYOUTS) * len(dataplane.ALLOCATIONS) * (dp_cfg.reps + 1),
         "control": control.steps(ctl_cfg),
         "scale": scale.steps(sc_cfg),
         "ec": ec.steps(ec_cfg),
         "topology": topology.steps(topo_cfg),
+        "layerwise": layerwise.steps(lw_cfg),
     }
     t_start = time.perf_counter()
     with Progress(
@@ -147,6 +159,7 @@ def run_bench(
             ctl: control.CtlPair | None = None
             ecs: ec.ECPair | None = None
             topo = topology.TopoSet()
+            lws: layerwise.LwPair | None = None
             try:
                 if "dataplane" in chosen:
                     dataplane.setup(env, dp_cfg, pairs)
@@ -156,6 +169,8 @@ def run_bench(
                     ecs = ec.setup(env)
                 if "topology" in chosen:
                     topology.setup(env, topo_cfg, topo)
+                if "layerwise" in chosen:
+                    lws = layerwise.setup(env, lw_cfg)
                 bases = dataplane.raw_bases(env, pairs) if pairs else {}
                 ec_bases = ec.raw_bases(env, ecs) if ecs is not None else None
                 env.raw.connect()
@@ -179,6 +194,11 @@ def run_bench(
                     results["scenarios"]["topology"] = topology.run(
                         env, topo_cfg, topo, seed, progress
                     )
+                if "layerwise" in chosen:
+                    assert lws is not None
+                    results["scenarios"]["layerwise"] = layerwise.run(
+                        env, lw_cfg, lws, seed, progress
+                    )
             finally:
                 topo.close()
                 dataplane.teardown(pairs)
@@ -186,6 +206,8 @@ def run_bench(
                     ctl.close()
                 if ecs is not None:
                     ecs.close()
+                if lws is not None:
+                    lws.close()
             if "control" in chosen:
                 results["scenarios"]["control"]["idle"] = idle_daemon(env, ctl_cfg.idle_window_s)
                 progress("control plane: idle daemon")

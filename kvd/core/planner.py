@@ -238,6 +238,30 @@ class Geometry:
                 )
             extent += stride * (count - 1)
 
+    def layers(self, first: int, end: int) -> Geometry:
+        """The same region restricted to layers [first, end): each block's part in those
+        layers, wherever the layout puts it (one run per block when block-major, one run
+        of blocks per layer and K/V part when layer-major). Validated like any geometry."""
+        if not 0 <= first < end <= self.num_layers:
+            raise InvalidRequest(f"layers [{first}, {end}) outside [0, {self.num_layers})")
+        if (first, end) == (0, self.num_layers):
+            return self
+        skip = first * self.layer_stride
+        return _layer_cache(
+            Geometry(
+                base_addr=self.base_addr + skip,
+                nbytes=self.nbytes - skip,
+                num_blocks=self.num_blocks,
+                num_layers=end - first,
+                kv_parts=self.kv_parts,
+                chunk_bytes=self.chunk_bytes,
+                block_stride=self.block_stride,
+                layer_stride=self.layer_stride,
+                kv_stride=self.kv_stride,
+                physical_per_logical=self.physical_per_logical,
+            )
+        )
+
     def check_compatible(self, other: Geometry) -> None:
         """Raise Incompatible unless chunks of `self` and `other` correspond one to one."""
         for name in ("num_layers", "kv_parts", "chunk_bytes"):
@@ -629,6 +653,21 @@ def check_logical(geometry: Geometry, logical: Sequence[int]) -> Int64Array:
     if ratio == 1 and _small_and_valid(geometry, logical):
         return np.array(logical, dtype=np.int64)  # the common case, without numpy's overhead
     return check_blocks(geometry, expand_logical(logical, ratio))
+
+
+_LAYER_GEOMETRIES: dict[Geometry, Geometry] = {}
+
+
+def _layer_cache(geometry: Geometry) -> Geometry:
+    """One object per layer-restricted geometry (equal ones share it), so that each is
+    validated once (`_validate_once` goes by identity) however many layers are planned."""
+    have = _LAYER_GEOMETRIES.get(geometry)
+    if have is not None:
+        return have
+    if len(_LAYER_GEOMETRIES) >= _VALIDATED_MAX:
+        _LAYER_GEOMETRIES.clear()
+    _LAYER_GEOMETRIES[geometry] = geometry
+    return geometry
 
 
 # ------------------------------------------------------------------ any P onto any D

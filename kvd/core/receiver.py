@@ -13,7 +13,8 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
                  resolved (`Resolve`; the P daemon incarnation, compat and ranks checked)
     REGISTERING  push: the registration is being sent (a view found dead when sending is
                  handshaked afresh, once)
-    REGISTERED   push: P has the registration; waiting for a PushDone per transfer
+    REGISTERED   push: P has the registration; waiting for a PushDone per transfer, or (a
+                 layer-wise push) a LayersPushed for every layer of each transfer
     READING      pull: our READ of P's blocks is in flight
     ACKING       pull: PullDone sent; P acknowledges only if its lease still held
     CANCELLING   aborted while registered: P was told; waiting for its last word
@@ -23,6 +24,9 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
 
 Rules it keeps:
 - Each registered or pulled request ends in exactly one terminal event to its session.
+- Done only when every rank is: a rank is done by its PushDone(ok), or when the
+  LayersPushed that ride P's layer-wise WRITEs (each after its WRITE's bytes) have named
+  every one of its layers. A repeated or out-of-range layer is rejected, never counted.
 - A request never ends while something may still write into its blocks: a READ in
   flight finishes first, a registration at P is cancelled and P's answer awaited
   (bounded), and an abort while handshaking cancels at P once P is known.
@@ -187,6 +191,8 @@ class PeerResolved:
     the request in one per pair of memory types; `kvd.actors.transfers.transfer_groups`)."""
     first: wire.Record
     view: object = None
+    layers: int = 0
+    """Layers of our regions (what a layer-wise push must cover per rank)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +236,12 @@ class ReadDone:
 class PushDoneArrived:
     agent: str
     msg: wire.PushDone
+
+
+@dataclass(frozen=True, slots=True)
+class LayersPushedArrived:
+    agent: str
+    msg: wire.LayersPushed
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +303,7 @@ Event = (
     | SendFailed
     | ReadDone
     | PushDoneArrived
+    | LayersPushedArrived
     | PullAckArrived
     | ResyncArrived
     | PeerLost
@@ -387,6 +400,9 @@ class RecvRequest:
     since: float = 0.0
     ranks: int = 0
     done_ranks: set[int] = field(default_factory=set)
+    layers: int = 0
+    layer_bits: dict[int, int] = field(default_factory=dict)
+    """Rank -> bit set of the layers a layer-wise push delivered so far."""
     first: wire.Record | None = None
     view: object = None
     refreshed: bool = False
@@ -731,7 +747,7 @@ class Receiver:
         req = self.reqs.get(ev.request_id)
         if req is None or req.state is not R.HANDSHAKING:
             return
-        req.agent, req.since, req.ranks = ev.agent, ev.since, ev.ranks
+        req.agent, req.since, req.ranks, req.layers = ev.agent, ev.since, ev.ranks, ev.layers
         req.first, req.view = ev.first, ev.view
         if req.mode == "push":
             if req.aborted:
@@ -838,9 +854,39 @@ class Receiver:
         elif msg.tp_rank >= req.ranks:
             self._reject(ev.agent, f"push completion for rank {msg.tp_rank} of {req.ranks}")
         else:
-            req.done_ranks.add(msg.tp_rank)
-            if len(req.done_ranks) == req.ranks:
-                self._finish(req, now)
+            self._rank_done(req, msg.tp_rank, now)
+
+    def _on_layers_pushed(self, ev: LayersPushedArrived, now: float) -> None:
+        rank = ev.msg.tp_rank
+        for rng in ev.msg.ranges:
+            req = self.reqs.get(rng.request_id)
+            if req is None or req.agent != ev.agent or req.mode != "push":
+                self._unknown_answer(ev.agent, rng.request_id, "layers pushed")
+                continue
+            if _ON.get((req.state, PushDoneArrived)) is None:
+                self._reject(ev.agent, f"layers pushed while {req.state.value}")
+                continue
+            if rank >= req.ranks or not 0 <= rng.first < rng.end <= req.layers:
+                self._reject(
+                    ev.agent,
+                    f"layers [{rng.first}, {rng.end}) of rank {rank}: we have {req.ranks} "
+                    f"ranks of {req.layers} layers",
+                )
+                continue
+            bits = (1 << rng.end) - (1 << rng.first)
+            have = req.layer_bits.get(rank, 0)
+            if have & bits:
+                self._reject(ev.agent, f"layers [{rng.first}, {rng.end}) of rank {rank} again")
+                continue
+            have |= bits
+            req.layer_bits[rank] = have
+            if have == (1 << req.layers) - 1:
+                self._rank_done(req, rank, now)
+
+    def _rank_done(self, req: RecvRequest, rank: int, now: float) -> None:
+        req.done_ranks.add(rank)
+        if len(req.done_ranks) == req.ranks:
+            self._finish(req, now)
 
     def _on_pull_ack(self, ev: PullAckArrived, now: float) -> None:
         msg = ev.msg
@@ -965,6 +1011,7 @@ _HANDLERS: Final[dict[type, Callable[[Receiver, Any, float], None]]] = {
     SendFailed: Receiver._on_send_failed,
     ReadDone: Receiver._on_read_done,
     PushDoneArrived: Receiver._on_push_done,
+    LayersPushedArrived: Receiver._on_layers_pushed,
     PullAckArrived: Receiver._on_pull_ack,
     ResyncArrived: Receiver._on_resync,
     PeerLost: Receiver._on_peer_lost,

@@ -15,6 +15,12 @@ per-state handlers are in `_ON`):
     MATCHED   held and D's registration is here: D's regions are being resolved (the
               `ResolveView` effect), and after a stall of ours D must re-sync first.
     WRITING   the lease is claimed (it cannot expire under the WRITE): `PostWrite`.
+    STREAMING layer-wise push: D registered before P finished, and P's workers announce
+              layers as they are saved (`LayersSaved`): each is written at once
+              (`PostLayers`, whose WRITE carries a `LayersPushed` for D). P's finish
+              writes whatever was not announced; D reports done once it has every layer
+              of every rank. Nothing is leased: P's engine holds the blocks until its
+              finish, and after it the request is claimed as in WRITING.
     DELIVERED the WRITE landed, or D's READ was acknowledged with the lease held.
     EXPIRED   the lease ran out (D stopped heartbeating).
     ABORTED   P's engine aborted the request, or its session ended.
@@ -50,6 +56,9 @@ Rules it keeps:
   once (D fails the request and its engine recomputes); a finish beyond the bytes ends
   failed at once (SendFailed to P's engine, and D answered if it registered), with a
   tombstone so that D's later registration or pull is answered at once too.
+- A streaming request ends only once none of its layer WRITEs is in flight: D hears of a
+  failure (PushDone ok=False) only when nothing more can land in its blocks, and never
+  after it received every layer (it reported done by then).
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class SendState(enum.Enum):
     HELD = "held"
     MATCHED = "matched"
     WRITING = "writing"
+    STREAMING = "streaming"
     DELIVERED = "delivered"
     EXPIRED = "expired"
     ABORTED = "aborted"
@@ -85,10 +95,11 @@ class SendState(enum.Enum):
 S = SendState
 TERMINAL: Final = frozenset({S.DELIVERED, S.EXPIRED, S.ABORTED, S.FAILED})
 TRANSITIONS: Final[Mapping[SendState, frozenset[SendState]]] = {
-    S.AWAITING: frozenset({S.MATCHED, S.DELIVERED, S.FAILED, S.ABORTED}),
+    S.AWAITING: frozenset({S.MATCHED, S.STREAMING, S.DELIVERED, S.FAILED, S.ABORTED}),
     S.HELD: frozenset({S.MATCHED, S.DELIVERED, S.EXPIRED, S.ABORTED, S.FAILED}),
     S.MATCHED: frozenset({S.WRITING, S.EXPIRED, S.ABORTED, S.FAILED}),
     S.WRITING: frozenset({S.DELIVERED, S.FAILED}),
+    S.STREAMING: frozenset({S.WRITING, S.DELIVERED, S.FAILED, S.ABORTED}),
 }
 
 ENDED_SESSIONS: Final = 65536
@@ -181,6 +192,33 @@ class WriteDone:
 
 
 @dataclass(frozen=True, slots=True)
+class LayersSaved:
+    """P's worker of rank `tp_rank` has layers [0, layers) of the request (these validated
+    logical blocks) in host memory; the engine has `tp_size` ranks of `num_layers` layers."""
+
+    request_id: str
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    layers: int
+    num_layers: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LayersWritten:
+    """The answer to `PostLayers`. `unsupported`: nothing was written because this
+    request's transfer cannot be cut by layer (its ranks map with a permute on receive,
+    or its layers differ): it goes whole at P's finish instead."""
+
+    key: str
+    first: int
+    end: int
+    error: KvdError | None = None
+    unsupported: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ResyncAcked:
     agent: str
     nonce: int
@@ -210,6 +248,8 @@ Event = (
     | CancelArrived
     | ViewResolved
     | WriteDone
+    | LayersSaved
+    | LayersWritten
     | ResyncAcked
     | Stalled
     | RegionsChanged
@@ -243,7 +283,26 @@ class PostWrite:
     view: object
 
 
-Effect = Emit | Notify | SessionEnded | Log | Refused | ResolveView | PostWrite | Drained
+@dataclass(frozen=True, slots=True)
+class PostLayers:
+    """WRITE layers [first, end) of P's `p_blocks` (every rank) into D's registered blocks
+    through `view`, each NIXL transfer carrying a `LayersPushed` for D; then feed
+    `LayersWritten(key, first, end, ...)`. The shell may coalesce the PostLayers of one
+    turn that go to the same D regions into one WRITE."""
+
+    key: str
+    agent: str
+    engine_id: str
+    first: int
+    end: int
+    p_blocks: tuple[int, ...]
+    registration: wire.PushRegistration
+    view: object
+
+
+Effect = (
+    Emit | Notify | SessionEnded | Log | Refused | ResolveView | PostWrite | PostLayers | Drained
+)
 
 
 # ------------------------------------------------------------------ state
@@ -264,6 +323,42 @@ class Tombstone:
     share the base is never answered with an old one's fate."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Ending:
+    """How a streaming request ends once none of its layer WRITEs is in flight."""
+
+    state: SendState
+    tomb: Tombstone
+    event: wire.Record | None
+    """For P's session (only once P's engine finished the request)."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """A layer-wise push's progress, per rank of P's engine."""
+
+    engine_id: str
+    blocks: tuple[int, ...]
+    num_layers: int
+    saved: list[int]
+    """Layers [0, saved[r]) of P's rank r are in host memory: [0, min(saved)) of every
+    rank can go."""
+    posted: int = 0
+    """Layers [0, posted) were handed to a WRITE."""
+    written: int = 0
+    """Layers whose WRITE landed."""
+    in_flight: int = 0
+    finished: bool = False
+    """P's engine finished the request (its finish arrived)."""
+    whole: bool = False
+    """It cannot go by layer (`LayersWritten.unsupported`): it goes whole at the finish."""
+    ending: _Ending | None = None
+
+    def complete(self) -> bool:
+        """Every layer landed at D (D reports done by itself)."""
+        return self.written == self.num_layers
+
+
 @dataclass(slots=True)
 class SendRequest:
     key: str
@@ -281,6 +376,7 @@ class SendRequest:
     view_ready: bool = False
     cost: int = 0
     """Estimated bytes charged to the pending budget while it is live."""
+    stream: Stream | None = None
 
 
 _RESYNC: Final = "\0resync:"
@@ -355,6 +451,8 @@ class Sender:
                 self._resync_timed_out(key[len(_RESYNC) :], now)
             elif (req := self.reqs.get(key)) is not None and req.state is S.AWAITING:
                 self._wait_timed_out(req, now)
+            elif req is not None and req.state is S.STREAMING:
+                self._stream_timed_out(req, now)
         out, self._out = self._out, []
         return out
 
@@ -487,6 +585,12 @@ class Sender:
 
     def _on_finish(self, ev: Finish, now: float) -> None:
         have = self.reqs.get(ev.request_id)
+        near = self._find(ev.request_id) if have is None else None
+        if near is not None and near.stream is not None and not near.stream.finished:
+            have = near
+        if have is not None and have.state is S.STREAMING:
+            self._finish_stream(have, ev, now)
+            return
         if have is not None and have.state is not S.AWAITING:
             raise InvalidRequest(f"request {ev.request_id!r} already holds a lease")
         if self.draining_since is not None:
@@ -649,6 +753,8 @@ class Sender:
             if req.state in (S.HELD, S.MATCHED):
                 self._push_failed(req, _GONE.code, _GONE.reason)
                 self._end(req, S.ABORTED, _GONE)
+            elif req.state is S.STREAMING:
+                self._stream_ending(req, _Ending(S.ABORTED, _GONE, None), now)
         self._maybe_session_ended(ev.session)
 
     def _maybe_session_ended(self, session: str) -> None:
@@ -841,6 +947,9 @@ class Sender:
 
     def _on_view(self, ev: ViewResolved, now: float) -> None:
         req = self.reqs.get(ev.key)
+        if req is not None and req.state is S.STREAMING and not req.view_ready:
+            self._stream_view(req, ev, now)
+            return
         if req is None or req.state is not S.MATCHED or req.view_ready:
             return  # it ended meanwhile (expired, cancelled, aborted)
         if ev.error is not None:
@@ -849,14 +958,20 @@ class Sender:
         req.view, req.view_ready = ev.view, True
         self._write_when_synced(req, now)
 
+    def _synced(self, req: SendRequest, now: float) -> bool:
+        """Whether D re-synced since our last stall; if not, ask it (once per stall)."""
+        if self.synced.get(req.agent, 0) >= self.stall_epoch:
+            return True
+        if req.agent not in self.resyncing:
+            nonce = self.nonce(64)
+            self.resyncing[req.agent] = (nonce, self.stall_epoch)
+            self._timers.set(_RESYNC + req.agent, now + self.resync_timeout)
+            self._count("stall_resyncs")
+            self._out.append(Notify(req.agent, wire.Resync(nonce)))
+        return False
+
     def _write_when_synced(self, req: SendRequest, now: float) -> None:
-        if self.synced.get(req.agent, 0) < self.stall_epoch:
-            if req.agent not in self.resyncing:
-                nonce = self.nonce(64)
-                self.resyncing[req.agent] = (nonce, self.stall_epoch)
-                self._timers.set(_RESYNC + req.agent, now + self.resync_timeout)
-                self._count("stall_resyncs")
-                self._out.append(Notify(req.agent, wire.Resync(nonce)))
+        if not self._synced(req, now):
             return
         self._goto(req, S.WRITING)
         self.leases.release(req.key)  # claimed: it cannot expire under the WRITE
@@ -893,22 +1008,27 @@ class Sender:
         self._timers.discard(_RESYNC + ev.agent)
         self.synced[ev.agent] = pending[1]
         for req in self._matched_ready(ev.agent):
-            self._write_when_synced(req, now)
+            if req.state is S.STREAMING:
+                self._stream(req, now)
+            else:
+                self._write_when_synced(req, now)
 
     def _resync_timed_out(self, agent: str, now: float) -> None:
         if self.resyncing.pop(agent, None) is None:
             return
         self._count("resyncs_failed")
+        why = f"peer {agent} did not re-sync after our stall"
         for req in self._matched_ready(agent):
-            self._fail_send(
-                req, int(ErrorCode.TRANSFER), f"peer {agent} did not re-sync after our stall"
-            )
+            if req.state is S.STREAMING:
+                self._stream_failed(req, int(ErrorCode.TRANSFER), why, now)
+            else:
+                self._fail_send(req, int(ErrorCode.TRANSFER), why)
 
     def _matched_ready(self, agent: str) -> list[SendRequest]:
         return [
             r
             for r in self.reqs.values()
-            if r.state is S.MATCHED and r.view_ready and r.agent == agent
+            if r.state in (S.MATCHED, S.STREAMING) and r.view_ready and r.agent == agent
         ]
 
     def _on_stalled(self, ev: Stalled, now: float) -> None:
@@ -917,6 +1037,217 @@ class Sender:
 
     def _on_regions(self, ev: RegionsChanged, now: float) -> None:
         self.generations = dict(ev.generations)
+
+    # ---------------------------------------------------------------- layer-wise push
+
+    def _on_layers(self, ev: LayersSaved, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is None and ev.request_id in self.tombstones:
+            req = None  # a late notice for a request that ended: never revives it
+        elif req is None:
+            req = self._find(ev.request_id)
+        if req is None or not (
+            (req.state is S.AWAITING and req.registration is not None) or (req.state is S.STREAMING)
+        ):
+            # no registration yet (or P finished it first): P's finish writes it whole
+            self._count("layers_unmatched")
+            return
+        if req.state is S.AWAITING:
+            self._start_stream(req, ev, now)
+            return
+        st = req.stream
+        assert st is not None
+        if (
+            ev.engine_id != st.engine_id
+            or ev.block_ids != st.blocks
+            or ev.tp_size != len(st.saved)
+            or ev.num_layers != st.num_layers
+        ):
+            self._count("layers_refused")
+            self._log(
+                "warning",
+                "layers_refused",
+                request_id=req.key,
+                peer=req.agent,
+                reason="blocks changed",
+            )
+            return
+        if ev.layers > st.saved[ev.tp_rank]:
+            st.saved[ev.tp_rank] = ev.layers
+            self._stream(req, now)
+
+    def _start_stream(self, req: SendRequest, ev: LayersSaved, now: float) -> None:
+        reg = req.registration
+        assert reg is not None
+        self._count("streams_started")
+        # the request takes P's id now (as at a finish), keeping its registration's wait
+        self._drop(req)
+        req.key, req.engine_id, req.blocks = ev.request_id, ev.engine_id, ev.block_ids
+        req.stream = Stream(ev.engine_id, ev.block_ids, ev.num_layers, saved=[0] * ev.tp_size)
+        req.stream.saved[ev.tp_rank] = ev.layers
+        self._add(req)
+        self._goto(req, S.STREAMING)
+        self._timers.set(req.key, req.since + self.registration_timeout)
+        self._out.append(ResolveView(req.key, req.agent, reg))
+
+    def _stream_view(self, req: SendRequest, ev: ViewResolved, now: float) -> None:
+        if ev.error is not None:
+            self._stream_failed(req, int(ev.error.code), ev.error.message, now)
+            return
+        req.view, req.view_ready = ev.view, True
+        self._stream(req, now)
+
+    def _stream(self, req: SendRequest, now: float) -> None:
+        """WRITE every saved layer not yet handed to a WRITE (once D's view is resolved and
+        D re-synced after any stall of ours)."""
+        st, reg = req.stream, req.registration
+        assert st is not None and reg is not None
+        if st.whole:  # goes whole once P finished and nothing of it is in flight
+            if req.state is S.STREAMING and st.finished and not st.in_flight and not st.ending:
+                self._write_whole(req, now)
+            return
+        if st.ending is not None or not req.view_ready:
+            return
+        ready = min(st.saved)
+        if ready <= st.posted or not self._synced(req, now):
+            return
+        p_blocks = st.blocks if reg.block_ids else ()  # how D's take P's: the planner's
+        self._out.append(
+            PostLayers(req.key, req.agent, st.engine_id, st.posted, ready, p_blocks, reg, req.view)
+        )
+        st.posted = ready
+        st.in_flight += 1
+        self._count("layer_writes")
+
+    def _on_layers_written(self, ev: LayersWritten, now: float) -> None:
+        req = self.reqs.get(ev.key)
+        st = req.stream if req is not None else None
+        if req is None or req.state is not S.STREAMING or st is None or st.in_flight <= 0:
+            raise LocalProtocolError(f"LayersWritten for {ev.key!r}, which is not streaming")
+        st.in_flight -= 1
+        if ev.unsupported:
+            if not st.whole:  # nothing was written: it goes whole at P's finish
+                st.whole = True
+                self._count("streams_whole")
+            self._settle(req, now)
+            return
+        if ev.error is not None:
+            self._stream_failed(req, int(ev.error.code), ev.error.message, now)
+            return
+        st.written += ev.end - ev.first
+        self._settle(req, now)
+
+    def _finish_stream(self, req: SendRequest, ev: Finish, now: float) -> None:
+        """P's engine finished a streaming request: every layer is in host memory now, so
+        what no worker announced is written at once (no wait for late announcements)."""
+        st, reg = req.stream, req.registration
+        assert st is not None and reg is not None
+        if st.finished:
+            raise InvalidRequest(f"request {ev.request_id!r} already finished")
+        st.finished = True
+        req.session = ev.session
+        self._timers.discard(req.key)
+        self._count("stream_finishes")
+        if st.ending is not None:  # it ends once its WRITEs return; P's engine hears how
+            if st.ending.event is None:
+                failed = wire.SendFailed(req.key, st.ending.tomb.code, st.ending.tomb.reason)
+                st.ending = replace(st.ending, event=failed)
+            self._settle(req, now)
+            return
+        if not ev.block_ids:  # P's engine gave the request up (an empty finish says so)
+            self._stream_failed(req, int(ErrorCode.TRANSFER), "P finished it with no blocks", now)
+            return
+        if ev.engine_id != st.engine_id or ev.block_ids != st.blocks:
+            why = "P finished the request with other blocks than its workers streamed"
+            self._stream_failed(req, int(ErrorCode.INVALID), why, now)
+            return
+        st.saved = [st.num_layers] * len(st.saved)
+        self._stream(req, now)
+        self._settle(req, now)
+
+    def _write_whole(self, req: SendRequest, now: float) -> None:
+        """A stream that cannot go by layer, P finished and nothing in flight: one WRITE of
+        the whole request, as when D registers after P's finish."""
+        reg = req.registration
+        assert reg is not None
+        if not self._synced(req, now):
+            return
+        self._goto(req, S.WRITING)
+        p_blocks = req.blocks if reg.block_ids else ()
+        self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
+
+    def _settle(self, req: SendRequest, now: float) -> None:
+        """End a streaming request once nothing of it is in flight and its fate is known."""
+        st = req.stream
+        assert st is not None
+        if st.in_flight:
+            return
+        if st.ending is not None:
+            end = st.ending
+            if end.event is not None:
+                self._emit(req, end.event)
+            if not st.complete():
+                self._push_failed(req, end.tomb.code, end.tomb.reason)
+            self._end(req, end.state, end.tomb)
+        elif st.finished and st.whole:
+            self._stream(req, now)
+        elif st.finished and st.complete():
+            self._count("sends_ok")
+            self._count("sends_layered")
+            self._emit(req, wire.SendFinished(req.key))
+            self._end(req, S.DELIVERED, _DONE)
+
+    def _stream_ending(self, req: SendRequest, ending: _Ending, now: float) -> None:
+        st = req.stream
+        assert st is not None
+        if st.ending is None:
+            st.ending = ending
+        self._settle(req, now)
+
+    def _stream_failed(self, req: SendRequest, code: int, reason: str, now: float) -> None:
+        st = req.stream
+        assert st is not None
+        if st.ending is None:
+            self._count("push_failed")
+            self._count("sends_failed")
+            self._log("warning", "push_failed", request_id=req.key, peer=req.agent, error=reason)
+        event = wire.SendFailed(req.key, code, reason[:1000]) if st.finished else None
+        tomb = Tombstone(code, reason[:1000], by_base=False)
+        self._stream_ending(req, _Ending(S.FAILED, tomb, event), now)
+
+    def _stream_aborted(self, req: SendRequest, ev: AbortSend, now: float) -> None:
+        st = req.stream
+        assert st is not None
+        self._count("streams_aborted")
+        event = (
+            wire.SendFailed(req.key, int(ErrorCode.TRANSFER), "aborted") if st.finished else None
+        )
+        self._stream_ending(req, _Ending(S.ABORTED, _ABORTED, event), now)
+
+    def _stream_operator_aborted(self, req: SendRequest, ev: ForceAbort, now: float) -> None:
+        """`kvd abort` mid-stream: nothing more is written; it ends once its WRITEs return."""
+        st = req.stream
+        assert st is not None
+        event = wire.SendFailed(req.key, _OPERATOR.code, _OPERATOR.reason) if st.finished else None
+        self._stream_ending(req, _Ending(S.ABORTED, _OPERATOR, event), now)
+
+    def _stream_cancelled(self, req: SendRequest, ev: CancelArrived, now: float) -> None:
+        st = req.stream
+        assert st is not None
+        self._count("leases_cancelled")
+        self._log("info", "stream_cancelled_by_d", request_id=req.key, peer=ev.agent)
+        event = (
+            wire.SendFailed(req.key, _CANCELLED.code, _CANCELLED.reason) if st.finished else None
+        )
+        self._stream_ending(req, _Ending(S.FAILED, _CANCELLED, event), now)
+
+    def _stream_timed_out(self, req: SendRequest, now: float) -> None:
+        why = f"P's engine did not finish the request within {self.registration_timeout}s"
+        st = req.stream
+        assert st is not None
+        if not st.finished:
+            tomb = Tombstone(int(ErrorCode.TIMEOUT), why, refuses_finish=True)
+            self._stream_ending(req, _Ending(S.FAILED, tomb, None), now)
 
     # ---------------------------------------------------------------- time
 
@@ -1013,6 +1344,8 @@ _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     CancelArrived: Sender._on_cancel,
     ViewResolved: Sender._on_view,
     WriteDone: Sender._on_write_done,
+    LayersSaved: Sender._on_layers,
+    LayersWritten: Sender._on_layers_written,
     ResyncAcked: Sender._on_resync_acked,
     Stalled: Sender._on_stalled,
     RegionsChanged: Sender._on_regions,
@@ -1028,19 +1361,24 @@ _ON: Final[dict[tuple[SendState, type], Callable[[Sender, SendRequest, Any, floa
     (S.AWAITING, ForceAbort): Sender._operator_aborted,
     (S.HELD, ForceAbort): Sender._operator_aborted,
     (S.MATCHED, ForceAbort): Sender._operator_aborted,
+    (S.STREAMING, AbortSend): Sender._stream_aborted,
+    (S.STREAMING, ForceAbort): Sender._stream_operator_aborted,
     # D registers
     (S.HELD, RegistrationArrived): Sender._held_registered,
     (S.AWAITING, RegistrationArrived): Sender._duplicate_registration,
     (S.MATCHED, RegistrationArrived): Sender._duplicate_registration,
     (S.WRITING, RegistrationArrived): Sender._duplicate_registration,
+    (S.STREAMING, RegistrationArrived): Sender._duplicate_registration,
     # D's READ completed
     (S.HELD, PullDoneArrived): Sender._held_pulled,
     (S.AWAITING, PullDoneArrived): Sender._pull_not_now,
     (S.MATCHED, PullDoneArrived): Sender._pull_not_now,
     (S.WRITING, PullDoneArrived): Sender._pull_not_now,
+    (S.STREAMING, PullDoneArrived): Sender._pull_not_now,
     # D cancels
     (S.AWAITING, CancelArrived): Sender._cancelled,
     (S.HELD, CancelArrived): Sender._cancelled,
     (S.MATCHED, CancelArrived): Sender._cancelled,
     (S.WRITING, CancelArrived): Sender._cancel_under_write,
+    (S.STREAMING, CancelArrived): Sender._stream_cancelled,
 }

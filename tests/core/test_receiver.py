@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import pytest
@@ -38,6 +38,7 @@ from kvd.core.receiver import (
     Effect,
     EndSession,
     Event,
+    LayersPushedArrived,
     Load,
     PeerKnown,
     PeerLost,
@@ -1059,6 +1060,11 @@ class MReq:
     aborted: bool = False
     refreshed: bool = False
     deadline: float | None = None
+    layer_bits: dict[int, int] = field(default_factory=dict)
+
+
+ML: Final = 2
+"""Layers of D's regions in the model (a layer-wise push must deliver each per rank)."""
 
 
 @dataclass
@@ -1387,7 +1393,9 @@ class ReceiverModel(RuleBasedStateMachine):
         agent = AGENTS[ld.peer]
         event: Event
         if ok:
-            event = PeerResolved(ld.request_id, agent, self.now, ranks, first_of(ld), VIEW)
+            event = PeerResolved(
+                ld.request_id, agent, self.now, ranks, first_of(ld), VIEW, layers=ML
+            )
             self.ranks[ld.request_id] = ranks
         else:
             event = PeerUnresolved(ld.request_id, Incompatible("refused"), agent if reached else "")
@@ -1476,6 +1484,55 @@ class ReceiverModel(RuleBasedStateMachine):
                     self._finish(m)
         code = 0 if ok else LEASE_EXPIRED
         self._run(push_done(rid, rank, ok=ok, code=code, agent=agent))
+
+    @rule(
+        rid=st.sampled_from(RIDS),
+        agent=st.sampled_from(AGENT_LIST),
+        rank=st.integers(0, 2),
+        first=st.integers(0, ML),
+        span=st.integers(1, 2),
+    )
+    def layers_pushed(self, rid: str, agent: str, rank: int, first: int, span: int) -> None:
+        """A LayersPushed riding one of P's layer-wise WRITEs (possibly a repeat, or out of
+        range: rejected, never counted)."""
+        end = first + span
+        m = self.live.get(rid)
+        if m is not None and m.agent == agent and m.phase in _GOOD and self.mode[rid] == "push":
+            self._p_answers(rid)
+            bits = (1 << end) - (1 << first)
+            have = m.layer_bits.get(rank, 0)
+            if rank < m.ranks and end <= ML and not have & bits:
+                have |= bits
+                m.layer_bits[rank] = have
+                if have == (1 << ML) - 1:
+                    m.done.add(rank)
+                    self.pushed_ok.setdefault(rid, set()).add(rank)
+                    if len(m.done) == m.ranks:
+                        self._finish(m)
+        msg = wire.LayersPushed(rank, (wire.LayerRange(rid, first, end),))
+        self._run(LayersPushedArrived(agent, msg))
+
+    def _pushing(self) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if m.phase in _GOOD and self.mode.get(m.rid) == "push" and m.agent
+        ]
+
+    @precondition(lambda self: bool(self._pushing()))
+    @rule(
+        i=st.integers(0, 3), rank=st.integers(0, 1), first=st.integers(0, 1), span=st.integers(1, 2)
+    )
+    def p_pushes_layers(self, i: int, rank: int, first: int, span: int) -> None:
+        """P's layer-wise WRITE of a request registered with it lands (the usual case)."""
+        ms = self._pushing()
+        m = ms[i % len(ms)]
+        if first == 0 and m.ranks:  # mostly: the next layers of one of its ranks
+            rank %= m.ranks
+            have = m.layer_bits.get(rank, 0)
+            first = next((n for n in range(ML) if not have >> n & 1), 0)
+            span = min(span, ML - first)
+        self.layers_pushed(m.rid, m.agent, rank, first, span)
 
     @rule(rid=st.sampled_from(RIDS), agent=st.sampled_from(AGENT_LIST), ok=st.booleans())
     def pull_ack(self, rid: str, agent: str, ok: bool) -> None:
@@ -1567,3 +1624,98 @@ class ReceiverModel(RuleBasedStateMachine):
 
 ReceiverModel.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestReceiverModel = ReceiverModel.TestCase
+
+
+# ------------------------------------------------------------------ layer-wise push
+
+
+def layered(rx: Receiver, ld: Load, now: float, *, ranks: int, layers: int) -> None:
+    """A push REGISTERED with P, our regions having `layers` layers."""
+    rx.handle(ld, now)
+    ev = replace(resolved(ld, ranks=ranks, since=now), layers=layers)
+    rx.handle(ev, now)
+    rx.handle(Sent(ld.request_id), now)
+    assert rx.reqs[ld.request_id].state is S.REGISTERED
+
+
+def pushed(
+    rank: int, *ranges: tuple[str, int, int], agent: str = AGENTS[P1]
+) -> LayersPushedArrived:
+    return LayersPushedArrived(
+        agent, wire.LayersPushed(rank, tuple(wire.LayerRange(r, a, b) for r, a, b in ranges))
+    )
+
+
+def test_layerwise_done_once_every_layer_of_every_rank_arrived() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=2, layers=4)
+    layered(rx, load("r2"), 0.0, ranks=2, layers=4)
+    # layers in any order, several requests in one notification
+    assert quiet(rx.handle(pushed(0, ("r1", 0, 1), ("r2", 0, 2)), 0.1)) == []
+    assert quiet(rx.handle(pushed(1, ("r1", 2, 4)), 0.2)) == []
+    assert quiet(rx.handle(pushed(0, ("r1", 1, 4), ("r2", 2, 4)), 0.3)) == []
+    assert rx.reqs["r1"].done_ranks == {0} and rx.reqs["r2"].done_ranks == {0}
+    assert quiet(rx.handle(pushed(1, ("r1", 0, 2)), 0.4)) == [finished("r1")]
+    assert quiet(rx.handle(pushed(1, ("r2", 0, 4)), 0.5)) == [finished("r2")]
+    assert rx.counters["recv_ok"] == 2
+    assert_empty(rx)
+    # a late one is a late answer, not a second end
+    out = rx.handle(pushed(1, ("r2", 0, 4)), 0.6)
+    assert quiet(out) == [] and rx.counters["late_answers"] == 1
+
+
+def test_layerwise_a_repeated_or_foreign_layer_is_rejected_never_counted() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=1, layers=3)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    for bad in (
+        pushed(0, ("r1", 1, 3)),  # layer 1 again
+        pushed(0, ("r1", 2, 4)),  # past our layers
+        pushed(1, ("r1", 2, 3)),  # a rank we do not have
+        pushed(0, ("r1", 2, 3), agent=AGENTS[P2]),  # another P
+        pushed(0, ("nobody", 0, 1)),
+    ):
+        out = rx.handle(bad, 0.2)
+        assert records(out) == [] and [e.event for e in out if isinstance(e, Log)] == [
+            "notif_rejected"
+        ]
+    assert rx.counters["notifs_rejected"] == 5
+    assert rx.reqs["r1"].layer_bits == {0: 0b011}
+    assert quiet(rx.handle(pushed(0, ("r1", 2, 3)), 0.3)) == [finished("r1")]
+
+
+def test_layerwise_p_lost_after_some_layers_fails_never_done() -> None:
+    rx = make()
+    layered(rx, load("r1", blocks=(4, 5)), 0.0, ranks=1, layers=4)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    out = rx.handle(PeerLost(AGENTS[P1], "killed"), 0.2)
+    assert one_failure(out, "r1").block_ids == (4, 5)
+    assert_empty(rx)
+    out = rx.handle(pushed(0, ("r1", 2, 4)), 0.3)  # the rest, too late
+    assert records(out) == [] and rx.counters.get("recv_ok", 0) == 0
+
+
+def test_layerwise_abort_mid_stream_waits_for_ps_word_and_ends_failed_once() -> None:
+    rx = make()
+    layered(rx, load("r1", p_id="p-1"), 0.0, ranks=1, layers=2)
+    rx.handle(pushed(0, ("r1", 0, 1)), 0.1)
+    out = quiet(rx.handle(AbortRecv("r1", "s1"), 0.2))
+    assert out == [SendFor("r1", AGENTS[P1], cancel("p-1"))]
+    assert rx.reqs["r1"].state is S.CANCELLING
+    # P's last layer was already on its way: every layer arrived, still failed (aborted)
+    out = rx.handle(pushed(0, ("r1", 1, 2)), 0.3)
+    assert one_failure(out, "r1").reason.startswith("aborted")
+    assert_empty(rx)
+    assert quiet(rx.handle(push_done("r1", ok=False, code=TRANSFER), 0.4)) == []
+
+
+def test_layerwise_and_push_done_ranks_add_up() -> None:
+    rx = make()
+    layered(rx, load("r1"), 0.0, ranks=2, layers=2)
+    rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
+    assert quiet(rx.handle(push_done("r1", 1), 0.2)) == [finished("r1")]
+    rx = make()
+    layered(rx, load("r2"), 0.0, ranks=1, layers=2)
+    rx.handle(pushed(0, ("r2", 0, 1)), 0.1)
+    out = rx.handle(push_done("r2", ok=False, code=TRANSFER), 0.2)
+    assert one_failure(out, "r2").code == TRANSFER

@@ -41,6 +41,9 @@ from kvd.core.sender import (
     Event,
     Finish,
     HeartbeatArrived,
+    LayersSaved,
+    LayersWritten,
+    PostLayers,
     PostWrite,
     PullDoneArrived,
     RegionsChanged,
@@ -234,6 +237,29 @@ def assert_empty(tx: Sender) -> None:
     assert len(tx.leases) == 0
     assert tx.resyncing == {}
     assert tx.next_deadline() is None
+
+
+def saved(
+    rid: str, layers: int, *, rank: int = 0, ranks: int = 1, of: int = 4, blocks=BLOCKS
+) -> LayersSaved:
+    """P's worker of `rank`: layers [0, layers) of `rid` (of `of`) are in host memory."""
+    return LayersSaved(rid, ENGINE, rank, ranks, layers, of, blocks)
+
+
+def posts(effects: Iterable[Effect]) -> list[tuple[str, int, int]]:
+    return [(e.key, e.first, e.end) for e in effects if isinstance(e, PostLayers)]
+
+
+def streaming(tx: Sender, rid: str, d_rid: str, now: float, *, ranks: int = 1) -> None:
+    """D registered for P's `rid`; its worker of rank 0 saved layer 0; D's view is resolved
+    (so layer 0 is written if P has one rank)."""
+    ev = registered(d_rid, rid)
+    ev = RegistrationArrived(ev.agent, replace(ev.msg, tp_size=ranks))
+    assert tx.handle(ev, now) == []
+    assert tx.handle(saved(rid, 1, ranks=ranks), now) == [ResolveView(rid, D1, ev.msg)]
+    assert state(tx, rid) is S.STREAMING
+    want = [(rid, 0, 1)] if ranks == 1 else []
+    assert posts(tx.handle(ViewResolved(rid, VIEW), now)) == want
 
 
 # ------------------------------------------------------------------ the table
@@ -1049,7 +1075,7 @@ def test_matching_registration_then_finished() -> None:
     assert tx.handle(registered("d1", "r1"), 0.0) == []
     assert tx.by_state()["awaiting"] == 1
     assert [type(e) for e in tx.handle(finish("r1"), 1.0)] == [ResolveView]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0, "streaming": 0}
 
 
 def test_matching_finished_then_registration() -> None:
@@ -1057,7 +1083,7 @@ def test_matching_finished_then_registration() -> None:
     tx.handle(finish("r1"), 0.0)
     assert [r.key for r in tx.held()] == ["r1"]  # an unmatched finish
     assert [type(e) for e in tx.handle(registered("d1", "r1"), 1.0)] == [ResolveView]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 1, "writing": 0, "streaming": 0}
 
 
 def test_matching_base_id_fallback_both_orders() -> None:
@@ -1070,7 +1096,7 @@ def test_matching_base_id_fallback_both_orders() -> None:
     assert tx.handle(finish("cmpl-y-0"), 0.0) == []  # an id with no suffix is its own base
     ev = registered("cmpl-y-0-00000000")
     assert tx.handle(ev, 0.0) == [ResolveView("cmpl-y-0", D1, ev.msg)]
-    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 2, "writing": 0}
+    assert tx.by_state() == {"awaiting": 0, "held": 0, "matched": 2, "writing": 0, "streaming": 0}
     check_index(tx)
 
 
@@ -1321,6 +1347,28 @@ class MReq:
     view_ready: bool = False
     lease: float | None = None
     wait: float | None = None
+    stream: MStream | None = None
+    wait_seq: int = 0
+
+
+NL: Final = 3
+"""Layers of the engine in the model (one rank)."""
+STREAM_BLOCKS: Final = (10, 11, 12)
+"""What P's worker names; P's engine finishes with 10, 11, ... (as many as it has)."""
+
+
+@dataclass
+class MStream:
+    """The reference's layer-wise push (one rank)."""
+
+    blocks: tuple[int, ...]
+    saved: int = 0
+    posted: int = 0
+    written: int = 0
+    in_flight: int = 0
+    finished: bool = False
+    ending: tuple[SendState, MTomb, tuple[str, int] | None] | None = None
+    """(end state, tombstone, the event for P's session: (kind, code), if any)."""
 
 
 @dataclass
@@ -1328,6 +1376,8 @@ class MResync:
     nonce: int | None
     epoch: int
     due: float
+    seq: int = 0
+    """Timers due at the same time fire in the order they were set (the machine's rule)."""
 
 
 class SenderModel(RuleBasedStateMachine):
@@ -1365,6 +1415,8 @@ class SenderModel(RuleBasedStateMachine):
         self.closed_ends: set[str] = set()
         """Ended by their session's close (no event: the engine is gone)."""
         self.written: set[str] = set()
+        self.layers_posted: set[tuple[str, int]] = set()
+        self.seq = 0
         self.stalls = 0
         self.region_changes = 0
         self.resync_stalls: dict[int, int] = {}
@@ -1450,7 +1502,8 @@ class SenderModel(RuleBasedStateMachine):
     def _write_when_synced(self, m: MReq) -> None:
         if self.synced.get(m.agent, 0) < self.epoch:
             if m.agent not in self.resyncing:
-                self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC)
+                self.seq += 1
+                self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC, self.seq)
                 self.expect.append(("resync", m.agent))
             return
         assert m.reg is not None
@@ -1462,8 +1515,63 @@ class SenderModel(RuleBasedStateMachine):
         return [
             m
             for m in self.live.values()
-            if m.state is S.MATCHED and m.view_ready and m.agent == agent
+            if m.state in (S.MATCHED, S.STREAMING) and m.view_ready and m.agent == agent
         ]
+
+    def _synced(self, m: MReq) -> bool:
+        if self.synced.get(m.agent, 0) >= self.epoch:
+            return True
+        if m.agent not in self.resyncing:
+            self.seq += 1
+            self.resyncing[m.agent] = MResync(None, self.epoch, self.now + RESYNC, self.seq)
+            self.expect.append(("resync", m.agent))
+        return False
+
+    def _m_stream(self, m: MReq) -> None:
+        st_ = m.stream
+        assert st_ is not None and m.reg is not None
+        if st_.ending is not None or not m.view_ready or st_.saved <= st_.posted:
+            return
+        if not self._synced(m):
+            return
+        p_blocks = st_.blocks if m.reg.block_ids else ()
+        self.expect.append(
+            PostLayers(m.key, m.agent, ENGINE, st_.posted, st_.saved, p_blocks, m.reg, m.view)
+        )
+        st_.posted = st_.saved
+        st_.in_flight += 1
+
+    def _m_settle(self, m: MReq) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        if st_.in_flight:
+            return
+        if st_.ending is not None:
+            end, tomb, event = st_.ending
+            if event is not None:
+                self._emit(m, event[0], event[1])
+            if st_.written < NL:
+                self._push_failed(m, tomb.code)
+            self._end(m, end, tomb)
+        elif st_.finished and st_.written == NL:
+            self.write_ok.add(m.key)
+            self._emit(m, "finished")
+            self._end(m, S.DELIVERED, M_DONE)
+
+    def _m_ending(
+        self, m: MReq, end: SendState, tomb: MTomb, event: tuple[str, int] | None
+    ) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        if st_.ending is None:
+            st_.ending = (end, tomb, event)
+        self._m_settle(m)
+
+    def _m_stream_failed(self, m: MReq, code: int) -> None:
+        st_ = m.stream
+        assert st_ is not None
+        event = ("failed", code) if st_.finished else None
+        self._m_ending(m, S.FAILED, MTomb(code, by_base=False), event)
 
     def _timers(self) -> None:
         now = self.now
@@ -1476,10 +1584,26 @@ class SenderModel(RuleBasedStateMachine):
             if m.state is S.AWAITING and m.wait is not None and m.wait <= now:
                 code = NOT_FOUND if m.pull is not None else TIMEOUT
                 self._fail_waiting(m, MTomb(code, refuses=True), S.FAILED)
-        for agent, pending in list(self.resyncing.items()):
-            if pending.due <= now:
-                del self.resyncing[agent]
-                for m in self._matched_ready(agent):
+        # a stream's wait and a re-sync's deadline both touch a stream: in the machine's order
+        due: list[tuple[float, int, str, Any]] = [
+            (m.wait, m.wait_seq, "wait", m)
+            for m in self.live.values()
+            if m.state is S.STREAMING and m.wait is not None and m.wait <= now
+        ]
+        due += [(r.due, r.seq, "resync", a) for a, r in self.resyncing.items() if r.due <= now]
+        for _, _, kind, what in sorted(due, key=lambda d: (d[0], d[1])):
+            if kind == "wait":
+                m = what
+                if self.live.get(m.base) is m and m.wait is not None:
+                    m.wait = None
+                    self._m_ending(m, S.FAILED, MTomb(TIMEOUT, refuses=True), None)
+                continue
+            agent = what
+            del self.resyncing[agent]
+            for m in self._matched_ready(agent):
+                if m.state is S.STREAMING:
+                    self._m_stream_failed(m, TRANSFER)
+                else:
                     self._fail_send(m, TRANSFER)
 
     # ------------------------------------------------------------ driving the machine
@@ -1549,8 +1673,19 @@ class SenderModel(RuleBasedStateMachine):
                 self.written.add(key)
                 self.ops.append(eff)
             elif isinstance(eff, ResolveView):
-                assert eff.key in self.finished
-                assert self.tx.reqs[eff.key].state is S.MATCHED
+                state = self.tx.reqs[eff.key].state
+                assert (state is S.MATCHED and eff.key in self.finished) or state is S.STREAMING
+                self.ops.append(eff)
+            elif isinstance(eff, PostLayers):
+                key = eff.key
+                assert self.emitted[key] == 0 and key not in self.closed_ends
+                assert self.tx.reqs[key].state is S.STREAMING
+                assert (eff.agent, eff.registration) in self.registrations
+                assert self.views.get(key) == eff.view
+                assert self.acked_stalls.get(eff.agent, 0) >= self.stalls
+                assert (key, eff.first) not in self.layers_posted  # each layer once
+                self.layers_posted.update((key, n) for n in range(eff.first, eff.end))
+                assert 0 <= eff.first < eff.end <= NL
                 self.ops.append(eff)
             elif isinstance(eff, SessionEnded):
                 self.answered[eff.session] += 1
@@ -1574,7 +1709,11 @@ class SenderModel(RuleBasedStateMachine):
         leases = {lease.request_id: lease.deadline for lease in tx.leases.leases()}
         assert leases == {m.key: m.lease for m in self.live.values() if m.lease is not None}
         dues = [m.lease for m in self.live.values() if m.lease is not None]
-        dues += [m.wait for m in self.live.values() if m.state is S.AWAITING and m.wait is not None]
+        dues += [
+            m.wait
+            for m in self.live.values()
+            if m.state in (S.AWAITING, S.STREAMING) and m.wait is not None
+        ]
         dues += [r.due for r in self.resyncing.values()]
         deadline = tx.next_deadline()
         assert deadline == (min(dues) if dues else None)
@@ -1614,6 +1753,22 @@ class SenderModel(RuleBasedStateMachine):
             self.live[base] = MReq(
                 base, p, S.HELD, session=session, blocks=ev.block_ids, lease=lease
             )
+        elif m.state is S.STREAMING:
+            assert m.stream is not None and m.reg is not None and not m.stream.finished
+            m.stream.finished, m.session, m.wait = True, session, None
+            if m.stream.ending is not None:
+                end, tomb, event = m.stream.ending
+                if event is None:
+                    m.stream.ending = (end, tomb, ("failed", tomb.code))
+                self._m_settle(m)
+            elif not ev.block_ids:
+                self._m_stream_failed(m, TRANSFER)
+            elif ev.block_ids != m.stream.blocks:
+                self._m_stream_failed(m, INVALID)
+            else:
+                m.stream.saved = NL
+                self._m_stream(m)
+                self._m_settle(m)
         else:
             assert m.state is S.AWAITING  # one P request per base id, finished once
             m.key, m.session, m.blocks = p, session, ev.block_ids
@@ -1627,7 +1782,7 @@ class SenderModel(RuleBasedStateMachine):
     def _finish_again(self, letter: str, slot: str) -> None:
         """Not what an engine does; refused while the request holds its lease."""
         m = self.live.get(self._base(letter, False))
-        if m is None or m.state is S.AWAITING:
+        if m is None or m.state is S.AWAITING or (m.stream is not None and not m.stream.finished):
             return
         before = {k: (r.state, r.session, r.blocks) for k, r in self.tx.reqs.items()}
         with pytest.raises(InvalidRequest):
@@ -1655,6 +1810,10 @@ class SenderModel(RuleBasedStateMachine):
                 self._emit(m, "failed", TRANSFER)
                 self._push_failed(m, NOT_FOUND)
                 self._end(m, S.ABORTED, M_ABORTED)
+            elif m.state is S.STREAMING:
+                assert m.stream is not None
+                event = ("failed", TRANSFER) if m.stream.finished else None
+                self._m_ending(m, S.ABORTED, M_ABORTED, event)
             # WRITING: the WRITE's outcome answers
         else:
             self._bury(p, M_ABORTED)
@@ -1677,6 +1836,11 @@ class SenderModel(RuleBasedStateMachine):
                 self._push_failed(m, TRANSFER)
                 self.closed_ends.add(m.key)
                 self._end(m, S.ABORTED, M_GONE)
+            elif m.state is S.STREAMING:
+                assert m.stream is not None
+                if m.stream.ending is None:
+                    self.closed_ends.add(m.key)
+                self._m_ending(m, S.ABORTED, M_GONE, None)
         if session in self.closing and not any(m.session == session for m in self.live.values()):
             self.closing.discard(session)
             self.expect.append(SessionEnded(session))
@@ -1794,6 +1958,10 @@ class SenderModel(RuleBasedStateMachine):
             self._emit(m, "failed", TRANSFER)
             self._push_failed(m, TRANSFER)
             self._end(m, S.FAILED, M_CANCELLED)
+        elif m.state is S.STREAMING:
+            assert m.stream is not None
+            event = ("failed", TRANSFER) if m.stream.finished else None
+            self._m_ending(m, S.FAILED, M_CANCELLED, event)
         # WRITING: its PushDone answers D
         self._run(CancelArrived(agent, rid))
 
@@ -1840,12 +2008,15 @@ class SenderModel(RuleBasedStateMachine):
             self.synced[agent] = pending.epoch
             self.acked_stalls[agent] = self.resync_stalls[nonce]
             for m in self._matched_ready(agent):
-                self._write_when_synced(m)
+                if m.state is S.STREAMING:
+                    self._m_stream(m)
+                else:
+                    self._write_when_synced(m)
         self._run(ResyncAcked(agent, nonce))
 
     # ------------------------------------------------------------ our own work and state
 
-    def _take(self, kind: type[ResolveView] | type[PostWrite], i: int) -> Any:
+    def _take(self, kind: type[ResolveView] | type[PostWrite] | type[PostLayers], i: int) -> Any:
         ops = [op for op in self.ops if isinstance(op, kind)]
         op = ops[i % len(ops)]
         self.ops.remove(op)
@@ -1877,7 +2048,14 @@ class SenderModel(RuleBasedStateMachine):
         self.view_seq += 1
         view = f"view-{self.view_seq}"
         m = self.live.get(base_of(op.key))
-        if m is not None and m.key == op.key and m.state is S.MATCHED and not m.view_ready:
+        if m is not None and m.key == op.key and m.state is S.STREAMING and not m.view_ready:
+            if ok:
+                m.view, m.view_ready = view, True
+                self.views[m.key] = view
+                self._m_stream(m)
+            else:
+                self._m_stream_failed(m, INCOMPATIBLE)
+        elif m is not None and m.key == op.key and m.state is S.MATCHED and not m.view_ready:
             if ok:
                 m.view, m.view_ready = view, True
                 self.views[m.key] = view
@@ -1898,6 +2076,67 @@ class SenderModel(RuleBasedStateMachine):
         else:
             self._fail_send(m, TRANSFER)
         self._run(WriteDone(op.key, None if ok else TransferError("WRITE failed")))
+
+    # ------------------------------------------------------------ P's workers (layer-wise)
+
+    @rule(
+        letter=st.sampled_from(LETTERS),
+        layers=st.integers(1, NL),
+        blocks=st.sampled_from((STREAM_BLOCKS, STREAM_BLOCKS, (10, 11, 13))),
+        late=st.sampled_from((False, False, True)),
+    )
+    def p_worker_saves(self, letter: str, layers: int, blocks: tuple[int, ...], late: bool) -> None:
+        self._worker_saves(self._base(letter, late), layers, blocks)
+
+    def _worker_saves(self, base: str, layers: int, blocks: tuple[int, ...]) -> None:
+        p = p_of(base)
+        m = self.live.get(base)
+        if m is not None and m.key != p and p in self.tombs:
+            pass  # a late notice for P's request that ended: never revives it
+        elif m is not None and m.state is S.AWAITING and m.reg is not None:
+            m.key, m.state, m.blocks = p, S.STREAMING, blocks
+            m.stream = MStream(blocks, saved=layers)
+            self.seq += 1
+            m.wait_seq = self.seq
+            self.expect.append(ResolveView(p, m.agent, m.reg))
+        elif m is not None and m.state is S.STREAMING:
+            assert m.stream is not None
+            if blocks == m.stream.blocks and layers > m.stream.saved:
+                m.stream.saved = layers
+                self._m_stream(m)
+        self._run(LayersSaved(p, ENGINE, 0, 1, layers, NL, blocks))
+
+    def _streamable(self) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if (m.state is S.AWAITING and m.reg is not None) or m.state is S.STREAMING
+        ]
+
+    @precondition(lambda self: bool(self._streamable()))
+    @rule(i=st.integers(0, 3), more=st.integers(1, NL))
+    def p_worker_saves_next(self, i: int, more: int) -> None:
+        """The worker of a request D registered for saves its next layers (the usual case)."""
+        ms = self._streamable()
+        m = ms[i % len(ms)]
+        have = m.stream.saved if m.stream is not None else 0
+        blocks = m.stream.blocks if m.stream is not None else STREAM_BLOCKS
+        self._worker_saves(m.base, min(NL, have + more), blocks)
+
+    @precondition(lambda self: any(isinstance(op, PostLayers) for op in self.ops))
+    @rule(i=st.integers(0, 3), ok=st.sampled_from((True, True, True, False)))
+    def layers_written(self, i: int, ok: bool) -> None:
+        op: PostLayers = self._take(PostLayers, i)
+        m = self.live[base_of(op.key)]  # a WRITE in flight keeps its request alive
+        assert m.key == op.key and m.state is S.STREAMING and m.stream is not None
+        m.stream.in_flight -= 1
+        if ok:
+            m.stream.written += op.end - op.first
+            self._m_settle(m)
+        else:
+            self._m_stream_failed(m, TRANSFER)
+        err = None if ok else TransferError("WRITE failed")
+        self._run(LayersWritten(op.key, op.first, op.end, err))
 
     @precondition(lambda self: self.stalls + self.region_changes < 5)
     @rule(generation=st.sampled_from((0, 1, 2)))
@@ -1927,6 +2166,8 @@ class SenderModel(RuleBasedStateMachine):
         for _ in range(100):
             if any(isinstance(op, PostWrite) for op in self.ops):
                 self.write_done(0, True)
+            elif any(isinstance(op, PostLayers) for op in self.ops):
+                self.layers_written(0, True)
             elif self.ops:
                 self.view_resolved(0, True)
             elif any(r.nonce is not None for r in self.resyncing.values()):
@@ -1950,3 +2191,199 @@ class SenderModel(RuleBasedStateMachine):
 
 SenderModel.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestSenderModel = SenderModel.TestCase
+
+
+# ------------------------------------------------------------------ layer-wise push
+
+
+def test_layerwise_each_layer_written_at_once_and_finish_only_ends_it() -> None:
+    tx = make()
+    ev = registered("d1", "r1")
+    ev = RegistrationArrived(ev.agent, replace(ev.msg, tp_size=2))
+    tx.handle(ev, 0.0)
+    out = tx.handle(saved("r1", 1, ranks=2), 0.1)
+    assert out == [ResolveView("r1", D1, ev.msg)]  # D's view first
+    assert tx.handle(saved("r1", 2, rank=1, ranks=2), 0.2) == []  # no view yet: remembered
+    out = tx.handle(ViewResolved("r1", VIEW), 0.3)
+    # a layer goes once every rank has it: [0, 1) now
+    assert out == [PostLayers("r1", D1, ENGINE, 0, 1, BLOCKS, ev.msg, VIEW)]
+    assert posts(tx.handle(saved("r1", 3, ranks=2), 0.4)) == [("r1", 1, 2)]
+    assert tx.handle(saved("r1", 2, ranks=2), 0.4) == []  # older news: nothing
+    for first, end in ((0, 1), (1, 2)):
+        assert calm(tx.handle(LayersWritten("r1", first, end), 0.5)) == []
+    assert posts(tx.handle(saved("r1", 4, ranks=2), 0.6)) == []  # rank 1 has only 2
+    assert posts(tx.handle(saved("r1", 4, rank=1, ranks=2), 0.6)) == [("r1", 2, 4)]
+    assert tx.handle(LayersWritten("r1", 2, 4), 0.7) == []  # D has it all; P not finished
+    assert len(tx.leases) == 0 and tx.by_state()["streaming"] == 1
+    assert tx.handle(finish("r1"), 0.8) == [Emit("s1", ENGINE, wire.SendFinished("r1"))]
+    assert_empty(tx)
+    assert tx.counters["sends_layered"] == 1 and tx.counters.get("leases_granted", 0) == 0
+    assert [(f, t) for _, f, t in tx.moves] == [
+        (S.AWAITING, S.STREAMING),
+        (S.STREAMING, S.DELIVERED),
+    ]
+
+
+def test_layerwise_finish_writes_what_no_worker_announced() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0, ranks=2)  # rank 1 saved nothing yet: nothing written
+    out = tx.handle(finish("r1"), 1.0)
+    assert posts(out) == [("r1", 0, 4)]
+    assert tx.next_deadline() is None  # claimed: no lease, no wait
+    assert tx.handle(saved("r1", 4, rank=1, ranks=2), 1.1) == []  # a late notice: nothing
+    assert calm(tx.handle(LayersWritten("r1", 0, 4), 1.2)) == [("finished", "s1", "r1", 0)]
+    assert_empty(tx)
+
+
+def test_layerwise_a_request_that_cannot_be_cut_goes_whole_at_the_finish() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    out = tx.handle(LayersWritten("r1", 0, 1, unsupported=True), 0.1)
+    assert calm(out) == [] and tx.counters["streams_whole"] == 1
+    assert tx.handle(saved("r1", 3), 0.2) == []  # no more layer WRITEs
+    ev = tx.reqs["r1"].registration
+    assert tx.handle(finish("r1"), 0.3) == [PostWrite("r1", D1, ENGINE, BLOCKS, ev, VIEW)]
+    assert state(tx, "r1") is S.WRITING
+    assert calm(tx.handle(WriteDone("r1"), 0.4)) == [("finished", "s1", "r1", 0)]
+    assert_empty(tx)
+
+
+def test_layerwise_nothing_without_a_registration_and_never_after_a_finish() -> None:
+    tx = make()
+    assert tx.handle(saved("r1", 1), 0.0) == []  # nobody registered: dropped
+    assert tx.counters["layers_unmatched"] == 1 and tx.reqs == {}
+    tx.handle(finish("r1"), 0.1)
+    assert tx.handle(saved("r1", 2), 0.1) == []  # held: the whole request goes at match
+    assert state(tx, "r1") is S.HELD and tx.counters["layers_unmatched"] == 2
+
+
+def test_layerwise_notice_with_other_blocks_is_refused() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    out = tx.handle(saved("r1", 2, blocks=(10, 11, 13)), 0.1)
+    assert calm(out) == [] and logs(out) == ["layers_refused"]
+
+
+def test_layerwise_finish_with_other_blocks_fails_once_writes_return() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    assert calm(tx.handle(finish("r1", (10, 11, 99)), 0.5)) == []  # a WRITE is in flight
+    assert state(tx, "r1") is S.STREAMING
+    out = tx.handle(LayersWritten("r1", 0, 1), 0.6)
+    assert calm(out) == [("failed", "s1", "r1", INVALID), ("push_done", D1, "d1", INVALID)]
+    assert_empty(tx)
+
+
+@pytest.mark.parametrize("blocks", [(), (10, 11, 12)])
+def test_layerwise_empty_finish_fails_it(blocks: tuple[int, ...]) -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(LayersWritten("r1", 0, 1), 0.1)
+    out = tx.handle(finish("r1", blocks), 0.2)
+    if blocks:
+        assert posts(out) == [("r1", 1, 4)]
+    else:
+        assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
+        assert_empty(tx)
+
+
+def test_layerwise_abort_mid_stream_waits_for_writes_then_tells_d() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    assert calm(tx.handle(AbortSend("r1", "s1"), 0.1)) == []  # the WRITE still runs
+    assert tx.handle(saved("r1", 3), 0.1) == []  # nothing more is written
+    out = tx.handle(LayersWritten("r1", 0, 1), 0.2)
+    assert calm(out) == [("push_done", D1, "d1", NOT_FOUND)]  # P never finished: no event
+    assert_empty(tx)
+    # the late finish of an engine that aborted: a lease as for any aborted request
+    assert calm(tx.handle(registered("d1", "r1"), 0.3)) == [("push_done", D1, "d1", NOT_FOUND)]
+
+
+def test_layerwise_abort_after_d_has_everything_tells_d_nothing() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 4), 0.0)
+    tx.handle(ViewResolved("r1", VIEW), 0.0)
+    tx.handle(LayersWritten("r1", 0, 4), 0.1)
+    assert calm(tx.handle(AbortSend("r1", "s1"), 0.2)) == []  # D is done: no contradiction
+    assert_empty(tx)
+
+
+def test_layerwise_cancel_by_d_and_write_failure() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(finish("r1"), 0.1)  # the rest goes now
+    out = tx.handle(CancelArrived(D1, "r1"), 0.2)
+    assert calm(out) == []  # waits for the WRITEs
+    tx.handle(LayersWritten("r1", 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 1, 4), 0.3)
+    # D's every layer landed before P heard the cancel: D ends by itself, P fails its send
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
+    assert_empty(tx)
+    tx = make()
+    streaming(tx, "r2", "d2", 0.0)
+    out = tx.handle(LayersWritten("r2", 0, 1, TransferError("gone")), 0.1)
+    assert calm(out) == [("push_done", D1, "d2", TRANSFER)]
+    assert logs(out) == ["push_failed"]
+    assert_empty(tx)
+
+
+def test_layerwise_p_engine_that_never_finishes_times_out() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(LayersWritten("r1", 0, 1), 0.1)
+    assert tx.next_deadline() == REG
+    out = tx.handle_timer(REG)
+    assert calm(out) == [("push_done", D1, "d1", TIMEOUT)]
+    assert_empty(tx)
+    # the finish that comes after all is refused at once
+    assert calm(tx.handle(finish("r1"), REG + 1)) == [("failed", "s1", "r1", TIMEOUT)]
+
+
+def test_layerwise_session_end_ends_a_finished_stream_once_writes_return() -> None:
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    tx.handle(finish("r1"), 0.1)
+    assert calm(tx.handle(EndSession("s1"), 0.2)) == []  # WRITEs in flight
+    tx.handle(LayersWritten("r1", 0, 1), 0.3)
+    out = tx.handle(LayersWritten("r1", 1, 4), 0.3)
+    assert calm(out) == [SessionEnded("s1")]  # every layer landed: D is done, nothing to say
+    assert_empty(tx)
+
+
+def test_layerwise_after_a_stall_no_layer_until_d_resyncs() -> None:
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    ev = registered("d1", "r1")
+    tx.handle(ev, 0.0)
+    tx.handle(saved("r1", 2), 0.0)
+    assert tx.handle(ViewResolved("r1", VIEW), 0.1) == [Notify(D1, wire.Resync(1))]
+    assert tx.handle(saved("r1", 3), 0.2) == []
+    assert posts(tx.handle(ResyncAcked(D1, 1), 0.3)) == [("r1", 0, 3)]
+    tx = make()
+    tx.handle(Stalled(), 0.0)
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 2), 0.0)
+    tx.handle(ViewResolved("r1", VIEW), 0.1)
+    out = tx.handle_timer(0.1 + RESYNC)
+    assert calm(out) == [("push_done", D1, "d1", TRANSFER)]
+    assert_empty(tx)
+
+
+def test_layerwise_view_failure_and_bad_outcomes() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(saved("r1", 1), 0.0)
+    out = tx.handle(ViewResolved("r1", error=Incompatible("no")), 0.1)
+    assert calm(out) == [("push_done", D1, "d1", INCOMPATIBLE)]
+    assert_empty(tx)
+    with pytest.raises(LocalProtocolError):
+        tx.handle(LayersWritten("r1", 0, 1), 0.2)
+    # a second registration while streaming is answered, the stream goes on
+    streaming(tx, "r2", "d2", 0.0)
+    out = tx.handle(registered("d3", "r2"), 0.1)
+    assert calm(out) == [("push_done", D1, "d3", INVALID)]
+    assert state(tx, "r2") is S.STREAMING
+    with pytest.raises(InvalidRequest):  # finished twice
+        tx.handle(finish("r2"), 0.2)
+        tx.handle(finish("r2"), 0.3)

@@ -44,7 +44,7 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["machine"]["cpus"] > 0
     sc = res["scenarios"]
-    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology"}
+    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise"}
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4
@@ -128,6 +128,11 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert topo["convert"]["bytes"] >= 32 << 20
     for name in topology.CONVERT:
         _positive(topo["convert"][name]["median_ms"], f"conversion {name}")
+    lw = sc["layerwise"]
+    assert lw["layers"] == 32 and lw["reps"] > 0
+    for key in ("layerwise", "whole"):
+        _positive(lw[key]["p50_ms"], f"layer-wise {key}")
+    _positive(lw["one_layer_write_ms"], "one layer's WRITE")
 
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)

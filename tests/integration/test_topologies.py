@@ -124,15 +124,26 @@ def timed(what: str, t0: float) -> float:
 
 
 def run_case(
-    pair: Pair, spec: KvSpec, ps: Side, ds: Side, mode: str, seed: int, *, hits: int = 0
+    pair: Pair,
+    spec: KvSpec,
+    ps: Side,
+    ds: Side,
+    mode: str,
+    seed: int,
+    *,
+    hits: int = 0,
+    layerwise: bool = False,
 ) -> None:
-    """One request per (tokens, D prefix hit) scenario, P -> D in `mode`, bytes checked."""
+    """One request per (tokens, D prefix hit) scenario, P -> D in `mode`, bytes checked.
+    `layerwise` (push): D registers first and P's workers announce each layer before P
+    finishes, so the request streams by layer (or goes whole where it cannot be cut)."""
     rng = np.random.default_rng(seed)
     pair.n += 1
     tag = f"{pair.n}{mode}"
     p = engine(pair.p.socket, f"p{tag}", ps, spec, rng)
     d = engine(pair.d.socket, f"d{tag}", ds, spec, rng)
     permuted = d.client.status()["counters"].get("receive_permutes", 0)
+    p_before = p.client.status()["counters"]
     try:
         free_p = list(rng.permutation(ps.num_blocks))
         free_d = list(rng.permutation(ds.num_blocks))
@@ -161,6 +172,21 @@ def run_case(
                     remote_engine_id=p.name,
                     remote_request_id=f"p-{rid}",
                 )
+                if layerwise:
+                    deadline = time.monotonic() + 10
+                    while p.client.status()["sender"]["pending_registrations"] == 0:
+                        assert time.monotonic() < deadline, "D's registration never reached P"
+                        time.sleep(0.01)
+                    layers = p.layouts[0].num_layers
+                    for n in range(1, layers + 1):
+                        for w in p.workers:
+                            assert w.layers_saved(n, [(f"p-{rid}", pb)])
+                    # the notices travel on the workers' sockets, the finish on the
+                    # scheduler's: as in an engine, P finishes after its workers saved
+                    want = p_before.get("streams_started", 0) + i + 1
+                    while p.client.status()["counters"].get("streams_started", 0) < want:
+                        assert time.monotonic() < deadline, "the stream never started"
+                        time.sleep(0.01)
                 assert p.client.finished(f"p-{rid}", pb)
             else:
                 assert p.client.finished(f"p-{rid}", pb)
@@ -200,6 +226,18 @@ def run_case(
         conversion = (ps.tp, ps.tokens) == (ds.tp, ds.tokens) and ps.kv_layout != ds.kv_layout
         done = d.client.status()["counters"].get("receive_permutes", 0) - permuted
         assert done == (3 * ds.tp if conversion else 0)
+        if layerwise:
+            pc = p.client.status()["counters"]
+            grew = {
+                k: pc.get(k, 0) - p_before.get(k, 0)
+                for k in ("streams_started", "sends_layered", "streams_whole")
+            }
+            # a D that permutes on receive cannot take a request by layer: it goes whole
+            assert grew == (
+                {"streams_started": 3, "sends_layered": 0, "streams_whole": 3}
+                if conversion
+                else {"streams_started": 3, "sends_layered": 3, "streams_whole": 0}
+            ), grew
     finally:
         p.close()
         d.close()
@@ -405,3 +443,20 @@ def test_a_region_that_contradicts_its_spec_is_refused(
         with pytest.raises(InvalidRequest) as err:
             c.register_region(region, layout=lay, tp_size=side.tp, compat=compat(spec_of(4)))
         assert says in err.value.message, err.value.message
+
+
+LAYERWISE = [
+    (Side(2), Side(4)),
+    (Side(4), Side(1)),
+    (Side(1, 16, "NHD", "layer"), Side(2, 32, "NHD")),
+    (Side(2, 16, "HND"), Side(2, 16, "NHD")),  # D permutes: goes whole
+]
+
+
+@pytest.mark.parametrize(
+    ("ps", "ds"), LAYERWISE, ids=[f"{a.label()}_to_{b.label()}" for a, b in LAYERWISE]
+)
+def test_layerwise_push_any_p_onto_any_d(pair: Pair, ps: Side, ds: Side) -> None:
+    """Layer-wise push across TP sizes, block sizes and region layouts, every byte checked
+    against the reference; a pair that needs a permute on receive goes whole."""
+    run_case(pair, H4, ps, ds, "push", seed=ps.tp * 3 + ds.tp + 100, layerwise=True)

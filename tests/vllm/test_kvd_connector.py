@@ -365,6 +365,41 @@ def test_d_aborts_before_admission_pull_frees_p_now(
     assert_daemon_idle(dd)
 
 
+def test_layerwise_push_when_d_registered_before_p_prefills(
+    pair: tuple[DaemonProc, DaemonProc], model: str, instances: list[Instance]
+) -> None:
+    """Both legs at once, D registered first: P's workers announce each layer from
+    save_kv_layer and P's daemon streams it; D's KV is byte-exact, and P's finish (a step
+    later) only ends the send."""
+    pd, dd = pair
+    p = make_instance("p", pd.socket, model, mode="push", layout="LBNHC")
+    d = make_instance("d", dd.socket, model, mode="push")
+    instances += [p, d]
+    before = counters(pd)
+    lengths = [37, 16, 50]
+    reqs = [proxy(p, d, f"lw{i}", prompt(20 + i, n), "push") for i, n in enumerate(lengths)]
+
+    def registered() -> bool:
+        with KvdClient(pd.socket, role="cli", keepalive_interval=0) as c:
+            return bool(c.status()["sender"]["pending_registrations"] == len(reqs))
+
+    run_until(registered, [d])  # D allocated and registered; P has not prefilled yet
+    run_until(lambda: all(did in d.finished for _, did in reqs) and not p.busy(), [p, d])
+    after = counters(pd)
+    assert after.get("streams_started", 0) - before.get("streams_started", 0) == len(reqs)
+    assert after.get("sends_layered", 0) - before.get("sends_layered", 0) == len(reqs)
+    assert after.get("layer_notices", 0) > before.get("layer_notices", 0)
+    for (pid, did), n in zip(reqs, lengths, strict=True):
+        assert did in d.received and did not in d.failed_recv, did
+        assert len(d.received[did]) == -(-n // BLOCK_SIZE)
+        assert pid in p.sent
+    assert not p.errors and not d.errors, p.errors + d.errors
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
 def test_p_aborts_push_d_fails_fast_and_recomputes(
     pair: tuple[DaemonProc, DaemonProc], model: str, instances: list[Instance]
 ) -> None:

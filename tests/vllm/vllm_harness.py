@@ -180,6 +180,8 @@ class Instance:
             sampled[rid] = [TOKEN] if done else []
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
+        for name, t in self.kv.items():  # leaving each attention layer, in model order
+            w.save_kv_layer(name, t, None)
         w.wait_for_save()
         res = w.get_transfer_results(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()

@@ -168,6 +168,18 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
     "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE, side="send")),
+    "LayersSaved": (
+        0,
+        wire.LayersSaved(
+            engine_id=ENGINE,
+            tp_rank=7,
+            layers=61,
+            requests=(
+                wire.SavedRequest(request_id=REQ, block_ids=BLOCKS),
+                wire.SavedRequest(request_id="r-2", block_ids=()),
+            ),
+        ),
+    ),
     "GetStatus": (12, wire.GetStatus(section="transfers")),
     "StatusReply": (
         12,
@@ -245,6 +257,16 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "PushDone": (
         0,
         wire.PushDone(request_id=REQ, tp_rank=3, ok=False, code=8, reason="write failed: ✗"),
+    ),
+    "LayersPushed": (
+        0,
+        wire.LayersPushed(
+            tp_rank=3,
+            ranges=(
+                wire.LayerRange(request_id=REQ, first=0, end=1),
+                wire.LayerRange(request_id=REMOTE_REQ, first=60, end=1 << 16),
+            ),
+        ),
     ),
     "PullDone": (
         0,

@@ -17,6 +17,11 @@ Scheduler side (P and D):
   workers (`wait_for_save`) in the step that computes them; `request_finished` hands the
   blocks to the daemon (`finished`, which leases them), keeps them (`delay_free`) and
   returns the `kv_transfer_params` a proxy forwards to D.
+- P, layer-wise (push): in the step that completes a request's prompt, the metadata names
+  it in `stream` with all its blocks; each worker copies every layer to staging as soon as
+  `save_kv_layer` hands it over and announces it to the daemon (`layers_saved`, one way),
+  which WRITEs it at once if D registered already (both legs run at once). Otherwise the
+  notices are dropped there, and `finished` transfers the whole request as before.
 - Worker metadata carries, per step: blocks to stage (P), ids whose terminal event the
   workers must report (`recv` with the blocks to copy in, `send`), ids whose terminal
   event must be dropped because vLLM no longer waits for them (`ignore`), and terminal
@@ -99,9 +104,14 @@ class KvdConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Drop the terminal event of these ids: vLLM does not wait for them."""
     outcomes: list[tuple[str, str]] = field(default_factory=list)
     """Terminal events the scheduler's session saw: (request id, recv_ok|recv_failed|send_done)."""
+    stream: list[tuple[str, list[int]]] = field(default_factory=list)
+    """P (push): requests whose prompt this step completes, with all their blocks: announce
+    each layer to the daemon once it is staged (layer-wise push)."""
 
     def is_empty(self) -> bool:
-        return not (self.save or self.recv or self.send or self.ignore or self.outcomes)
+        return not (
+            self.save or self.recv or self.send or self.ignore or self.outcomes or self.stream
+        )
 
 
 # ====================================================================== scheduler side
@@ -434,6 +444,8 @@ class _SchedulerSide:
             first, last = p.staged_tokens // self.block_size, _cdiv(end, self.block_size)
             meta.save.append((rid, ids[first:last]))
             p.staged_tokens = end
+            if end == req.num_prompt_tokens and self.cfg.transfer_mode == "push":
+                meta.stream.append((rid, ids[: _cdiv(end, self.block_size)]))
         return meta
 
     def _block_ids(self, rid: str) -> list[int]:
@@ -489,6 +501,13 @@ class _WorkerSide:
         self._ignore: set[str] = set()
         self._pending: dict[str, str] = {}
         self._done: OrderedDict[str, None] = OrderedDict()
+        self._layer_of: dict[str, int] = {}
+        """Layer name -> its index among the staged layers (an aliased layer has none)."""
+        self._region_layers = 0
+        """Layers of the staging region (1 when uneven layer sizes stage as one chunk)."""
+        self._staged: set[int] = set()
+        """Staged layers of this step's blocks, so far."""
+        self._announced = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         layers = describe(kv_caches, self.num_blocks)
@@ -520,6 +539,8 @@ class _WorkerSide:
             region.close()
             raise
         self.staging, self.region = staging, region
+        self._layer_of = {lb.name: i for i, lb in enumerate(layers)}
+        self._region_layers = lay.num_layers
         log.info(
             "kvd: rank %d staged %d layers x %d blocks (%d bytes per block) in %s",
             self.tp_rank,
@@ -531,18 +552,52 @@ class _WorkerSide:
 
     def bind(self, meta: KvdConnectorMetadata) -> None:
         self.meta = meta
+        self._staged.clear()
+        self._announced = 0
         self._recv.update(meta.recv)
         self._send.update(meta.send)
         self._ignore.update(meta.ignore)
         for rid, kind in meta.outcomes:
             self._note(rid, kind)
 
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Stage this layer of the step's blocks now; announce the layers staged so far."""
+        meta = self.meta
+        i = self._layer_of.get(layer_name)
+        if meta is None or not meta.save or i is None or i in self._staged:
+            return
+        assert self.staging is not None, "register_kv_caches was not called"
+        for _, blocks in meta.save:
+            self.staging.save(blocks, [i])
+        self._staged.add(i)
+        self._announce()
+
     def wait_for_save(self) -> None:
         if self.meta is None or not self.meta.save:
             return
         assert self.staging is not None, "register_kv_caches was not called"
-        for _, blocks in self.meta.save:
-            self.staging.save(blocks)
+        rest = [i for i in range(len(self.staging.layers)) if i not in self._staged]
+        if rest:
+            for _, blocks in self.meta.save:
+                self.staging.save(blocks, rest)
+            self._staged.update(rest)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell the daemon how many of the region's layers are staged for the requests this
+        step completes (one way: the forward pass never waits on it)."""
+        meta, staging = self.meta, self.staging
+        if meta is None or not meta.stream or staging is None:
+            return
+        if self._region_layers == len(staging.layers):
+            upto = self._announced
+            while upto in self._staged:
+                upto += 1
+        else:  # one chunk holds every layer: complete only once all are staged
+            upto = self._region_layers if len(self._staged) == len(staging.layers) else 0
+        if upto > self._announced:
+            self._announced = upto
+            self.shared.call(self.shared.client.layers_saved, upto, meta.stream)
 
     def _note(self, rid: str, kind: str) -> None:
         if rid not in self._done:
@@ -707,7 +762,7 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # blocks are staged once per step, in wait_for_save
+        self.worker_side.save_kv_layer(layer_name)  # staged and announced at once
 
     def wait_for_save(self) -> None:
         self.worker_side.wait_for_save()

@@ -136,14 +136,16 @@ class HostStaging:
             raise IndexError(f"block ids outside [0, {self.num_blocks})")
         return idx
 
-    def save(self, block_ids: Sequence[int]) -> None:
-        """KV tensors -> staging (P, before the blocks are reported to the daemon)."""
+    def save(self, block_ids: Sequence[int], layers: Sequence[int] | None = None) -> None:
+        """KV tensors -> staging (P, before the blocks are reported to the daemon), for
+        every layer or only those (indices into `self.layers`)."""
         if not block_ids:
             return
         idx = self._index(block_ids)
         n = idx.numel()
         stage = self.stage
-        for lay in self.layers:
+        for i in range(len(self.layers)) if layers is None else layers:
+            lay = self.layers[i]
             src = lay.blocks.index_select(0, idx.to(lay.blocks.device))
             raw = src.reshape(n, -1).view(torch.uint8).cpu()
             stage[idx, lay.offset : lay.offset + lay.nbytes] = raw
