@@ -72,6 +72,8 @@ UCX set-up, first peers)."""
 RSS_TOLERANCE_KIB: Final = 24 * 1024
 """Growth allowed between the first and the last quarter of an incarnation's samples:
 `rss_flat` holds when max(last quarter) <= max(first quarter) + max(this, 10%)."""
+READY_TIMEOUT: Final = 120.0
+"""Seconds a daemon may take to start (a busy 2-core machine can take tens)."""
 EC_COMPAT: Final = "kvd-chaos-encoder"
 KV_NAMES: Final = ("p", "d")
 EC_NAMES: Final = ("e", "c")
@@ -140,11 +142,17 @@ class Node:
         for _ in range(5):  # a port can stay busy a moment after a SIGKILL
             try:
                 self.proc = start_daemon(
-                    self.workdir, self.name, self.extra, overrides=self.overrides
+                    self.workdir,
+                    self.name,
+                    self.extra,
+                    overrides=self.overrides,
+                    ready_timeout=READY_TIMEOUT,
                 )
                 break
             except RuntimeError as exc:
-                last = exc
+                if "did not become ready" in str(exc):
+                    raise  # it was killed at its deadline: a retry would only wait again
+                last = exc  # it exited: its port may still be held a moment
                 time.sleep(0.5)
         else:
             raise RuntimeError(f"{self.name} did not start again: {last}")

@@ -405,7 +405,9 @@ def chaos(
     fuzz: Annotated[
         bool, typer.Option("--fuzz", help="Then fuzz a fresh daemon's every surface.")
     ] = False,
-    fuzz_frames: Annotated[int, typer.Option(help="Frames per surface with --fuzz.")] = 100_000,
+    fuzz_frames: Annotated[
+        int, typer.Option(help="Frames in all with --fuzz (shared by the four surfaces).")
+    ] = 100_000,
     reap: Annotated[
         bool, typer.Option(help="daemon.reap_leftover_segments of the daemons (machine-wide).")
     ] = True,

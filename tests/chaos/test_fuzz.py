@@ -2,8 +2,8 @@
 socket, side channel and EC router, and as notifications from a rogue NIXL agent,
 while a good client's transfers go on with every byte verified.
 
-5,000 frames per surface here; `KVD_FUZZ_FRAMES=100000` (or `kvd chaos --fuzz`) for the
-full run. The offline classifier is checked against the decoder first: the counts the
+20,000 frames here (5,000 per surface); `KVD_FUZZ_FRAMES=100000` (or `kvd chaos --fuzz`)
+for the full run. The offline classifier is checked against the decoder first: the counts the
 live run asserts rest on it.
 """
 
@@ -19,7 +19,8 @@ from kvd_client.errors import RemoteProtocolError
 
 from kvd.fuzz import SURFACES, WITHHELD, classify, golden_frames, mutate, run_fuzz
 
-FRAMES = int(os.environ.get("KVD_FUZZ_FRAMES", "5000"))
+FRAMES = int(os.environ.get("KVD_FUZZ_FRAMES", "20000"))
+"""Frames in all, shared evenly by the surfaces."""
 
 
 def test_mutations_are_deterministic_by_seed_and_varied() -> None:
@@ -77,9 +78,9 @@ def test_live_fuzzing_is_rejected_and_counted_exactly_while_a_good_client_is_ser
     print(out)
     assert out["ok"], out["problems"]
     assert out["crashes"] == 0
-    assert out["frames"] == FRAMES * len(SURFACES)
+    assert out["frames"] == FRAMES
     for s in SURFACES:
         got = out["surfaces"][s]
-        assert got["frames"] == FRAMES and got["ok"], (s, got)
-        assert sum(got["predicted"].values()) >= FRAMES, (s, got)
+        assert got["frames"] >= FRAMES // len(SURFACES) and got["ok"], (s, got)
+        assert sum(got["predicted"].values()) >= got["frames"], (s, got)
     assert out["good_rounds"] >= 2 and out["good_verified"] >= 8
