@@ -49,6 +49,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -72,6 +73,12 @@ UCX set-up, first peers)."""
 RSS_TOLERANCE_KIB: Final = 24 * 1024
 """Growth allowed between the first and the last quarter of an incarnation's samples:
 `rss_flat` holds when max(last quarter) <= max(first quarter) + max(this, 10%)."""
+DRIVER_STALL: Final = 0.3
+"""A gap between two turns of the driver's loop longer than this (seconds) is a stall of
+the driver: what it drains right after waited for it, not for the daemons."""
+STOP_TIMEOUT: Final = 30.0
+"""Seconds a daemon may take to exit after SIGTERM (its shutdown_timeout is 5 s; a busy
+machine adds to it)."""
 READY_TIMEOUT: Final = 120.0
 """Seconds a daemon may take to start (a busy 2-core machine can take tens)."""
 EC_COMPAT: Final = "kvd-chaos-encoder"
@@ -137,7 +144,26 @@ class Node:
     def up(self) -> bool:
         return self.proc is not None and self.proc.proc.poll() is None and not self.frozen
 
+    def harvest_stalls(self) -> None:
+        """Take the stalls the current incarnation logged (`daemon_stalled`: the machine
+        did not run it) as outages: the daemon's timers do not count them, so a bound in
+        wall time cannot either. Read before a restart truncates the log, and at the end."""
+        if self.proc is None:
+            return
+        offset = time.time() - time.monotonic()
+        with contextlib.suppress(OSError):
+            for line in self.proc.log.read_text().splitlines():
+                if '"daemon_stalled"' not in line:
+                    continue
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    rec = json.loads(line)
+                    ended = _wall(rec["timestamp"]) - offset
+                    span = (ended - float(rec["seconds"]), ended, "stall")
+                    if span not in self.outages:
+                        self.outages.append(span)
+
     def start(self) -> None:
+        self.harvest_stalls()
         last: Exception | None = None
         for _ in range(5):  # a port can stay busy a moment after a SIGKILL
             try:
@@ -191,18 +217,16 @@ class Node:
         if kib is not None:
             self.rss.append((self.incarnation, time.monotonic(), kib))
 
-    def last_back(self, before: float) -> float:
-        """When the last fault of this daemon that ended before `before` ended (0: none)."""
-        return max((end for _, end, _ in self.outages if end <= before), default=0.0)
-
-    def killed_between(self, t0: float, t1: float) -> bool:
-        return any(kind == "kill" and t0 <= began <= t1 for began, _, kind in self.outages)
-
     def status(self, section: str = "status") -> dict[str, Any]:
         assert self.proc is not None
         with KvdClient(self.proc.socket, role="cli", timeout=5.0, keepalive_interval=0) as c:
             got: dict[str, Any] = c.status(section)
             return got
+
+
+def _wall(timestamp: str) -> float:
+    """Unix seconds of a log line's ISO 8601 UTC timestamp."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
 
 
 def start_all(nodes: list[Node]) -> None:
@@ -559,6 +583,9 @@ class ChaosReport:
     daemon_exits: list[str] = field(default_factory=list)
     fuzz: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
+    stalls: dict[str, float] = field(default_factory=dict)
+    """Seconds each daemon (and the driver) was not run by the machine, in all."""
+    workdir: str = ""
 
     @property
     def ok(self) -> bool:
@@ -614,6 +641,8 @@ class ChaosReport:
             "victim_segments_left": self.victim_segments_left,
             "rss_flat": self.rss_flat,
             "rss": self.rss,
+            "stalls_s": self.stalls,
+            "workdir": self.workdir,
             "fuzz": self.fuzz,
             "problems": self.problems(),
         }
@@ -642,6 +671,8 @@ class Chaos:
         self.seen_exits: set[int] = set()
         self.run_id = secrets.token_hex(3)
         self.starting: dict[str, tuple[threading.Thread, list[BaseException | None]]] = {}
+        self.last_step = 0.0
+        self.driver_stalls: list[tuple[float, float, str]] = []
 
     # ---------------------------------------------------------------- set-up
 
@@ -790,6 +821,11 @@ class Chaos:
 
     def _step(self) -> None:
         assert self.kv is not None and self.ec is not None
+        now = time.monotonic()
+        if self.last_step and now - self.last_step > DRIVER_STALL:
+            # the driver itself was not run: events it drains now waited meanwhile
+            self.driver_stalls.append((self.last_step, now, "stall"))
+        self.last_step = now
         self._started()
         self.kv.step()
         self.ec.step()
@@ -812,8 +848,12 @@ class Chaos:
                 )
         finally:
             self._teardown()
-        self._figures()
-        self.report.wall_s = time.monotonic() - t0
+            self._figures()
+            self.report.wall_s = time.monotonic() - t0
+            if self.own_workdir and self.report.ok:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            else:
+                self.report.workdir = str(self.workdir)  # kept: the daemons' logs
         return self.report
 
     def _load_and_faults(self) -> None:
@@ -937,14 +977,19 @@ class Chaos:
             if node.frozen:
                 node.thaw()
             if node.proc.proc.poll() is None:
-                rc = node.proc.stop()
+                t0 = time.monotonic()
+                rc = node.proc.stop(timeout=STOP_TIMEOUT)
                 if rc != 0:
-                    self.report.daemon_exits.append(f"{node.name} stopped with {rc}")
+                    self.report.daemon_exits.append(
+                        f"{node.name} stopped with {rc} after {time.monotonic() - t0:.1f}s "
+                        f"(SIGTERM, then SIGKILL at {STOP_TIMEOUT:g}s):\n"
+                        + node.proc.log.read_text()[-2000:]
+                    )
                 if os.path.exists(node.proc.socket):
                     self.report.leaks.append(f"{node.name} left its socket")
+        for node in self.nodes.values():
+            node.harvest_stalls()
         self._check_segments()
-        if self.own_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def _check_segments(self) -> None:
         """No segment of ours in /dev/shm once everything stopped: the daemons' EC regions
@@ -977,6 +1022,32 @@ class Chaos:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join("/dev/shm", n))
 
+    def _took(self, started: float, at: float, nodes: tuple[Node, ...]) -> float:
+        """Seconds from a request's start to its terminal event at `at` that count for
+        its bound: from its start, or from the last restart of its daemons that was
+        complete before `at` if later (a request started while its daemon was down), less
+        the time its daemons or the driver were stopped or stalled meanwhile."""
+        ref = max(
+            [started]
+            + [end for n in nodes for _, end, kind in n.outages if kind == "kill" and end <= at]
+        )
+        return at - ref - self._held(ref, at, nodes)
+
+    def _held(self, t0: float, t1: float, nodes: tuple[Node, ...]) -> float:
+        """Seconds of [t0, t1] during which one of `nodes` or the driver was stopped or
+        stalled (the union of those spans)."""
+        spans = sorted(
+            (max(a, t0), min(b, t1))
+            for a, b, kind in [*self.driver_stalls, *(o for n in nodes for o in n.outages)]
+            if kind != "kill" and b > t0 and a < t1
+        )
+        total, reach = 0.0, t0
+        for a, b in spans:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
     def _figures(self) -> None:
         rep, kv, ec = self.report, self.kv, self.ec
         if kv is None or ec is None:
@@ -994,24 +1065,25 @@ class Chaos:
             for side, at in (("P", r.p_end_at), ("D", r.d_end_at)):
                 if not at:
                     continue
-                ref = max(r.started, p.last_back(at), d.last_back(at))
-                took = at - ref
+                took = self._took(r.started, at, (p, d))
                 longest = max(longest, took)
-                bound = kv_bound
-                if side == "D" and p.killed_between(r.started, at):
-                    bound = max(DEAD_P_BOUND, kv_bound)
-                if took > bound:
-                    rep.over_bound.append(f"{r.mode} {side} {r.d_id}: {took:.2f}s > {bound:.1f}s")
+                if took > kv_bound:
+                    rep.over_bound.append(f"{r.mode} {side} {r.d_id}: {took:.2f}s > {kv_bound:g}s")
+                killed = [b for b, _, kind in p.outages if kind == "kill" and r.started <= b <= at]
+                if side == "D" and killed:
+                    since = at - killed[0] - self._held(killed[0], at, (p, d))
+                    if since > DEAD_P_BOUND:
+                        rep.over_bound.append(
+                            f"{r.mode} D {r.d_id}: {since:.2f}s after P died > {DEAD_P_BOUND:g}s"
+                        )
         for ens in ec.ensures:
-            outcomes_key = f"EC {ens.end or 'none'}"
-            outcomes[outcomes_key] += 0
+            outcomes[f"EC {ens.end or 'none'}"] += 0
             if not ens.end_at:
                 continue
-            ref = max(ens.started, e.last_back(ens.end_at), c.last_back(ens.end_at))
-            took = ens.end_at - ref
+            took = self._took(ens.started, ens.end_at, (e, c))
             longest = max(longest, took)
             if took > ec_bound:
-                rep.over_bound.append(f"ec {ens.params.mm_hash}: {took:.2f}s > {ec_bound:.1f}s")
+                rep.over_bound.append(f"ec {ens.params.mm_hash}: {took:.2f}s > {ec_bound:g}s")
         rep.kv_outcomes = {k: v for k, v in sorted(outcomes.items()) if v}
         rep.ec_requests = len(ec.ensures)
         rep.ec_outcomes = dict(sorted(ec.outcomes.items()))
@@ -1022,6 +1094,11 @@ class Chaos:
         rep.unfinished = kv.unfinished() + ec.unfinished()
         rep.stray = kv.stray + ec.stray
         rep.rss, rep.rss_flat = rss_flat(self.nodes)
+        rep.stalls = {
+            k: round(sum(b - a for a, b, kind in n.outages if kind == "stall"), 2)
+            for k, n in self.nodes.items()
+        }
+        rep.stalls["driver"] = round(sum(b - a for a, b, _ in self.driver_stalls), 2)
 
 
 def rss_flat(nodes: dict[str, Node]) -> tuple[dict[str, dict[str, Any]], bool]:
@@ -1089,6 +1166,10 @@ def print_report(rep: ChaosReport, console: Any) -> None:
         ),
         ("leaks (leases, registrations, pins, sessions, shm)", str(len(rep.leaks))),
         ("daemon memory flat", "yes" if rep.rss_flat else "NO"),
+        (
+            "seconds the machine did not run them",
+            ", ".join(f"{k.upper() if k != 'driver' else k} {v:g}" for k, v in rep.stalls.items()),
+        ),
     ]
     if rep.fuzz:
         rows.append(("frames fuzzed", f"{rep.fuzz.get('frames', 0):,}"))
@@ -1111,6 +1192,8 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     console.print(mem)
     for p in rep.problems():
         console.print(f"[red]{p}[/red]")
+    if rep.workdir:
+        console.print(f"daemon logs kept in {rep.workdir}")
     console.print("[green]every invariant held[/green]" if rep.ok else "[red]FAILED[/red]")
 
 
