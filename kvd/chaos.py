@@ -63,6 +63,9 @@ from kvd.ecdemo import output_bytes
 from kvd.traffic import Traffic
 
 HOST: Final = "127.0.0.1"
+LEASE_WAIT_TIMEOUT: Final = 5.0
+"""transfer.lease_wait_timeout (the default): how long P keeps a pull that came before
+its engine's finish. With the lease, it makes the KV bound: max(lease, this) + 1 s."""
 DEAD_P_BOUND: Final = 5.0
 """Seconds within which D must end a request whose P daemon died (the issue's bound)."""
 RESTART_AFTER: Final = 2.0
@@ -296,7 +299,11 @@ def make_nodes(workdir: Path, cfg: ChaosConfig) -> dict[str, Node]:
             "client_timeout": cfg.client_timeout,
             "reap_leftover_segments": cfg.reap,
         },
-        "transfer": {"kv_lease_duration": cfg.lease, "peer_probe_interval": 0.5},
+        "transfer": {
+            "kv_lease_duration": cfg.lease,
+            "lease_wait_timeout": LEASE_WAIT_TIMEOUT,
+            "peer_probe_interval": 0.5,
+        },
         "side_channel": {"handshake_timeout": 2.0},
     }
 
@@ -686,7 +693,13 @@ class Chaos:
             d.proc.socket, "decode", num_blocks=256, num_layers=2, chunk_bytes=4096
         )
         self.kv = Traffic(
-            self.p_eng, self.d_eng, p.proc.side_port, self.rng, window=12, max_blocks=8
+            self.p_eng,
+            self.d_eng,
+            p.proc.side_port,
+            self.rng,
+            window=12,
+            max_blocks=8,
+            as_vllm=True,
         )
         self.ec = ECTraffic(self.nodes["e"], self.nodes["c"], self.rng)
         self.ec.open()
@@ -901,7 +914,7 @@ class Chaos:
         while (self.kv.live or self.ec.live) and time.monotonic() < deadline:
             self._step()
             time.sleep(0.005)
-        self.kv.paused = self.ec.paused = False
+        # paused from here on: the leak checks look at what the load left
 
     def _run_for(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -1053,7 +1066,7 @@ class Chaos:
         if kv is None or ec is None:
             return
         p, d, e, c = (self.nodes[k] for k in ("p", "d", "e", "c"))
-        kv_bound = self.cfg.lease + 1.0
+        kv_bound = max(self.cfg.lease, LEASE_WAIT_TIMEOUT) + 1.0
         ec_bound = self.cfg.ec_xfer_timeout + 1.0
         rep.bound_s = {"kv": kv_bound, "kv_dead_p": max(DEAD_P_BOUND, kv_bound), "ec": ec_bound}
         rep.kv_requests = len(kv.reqs)

@@ -30,6 +30,8 @@ from kvd.demo import Engine, pattern
 HOST = "127.0.0.1"
 P_TERMINAL = (wire.SendFinished, wire.SendFailed, wire.SendExpired)
 D_TERMINAL = (wire.RecvFinished, wire.RecvFailed)
+NOT_OFFERED = "not offered"
+"""D's end of a request P's client refused at once (no live session): D never heard of it."""
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Req:
     """time.monotonic() when P's terminal event was drained (0: none yet)."""
     d_end_at: float = 0.0
     """time.monotonic() when D's terminal event was drained (0: none yet)."""
+    remote: dict[str, Any] = field(default_factory=dict)
+    """What D's calls carry about P (kv_transfer_params), with `as_vllm`."""
     nbytes: int = 0
     """Bytes D's engine verified for it (0 unless it ended RecvFinished with the right bytes)."""
 
@@ -65,6 +69,11 @@ class Traffic:
     modes: tuple[str, ...] = ("push", "pull")
     incarnation: int = 0
     """P daemon incarnation put in D's calls (0: unknown), as kv_transfer_params carry it."""
+    as_vllm: bool = False
+    """Announce each request as vLLM's `KvdConnector` does: P finishes first and D hears
+    of it only if P's client took it, with P's current incarnation and session; else the
+    request ends at P alone (D's end is `NOT_OFFERED`). Off: D tracks first and a push
+    may register before P finishes, whatever P's client says."""
     reqs: dict[str, Req] = field(default_factory=dict)
     by_p: dict[str, Req] = field(default_factory=dict)
     by_d: dict[str, Req] = field(default_factory=dict)
@@ -106,6 +115,8 @@ class Traffic:
                 self.p.block(rank, b)[:] = pattern(f"{key}/{rank}", j, self.p.block_bytes)
         self.reqs[key], self.by_p[r.p_id], self.by_d[r.d_id] = r, r, r
         d = self.d.client
+        if self.as_vllm:
+            return self._start_as_vllm(r)
         d.track(r.d_id, HOST, self.port, remote_request_id=r.p_id, **self._inc())
         d_first = mode == "push" and self.rng.random() < 0.5
         if d_first:
@@ -115,13 +126,30 @@ class Traffic:
             self._d_start(r)
         return True
 
+    def _start_as_vllm(self, r: Req) -> bool:
+        """P finishes first; only if its client took the request (a live session) is D
+        told, with P's daemon incarnation and client session, as `KvdConnector` does."""
+        p = self.p.client
+        if not p.finished(r.p_id, r.p_blocks):
+            r.d_end, r.d_end_at = NOT_OFFERED, time.monotonic()
+            self.d.release(r.d_blocks)
+            return True
+        inc = p.welcome.incarnation if p.welcome is not None else 0
+        r.remote = {"remote_incarnation": inc, "remote_session": p.session}
+        self.d.client.track(
+            r.d_id, HOST, self.port, remote_request_id=r.p_id, remote_incarnation=inc
+        )
+        self._d_start(r)
+        return True
+
     def _inc(self) -> dict[str, Any]:
         return {"remote_incarnation": self.incarnation} if self.incarnation else {}
 
     def _d_start(self, r: Req) -> None:
+        extra = r.remote or self._inc()
         if r.mode == "push":
             self.d.client.register_push(
-                r.d_id, r.d_blocks, HOST, self.port, remote_request_id=r.p_id, **self._inc()
+                r.d_id, r.d_blocks, HOST, self.port, remote_request_id=r.p_id, **extra
             )
         else:
             self.d.client.pull(
@@ -131,7 +159,7 @@ class Traffic:
                 self.port,
                 remote_request_id=r.p_id,
                 remote_block_ids=r.p_blocks,
-                **self._inc(),
+                **extra,
             )
 
     def _drain(self) -> None:
