@@ -679,7 +679,7 @@ class Chaos:
         self.run_id = secrets.token_hex(3)
         self.starting: dict[str, tuple[threading.Thread, list[BaseException | None]]] = {}
         self.last_step = 0.0
-        self.last_kv_down_step = 0.0
+        self.last_kv_refused = 0.0
         self.driver_stalls: list[tuple[float, float, str]] = []
 
     # ---------------------------------------------------------------- set-up
@@ -841,11 +841,13 @@ class Chaos:
             self.driver_stalls.append((self.last_step, now, "stall"))
         self.last_step = now
         self._started()
-        if self.nodes["p"].up or now - self.last_kv_down_step > 0.05:
-            # while P's daemon is down its client refuses each request at once: a trickle
+        if now - self.last_kv_refused > 0.05:
+            # while P's client has no session it refuses each request at once: a trickle
             # of them is the fault; a flood would only fill the figures
-            self.last_kv_down_step = now
+            refused = self.kv.not_offered
             self.kv.step()
+            if self.kv.not_offered != refused:
+                self.last_kv_refused = now
         self.ec.step()
 
     def run(self) -> ChaosReport:
@@ -1175,7 +1177,7 @@ def print_report(rep: ChaosReport, console: Any) -> None:
             str(rep.kv_requests - rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),
         ),
         (
-            "KV requests P's client refused at once (its daemon down)",
+            "KV requests P's client refused at once (no session: its daemon down)",
             str(rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),
         ),
         ("encoder outputs ensured", str(rep.ec_requests)),

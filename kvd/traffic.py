@@ -82,6 +82,8 @@ class Traffic:
     wrong: list[str] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)
     started: int = 0
+    not_offered: int = 0
+    """Requests P's client refused at once (`as_vllm`)."""
     paused: bool = False
 
     @property
@@ -131,6 +133,7 @@ class Traffic:
         told, with P's daemon incarnation and client session, as `KvdConnector` does."""
         p = self.p.client
         if not p.finished(r.p_id, r.p_blocks):
+            self.not_offered += 1
             r.d_end, r.d_end_at = NOT_OFFERED, time.monotonic()
             self.d.release(r.d_blocks)
             return True
