@@ -392,9 +392,9 @@ class ECTraffic:
     outcomes: Counter[str] = field(default_factory=Counter)
     paused: bool = False
     c_ready: bool = True
-    encode_errors: list[str] = field(default_factory=list)
     """False from C's kill until its new region is mapped: no ensure is sent meanwhile, so
     that each ensure's incarnation (whose region its ECReady names) is known for sure."""
+    encode_errors: list[str] = field(default_factory=list)
     last_start: float = 0.0
     rate: float = 25.0
     """Ensures started per second at most (the machine has other work to do)."""
@@ -679,6 +679,13 @@ class Chaos:
         self.run_id = secrets.token_hex(3)
         self.starting: dict[str, tuple[threading.Thread, list[BaseException | None]]] = {}
         self.last_step = 0.0
+        self.first_faults: list[tuple[str, list[str]]] = [
+            ("kill", ["p", "d"]),
+            ("kill", ["e", "c"]),
+            ("stop", sorted(self.nodes)),
+            ("victim", []),
+        ]
+        self.rng.shuffle(self.first_faults)
         self.last_kv_refused = 0.0
         self.driver_stalls: list[tuple[float, float, str]] = []
 
@@ -734,8 +741,11 @@ class Chaos:
 
     def _fault(self) -> None:
         now = time.monotonic()
-        kinds = ["kill", "stop", "kill", "stop", "victim"]
-        kind = self.rng.choice(kinds)
+        if self.first_faults:  # every kind once, in a seeded order, before the rest
+            kind, among = self.first_faults.pop()
+        else:
+            kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim"])
+            among = sorted(self.nodes)
         if kind == "victim":
             live = [v for v in self.victims if v.proc.poll() is None]
             if live:
@@ -746,10 +756,11 @@ class Chaos:
                 self.log(f"{now:.1f} SIGKILL engine {v.tag}")
                 self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
             return
-        key = self.rng.choice(sorted(self.nodes))
+        ready = [k for k in among if self.nodes[k].up and k not in self.starting]
+        if not ready:
+            return  # all down or stopped already: this moment passes
+        key = self.rng.choice(ready)
         node = self.nodes[key]
-        if not node.up or key in self.starting:
-            return  # already down or stopped: this moment passes
         if kind == "kill":
             node.kill()
             if key == "c":
