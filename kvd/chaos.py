@@ -10,8 +10,8 @@ checked at C). Victim engines (engine pairs in child processes) run their own tr
 
 Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a daemon
 SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
-and SIGCONTed, a victim engine SIGKILLed and started again. Then everything settles
-and the invariants are checked:
+and SIGCONTed, a victim engine SIGKILLed and started again, or SIGSTOPped and SIGCONTed.
+Then everything settles and the invariants are checked:
 
 - every announced request ended exactly once on each side, within its bound: the KV
   lease + 1 s (or `DEAD_P_BOUND` where its P daemon died) for KV requests, the EC
@@ -561,6 +561,7 @@ class Victim:
     tag: str
     proc: subprocess.Popen[bytes]
     started: float
+    frozen: bool = False
 
 
 # ------------------------------------------------------------------ the run
@@ -593,6 +594,8 @@ class ChaosReport:
     stalls: dict[str, float] = field(default_factory=dict)
     """Seconds each daemon (and the driver) was not run by the machine, in all."""
     workdir: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of each phase of the run."""
 
     @property
     def ok(self) -> bool:
@@ -649,6 +652,7 @@ class ChaosReport:
             "rss_flat": self.rss_flat,
             "rss": self.rss,
             "stalls_s": self.stalls,
+            "phases_s": self.phases_s,
             "workdir": self.workdir,
             "fuzz": self.fuzz,
             "problems": self.problems(),
@@ -679,11 +683,13 @@ class Chaos:
         self.run_id = secrets.token_hex(3)
         self.starting: dict[str, tuple[threading.Thread, list[BaseException | None]]] = {}
         self.last_step = 0.0
+        self.phase_began = 0.0
         self.first_faults: list[tuple[str, list[str]]] = [
             ("kill", ["p", "d"]),
             ("kill", ["e", "c"]),
             ("stop", sorted(self.nodes)),
             ("victim", []),
+            ("victim-stop", []),
         ]
         self.rng.shuffle(self.first_faults)
         self.last_kv_refused = 0.0
@@ -744,8 +750,20 @@ class Chaos:
         if self.first_faults:  # every kind once, in a seeded order, before the rest
             kind, among = self.first_faults.pop()
         else:
-            kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim"])
+            kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim", "victim-stop"])
             among = sorted(self.nodes)
+        if kind == "victim-stop":
+            live = [v for v in self.victims if v.proc.poll() is None and not v.frozen]
+            if live:
+                v = self.rng.choice(live)
+                v.proc.send_signal(signal.SIGSTOP)
+                v.frozen = True
+                self.report.faults["engine SIGSTOP/SIGCONT"] += 1
+                self.log(f"{now:.1f} SIGSTOP engine {v.tag}")
+                # sometimes past the daemons' client_timeout: its sessions end meanwhile
+                until = now + self.rng.uniform(0.5, 2 * self.cfg.client_timeout)
+                self.pending.append((until, "victim-thaw", v.tag))
+            return
         if kind == "victim":
             live = [v for v in self.victims if v.proc.poll() is None]
             if live:
@@ -779,6 +797,13 @@ class Chaos:
         if action == "spawn":
             if len([v for v in self.victims if v.proc.poll() is None]) < self.cfg.victims:
                 self._spawn_victim()
+            return
+        if action == "victim-thaw":
+            for v in self.victims:
+                if v.tag == key and v.frozen:
+                    v.frozen = False
+                    if v.proc.poll() is None:
+                        v.proc.send_signal(signal.SIGCONT)
             return
         node = self.nodes[key]
         if action == "thaw":
@@ -868,9 +893,13 @@ class Chaos:
             self._engines()
             for _ in range(self.cfg.victims):
                 self._spawn_victim()
+            self._phase("set-up", t0)
             self._load_and_faults()
+            self._phase("faults under load")
             self._settle()
+            self._phase("settle")
             self._check_leaks()
+            self._phase("leak checks")
             if self.cfg.fuzz_frames:
                 from kvd.fuzz import run_fuzz
 
@@ -879,6 +908,7 @@ class Chaos:
                 )
         finally:
             self._teardown()
+            self._phase("stop")
             self._figures()
             self.report.wall_s = time.monotonic() - t0
             if self.own_workdir and self.report.ok:
@@ -886,6 +916,11 @@ class Chaos:
             else:
                 self.report.workdir = str(self.workdir)  # kept: the daemons' logs
         return self.report
+
+    def _phase(self, name: str, since: float = 0.0) -> None:
+        now = time.monotonic()
+        self.report.phases_s[name] = round(now - (since or self.phase_began), 1)
+        self.phase_began = now
 
     def _load_and_faults(self) -> None:
         start = time.monotonic()
@@ -1230,6 +1265,7 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     console.print(mem)
     for p in rep.problems():
         console.print(f"[red]{p}[/red]")
+    console.print("wall seconds: " + ", ".join(f"{k} {v:g}" for k, v in rep.phases_s.items()))
     if rep.workdir:
         console.print(f"daemon logs kept in {rep.workdir}")
     console.print("[green]every invariant held[/green]" if rep.ok else "[red]FAILED[/red]")

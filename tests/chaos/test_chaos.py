@@ -41,6 +41,7 @@ def test_every_invariant_holds_under_faults_and_load() -> None:
     assert any(k[0] in "PD" and "SIGKILL" in k for k in rep.faults), rep.faults
     assert any(k[0] in "EC" and "SIGKILL" in k for k in rep.faults), rep.faults
     assert rep.faults["engine SIGKILL"] >= 1, rep.faults
+    assert rep.faults["engine SIGSTOP/SIGCONT"] >= 1, rep.faults
     assert rep.kv_outcomes.get("D RecvFinished", 0) > 0, rep.kv_outcomes
     assert rep.ec_outcomes.get("ready", 0) > 0, rep.ec_outcomes
     assert rep.bytes_verified > 0 and rep.wrong_bytes == 0
