@@ -877,7 +877,7 @@ class Chaos:
             self.driver_stalls.append((self.last_step, now, "stall"))
         self.last_step = now
         self._started()
-        if now - self.last_kv_refused > 0.05:
+        if now - self.last_kv_refused > 0.2:
             # while P's client has no session it refuses each request at once: a trickle
             # of them is the fault; a flood would only fill the figures
             refused = self.kv.not_offered
