@@ -21,9 +21,9 @@ well-behaved party may send (a Hello with a known role, a KeepAlive, a Probe, an
 empty notification) are counted as such and withheld. The rules:
 
 - ipc: undecodable, a message before Hello, a Hello with an unknown role: `ipc_rejected`;
-- side: undecodable or not a side-channel request: `side_rejected`; a Handshake fails
-  authentication (`auth_rejected`); a RegionDropped fails it too (`auth_rejected` and
-  `side_rejected`);
+- side: undecodable or not a side-channel request: `side_rejected`; a Handshake or a
+  TraceQuery fails authentication (`auth_rejected`); a RegionDropped fails it too
+  (`auth_rejected` and `side_rejected`);
 - ec: undecodable or not an ECXferReq: `ec_xfer_rejected`; an ECXferReq fails
   authentication (`ec_auth_rejected`);
 - notif: undecodable: `notifs_malformed`; any message from an agent that never
@@ -196,7 +196,7 @@ def classify(surface: str, frame: bytes) -> tuple[str, ...]:
             return (WITHHELD,)
         return ("ipc_rejected",)
     if surface == "side":
-        if isinstance(msg, wire.Handshake):
+        if isinstance(msg, (wire.Handshake, wire.TraceQuery)):
             return ("auth_rejected",)
         if isinstance(msg, wire.RegionDropped):
             return ("auth_rejected", "side_rejected")
