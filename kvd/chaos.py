@@ -906,6 +906,7 @@ class Chaos:
                 self.report.fuzz = run_fuzz(
                     self.cfg.fuzz_frames, self.cfg.seed, self.workdir, log=self.log
                 )
+                self._phase("fuzzing")
         finally:
             self._teardown()
             self._phase("stop")
