@@ -22,8 +22,8 @@ empty notification) are counted as such and withheld. The rules:
 
 - ipc: undecodable, a message before Hello, a Hello with an unknown role: `ipc_rejected`;
 - side: undecodable or not a side-channel request: `side_rejected`; a Handshake or a
-  TraceQuery fails authentication (`auth_rejected`); a RegionDropped fails it too
-  (`auth_rejected` and `side_rejected`);
+  TraceQuery fails authentication (`auth_rejected`); a RegionDropped or a Sealed
+  envelope is not an authentic envelope of a peer that handshook (`side_auth_rejected`);
 - ec: undecodable or not an ECXferReq: `ec_xfer_rejected`; an ECXferReq fails
   authentication (`ec_auth_rejected`);
 - notif: undecodable: `notifs_malformed`; any message from an agent that never
@@ -198,8 +198,8 @@ def classify(surface: str, frame: bytes) -> tuple[str, ...]:
     if surface == "side":
         if isinstance(msg, (wire.Handshake, wire.TraceQuery)):
             return ("auth_rejected",)
-        if isinstance(msg, wire.RegionDropped):
-            return ("auth_rejected", "side_rejected")
+        if isinstance(msg, (wire.RegionDropped, wire.Sealed)):
+            return ("side_auth_rejected",)  # not an authentic envelope of a known peer
         return ("side_rejected",)
     if surface == "ec":
         if isinstance(msg, wire.ECXferReq):
@@ -366,7 +366,7 @@ class _Sender:
 def _rejections(surface: str, c: dict[str, int]) -> dict[str, int]:
     keys = {
         "ipc": ("ipc_rejected",),
-        "side": ("side_rejected", "auth_rejected"),
+        "side": ("side_rejected", "auth_rejected", "side_auth_rejected"),
         "ec": ("ec_xfer_rejected", "ec_auth_rejected"),
         "notif": ("notifs_malformed", "notifs_rejected", "notifs_dropped_busy"),
     }[surface]

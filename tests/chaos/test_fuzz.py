@@ -52,7 +52,7 @@ def test_classifier_follows_each_surfaces_rule() -> None:
     assert classify("ipc", garbage) == ("ipc_rejected",)
     assert classify("side", status) == ("side_rejected",)
     drop = wire.encode(wire.RegionDropped("a", 1, 1, 0.0, b""))
-    assert classify("side", drop) == ("auth_rejected", "side_rejected")
+    assert classify("side", drop) == ("side_auth_rejected",)
     query = wire.encode(wire.TraceQuery("a", (), 0, bytes(16), 0.0, b""))
     assert classify("side", query) == ("auth_rejected",)
     assert classify("ec", status) == ("ec_xfer_rejected",)
