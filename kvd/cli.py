@@ -1,4 +1,5 @@
-"""The `kvd` command line: run the daemon, inspect it, diagnose peers, run the demo.
+"""The `kvd` command line: run the daemon, inspect it, diagnose peers, run the demo and
+the chaos run.
 
 Every inspection command talks to a running daemon over its IPC socket (`--socket`
 chooses one; the default is the daemon's default socket) and prints a rich table, or
@@ -423,6 +424,31 @@ def bench(
         quick=quick, json_path=json_file, only=chosen, seed=seed, console=err, plot_dir=plot
     )
     raise typer.Exit(code)
+
+
+@app.command()
+def chaos(
+    duration: Annotated[float, typer.Option(help="Seconds of faults under load.")] = 300.0,
+    seed: Annotated[int, typer.Option(help="Random seed (fault moments, load).")] = 0,
+    as_json: JsonOpt = False,
+    fuzz: Annotated[
+        bool, typer.Option("--fuzz", help="Then fuzz a fresh daemon's every surface.")
+    ] = False,
+    fuzz_frames: Annotated[
+        int, typer.Option(help="Frames in all with --fuzz (shared by the four surfaces).")
+    ] = 100_000,
+    reap: Annotated[
+        bool, typer.Option(help="daemon.reap_leftover_segments of the daemons (machine-wide).")
+    ] = True,
+) -> None:
+    """Four daemons under load while daemons and engines are killed, stopped and restarted;
+    the invariants that held, as figures (exit 1 if one broke)."""
+    from kvd.chaos import ChaosConfig, run_chaos
+
+    cfg = ChaosConfig(
+        duration=duration, seed=seed, reap=reap, fuzz_frames=fuzz_frames if fuzz else 0
+    )
+    raise typer.Exit(run_chaos(cfg, as_json, err if as_json else console))
 
 
 @app.command()

@@ -70,8 +70,10 @@ def start_daemon(
     *,
     overrides: dict[str, dict[str, Any]] | None = None,
     prefix: Sequence[str] = (),
+    ready_timeout: float = 30.0,
 ) -> DaemonProc:
-    """Start `kvd serve` with a small config; returns once its socket answers.
+    """Start `kvd serve` with a small config; returns once its socket answers (killed
+    and RuntimeError after `ready_timeout` seconds).
 
     `overrides` replaces or adds keys of the sections written here ([daemon],
     [side_channel], [log]) or of new ones; `extra` is TOML appended as is. `prefix` is a
@@ -103,7 +105,7 @@ def start_daemon(
             env=penv,
         )
     d = DaemonProc(name, sock, cfg, proc, log)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(

@@ -355,9 +355,20 @@ class KvdClient:
     # ---------------------------------------------------------------- request/reply
 
     def request(self, msg: wire.Record, timeout: float | None = None) -> wire.Record:
-        """Send and wait for the reply (events that arrive meanwhile are kept)."""
+        """Send and wait for the reply (events that arrive meanwhile are kept).
+
+        After the session was lost, a call waits for no daemon that never heard our Hello:
+        it fails at once (DaemonUnavailable, the request was not sent) until a new session
+        is on its way, as the scheduler calls do (module docstring)."""
         if self._sock is None:
             raise ProtocolError("not connected")
+        if not isinstance(msg, (wire.Hello, wire.Goodbye)):
+            if self._lost.is_set():
+                self._session_lost()
+            if self._phase is _Phase.DOWN:
+                self._reopen()  # its Hello goes first on the socket, then this call
+                if self._phase is _Phase.DOWN:
+                    raise DaemonUnavailable(DOWN_REASON)
         corr = next(self._corr)
         self._sock.send(wire.encode(msg, corr))
         start = time.monotonic()

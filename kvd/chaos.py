@@ -1,0 +1,1287 @@
+"""`kvd chaos`: real daemons under sustained faults and load, and the figures that held.
+
+Four `kvd serve` processes (P and D for KV-cache blocks, an encoder E and a consumer C
+for encoder outputs) with fixed sockets and ports, as systemd would run them. The
+simulated engines of `kvd.demo` (real thin clients, shared-memory KV regions) drive
+mixed push and pull requests P -> D (`kvd.traffic.Traffic`: P fills blocks with a
+per-request pattern and poisons them the moment its send ends; D checks every byte it
+is told is done), and an encoder stream E -> C (`kvd.ecdemo.output_bytes`, every byte
+checked at C). Victim engines (engine pairs in child processes) run their own traffic.
+
+Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a daemon
+SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
+and SIGCONTed, a victim engine SIGKILLed and started again, or SIGSTOPped and SIGCONTed.
+Then everything settles and the invariants are checked:
+
+- every announced request ended exactly once on each side, within its bound: the KV
+  lease + 1 s (or `DEAD_P_BOUND` where its P daemon died) for KV requests, the EC
+  transfer timeout + 1 s for encoder outputs, counted from the request's start or from
+  the end of the last fault that held up its daemons, whichever is later;
+- no wrong bytes were ever reported done;
+- nothing leaked: no lease, registration, pin, session or tracked request of a party
+  that is gone is left in a surviving daemon (`kvd status`), and no shared-memory
+  segment of ours is left in /dev/shm once everything stopped;
+- daemon memory is flat: see `rss_flat`.
+
+`run_fuzz` (`kvd chaos --fuzz`) sends random and mutated frames at a live daemon's IPC
+socket, side channel, EC router, and as NIXL notifications from a rogue agent, while a
+good client is served; see `kvd.fuzz`.
+
+Run with `python -m kvd.chaos victim ...` the module is a victim engine pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+from kvd_client import wire
+from kvd_client.client import KvdClient
+from kvd_client.errors import ErrorCode, KvdError
+
+from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
+from kvd.ecdemo import output_bytes
+from kvd.traffic import NOT_OFFERED, Traffic
+
+HOST: Final = "127.0.0.1"
+LEASE_WAIT_TIMEOUT: Final = 5.0
+"""transfer.lease_wait_timeout (the default): how long P keeps a pull that came before
+its engine's finish. With the lease, it makes the KV bound: max(lease, this) + 1 s."""
+DEAD_P_BOUND: Final = 5.0
+"""Seconds within which D must end a request whose P daemon died (the issue's bound)."""
+RESTART_AFTER: Final = 2.0
+"""Seconds between a daemon's SIGKILL and its restart (systemd's RestartSec)."""
+RSS_WARMUP_S: Final = 5.0
+"""Seconds after a daemon's start before its memory samples count (imports, NIXL and
+UCX set-up, first peers)."""
+RSS_TOLERANCE_KIB: Final = 24 * 1024
+"""Growth allowed between the first and the last quarter of an incarnation's samples:
+`rss_flat` holds when max(last quarter) <= max(first quarter) + max(this, 10%)."""
+DRIVER_STALL: Final = 0.3
+"""A gap between two turns of the driver's loop longer than this (seconds) is a stall of
+the driver: what it drains right after waited for it, not for the daemons."""
+STOP_TIMEOUT: Final = 30.0
+"""Seconds a daemon may take to exit after SIGTERM (its shutdown_timeout is 5 s; a busy
+machine adds to it)."""
+READY_TIMEOUT: Final = 120.0
+"""Seconds a daemon may take to start (a busy 2-core machine can take tens)."""
+EC_COMPAT: Final = "kvd-chaos-encoder"
+KV_NAMES: Final = ("p", "d")
+EC_NAMES: Final = ("e", "c")
+
+
+# ------------------------------------------------------------------ configuration
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    duration: float = 40.0
+    """Seconds of faults under load (the settle and the checks come after)."""
+    seed: int = 0
+    lease: float = 4.0
+    """transfer.kv_lease_duration of P and D (short, so that expiries happen)."""
+    client_timeout: float = 3.0
+    """daemon.client_timeout: a session silent this long is ended."""
+    ec_xfer_timeout: float = 4.0
+    fault_gap: tuple[float, float] = (1.0, 3.0)
+    """Seconds between two faults, drawn uniformly."""
+    freeze: tuple[float, float] = (0.3, 2.5)
+    """Seconds a SIGSTOPped daemon stays stopped, drawn uniformly."""
+    victims: int = 1
+    """Victim engine pairs (child processes) running at any time."""
+    reap: bool = True
+    """daemon.reap_leftover_segments (the default). Tests running beside others turn it
+    off: reaping at start is machine-wide."""
+    fuzz_frames: int = 0
+    """Frames per surface for `kvd.fuzz.run_fuzz` after the chaos (0: none)."""
+    workdir: Path | None = None
+
+
+# ------------------------------------------------------------------ daemons
+
+
+@dataclass
+class Node:
+    """One daemon, started again on the same socket and ports after each kill."""
+
+    key: str
+    workdir: Path
+    extra: str
+    overrides: dict[str, dict[str, Any]]
+    proc: DaemonProc | None = None
+    incarnation: int = 0
+    pids: list[int] = field(default_factory=list)
+    frozen: bool = False
+    out_since: float = 0.0
+    """monotonic time the current fault began (0: up and running)."""
+    outages: list[tuple[float, float, str]] = field(default_factory=list)
+    """(began, ended, "kill" or "stop") of every fault that held this daemon up."""
+    rss: list[tuple[int, float, int]] = field(default_factory=list)
+    """(incarnation, monotonic time, VmRSS KiB) samples."""
+    started_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"kvdc-{self.key}"
+
+    @property
+    def up(self) -> bool:
+        return self.proc is not None and self.proc.proc.poll() is None and not self.frozen
+
+    def harvest_stalls(self) -> None:
+        """Take the stalls the current incarnation logged (`daemon_stalled`: the machine
+        did not run it) as outages: the daemon's timers do not count them, so a bound in
+        wall time cannot either. Read before a restart truncates the log, and at the end."""
+        if self.proc is None:
+            return
+        offset = time.time() - time.monotonic()
+        with contextlib.suppress(OSError):
+            for line in self.proc.log.read_text().splitlines():
+                if '"daemon_stalled"' not in line:
+                    continue
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    rec = json.loads(line)
+                    ended = _wall(rec["timestamp"]) - offset
+                    span = (ended - float(rec["seconds"]), ended, "stall")
+                    if span not in self.outages:
+                        self.outages.append(span)
+
+    def start(self) -> None:
+        self.harvest_stalls()
+        last: Exception | None = None
+        for _ in range(5):  # a port can stay busy a moment after a SIGKILL
+            try:
+                self.proc = start_daemon(
+                    self.workdir,
+                    self.name,
+                    self.extra,
+                    overrides=self.overrides,
+                    ready_timeout=READY_TIMEOUT,
+                )
+                break
+            except RuntimeError as exc:
+                if "did not become ready" in str(exc):
+                    raise  # it was killed at its deadline: a retry would only wait again
+                last = exc  # it exited: its port may still be held a moment
+                time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{self.name} did not start again: {last}")
+        self.incarnation += 1
+        self.pids.append(self.proc.proc.pid)
+        self.started_at = time.monotonic()
+        if self.out_since:
+            self.outages.append((self.out_since, self.started_at, "kill"))
+            self.out_since = 0.0
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        if self.frozen:
+            self.thaw()
+        self.proc.kill()
+        self.out_since = time.monotonic()
+
+    def freeze(self) -> None:
+        assert self.proc is not None
+        self.proc.proc.send_signal(signal.SIGSTOP)
+        self.frozen = True
+        self.out_since = time.monotonic()
+
+    def thaw(self) -> None:
+        assert self.proc is not None
+        self.proc.proc.send_signal(signal.SIGCONT)
+        self.frozen = False
+        now = time.monotonic()
+        self.outages.append((self.out_since, now, "stop"))
+        self.out_since = 0.0
+
+    def sample_rss(self) -> None:
+        if self.proc is None or self.proc.proc.poll() is not None:
+            return
+        kib = vm_rss_kib(self.proc.proc.pid)
+        if kib is not None:
+            self.rss.append((self.incarnation, time.monotonic(), kib))
+
+    def status(self, section: str = "status") -> dict[str, Any]:
+        assert self.proc is not None
+        with KvdClient(self.proc.socket, role="cli", timeout=5.0, keepalive_interval=0) as c:
+            got: dict[str, Any] = c.status(section)
+            return got
+
+
+def _wall(timestamp: str) -> float:
+    """Unix seconds of a log line's ISO 8601 UTC timestamp."""
+    return datetime.fromisoformat(timestamp.replace("Z", "+00:00")).timestamp()
+
+
+def start_all(nodes: list[Node]) -> None:
+    """Start daemons side by side (each start is mostly waiting for imports and NIXL)."""
+    errors: list[BaseException] = []
+
+    def start(n: Node) -> None:
+        try:
+            n.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(n,), daemon=True) for n in nodes]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        for n in nodes:
+            if n.proc is not None:
+                n.proc.stop()
+        raise errors[0]
+
+
+def vm_rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def free_port(avoid: set[int]) -> int:
+    """A free TCP port below the ephemeral range (a restarted daemon binds it again, and
+    no outgoing connection can have taken it meanwhile)."""
+    lo, _ = _ephemeral_range()
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randrange(20000, min(lo, 32768))
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+        avoid.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def make_nodes(workdir: Path, cfg: ChaosConfig) -> dict[str, Node]:
+    ports: set[int] = set()
+    common: dict[str, dict[str, Any]] = {
+        "daemon": {
+            "client_timeout": cfg.client_timeout,
+            "reap_leftover_segments": cfg.reap,
+        },
+        "transfer": {
+            "kv_lease_duration": cfg.lease,
+            "lease_wait_timeout": LEASE_WAIT_TIMEOUT,
+            "peer_probe_interval": 0.5,
+        },
+        "side_channel": {"handshake_timeout": 2.0},
+    }
+
+    def node(key: str, ec_role: str = "") -> Node:
+        over = {k: dict(v) for k, v in common.items()}
+        over["side_channel"]["port"] = free_port(ports)
+        if ec_role:
+            over["ec"] = {
+                "role": ec_role,
+                "port": free_port(ports),
+                "region_bytes": 32 << 20,
+                "block_bytes": 256 << 10,
+                "xfer_timeout": cfg.ec_xfer_timeout,
+            }
+        return Node(key, workdir, "", over)
+
+    return {
+        "p": node("p"),
+        "d": node("d"),
+        "e": node("e", "producer"),
+        "c": node("c", "consumer"),
+    }
+
+
+# ------------------------------------------------------------------ encoder outputs
+
+
+class _Mapped:
+    """A daemon's EC region mapped by name (the mapping outlives the segment's name)."""
+
+    def __init__(self, name: str, nbytes: int, block_bytes: int) -> None:
+        self.name = name
+        self.block_bytes = block_bytes
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        del self.buf
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+@dataclass
+class _Ensure:
+    image: int
+    params: wire.ECParams
+    started: float
+    c_incarnation: int
+    end: str = ""
+    end_at: float = 0.0
+
+
+@dataclass
+class ECTraffic:
+    """A stream of images with repeats, encoded at E and ensured at C; call `step()` often.
+
+    Like `kvd.ecdemo.run_ec`, but it never stops at a failure: an output E no longer has
+    is encoded again; each ensure has at most one in flight per hash, so that every
+    ensure's single terminal event (ECReady or ECUnavailable) can be checked.
+    """
+
+    e: Node
+    c: Node
+    rng: random.Random
+    window: int = 4
+    images: int = 40
+    max_bytes: int = 1 << 20
+    prod: KvdClient | None = None
+    cons: KvdClient | None = None
+    regions: dict[str, _Mapped] = field(default_factory=dict)
+    c_region: dict[int, _Mapped] = field(default_factory=dict)
+    """C's region per C incarnation: an ECReady names blocks of the region of the
+    incarnation the ensure went to."""
+    params: dict[int, wire.ECParams] = field(default_factory=dict)
+    inflight: dict[str, _Ensure] = field(default_factory=dict)
+    ensures: list[_Ensure] = field(default_factory=list)
+    sizes: dict[int, int] = field(default_factory=dict)
+    verified: int = 0
+    bytes: int = 0
+    wrong: list[str] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)
+    outcomes: Counter[str] = field(default_factory=Counter)
+    paused: bool = False
+    c_ready: bool = True
+    """False from C's kill until its new region is mapped: no ensure is sent meanwhile, so
+    that each ensure's incarnation (whose region its ECReady names) is known for sure."""
+    encode_errors: list[str] = field(default_factory=list)
+    last_start: float = 0.0
+    rate: float = 25.0
+    """Ensures started per second at most (the machine has other work to do)."""
+
+    def open(self) -> None:
+        assert self.e.proc is not None and self.c.proc is not None
+        self.prod = KvdClient(
+            self.e.proc.socket, role="scheduler", engine_id="encoder", timeout=1.0
+        )
+        self.prod.connect()
+        self.cons = KvdClient(self.c.proc.socket, role="scheduler", engine_id="consumer")
+        self.cons.connect()
+        self.c_restarted()
+        self.sizes = {i: self.rng.randint(16 << 10, self.max_bytes) for i in range(self.images)}
+
+    def c_restarted(self) -> None:
+        """Map C's region of its current incarnation."""
+        info = self.c.status("ec")
+        self.c_region[self.c.incarnation] = _Mapped(
+            info["region"], int(info["region_bytes"]), int(info["block_bytes"])
+        )
+        self.c_ready = True
+
+    def e_restarted(self) -> None:
+        self.params.clear()  # a new E has none of them: encode again
+
+    def close(self) -> None:
+        for cl in (self.prod, self.cons):
+            if cl is not None:
+                cl.close()
+        for m in [*self.regions.values(), *self.c_region.values()]:
+            m.close()
+
+    @property
+    def live(self) -> int:
+        return len(self.inflight)
+
+    def step(self) -> None:
+        if not self.paused:
+            while len(self.inflight) < self.window and self._start():
+                pass
+        self._drain()
+
+    def _start(self) -> bool:
+        assert self.cons is not None
+        now = time.monotonic()
+        if not self.c_ready or now - self.last_start < 1.0 / self.rate:
+            return False
+        self.last_start = now
+        image = self._pick()
+        if image is None:
+            return False
+        p = self.params.get(image)
+        if p is None:
+            if not self.e.up:
+                return False
+            p = self._encode(image)
+            if p is None:
+                return False
+        key = p.mm_hash
+        ens = _Ensure(image, p, time.monotonic(), self.c.incarnation)
+        self.inflight[key] = ens
+        self.ensures.append(ens)
+        self.cons.ec_ensure(p)
+        return True
+
+    def _pick(self) -> int | None:
+        for _ in range(8):
+            image = self.rng.randrange(self.images)
+            if self.params.get(image) is None or self.params[image].mm_hash not in self.inflight:
+                return image
+        return None
+
+    def _encode(self, image: int) -> wire.ECParams | None:
+        assert self.prod is not None
+        nbytes = self.sizes[image]
+        mm_hash = f"chaos-img-{image:04d}-{self.e.incarnation}"
+        try:
+            blocks = self.prod.ec_allocate(mm_hash, nbytes)
+            region = self.regions.get(blocks.region)
+            if region is None:
+                for old in self.regions.values():
+                    old.close()
+                self.regions.clear()
+                info = self.e.status("ec")
+                region = self.regions[blocks.region] = _Mapped(
+                    blocks.region, int(info["region_bytes"]), blocks.block_bytes
+                )
+            data = output_bytes(image, nbytes)
+            bb = blocks.block_bytes
+            for i, b in enumerate(blocks.block_ids):
+                chunk = data[i * bb : (i + 1) * bb]
+                region.buf[b * bb : b * bb + len(chunk)] = chunk
+            p = self.prod.ec_commit(mm_hash, nbytes, shape=(nbytes,), compat=EC_COMPAT)
+        except (KvdError, OSError) as exc:
+            self.outcomes[f"encode failed: {type(exc).__name__}"] += 1
+            self.encode_errors.append(str(exc)[:200])
+            return None
+        self.params[image] = p
+        return p
+
+    def _drain(self) -> None:
+        assert self.cons is not None
+        for ev in self.cons.drain_events():
+            if not isinstance(ev, (wire.ECReady, wire.ECUnavailable)):
+                continue
+            ens = self.inflight.pop(ev.mm_hash, None)
+            if ens is None:
+                self.stray.append(f"{type(ev).__name__} for {ev.mm_hash}")
+                continue
+            ens.end, ens.end_at = type(ev).__name__, time.monotonic()
+            if isinstance(ev, wire.ECUnavailable):
+                self.outcomes[f"unavailable {ErrorCode(ev.code).name}"] += 1
+                if ev.code == ErrorCode.NOT_FOUND and self.params.get(ens.image) is ens.params:
+                    del self.params[ens.image]  # E lost or evicted it: encode again
+                continue
+            self.outcomes["ready"] += 1
+            data = output_bytes(ens.image, self.sizes[ens.image])
+            region = self.c_region.get(ens.c_incarnation)
+            if region is None or ev.nbytes != len(data) or not _matches(region, ev, data):
+                self.wrong.append(f"{ev.mm_hash} (C incarnation {ens.c_incarnation})")
+            else:
+                self.verified += 1
+                self.bytes += len(data)
+            if ens.c_incarnation == self.c.incarnation:
+                self.cons.ec_release(ev.mm_hash)  # an older C's pins died with it
+
+    def unfinished(self) -> list[str]:
+        return [f"ec {k}" for k in self.inflight]
+
+
+def _matches(region: _Mapped, ev: wire.ECReady, data: np.ndarray) -> bool:
+    bb = region.block_bytes
+    for i, b in enumerate(ev.block_ids):
+        chunk = data[i * bb : (i + 1) * bb]
+        if not np.array_equal(region.buf[b * bb : b * bb + len(chunk)], chunk):
+            return False
+    return True
+
+
+# ------------------------------------------------------------------ victim engines
+
+
+def victim_main(argv: list[str]) -> int:
+    """A victim engine pair (P engine on P's daemon, D engine on D's) running traffic
+    until it is killed."""
+    p_sock, d_sock, port, seed, tag = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
+    rng = random.Random(seed)
+    try:
+        p = make_engine(p_sock, f"{tag}-p", num_blocks=64, num_layers=2, chunk_bytes=4096)
+        d = make_engine(d_sock, f"{tag}-d", num_blocks=64, num_layers=2, chunk_bytes=4096)
+    except (KvdError, OSError) as exc:
+        print(f"victim {tag} could not start: {exc}", file=sys.stderr)
+        return 3
+    print("ready", flush=True)
+    t = Traffic(p, d, port, rng, window=6)
+    while True:
+        t.step()
+        time.sleep(0.003)
+
+
+@dataclass
+class Victim:
+    tag: str
+    proc: subprocess.Popen[bytes]
+    started: float
+    frozen: bool = False
+
+
+# ------------------------------------------------------------------ the run
+
+
+@dataclass
+class ChaosReport:
+    seed: int
+    duration_s: float
+    faults: Counter[str] = field(default_factory=Counter)
+    kv_requests: int = 0
+    kv_outcomes: dict[str, int] = field(default_factory=dict)
+    ec_requests: int = 0
+    ec_outcomes: dict[str, int] = field(default_factory=dict)
+    bytes_verified: int = 0
+    requests_verified: int = 0
+    wrong_bytes: int = 0
+    unfinished: list[str] = field(default_factory=list)
+    stray: list[str] = field(default_factory=list)
+    over_bound: list[str] = field(default_factory=list)
+    longest_to_terminal_s: float = 0.0
+    bound_s: dict[str, float] = field(default_factory=dict)
+    leaks: list[str] = field(default_factory=list)
+    victim_segments_left: int = 0
+    rss: dict[str, dict[str, Any]] = field(default_factory=dict)
+    rss_flat: bool = True
+    daemon_exits: list[str] = field(default_factory=list)
+    fuzz: dict[str, Any] = field(default_factory=dict)
+    wall_s: float = 0.0
+    stalls: dict[str, float] = field(default_factory=dict)
+    """Seconds each daemon (and the driver) was not run by the machine, in all."""
+    workdir: str = ""
+    phases_s: dict[str, float] = field(default_factory=dict)
+    """Wall seconds of each phase of the run."""
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.wrong_bytes == 0
+            and not self.unfinished
+            and not self.stray
+            and not self.over_bound
+            and not self.leaks
+            and self.rss_flat
+            and not self.daemon_exits
+            and self.requests_verified > 0
+            and bool(self.fuzz.get("ok", True))
+        )
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.wrong_bytes:
+            out.append(f"{self.wrong_bytes} requests reported done with wrong bytes")
+        out += [f"unfinished: {u}" for u in self.unfinished[:10]]
+        out += [f"stray event: {s}" for s in self.stray[:10]]
+        out += [f"over its bound: {o}" for o in self.over_bound[:10]]
+        out += [f"leak: {x}" for x in self.leaks[:20]]
+        out += [f"daemon exit: {x}" for x in self.daemon_exits]
+        if not self.rss_flat:
+            out.append(f"daemon memory grew: {self.rss}")
+        if self.requests_verified == 0:
+            out.append("no request was verified (the load never ran)")
+        out += [f"fuzz: {p}" for p in self.fuzz.get("problems", [])]
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "seed": self.seed,
+            "duration_s": self.duration_s,
+            "wall_s": round(self.wall_s, 1),
+            "faults": dict(self.faults),
+            "faults_total": sum(self.faults.values()),
+            "kv_requests": self.kv_requests,
+            "kv_outcomes": self.kv_outcomes,
+            "ec_requests": self.ec_requests,
+            "ec_outcomes": self.ec_outcomes,
+            "requests_verified": self.requests_verified,
+            "bytes_verified": self.bytes_verified,
+            "wrong_bytes": self.wrong_bytes,
+            "unfinished": len(self.unfinished),
+            "stray_events": len(self.stray),
+            "over_bound": len(self.over_bound),
+            "longest_to_terminal_s": round(self.longest_to_terminal_s, 3),
+            "bound_s": self.bound_s,
+            "leaks": len(self.leaks),
+            "victim_segments_left": self.victim_segments_left,
+            "rss_flat": self.rss_flat,
+            "rss": self.rss,
+            "stalls_s": self.stalls,
+            "phases_s": self.phases_s,
+            "workdir": self.workdir,
+            "fuzz": self.fuzz,
+            "problems": self.problems(),
+        }
+
+
+class Chaos:
+    """The run: see the module docstring. `run()` returns the report; it never raises
+    for a broken invariant (the report says which), only for a broken set-up."""
+
+    def __init__(self, cfg: ChaosConfig, log: Callable[[str], None] = lambda _: None) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.rng = random.Random(cfg.seed)
+        self.report = ChaosReport(cfg.seed, cfg.duration)
+        self.own_workdir = cfg.workdir is None
+        self.workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="kvdc-", dir="/tmp"))
+        self.nodes = make_nodes(self.workdir, cfg)
+        self.p_eng: Engine | None = None
+        self.d_eng: Engine | None = None
+        self.kv: Traffic | None = None
+        self.ec: ECTraffic | None = None
+        self.victims: list[Victim] = []
+        self.victim_tags: list[str] = []
+        self.pending: list[tuple[float, str, str]] = []
+        """(when, action, target) to carry out: restarts, thaws, victim respawns."""
+        self.seen_exits: set[int] = set()
+        self.run_id = secrets.token_hex(3)
+        self.starting: dict[str, tuple[threading.Thread, list[BaseException | None]]] = {}
+        self.last_step = 0.0
+        self.phase_began = 0.0
+        self.first_faults: list[tuple[str, list[str]]] = [
+            ("kill", ["p", "d"]),
+            ("kill", ["e", "c"]),
+            ("stop", sorted(self.nodes)),
+            ("victim", []),
+            ("victim-stop", []),
+        ]
+        self.rng.shuffle(self.first_faults)
+        self.last_kv_refused = 0.0
+        self.driver_stalls: list[tuple[float, float, str]] = []
+
+    # ---------------------------------------------------------------- set-up
+
+    def _engines(self) -> None:
+        p, d = self.nodes["p"], self.nodes["d"]
+        assert p.proc is not None and d.proc is not None
+        self.p_eng = make_engine(
+            p.proc.socket, "prefill", num_blocks=256, num_layers=2, chunk_bytes=4096
+        )
+        self.d_eng = make_engine(
+            d.proc.socket, "decode", num_blocks=256, num_layers=2, chunk_bytes=4096
+        )
+        self.kv = Traffic(
+            self.p_eng,
+            self.d_eng,
+            p.proc.side_port,
+            self.rng,
+            window=12,
+            max_blocks=8,
+            as_vllm=True,
+        )
+        self.ec = ECTraffic(self.nodes["e"], self.nodes["c"], self.rng)
+        self.ec.open()
+
+    def _spawn_victim(self) -> None:
+        p, d = self.nodes["p"], self.nodes["d"]
+        if not (p.up and d.up):
+            self.pending.append((time.monotonic() + 1.0, "spawn", ""))
+            return
+        assert p.proc is not None and d.proc is not None
+        tag = f"victim{len(self.victim_tags)}-{self.run_id}"
+        self.victim_tags.append(tag)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvd.chaos",
+                "victim",
+                p.proc.socket,
+                d.proc.socket,
+                str(p.proc.side_port),
+                str(self.rng.getrandbits(32)),
+                tag,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.victims.append(Victim(tag, proc, time.monotonic()))
+
+    # ---------------------------------------------------------------- faults
+
+    def _fault(self) -> None:
+        now = time.monotonic()
+        if self.first_faults:  # every kind once, in a seeded order, before the rest
+            kind, among = self.first_faults.pop()
+        else:
+            kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim", "victim-stop"])
+            among = sorted(self.nodes)
+        if kind == "victim-stop":
+            live = [v for v in self.victims if v.proc.poll() is None and not v.frozen]
+            if live:
+                v = self.rng.choice(live)
+                v.proc.send_signal(signal.SIGSTOP)
+                v.frozen = True
+                self.report.faults["engine SIGSTOP/SIGCONT"] += 1
+                self.log(f"{now:.1f} SIGSTOP engine {v.tag}")
+                # sometimes past the daemons' client_timeout: its sessions end meanwhile
+                until = now + self.rng.uniform(0.5, 2 * self.cfg.client_timeout)
+                self.pending.append((until, "victim-thaw", v.tag))
+            return
+        if kind == "victim":
+            live = [v for v in self.victims if v.proc.poll() is None]
+            if live:
+                v = self.rng.choice(live)
+                v.proc.kill()
+                v.proc.wait()
+                self.report.faults["engine SIGKILL"] += 1
+                self.log(f"{now:.1f} SIGKILL engine {v.tag}")
+                self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
+            return
+        ready = [k for k in among if self.nodes[k].up and k not in self.starting]
+        if not ready:
+            return  # all down or stopped already: this moment passes
+        key = self.rng.choice(ready)
+        node = self.nodes[key]
+        if kind == "kill":
+            node.kill()
+            if key == "c":
+                assert self.ec is not None
+                self.ec.c_ready = False
+            self.report.faults[f"{key.upper()} SIGKILL+restart"] += 1
+            self.log(f"{now:.1f} SIGKILL {node.name}")
+            self.pending.append((now + RESTART_AFTER, "restart", key))
+        else:
+            node.freeze()
+            self.report.faults[f"{key.upper()} SIGSTOP/SIGCONT"] += 1
+            self.log(f"{now:.1f} SIGSTOP {node.name}")
+            self.pending.append((now + self.rng.uniform(*self.cfg.freeze), "thaw", key))
+
+    def _carry_out(self, action: str, key: str) -> None:
+        if action == "spawn":
+            if len([v for v in self.victims if v.proc.poll() is None]) < self.cfg.victims:
+                self._spawn_victim()
+            return
+        if action == "victim-thaw":
+            for v in self.victims:
+                if v.tag == key and v.frozen:
+                    v.frozen = False
+                    if v.proc.poll() is None:
+                        v.proc.send_signal(signal.SIGCONT)
+            return
+        node = self.nodes[key]
+        if action == "thaw":
+            node.thaw()
+            self.log(f"{time.monotonic():.1f} SIGCONT {node.name}")
+            return
+        assert action == "restart"
+        # Started in a thread: the load goes on (and events are drained) meanwhile.
+        box: list[BaseException | None] = []
+
+        def start() -> None:
+            try:
+                node.start()
+                box.append(None)
+            except BaseException as exc:
+                box.append(exc)
+
+        th = threading.Thread(target=start, name=f"start-{key}", daemon=True)
+        th.start()
+        self.starting[key] = (th, box)
+
+    def _started(self) -> None:
+        """Finish the restarts whose daemon is up (their engines' views follow)."""
+        assert self.ec is not None
+        for key, (th, box) in list(self.starting.items()):
+            if th.is_alive():
+                continue
+            del self.starting[key]
+            if box and box[0] is not None:
+                raise box[0]
+            self.log(f"{time.monotonic():.1f} restarted {self.nodes[key].name}")
+            if key == "c":
+                self.ec.c_restarted()
+            elif key == "e":
+                self.ec.e_restarted()
+
+    def _due(self, now: float) -> None:
+        due = sorted(x for x in self.pending if x[0] <= now)
+        self.pending = [x for x in self.pending if x[0] > now]
+        for _, action, key in due:
+            self._carry_out(action, key)
+
+    def _unexpected_exits(self) -> None:
+        for node in self.nodes.values():
+            dp = node.proc
+            if (
+                dp is None
+                or node.out_since
+                or node.key in self.starting
+                or dp.proc.pid in self.seen_exits
+            ):
+                continue
+            rc = dp.proc.poll()
+            if rc is not None:
+                self.seen_exits.add(dp.proc.pid)
+                self.report.daemon_exits.append(
+                    f"{node.name} exited {rc} unasked:\n{dp.log.read_text()[-1500:]}"
+                )
+                node.out_since = time.monotonic()
+                if node.key == "c" and self.ec is not None:
+                    self.ec.c_ready = False
+                self.pending.append((node.out_since + RESTART_AFTER, "restart", node.key))
+
+    # ---------------------------------------------------------------- the loop
+
+    def _step(self) -> None:
+        assert self.kv is not None and self.ec is not None
+        now = time.monotonic()
+        if self.last_step and now - self.last_step > DRIVER_STALL:
+            # the driver itself was not run: events it drains now waited meanwhile
+            self.driver_stalls.append((self.last_step, now, "stall"))
+        self.last_step = now
+        self._started()
+        if now - self.last_kv_refused > 0.2:
+            # while P's client has no session it refuses each request at once: a trickle
+            # of them is the fault; a flood would only fill the figures
+            refused = self.kv.not_offered
+            self.kv.step()
+            if self.kv.not_offered != refused:
+                self.last_kv_refused = now
+        self.ec.step()
+
+    def run(self) -> ChaosReport:
+        t0 = time.monotonic()
+        try:
+            start_all(list(self.nodes.values()))
+            self._engines()
+            for _ in range(self.cfg.victims):
+                self._spawn_victim()
+            self._phase("set-up", t0)
+            self._load_and_faults()
+            self._phase("faults under load")
+            self._settle()
+            self._phase("settle")
+            self._check_leaks()
+            self._phase("leak checks")
+            if self.cfg.fuzz_frames:
+                from kvd.fuzz import run_fuzz
+
+                self.report.fuzz = run_fuzz(
+                    self.cfg.fuzz_frames, self.cfg.seed, self.workdir, log=self.log
+                )
+                self._phase("fuzzing")
+        finally:
+            self._teardown()
+            self._phase("stop")
+            self._figures()
+            self.report.wall_s = time.monotonic() - t0
+            if self.own_workdir and self.report.ok:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            else:
+                self.report.workdir = str(self.workdir)  # kept: the daemons' logs
+        return self.report
+
+    def _phase(self, name: str, since: float = 0.0) -> None:
+        now = time.monotonic()
+        self.report.phases_s[name] = round(now - (since or self.phase_began), 1)
+        self.phase_began = now
+
+    def _load_and_faults(self) -> None:
+        start = time.monotonic()
+        end = start + self.cfg.duration
+        next_fault = start + 2.0
+        next_sample = start
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now >= next_fault:
+                self._fault()
+                next_fault = now + self.rng.uniform(*self.cfg.fault_gap)
+            self._due(now)
+            self._unexpected_exits()
+            if now >= next_sample:
+                for node in self.nodes.values():
+                    node.sample_rss()
+                next_sample = now + 0.5
+            self._step()
+            time.sleep(0.002)
+
+    def _settle(self) -> None:
+        """Every fault ends (restarts and thaws are due at once), the load runs on a while
+        with no faults, then stops; wait until every request ended."""
+        assert self.kv is not None and self.ec is not None
+        for when, action, key in sorted(self.pending):
+            if action != "spawn":
+                delay = when - time.monotonic()
+                if delay > 0:
+                    self._run_for(delay)
+                self._carry_out(action, key)
+        self.pending = []
+        while self.starting:
+            self._run_for(0.1)
+        for v in self.victims:  # the engines' last fault: gone for good, as SIGKILL leaves them
+            if v.proc.poll() is None:
+                v.proc.kill()
+                v.proc.wait()
+                self.report.faults["engine SIGKILL"] += 1
+        self._run_for(3.0)
+        self.kv.paused = self.ec.paused = True
+        deadline = time.monotonic() + 60.0
+        while (self.kv.live or self.ec.live) and time.monotonic() < deadline:
+            self._step()
+            time.sleep(0.005)
+        # paused from here on: the leak checks look at what the load left
+
+    def _run_for(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        next_sample = 0.0
+        while time.monotonic() < end:
+            if time.monotonic() >= next_sample:
+                for node in self.nodes.values():
+                    node.sample_rss()
+                next_sample = time.monotonic() + 0.5
+            self._unexpected_exits()
+            self._step()
+            time.sleep(0.002)
+
+    # ---------------------------------------------------------------- checks
+
+    def _check_leaks(self) -> None:
+        """What is left in the surviving daemons once every party that is gone is gone:
+        poll (sessions of killed engines end after client_timeout, then what they held is
+        freed) until nothing is left or the deadline passes."""
+        deadline = time.monotonic() + self.cfg.client_timeout + self.cfg.lease + 20.0
+        leaks: list[str] = []
+        while time.monotonic() < deadline:
+            leaks = self._leaks_now()
+            if not leaks:
+                break
+            self._run_for(0.5)
+        self.report.leaks = leaks
+
+    def _leaks_now(self) -> list[str]:
+        out: list[str] = []
+        main = {"prefill", "decode", "encoder", "consumer", "kvd-ec"}
+        for key, node in self.nodes.items():
+            st = node.status()
+            for r in st["regions"]:
+                if r["engine_id"] not in main:
+                    out.append(f"{node.name}: region of {r['engine_id']} ({r['name']})")
+            for s in st["sessions"]:
+                if s["engine_id"] and s["engine_id"] not in main:
+                    out.append(f"{node.name}: session {s['session']} of {s['engine_id']}")
+            sender, receiver = st["sender"], st["receiver"]
+            for what in ("leases", "pending_registrations", "early_pulls", "sending"):
+                if sender.get(what):
+                    out.append(f"{node.name}: sender {what} = {sender[what]}")
+            for what in ("tracked", "receiving", "sending", "heartbeat_peers"):
+                if receiver.get(what):
+                    out.append(f"{node.name}: receiver {what} = {receiver[what]}")
+            if node.proc is not None and (leases := node.status("leases")):
+                out += [f"{node.name}: lease {x['request_id']}" for x in leases["leases"]]
+                out += [f"{node.name}: tracked {x['request_id']}" for x in leases["tracked"]]
+            if key in EC_NAMES:
+                ec = st["ecrouter"]
+                for pool in ("producer", "consumer"):
+                    if ec.get(pool) and ec[pool]["pinned"]:
+                        out.append(f"{node.name}: {ec[pool]['pinned']} pinned {pool} EC blocks")
+                if ec.get("fetching"):
+                    out.append(f"{node.name}: EC fetches {ec['fetching']}")
+        return out
+
+    def _teardown(self) -> None:
+        if self.ec is not None:
+            self.ec.close()
+        for eng in (self.p_eng, self.d_eng):
+            if eng is not None:
+                eng.client.timeout = 2.0
+                eng.close()
+        for v in self.victims:
+            if v.proc.poll() is None:
+                v.proc.kill()
+                v.proc.wait()
+        for node in self.nodes.values():
+            if node.proc is None:
+                continue
+            if node.frozen:
+                node.thaw()
+            if node.proc.proc.poll() is None:
+                t0 = time.monotonic()
+                rc = node.proc.stop(timeout=STOP_TIMEOUT)
+                if rc != 0:
+                    self.report.daemon_exits.append(
+                        f"{node.name} stopped with {rc} after {time.monotonic() - t0:.1f}s "
+                        f"(SIGTERM, then SIGKILL at {STOP_TIMEOUT:g}s):\n"
+                        + node.proc.log.read_text()[-2000:]
+                    )
+                if os.path.exists(node.proc.socket):
+                    self.report.leaks.append(f"{node.name} left its socket")
+        for node in self.nodes.values():
+            node.harvest_stalls()
+        self._check_segments()
+
+    def _check_segments(self) -> None:
+        """No segment of ours in /dev/shm once everything stopped: the daemons' EC regions
+        (every incarnation's), the engines' KV regions, and the victims' (removed by the
+        daemons when reaping is on; with it off they stay, as documented, and are counted
+        and removed here)."""
+        pids = {pid for n in self.nodes.values() for pid in n.pids}
+        left_victims = []
+        for name in sorted(os.listdir("/dev/shm")):
+            if name.startswith("kvd-ec-"):
+                pid = name[len("kvd-ec-") :].split("-", 1)[0]
+                if pid.isdigit() and int(pid) in pids:
+                    self.report.leaks.append(f"/dev/shm/{name} (EC region of a daemon of ours)")
+            elif any(
+                f"-{tag}-" in name and name.startswith("kvd-demo-") for tag in self.victim_tags
+            ):
+                left_victims.append(name)
+            elif (
+                name.startswith(("kvd-demo-prefill-", "kvd-demo-decode-"))
+                and f"-p{os.getpid()}-" in name
+            ):
+                self.report.leaks.append(f"/dev/shm/{name} (a main engine's region)")
+        if self.cfg.reap:
+            self.report.leaks += [
+                f"/dev/shm/{n} (a killed engine's, not reaped)" for n in left_victims
+            ]
+        else:
+            self.report.victim_segments_left = len(left_victims)
+            for n in left_victims:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", n))
+
+    def _took(self, started: float, at: float, nodes: tuple[Node, ...]) -> float:
+        """Seconds from a request's start to its terminal event at `at` that count for
+        its bound: from its start, or from the last restart of its daemons that was
+        complete before `at` if later (a request started while its daemon was down), less
+        the time its daemons or the driver were stopped or stalled meanwhile."""
+        ref = max(
+            [started]
+            + [end for n in nodes for _, end, kind in n.outages if kind == "kill" and end <= at]
+        )
+        return at - ref - self._held(ref, at, nodes)
+
+    def _held(self, t0: float, t1: float, nodes: tuple[Node, ...]) -> float:
+        """Seconds of [t0, t1] during which one of `nodes` or the driver was stopped or
+        stalled (the union of those spans)."""
+        spans = sorted(
+            (max(a, t0), min(b, t1))
+            for a, b, kind in [*self.driver_stalls, *(o for n in nodes for o in n.outages)]
+            if kind != "kill" and b > t0 and a < t1
+        )
+        total, reach = 0.0, t0
+        for a, b in spans:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+    def _figures(self) -> None:
+        rep, kv, ec = self.report, self.kv, self.ec
+        if kv is None or ec is None:
+            return
+        p, d, e, c = (self.nodes[k] for k in ("p", "d", "e", "c"))
+        kv_bound = max(self.cfg.lease, LEASE_WAIT_TIMEOUT) + 1.0
+        ec_bound = self.cfg.ec_xfer_timeout + 1.0
+        rep.bound_s = {"kv": kv_bound, "kv_dead_p": DEAD_P_BOUND, "ec": ec_bound}
+        rep.kv_requests = len(kv.reqs)
+        outcomes: Counter[str] = Counter()
+        longest = 0.0
+        for r in kv.reqs.values():
+            outcomes[f"P {r.p_end or 'none'}"] += 1
+            outcomes[f"D {r.d_end or 'none'}"] += 1
+            for side, at in (("P", r.p_end_at), ("D", r.d_end_at)):
+                if not at:
+                    continue
+                took = self._took(r.started, at, (p, d))
+                longest = max(longest, took)
+                if took > kv_bound:
+                    rep.over_bound.append(f"{r.mode} {side} {r.d_id}: {took:.2f}s > {kv_bound:g}s")
+                killed = [b for b, _, kind in p.outages if kind == "kill" and r.started <= b <= at]
+                if side == "D" and killed:
+                    since = at - killed[0] - self._held(killed[0], at, (p, d))
+                    if since > DEAD_P_BOUND:
+                        rep.over_bound.append(
+                            f"{r.mode} D {r.d_id}: {since:.2f}s after P died > {DEAD_P_BOUND:g}s"
+                        )
+        for ens in ec.ensures:
+            outcomes[f"EC {ens.end or 'none'}"] += 0
+            if not ens.end_at:
+                continue
+            took = self._took(ens.started, ens.end_at, (e, c))
+            longest = max(longest, took)
+            if took > ec_bound:
+                rep.over_bound.append(f"ec {ens.params.mm_hash}: {took:.2f}s > {ec_bound:g}s")
+        rep.kv_outcomes = {k: v for k, v in sorted(outcomes.items()) if v}
+        rep.ec_requests = len(ec.ensures)
+        rep.ec_outcomes = dict(sorted(ec.outcomes.items()))
+        rep.longest_to_terminal_s = longest
+        rep.requests_verified = kv.ok() + ec.verified
+        rep.bytes_verified = sum(r.nbytes for r in kv.reqs.values()) + ec.bytes
+        rep.wrong_bytes = len(kv.wrong) + len(ec.wrong)
+        rep.unfinished = kv.unfinished() + ec.unfinished()
+        rep.stray = kv.stray + ec.stray
+        rep.rss, rep.rss_flat = rss_flat(self.nodes)
+        rep.stalls = {
+            k: round(sum(b - a for a, b, kind in n.outages if kind == "stall"), 2)
+            for k, n in self.nodes.items()
+        }
+        rep.stalls["driver"] = round(sum(b - a for a, b, _ in self.driver_stalls), 2)
+
+
+def rss_flat(nodes: dict[str, Node]) -> tuple[dict[str, dict[str, Any]], bool]:
+    """Per daemon: its longest-lived incarnation's memory, and whether it stayed flat.
+
+    Samples taken in the first `RSS_WARMUP_S` seconds of an incarnation are left out; of
+    the rest, flat means the last quarter's peak exceeds the first quarter's peak by no
+    more than max(RSS_TOLERANCE_KIB, 10%). An incarnation with fewer than 8 such samples
+    is too short to judge."""
+    out: dict[str, dict[str, Any]] = {}
+    ok = True
+    for key, node in nodes.items():
+        by_inc: dict[int, list[tuple[float, int]]] = {}
+        starts: dict[int, float] = {}
+        for inc, t, kib in node.rss:
+            starts.setdefault(inc, t)
+            if t - starts[inc] >= RSS_WARMUP_S:
+                by_inc.setdefault(inc, []).append((t, kib))
+        judged = [s for s in by_inc.values() if len(s) >= 8]
+        if not judged:
+            out[key] = {"judged": False, "incarnations": node.incarnation}
+            continue
+        samples = max(judged, key=len)
+        q = max(1, len(samples) // 4)
+        first = max(k for _, k in samples[:q])
+        last = max(k for _, k in samples[-q:])
+        allowed = max(RSS_TOLERANCE_KIB, first // 10)
+        flat = last - first <= allowed
+        ok = ok and flat
+        out[key] = {
+            "judged": True,
+            "incarnations": node.incarnation,
+            "seconds": round(samples[-1][0] - samples[0][0], 1),
+            "first_mib": round(first / 1024, 1),
+            "last_mib": round(last / 1024, 1),
+            "flat": flat,
+        }
+    return out, ok
+
+
+# ------------------------------------------------------------------ output
+
+
+def print_report(rep: ChaosReport, console: Any) -> None:
+    from rich.table import Table
+
+    d = rep.as_dict()
+    t = Table(title=f"kvd chaos: seed {rep.seed}, {rep.duration_s:g} s of faults under load")
+    t.add_column("what")
+    t.add_column("figure", justify="right")
+    faults = ", ".join(f"{k} {v}" for k, v in sorted(rep.faults.items()))
+    rows = [
+        ("faults injected", f"{d['faults_total']} ({faults})"),
+        (
+            "KV requests (push and pull) offered to D",
+            str(rep.kv_requests - rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),
+        ),
+        (
+            "KV requests P's client refused at once (no session: its daemon down)",
+            str(rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),
+        ),
+        ("encoder outputs ensured", str(rep.ec_requests)),
+        ("requests done with bytes verified", str(rep.requests_verified)),
+        ("bytes verified", f"{rep.bytes_verified:,}"),
+        ("wrong bytes reported done", str(rep.wrong_bytes)),
+        ("requests not ended / ended twice", f"{len(rep.unfinished)} / {len(rep.stray)}"),
+        ("longest time to a terminal event", f"{rep.longest_to_terminal_s:.2f} s"),
+        (
+            "bound (KV / dead P / EC)",
+            f"{rep.bound_s.get('kv', 0):g} / {rep.bound_s.get('kv_dead_p', 0):g} / "
+            f"{rep.bound_s.get('ec', 0):g} s; over it: {len(rep.over_bound)}",
+        ),
+        ("leaks (leases, registrations, pins, sessions, shm)", str(len(rep.leaks))),
+        ("daemon memory flat", "yes" if rep.rss_flat else "NO"),
+        (
+            "seconds the machine did not run them",
+            ", ".join(f"{k.upper() if k != 'driver' else k} {v:g}" for k, v in rep.stalls.items()),
+        ),
+    ]
+    if rep.fuzz:
+        rows.append(("frames fuzzed", f"{rep.fuzz.get('frames', 0):,}"))
+        rows.append(("daemon crashes under fuzzing", str(rep.fuzz.get("crashes", 0))))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    mem = Table(title="daemon memory (longest incarnation, after warm-up)")
+    for col in ("daemon", "incarnations", "seconds", "first MiB", "last MiB", "flat"):
+        mem.add_column(col)
+    for k, m in rep.rss.items():
+        mem.add_row(
+            k.upper(),
+            str(m["incarnations"]),
+            str(m.get("seconds", "-")),
+            str(m.get("first_mib", "-")),
+            str(m.get("last_mib", "-")),
+            str(m.get("flat", "not judged")),
+        )
+    console.print(mem)
+    for p in rep.problems():
+        console.print(f"[red]{p}[/red]")
+    console.print("wall seconds: " + ", ".join(f"{k} {v:g}" for k, v in rep.phases_s.items()))
+    if rep.workdir:
+        console.print(f"daemon logs kept in {rep.workdir}")
+    console.print("[green]every invariant held[/green]" if rep.ok else "[red]FAILED[/red]")
+
+
+def run_chaos(cfg: ChaosConfig, as_json: bool, console: Any) -> int:
+    rep = Chaos(cfg, log=lambda s: None).run()
+    if as_json:
+        print(json.dumps(rep.as_dict(), indent=2, default=str))
+    else:
+        print_report(rep, console)
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "victim":
+        sys.exit(victim_main(sys.argv[2:]))
+    sys.exit(2)
