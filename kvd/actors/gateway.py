@@ -153,9 +153,6 @@ class Gateway:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
         self._sock: zmq.asyncio.Socket | None = None
-        self._out: zmq.Socket[bytes] | None = None
-        """The same socket without asyncio's wrapper, for sending: a send never waits
-        (NOBLOCK), and the wrapper would make a future of every one."""
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
             wire.DeregisterRegion: registrar,
@@ -191,10 +188,8 @@ class Gateway:
         sock.bind(f"ipc://{path}")
         os.chmod(path, self.socket_mode)
         self._sock = sock
-        self._out = zmq.Socket.shadow(sock.underlying)
 
     def close(self) -> None:
-        self._out = None
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
@@ -226,10 +221,13 @@ class Gateway:
     # ---------------------------------------------------------------- requests
 
     def _send(self, ident: bytes, msg: wire.Record, corr: int) -> None:
-        if self._out is None:
+        # Through the asyncio socket, never a synchronous shadow of it: libzmq's socket
+        # fd is edge-triggered, and a send on a shadow can consume the edge that should
+        # wake the pending receive (a request then waits for the next frame to arrive).
+        if self._sock is None:
             return
         try:
-            self._out.send_multipart([ident, wire.encode(msg, corr)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([ident, wire.encode(msg, corr)], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._count("ipc_send_dropped")
             log.debug("ipc_send_dropped", error=str(exc))
