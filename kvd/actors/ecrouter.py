@@ -62,6 +62,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
+from kvd_client.ecindex import ECIndexWriter, index_slots
 from kvd_client.errors import (
     AuthError,
     Busy,
@@ -242,6 +243,7 @@ class ECRouter:
         )
         self.cons_offset = split if (self.producing and self.consuming) else 0
         self.region: SharedRegion | None = None
+        self.index: ECIndexWriter | None = None
         self.local: LocalRegion | None = None
         self.produced: dict[str, _Produced] = {}
         self.fetches: dict[str, _Fetch] = {}
@@ -252,7 +254,7 @@ class ECRouter:
         self.dealers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
         self._router: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
-        self.hits = self.misses = 0
+        self.hits = self.misses = self.client_hits = 0
 
     @property
     def enabled(self) -> bool:
@@ -282,6 +284,14 @@ class ECRouter:
             reap_stale_segments()
             name = f"{EC_SEGMENT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
             self.region = SharedRegion(name, self.region_bytes)
+            if self.cons_pool is not None:
+                self.index = ECIndexWriter(
+                    f"{name}.idx",
+                    index_slots(self.cons_pool.num_blocks),
+                    name,
+                    self.region_bytes,
+                    self.block_bytes,
+                )
             nblocks = self.region_bytes // self.block_bytes
             layout = block_major(
                 nblocks,
@@ -327,7 +337,10 @@ class ECRouter:
                 d.close(0)
 
     def close(self) -> None:
-        """Unlink the EC region (after the registrar deregistered it)."""
+        """Unlink the EC region (after the registrar deregistered it) and its index."""
+        if self.index is not None:
+            self.index.close()
+            self.index = None
         if self.region is not None:
             self.region.close()
             self.region = None
@@ -414,6 +427,19 @@ class ECRouter:
                 raise InvalidRequest(EC_NEEDS_COMPAT)
             req.resolve(wire.Ok())
             self._ensure(req.session, m)
+        elif isinstance(m, wire.ECHits):
+            pool = self._need(self.cons_pool, "consumer")
+            # hits a client served from the index: counted, and made recent (a hit on an
+            # output evicted since still happened; it just has no recency to refresh)
+            n = len(m.mm_hashes)
+            self.hits += n
+            self.client_hits += n
+            self._count("ec_hits", n)
+            self._count("ec_hits_client", n)
+            for mm_hash in m.mm_hashes:
+                if mm_hash in self.cached_nbytes:
+                    pool.get(mm_hash)
+            req.resolve(wire.Ok())
         elif isinstance(m, wire.ECRelease):
             self._need(self.cons_pool, "consumer")
             held = self.pins.get(req.session)
@@ -463,6 +489,10 @@ class ECRouter:
         for key in alloc.evicted:
             self.cached_nbytes.pop(key, None)
             self.cached_compat.pop(key, None)
+            if self.index is not None:
+                # before the blocks are handed to this fetch (its request is sent later):
+                # a client copying the evicted output now fails its check
+                self.index.retract(key)
         self._count("ec_evicted", len(alloc.evicted))
         f = _Fetch(m.mm_hash, (m.peer_host, m.peer_port), m.nbytes, m.compat, [session])
         self.fetches[m.mm_hash] = f
@@ -554,6 +584,12 @@ class ECRouter:
         self.cached_nbytes[f.mm_hash] = f.nbytes
         self.cached_compat[f.mm_hash] = f.compat
         pool.unpin(f.mm_hash)  # the transfer's pin; each waiter takes its own
+        if self.index is not None:
+            blocks = pool.get(f.mm_hash)
+            assert blocks is not None
+            self.index.publish(
+                f.mm_hash, f.compat, [b + self.cons_offset for b in blocks], f.nbytes
+            )
         self._count("ec_fetched")
         self._count("ec_bytes_fetched", f.nbytes)
         for session in f.waiters:
@@ -820,6 +856,9 @@ class ECRouter:
         return {
             "role": self.role,
             "region": self.region.name if self.region else "",
+            "index": self.index.name if self.index else "",
+            "indexed": len(self.index) if self.index else 0,
+            "index_unpublished": self.index.unpublished if self.index else 0,
             "region_bytes": self.region_bytes,
             "block_bytes": self.block_bytes,
             "consumer_offset": self.cons_offset,
@@ -830,6 +869,7 @@ class ECRouter:
             "cached": sorted(self.cached_nbytes)[:100],
             "fetching": sorted(self.fetches)[:100],
             "hits": self.hits,
+            "client_hits": self.client_hits,
             "misses": self.misses,
         }
 
