@@ -771,7 +771,7 @@ class KvdClient:
         index, or no live session; `out` may then hold anything): use `ec_ensure`. Nothing
         is pinned and there is nothing to release. The copy is checked against the
         daemon's index (`kvd_client.ecindex`), so a True copy is never stale bytes.
-        `between` is a test hook, called after each run of blocks is copied."""
+        `between` is a test hook, called before each run of blocks is copied."""
         view = self._ec_view()
         if view is None:
             self.ec_fast_misses += 1

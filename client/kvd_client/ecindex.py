@@ -310,15 +310,15 @@ class ECIndexReader:
         self, c: Cached, out: memoryview, between: Callable[[int], None] | None = None
     ) -> None:
         """Copy `c`'s bytes into `out` (at least `c.nbytes` long), run by run. `between(i)`
-        is called after run i (a test hook for forcing races)."""
+        is called before run i is copied (a test hook for forcing races)."""
         bb, left, pos = self.block_bytes, c.nbytes, 0
         for i, (first, n) in enumerate(c.runs):
+            if between is not None:
+                between(i)
             take = min(left, n * bb)
             out[pos : pos + take] = self._region[first * bb : first * bb + take]
             pos += take
             left -= take
-            if between is not None:
-                between(i)
 
     def read(
         self,

@@ -856,9 +856,9 @@ class ECRouter:
         return {
             "role": self.role,
             "region": self.region.name if self.region else "",
-            "index": self.index.name if self.index else "",
-            "indexed": len(self.index) if self.index else 0,
-            "index_unpublished": self.index.unpublished if self.index else 0,
+            "index": self.index.name if self.index is not None else "",
+            "indexed": len(self.index) if self.index is not None else 0,
+            "index_unpublished": self.index.unpublished if self.index is not None else 0,
             "region_bytes": self.region_bytes,
             "block_bytes": self.block_bytes,
             "consumer_offset": self.cons_offset,
