@@ -4,7 +4,9 @@ Qwen3.5-4B, llm-d #2535), from the producer daemon (P) to the consumer daemon (D
 - Cold fetch: the producer allocated, wrote and committed the output (not timed); the
   clock runs from the consumer's `ec_ensure` to `ECReady` at its client (consumer daemon
   -> producer's EC router -> WRITE into the consumer's blocks -> ack -> event). Against
-  raw NIXL: one WRITE of the same blocks to the same destination blocks.
+  raw NIXL: one WRITE of the same blocks to the same destination blocks. The daemons'
+  stage trace is on for these fetches: the table of `COLD_PATH` stages says where a
+  cold fetch's time goes (medians of the time since the stage before it).
 - Warm hit: the output is already in the consumer's cache; the clock runs from the
   consumer's call to the bytes copied out of the EC region into the engine's own buffer.
   The fast path is `ec_read` (the client looks the output up in the daemon's EC index,
@@ -33,8 +35,50 @@ from kvd.bench.common import (
     summary_ms,
     wait_for,
 )
+from kvd.bench.control import fetch_trace, switch_trace
 from kvd.core.planner import Geometry, plan_transfer
 from kvd.ecdemo import ECSide, output_bytes
+
+COLD_PATH: tuple[tuple[str, str, str], ...] = (
+    ("D", "gateway.request", "client ec_ensure -> consumer daemon"),
+    ("D", "ec.request_sent", "consumer: blocks allocated, ECXferReq sent"),
+    ("P", "ec.request_received", "producer: ECXferReq received"),
+    ("P", "ec.peer_checked", "producer: checks, pin, consumer's handshake looked up"),
+    ("P", "nixl.picked", "producer: NIXL thread picks the WRITE"),
+    ("P", "nixl.posted", "producer: WRITE posted"),
+    ("P", "nixl.done", "producer: WRITE complete"),
+    ("P", "ec.ack_sent", "producer: back on the loop, ECXferAck sent"),
+    ("D", "ec.ack_received", "consumer: ECXferAck received"),
+    ("D", "ec.ready", "consumer: ack handled, output cached and indexed"),
+    ("D", "gateway.event", "consumer: ECReady sent"),
+)
+"""A cold fetch's stages in order: (daemon, stage as recorded, what happened)."""
+
+
+def cold_stages(
+    records: dict[str, list[list[Any]]], fetches: dict[str, tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """Median microseconds of each `COLD_PATH` stage since the one before it (from the
+    client's call; the last row: ECReady sent -> the client has it), over `fetches`
+    (mm_hash -> client call and event times, CLOCK_MONOTONIC ns)."""
+    at: dict[str, dict[tuple[str, str], int]] = {mm: {} for mm in fetches}
+    for side, recs in records.items():
+        for t, rid, stage in recs:
+            if rid in at:
+                at[rid].setdefault((side, stage), int(t))
+    took: dict[str, list[float]] = {label: [] for _, _, label in COLD_PATH}
+    took["client: ECReady received"] = []
+    for mm, (t0, t1) in fetches.items():
+        prev = t0
+        for side, stage, label in COLD_PATH:
+            t = at[mm].get((side, stage))
+            if t is not None:
+                took[label].append((t - prev) / 1e3)
+                prev = t
+        took["client: ECReady received"].append((t1 - prev) / 1e3)
+    return [
+        {"stage": k, "n": len(v), "us": round(median(v), 1) if v else 0.0} for k, v in took.items()
+    ]
 
 
 @dataclass(frozen=True)
@@ -106,6 +150,10 @@ def run(
     # its region; a long-running daemon has long paid them.
     per_output = -(-cfg.nbytes // pair.block_bytes)
     warmup = pair.region_bytes // pair.block_bytes // per_output + 2
+    traced: dict[str, tuple[int, int]] = {}
+    switch_trace(env, True)
+    fetch_trace(env.p_cli)  # whatever an earlier scenario left in the rings
+    fetch_trace(env.d_cli)
     for rep in range(cfg.cold_reps + warmup):
         mm = new_id("ec-cold")
         data = output_bytes(rng.randrange(1 << 16), cfg.nbytes)
@@ -114,10 +162,12 @@ def run(
         params = prod.client.ec_commit(
             mm, cfg.nbytes, shape=(cfg.nbytes,), dtype="uint8", compat="kvd-bench"
         )
+        n0 = time.monotonic_ns()
         t0 = time.perf_counter()
         cons.client.ec_ensure(params)
         ev = wait_for(cons.client, mm, stash)
         dt = time.perf_counter() - t0
+        n1 = time.monotonic_ns()
         expect_ok(ev, "EC cold fetch")
         assert isinstance(ev, wire.ECReady)
         if not cons.matches(ev.block_ids, data):
@@ -131,7 +181,10 @@ def run(
         if rep >= warmup:
             cold.append(dt)
             raw.append(t_raw)
+            traced[mm] = (n0, n1)
         last = (params, data)
+    switch_trace(env, False)
+    stages = cold_stages({"P": fetch_trace(env.p_cli), "D": fetch_trace(env.d_cli)}, traced)
     progress("EC: cold fetches")
     assert last is not None
     params, data = last
@@ -204,6 +257,7 @@ def run(
         "descriptors": descs,
         "cold": summary_ms(cold),
         "raw_write": summary_ms(raw),
+        "cold_stages": stages,
         "cold_minus_raw_ms": round(cold_ms - raw_ms, 4),
         "cold_gbps": round(cfg.nbytes / (cold_ms / 1e3) / 1e9, 3) if cold_ms else 0.0,
         "raw_gbps": round(cfg.nbytes / (raw_ms / 1e3) / 1e9, 3) if raw_ms else 0.0,

@@ -143,6 +143,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(scale_table(sc["scale"]))
     if "ec" in sc:
         console.print(ec_table(sc["ec"]))
+        if sc["ec"].get("cold_stages"):
+            console.print(ec_stages_table(sc["ec"]))
     if "topology" in sc:
         console.print(topology_table(sc["topology"]))
     console.print(targets_table(res["targets"]))
@@ -457,6 +459,19 @@ def ec_table(e: dict[str, Any]) -> Table:
         f"{e['memcpy']['p99_ms'] * 1e3:.0f} us",
         "",
     )
+    return t
+
+
+def ec_stages_table(e: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"4b. where a cold EC fetch's time goes (median us since the stage before; "
+        f"raw NIXL WRITE p50 {e['raw_write']['p50_ms'] * 1e3:.0f} us)"
+    )
+    t.add_column("stage")
+    t.add_column("n", justify="right")
+    t.add_column("took", justify="right")
+    for row in e["cold_stages"]:
+        t.add_row(row["stage"], str(row["n"]), f"{row['us']:.0f} us")
     return t
 
 
