@@ -791,6 +791,17 @@ class KvdClient:
             self._flush_ec_hits()
         return True
 
+    def ec_cached(self, params: wire.ECParams) -> bool:
+        """Consumer: whether the local daemon's cache holds this output under
+        `params.compat` right now, read from its EC index (no round trip; False when no
+        index is mapped). A hint: it may be evicted the next moment, and only `ec_ensure`
+        pins it."""
+        view = self._ec_view()
+        if view is None:
+            return False
+        c = view.lookup(params.mm_hash, params.compat)
+        return c is not None and c.nbytes == params.nbytes
+
     def _ec_view(self) -> ECIndexReader | None:
         """The live daemon's EC index, mapped on first use in each daemon incarnation."""
         if self._lost.is_set() or self._phase is not _Phase.UP or self.welcome is None:
