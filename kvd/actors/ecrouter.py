@@ -37,6 +37,15 @@ Consumer (role consumer/both):
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
   its pins dropped.
+- The cache is also published in an index segment (`kvd_client.ecindex`, a seqlock per
+  slot) so that clients serve warm hits without a round trip (`KvdClient.ec_read`): an
+  output is published once its fetch is acked, and retracted (its slot's sequence made
+  odd) in the same synchronous step that evicts it, before its blocks go into the next
+  fetch's `ECXferReq`. Clients report those hits in batches (`ECHits`): counted as hits,
+  and each output made most recently used.
+- A cold fetch's `ECXferReq` is sent from the handler that allocated its blocks, and
+  its ack is handled on the task that reads it: each hop cut was measured
+  (`kvd bench --only ec` prints the stages of a cold fetch).
 
 Compat: `ECCommit` and `ECEnsure` must carry a non-empty `compat` (the string producer
 and consumer agree on, e.g. a hash of the model): one without is refused at the door.
