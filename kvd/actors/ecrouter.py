@@ -652,7 +652,10 @@ class ECRouter:
             self.dealers[producer] = sock
             assert self._tg is not None
             self._tg.start_soon(self._recv_acks, producer, sock)
-        sent = cast("asyncio.Future[Any]", sock.send(wire.encode(req), flags=zmq.NOBLOCK))
+        frame = wire.encode(req)
+        if self.trace.on:  # before: on a busy host the thread may lose its core in the send
+            self.trace.mark(req.mm_hash, "ec.request_sent")
+        sent = cast("asyncio.Future[Any]", sock.send(frame, flags=zmq.NOBLOCK))
         exc = sent.exception() if sent.done() else None
         if not sent.done():  # cannot happen with NOBLOCK; never leave it hanging
             sent.cancel()
@@ -663,8 +666,6 @@ class ECRouter:
         if exc is not None:
             self._fetch_failed(req.mm_hash, KvdError(f"cannot reach producer: {exc}"))
             return
-        if self.trace.on:
-            self.trace.mark(req.mm_hash, "ec.request_sent")
         self._count("ec_xfer_requests")
 
     async def _recv_acks(self, producer: tuple[str, int], sock: zmq.asyncio.Socket) -> None:

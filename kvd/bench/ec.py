@@ -41,7 +41,7 @@ from kvd.ecdemo import ECSide, output_bytes
 
 COLD_PATH: tuple[tuple[str, str, str], ...] = (
     ("D", "gateway.request", "client ec_ensure -> consumer daemon"),
-    ("D", "ec.request_sent", "consumer: blocks allocated, ECXferReq sent"),
+    ("D", "ec.request_sent", "consumer: blocks allocated, ECXferReq handed to ZMQ"),
     ("P", "ec.request_received", "producer: ECXferReq received"),
     ("P", "ec.peer_checked", "producer: checks, pin, consumer's handshake looked up"),
     ("P", "nixl.picked", "producer: NIXL thread picks the WRITE"),
