@@ -223,6 +223,7 @@ def test_reader_process_against_a_thrashing_cache_never_gets_wrong_bytes(
                 proc.communicate()
         assert proc.returncode == 0, stderr
         stats = json.loads(stdout.strip().splitlines()[-1])
+        print("reader:", stats, "fetched:", fetched)
         counters = cons.client.status()["counters"]
         assert stats["wrong"] == 0, stats
         assert stats["served"] > 0 and counters["ec_evicted"] > 20, (stats, counters)
