@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -47,6 +47,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd_client import __version__, wire
+from kvd_client.ecindex import ECIndexReader
 from kvd_client.errors import (
     DaemonUnavailable,
     ErrorCode,
@@ -80,6 +81,12 @@ __all__ = ["EVENT_TYPES", "Event", "KvdClient", "default_socket_path"]
 
 LOST_REASON: Final = "kvd daemon restarted or died, or ended this session; the transfer was lost"
 DOWN_REASON: Final = "kvd daemon unavailable (reconnecting); the request was not sent"
+EC_HITS_BATCH: Final = 64
+"""Warm hits served from the EC index that are reported to the daemon in one message
+(also sent on every `drain_events`)."""
+EC_INDEX_RETRY_S: Final = 5.0
+"""After the daemon's EC index could not be mapped, how long `ec_read` answers False
+before it asks the daemon again."""
 REGION_RETRIES: Final = 10
 """Times a region is registered again after a reconnection before the client gives up on
 it (one try per second); the daemon then refuses the engine's requests clearly."""
@@ -212,6 +219,17 @@ class KvdClient:
         self._ka_thread: threading.Thread | None = None
         self.reconnects = 0
         self.sessions_opened = 0
+        self._ec_index: ECIndexReader | None = None
+        self._ec_index_for = -1
+        """The daemon incarnation whose index `_ec_index` maps."""
+        self._ec_index_retry = 0.0
+        self._ec_hits: list[str] = []
+        self.ec_fast_hits = 0
+        """Warm hits served by `ec_read` from the daemon's EC index."""
+        self.ec_fast_misses = 0
+        """`ec_read` calls that found nothing to serve (not cached, other compat, no index)."""
+        self.ec_fast_races = 0
+        """`ec_read` copies that the daemon changed while they ran (not served)."""
 
     def _new_session_id(self) -> str:
         return f"{self.role}-{os.getpid()}-{secrets.token_hex(6)}"
@@ -270,8 +288,10 @@ class KvdClient:
 
     def close(self) -> None:
         """Say goodbye (the daemon releases this session's regions) and close."""
+        self._flush_ec_hits()
         self._stop.set()
         self._live_session = None
+        self._drop_ec_index()
         if self._sock is not None:
             try:
                 if daemon_listening(self.socket_path):  # never wait on a dead daemon
@@ -469,6 +489,7 @@ class KvdClient:
             self._session_lost()
         if self._phase is _Phase.DOWN:
             self._reopen()
+        self._flush_ec_hits()
         sock = self._sock
         if sock is not None:
             while True:
@@ -506,6 +527,8 @@ class KvdClient:
         (see the module docstring), so fail it, then open a new session."""
         self._lost.clear()
         self._live_session = None
+        self._drop_ec_index()  # the new daemon has a new index; this one is stale
+        self._ec_hits.clear()
         for rid, blocks in self._announced_recv.items():
             self._events.append(wire.RecvFailed(rid, int(ErrorCode.TRANSFER), LOST_REASON, blocks))
         for rid in self._announced_send:
@@ -765,6 +788,90 @@ class KvdClient:
             ),
             _Pending("ec", params.mm_hash),
         )
+
+    def ec_read(
+        self,
+        params: wire.ECParams,
+        out: Any,
+        *,
+        between: Callable[[int], None] | None = None,
+    ) -> bool:
+        """Consumer: serve a warm hit here, without a round trip to the daemon.
+
+        If the local daemon's encoder cache holds `params.mm_hash` under `params.compat`,
+        copy its `params.nbytes` bytes into `out` (a writable buffer: bytearray, numpy
+        array, ...) and return True; the hit is reported to the daemon later, without
+        waiting (counted there, and the output made recently used). False: not served
+        here (not cached, cached under another compat, changed while it was copied, no
+        index, or no live session; `out` may then hold anything): use `ec_ensure`. Nothing
+        is pinned and there is nothing to release. The copy is checked against the
+        daemon's index (`kvd_client.ecindex`), so a True copy is never stale bytes.
+        `between` is a test hook, called before each run of blocks is copied."""
+        view = self._ec_view()
+        if view is None:
+            self.ec_fast_misses += 1
+            return False
+        mv = memoryview(out).cast("B")
+        c = view.lookup(params.mm_hash, params.compat)
+        if c is None or c.nbytes != params.nbytes or len(mv) < c.nbytes:
+            self.ec_fast_misses += 1
+            return False
+        view.copy(c, mv, between)
+        if not view.valid(c) or self._lost.is_set():
+            self.ec_fast_races += 1
+            return False
+        self.ec_fast_hits += 1
+        self._ec_hits.append(params.mm_hash)
+        if len(self._ec_hits) >= EC_HITS_BATCH:
+            self._flush_ec_hits()
+        return True
+
+    def ec_cached(self, params: wire.ECParams) -> bool:
+        """Consumer: whether the local daemon's cache holds this output under
+        `params.compat` right now, read from its EC index (no round trip; False when no
+        index is mapped). A hint: it may be evicted the next moment, and only `ec_ensure`
+        pins it."""
+        view = self._ec_view()
+        if view is None:
+            return False
+        c = view.lookup(params.mm_hash, params.compat)
+        return c is not None and c.nbytes == params.nbytes
+
+    def _ec_view(self) -> ECIndexReader | None:
+        """The live daemon's EC index, mapped on first use in each daemon incarnation."""
+        if self._lost.is_set() or self._phase is not _Phase.UP or self.welcome is None:
+            return None
+        incarnation = self.welcome.incarnation
+        if self._ec_index is not None:
+            if self._ec_index_for == incarnation:
+                return self._ec_index
+            self._drop_ec_index()
+        if not ECIndexReader.supported() or time.monotonic() < self._ec_index_retry:
+            return None
+        try:
+            name = str(self.status("ec").get("index") or "")
+            if not name:
+                raise ValueError("the daemon publishes no EC index (not an EC consumer)")
+            self._ec_index = ECIndexReader(name)
+        except (KvdError, OSError, ValueError):
+            self._ec_index_retry = time.monotonic() + EC_INDEX_RETRY_S
+            return None
+        self._ec_index_for = incarnation
+        return self._ec_index
+
+    def _drop_ec_index(self) -> None:
+        if self._ec_index is not None:
+            self._ec_index.close()
+            self._ec_index = None
+            self._ec_index_for = -1
+
+    def _flush_ec_hits(self) -> None:
+        """Report the warm hits served here, without waiting (the reply is absorbed later)."""
+        if not self._ec_hits:
+            return
+        hits, self._ec_hits = tuple(self._ec_hits), []
+        if self._sock is not None and self._phase is _Phase.UP and not self._lost.is_set():
+            self._send(wire.ECHits(hits), _Pending("other", hits[0]))
 
     def ec_release(self, mm_hash: str) -> None:
         """Consumer: done copying an output that an ECReady handed out (drops its pin)."""

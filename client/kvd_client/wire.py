@@ -995,6 +995,15 @@ class ECRelease(Record):
     mm_hash: Id
 
 
+@message(93)
+@dataclasses.dataclass(frozen=True)
+class ECHits(Record):
+    """Consumer: warm hits this client served itself from the daemon's EC index (counted as
+    hits, and each output made most recently used). Sent without waiting, in batches."""
+
+    mm_hashes: Annotated[tuple[Id, ...], Len(1, 1024)]
+
+
 @message(86)
 @dataclasses.dataclass(frozen=True)
 class ECReady(Record):

@@ -164,6 +164,7 @@ class Gateway:
             wire.ECCommit: ecrouter,
             wire.ECEnsure: ecrouter,
             wire.ECRelease: ecrouter,
+            wire.ECHits: ecrouter,
         }
 
     def _count(self, key: str, n: int = 1) -> None:

@@ -115,7 +115,7 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             "ms",
         )
         add(
-            "EC warm / memcpy",
+            "EC warm (fast path) / memcpy",
             "<= 1.2x",
             ecs["warm_over_memcpy"],
             ecs["warm_over_memcpy"] <= 1.2,
@@ -153,6 +153,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(scale_table(sc["scale"]))
     if "ec" in sc:
         console.print(ec_table(sc["ec"]))
+        if sc["ec"].get("cold_stages"):
+            console.print(ec_stages_table(sc["ec"]))
     if "topology" in sc:
         console.print(topology_table(sc["topology"]))
     if "layerwise" in sc:
@@ -467,12 +469,20 @@ def ec_table(e: dict[str, Any]) -> Table:
         f"{e['raw_gbps']:.2f}",
     )
     t.add_row(
-        "warm hit: ec_ensure -> bytes copied out",
+        "warm hit, fast path: ec_read (index, copy, check)",
         str(e["warm"]["n"]),
         f"{e['warm_p50_us']:.0f} us",
         f"{e['warm']['p99_ms'] * 1e3:.0f} us",
         "",
     )
+    if "warm_ipc" in e:
+        t.add_row(
+            "warm hit, IPC path: ec_ensure -> ECReady -> copy",
+            str(e["warm_ipc"]["n"]),
+            f"{e['warm_ipc_p50_us']:.0f} us",
+            f"{e['warm_ipc']['p99_ms'] * 1e3:.0f} us",
+            "",
+        )
     t.add_row(
         "memcpy of the same bytes",
         str(e["memcpy"]["n"]),
@@ -480,6 +490,19 @@ def ec_table(e: dict[str, Any]) -> Table:
         f"{e['memcpy']['p99_ms'] * 1e3:.0f} us",
         "",
     )
+    return t
+
+
+def ec_stages_table(e: dict[str, Any]) -> Table:
+    t = Table(
+        title=f"4b. where a cold EC fetch's time goes (median us since the stage before; "
+        f"raw NIXL WRITE p50 {e['raw_write']['p50_ms'] * 1e3:.0f} us)"
+    )
+    t.add_column("stage")
+    t.add_column("n", justify="right")
+    t.add_column("took", justify="right")
+    for row in e["cold_stages"]:
+        t.add_row(row["stage"], str(row["n"]), f"{row['us']:.0f} us")
     return t
 
 

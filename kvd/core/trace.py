@@ -219,5 +219,9 @@ def trace_key(record: object) -> str:
     """The request id a wire record is keyed under in the trace ("" for none: a heartbeat
     names many). A message between the daemons carries the id of its sender's side; the
     bench joins a request's records by both of its ids, `link` makes a lookup do so."""
-    rid = getattr(record, "request_id", "") or getattr(record, "d_request_id", "")
+    rid = (
+        getattr(record, "request_id", "")
+        or getattr(record, "d_request_id", "")
+        or getattr(record, "mm_hash", "")  # an encoder output is its own request
+    )
     return rid if isinstance(rid, str) else ""

@@ -261,7 +261,12 @@ def test_the_same_hash_again_is_a_local_hit(
     # request must load it again, and PD's daemon serves it from its cache
     pd.scheduler.reset_encoder_cache()
     pd.encoder_cache.clear()
-    consume(pd, "pd-2", 102, params, e.salt)
+    # PD's daemon's EC index says it holds the output: the request waits for the local
+    # hit's answer in the step that schedules it, instead of being deferred to the next
+    pd.add("pd-2", image(102), max_tokens=2, ec_params=params)
+    pd.step()
+    assert "pd-2" in pd.scheduled, pd.status("pd-2")
+    run_until(lambda: "pd-2" in pd.finished, [pd])
     assert pd.verified == {"pd-1": [h], "pd-2": [h]} and pd.encoded == []
     assert counter(pd_d, "ec_hits") == hits + 1 and counter(pd_d, "ec_misses") == misses + 1
     assert counter(e_d, "ec_served") == served + 1

@@ -364,6 +364,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
         ),
     ),
     "ECRelease": (34, wire.ECRelease(mm_hash="mm-ï-9f8e")),
+    "ECHits": (35, wire.ECHits(mm_hashes=("mm-ï-9f8e", "mm-2"))),
     "ECReady": (
         0,
         wire.ECReady(

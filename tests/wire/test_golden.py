@@ -62,6 +62,7 @@ TYPE_IDS = {
     "ECEnsure": 84,
     "ECRelease": 85,
     "ECReady": 86,
+    "ECHits": 93,
     "ECUnavailable": 87,
     "ECXferReq": 88,
     "ECXferAck": 89,

@@ -50,6 +50,14 @@ Consumer (`ec_consumer` or `ec_both`):
   nbytes, shape, dtype) in the metadata.
 - Worker `start_load_caches` copies the blocks into a new tensor of that shape and dtype
   on the model's device, `encoder_cache[mm_hash]`, and reports the load id.
+- A warm output is loaded in the step that asks for it: when the daemon's EC index
+  (`KvdClient.ec_cached`, read from shared memory without a round trip) says the
+  daemon holds the output under our compat, `ensure_cache_available` waits for its
+  `ECReady` (a local hit, answered at once; at most `EC_HIT_WAIT_S`) instead of
+  deferring the request. The pin is still taken by `ECEnsure`: the copy happens later,
+  in the worker processes, so the output must stay put until then, which an index
+  lookup alone cannot promise (`KvdClient.ec_read`, the client-side copy, is for
+  consumers that copy in the process that asks).
 - The scheduler releases its pin (`ECRelease`) only once every rank reported the copy and
   no live request still needs the output; the daemon keeps the output in its cache, so a
   later request for the same hash is ensured again and served locally (a local hit).
@@ -72,6 +80,7 @@ import json
 import logging
 import mmap
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +110,10 @@ VOID_COMPAT: Final = "kvd-ec-void"
 """The compatibility hash a failed save is committed under: the daemon has no way to drop
 an allocation, and a commit unpins it; no consumer presents this hash, so it is never
 served, and FIFO eviction reclaims it like any output."""
+EC_HIT_WAIT_S: Final = 0.01
+"""How long the scheduler waits for the daemon's answer to an output its EC index holds
+(a local hit, answered at once) before deferring the request to the next step as for a
+fetch."""
 MAX_PRODUCED: Final = 1 << 16
 """Committed outputs a producer remembers (least recently used forgotten first; one
 forgotten is asked of the daemon again when a request needs it)."""
@@ -574,11 +587,30 @@ class _ECScheduler:
                     return False
                 e = self._cons[f.identifier] = _Cons(params)
                 self._reqs[rid] = request  # before the call: its failure event needs it
-                self.shared.call(self.shared.client.ec_ensure, params)
+                c = self.shared.client
+                cached = self.shared.call(c.ec_cached, params)
+                self.shared.call(c.ec_ensure, params)
+                if cached:
+                    self._await_hit(f.identifier)
+                    if rid in self._unavailable:
+                        return False
+                    e = self._cons[f.identifier]
             self._reqs[rid] = request
             if e.state != "ready":
                 pending = True
         return not pending
+
+    def _await_hit(self, mm_hash: str) -> None:
+        """The daemon's EC index says it holds `mm_hash`: its ECReady (a local hit, pinned
+        for us) comes at once, so wait for it here, at most `EC_HIT_WAIT_S`, and the
+        request loads it in this step instead of being deferred to the next."""
+        deadline = time.monotonic() + EC_HIT_WAIT_S
+        while True:
+            self._poll()
+            e = self._cons.get(mm_hash)
+            if e is None or e.state != "ensuring" or time.monotonic() >= deadline:
+                return
+            time.sleep(0.0001)
 
     def has_cache_item(self, identifier: str) -> bool:
         if not self.consumer:
