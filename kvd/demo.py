@@ -471,7 +471,10 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from kvd.ops import make_console
+
     console = Console(stderr=as_json)
+    out = make_console(stderr=as_json)  # the summary: never cut when not to a terminal
     rng = random.Random(seed)
     summaries: list[dict[str, Any]] = []
     counters: dict[str, Any] = {}
@@ -547,24 +550,24 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
             f"{s['p50_ms']:.2f}",
             f"{s['p99_ms']:.2f}",
         )
-    console.print(t)
+    out.print(t)
     if "prefill" in counters:
         c = counters["prefill"]
-        console.print(
+        out.print(
             f"P daemon: leases granted {c.get('leases_granted', 0)}, "
             f"expired {c.get('leases_expired', 0)}, "
             f"descriptors {c.get('descriptors', 0)}"
         )
     if "encoder" in counters:
         c = counters["encoder"]
-        console.print(
+        out.print(
             f"encoder daemon: outputs served {c.get('ec_served', 0)}, "
             f"evicted {c.get('ec_evicted', 0)}"
         )
     for s in summaries:
         for f in s["failures"][:5]:
-            console.print(f"[red]{s['mode']}: {f}[/red]")
-    console.print("[green]all bytes verified[/green]" if ok else "[red]FAILED[/red]")
+            out.print(f"[red]{s['mode']}: {f}[/red]")
+    out.print("[green]all bytes verified[/green]" if ok else "[red]FAILED[/red]")
     return 0 if ok else 1
 
 
