@@ -283,13 +283,18 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
                 20,
                 pump=peer.pump,
             )
-        # What P keeps is bounded (asserted above, from its own accounting). Its RSS is
-        # not asserted: decoded registrations still queue in the sender's mailbox while it
-        # falls behind (notices are never refused), so how much a flood raises the RSS
-        # depends on how far behind the machine's load puts the sender (~80-300 MiB here,
-        # not always less on the second flood). Bounding that queue is open work.
         print(f"P's RSS (KiB) before, after each flood: {rss}")
+        # KiB. What P keeps is bounded (asserted above). A second flood as large must add
+        # nothing. Known gap: decoded registrations still queue, unbounded, in the sender's
+        # mailbox while it falls behind (notices are never refused), so on a loaded machine
+        # a second flood can raise the RSS again; that is reported as an expected failure
+        # naming the gap, never as a pass.
         served(p, pe, de)
+        if rss[2] - rss[1] >= 32 * 1024:
+            pytest.xfail(
+                f"known gap: P's sender mailbox queues a registration flood unbounded "
+                f"(RSS KiB before/after each flood: {rss})"
+            )
     finally:
         pe.close()
         de.close()
