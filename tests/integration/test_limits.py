@@ -255,8 +255,14 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
                 if i % 100 == 0:
                     peer.pump()
 
-            def answered(before: int = before) -> list[Any] | None:
-                got = peer.answers(wire.PushDone)[before:]
+            def answered(before: int = before, round_: int = round_) -> list[Any] | None:
+                # only this flood's answers: P's answers to the previous round's
+                # cancellations ("cancelled by D") can still be arriving
+                got = [
+                    m
+                    for m in peer.answers(wire.PushDone)[before:]
+                    if m.request_id.startswith(f"flood-{round_}-")
+                ]
                 kept = status(p)["limits"]["pending_registrations_per_peer"]["used"]
                 return got if len(got) + kept >= flood else None
 
