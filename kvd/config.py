@@ -447,7 +447,14 @@ class TransferConfig(_Section):
         gt=0,
     )
     transfer_timeout: float = _opt(
-        30.0, "Seconds a posted transfer may stay in flight before it fails.", gt=0
+        30.0,
+        "Seconds a posted transfer may stay in flight before kvd gives up on it. NIXL cannot "
+        "cancel a posted transfer, so kvd reports it failed only once UCX has ended it: this "
+        "is also UCX's bound on a silent peer (UCX_TCP_USER_TIMEOUT, with keepalive probes "
+        "at half of it, unless set in the environment), so a transfer given up on ends "
+        "within about twice this; one UCX still has not ended after 2 x this + 1 s is "
+        "reported failed as unsettled and counted (its bytes may still land: docs/late-writes.md).",
+        gt=0,
     )
     lease_wait_timeout: float = _opt(
         5.0,

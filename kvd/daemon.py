@@ -10,6 +10,7 @@ crashes takes the whole daemon down with the reason logged: no half-alive daemon
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import time
@@ -81,6 +82,7 @@ class Daemon:
             num_threads=cfg.nixl.num_threads,
             poll_max_idle_us=cfg.nixl.poll_max_idle_us,
             ucx_tls=cfg.nixl.ucx_tls,
+            settle_timeout=cfg.transfer.transfer_timeout,
             trace=self.trace,
         )
         self.engine.keyring = self.keyring
@@ -158,6 +160,7 @@ class Daemon:
             region_bytes=cfg.ec.region_bytes,
             block_bytes=cfg.ec.block_bytes,
             xfer_timeout=cfg.ec.xfer_timeout,
+            settle_timeout=cfg.transfer.transfer_timeout,
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,
             max_frame=cfg.daemon.max_frame_bytes,
@@ -507,6 +510,8 @@ class Daemon:
 
 def serve(cfg: Config) -> int:
     """Run the daemon until a signal; returns the process exit code."""
+    # a crash in native code (NIXL, UCX) leaves every thread's Python stack in the log
+    faulthandler.enable(all_threads=True)
     daemon = Daemon(cfg)
     try:
         anyio.run(daemon.run, backend="asyncio", backend_options={"use_uvloop": True})

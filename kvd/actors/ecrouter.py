@@ -99,7 +99,7 @@ from kvd.actors.messages import (
     SessionClosed,
     Snapshot,
 )
-from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.nixl import NixlEngine, Unsettled
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
@@ -132,6 +132,8 @@ EC_XFER_CONTEXT: Final = b"ecxfer"
 EC_ACK_CONTEXT: Final = b"ecack"
 """Domain separation of an `ECXferAck`'s MAC (followed by its request's nonce)."""
 
+_QUARANTINE: Final = "\0quarantine:"
+"""Deadline keys of quarantined fetches (mm_hashes are the other keys)."""
 EC_NONCES_MAX: Final = 1 << 18
 """Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
 until its request is stale (at most twice `AUTH_WINDOW_S`): room for over 1,000
@@ -214,6 +216,7 @@ class ECRouter:
         region_bytes: int,
         block_bytes: int,
         xfer_timeout: float,
+        settle_timeout: float,
         side_host: str,
         side_port_ref: Callable[[], int],
         max_frame: int,
@@ -234,6 +237,13 @@ class ECRouter:
         self.region_bytes = region_bytes
         self.block_bytes = block_bytes
         self.xfer_timeout = xfer_timeout
+        # What bounds a producer's WRITE we gave up on: its own deadline, then UCX's
+        # settle bound (kvd.adapters.nixl), with room for its answer; a request still
+        # queued for a producer behind a cut link can outlive that: without an answer,
+        # the blocks wait for as long as a request may be served (AUTH_WINDOW_S, twice).
+        self.quarantine_s = max(xfer_timeout + 2 * settle_timeout + 1.0, 2 * AUTH_WINDOW_S)
+        self.quarantined: dict[str, bytes] = {}
+        """Fetches given up on whose blocks may still be written: hash -> request nonce."""
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.max_frame = max_frame
@@ -340,10 +350,11 @@ class ECRouter:
                     msg: Any = await self.mailbox.receive_before(self.deadlines.next_time())
                     if msg is not None:
                         self._dispatch(msg)
-                    for mm_hash, _ in self.deadlines.pop_due(self.clock.now()):
-                        self._fetch_failed(
-                            mm_hash, Timeout(f"no answer from the producer in {self.xfer_timeout}s")
-                        )
+                    for key, _ in self.deadlines.pop_due(self.clock.now()):
+                        if key.startswith(_QUARANTINE):
+                            self._unquarantine(key[len(_QUARANTINE) :], "bound")
+                            continue
+                        self._fetch_timed_out(key)
         finally:
             if self._router is not None:
                 self._router.close(0)
@@ -487,6 +498,13 @@ class ECRouter:
                 return
             f.waiters.append(session)
             return
+        if m.mm_hash in self.quarantined:
+            busy = Busy(f"{m.mm_hash!r}: an earlier fetch of it is not settled yet")
+            self._count("ec_unavailable")
+            self.emit(
+                EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(busy.code), busy.message))
+            )
+            return
         self.misses += 1
         self._count("ec_misses")
         n = math.ceil(m.nbytes / self.block_bytes)
@@ -567,6 +585,12 @@ class ECRouter:
     def _fetch_done(self, ack: wire.ECXferAck) -> None:
         f = self.fetches.get(ack.mm_hash)
         if f is None:
+            if ack.mm_hash in self.quarantined:
+                # the producer's answer to a request we gave up on: its WRITE is over
+                nonce = self.quarantined[ack.mm_hash]
+                if self.secret is None or mac_valid(self.secret, ack, EC_ACK_CONTEXT + nonce):
+                    self._unquarantine(ack.mm_hash, "answered")
+                    return
             self._count("ec_acks_unexpected")
             return
         if (
@@ -615,10 +639,36 @@ class ECRouter:
             self.deadlines.discard(mm_hash)
             self._fetch_failed_entry(f, exc)
 
-    def _fetch_failed_entry(self, f: _Fetch, exc: KvdError) -> None:
+    def _fetch_timed_out(self, mm_hash: str) -> None:
+        """No answer in time: the waiters are told at once, but the blocks are
+        quarantined, not freed: the producer may still WRITE into them (a request queued
+        while the link was down, a WRITE UCX has not ended: NIXL cannot cancel one). They
+        are freed when the producer's answer to that request arrives (it answers only once
+        its WRITE ended), or after `quarantine_s`."""
+        f = self.fetches.pop(mm_hash, None)
+        if f is None:
+            return
+        self._count("ec_quarantined")
+        self.quarantined[mm_hash] = f.nonce
+        self.deadlines.set(_QUARANTINE + mm_hash, self.clock.now() + self.quarantine_s)
+        exc = Timeout(f"no answer from the producer in {self.xfer_timeout}s")
+        self._fetch_failed_entry(f, exc, free=False)
+
+    def _unquarantine(self, mm_hash: str, why: str) -> None:
+        if self.quarantined.pop(mm_hash, None) is None:
+            return
+        self.deadlines.discard(_QUARANTINE + mm_hash)
+        self._count(f"ec_quarantine_released_{why}")
         pool = self.cons_pool
         assert pool is not None
-        if f.mm_hash in pool:
+        if mm_hash in pool:
+            pool.unpin(mm_hash)
+            pool.free(mm_hash)
+
+    def _fetch_failed_entry(self, f: _Fetch, exc: KvdError, *, free: bool = True) -> None:
+        pool = self.cons_pool
+        assert pool is not None
+        if free and f.mm_hash in pool:
             pool.unpin(f.mm_hash)
             pool.free(f.mm_hash)
         self._count("ec_unavailable")
@@ -869,6 +919,13 @@ class ECRouter:
             self._count("ec_served")
             self._count("ec_bytes_served", plan.total_bytes)
             ack = wire.ECXferAck(mm_hash, True, 0, "", p.nbytes)
+        except Unsettled as exc:
+            # UCX has not ended the WRITE (kvd.adapters.nixl): an answer would free the
+            # consumer's blocks while bytes may still land; without one they stay
+            # quarantined there until its bound
+            self._xfer_failed(mm_hash, exc)
+            self._count("ec_unsettled_unanswered")
+            return
         except KvdError as exc:
             self._xfer_failed(mm_hash, exc)
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)

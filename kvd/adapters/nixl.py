@@ -23,6 +23,7 @@ The thread is named `kvd-nixl` (`top -H`, `/proc/<pid>/task/*/comm`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import threading
@@ -61,6 +62,10 @@ spin: `get_new_notifs` holds the GIL, so spinning on it starves the event loop t
 poll costs about 25 us of CPU here (mostly the timed wait), so 100 us is ~25 % of a
 core while hot, and notifications wait 50 us on average."""
 
+_RELOAD_EVERY_S: Final = 0.5
+"""A peer whose fresh endpoint fails again is reloaded at most this often (a dead peer's
+failures must not turn into a reconnect storm; the registrar forgets dead peers)."""
+
 _PR_SET_TIMERSLACK: Final = 29
 _PR_SET_NAME: Final = 15
 THREAD_NAME: Final = "kvd-nixl"
@@ -73,6 +78,13 @@ class PeerDisconnected(TransferError):
     """Raised by posting the transfer or notification: NIXL already knew the peer was gone
     (e.g. it died, maybe restarted, while we were idle), rather than losing it under a
     posted transfer."""
+
+
+class Unsettled(Timeout):
+    """A transfer still in flight in UCX past its timeout and past the settle bound:
+    NIXL cannot cancel it (`release_xfer_handle` does not stop a posted WRITE/READ: its
+    bytes may still land). The handle is kept and polled until UCX ends it; until then
+    the memory it touches (ours and the peer's) must not be reused."""
 
 
 class PeerUnknown(TransferError):
@@ -108,8 +120,23 @@ class _Xfer:
     deadline: float
     started: float
     trace_id: str = ""
+    peer: str = ""
     post_s: float = 0.0
     """Seconds spent preparing and posting it (descriptor lists, initialize, transfer)."""
+    late: bool = False
+    """Past its deadline and still in flight in UCX: kept (never released while in
+    flight), its end awaited."""
+    reported: bool = False
+    """Its future was already answered (Unsettled); the handle is still polled."""
+
+
+@dataclass(slots=True)
+class _Notif:
+    peer: str
+    msg: bytes
+    done: Callable[[KvdError | None], None]
+    report_ok: bool
+    since: float
 
 
 @dataclass
@@ -122,6 +149,22 @@ class NixlStats:
     notifs_received: int = 0
     polls: int = 0
     inflight: int = 0
+    late: int = 0
+    """Transfers past their deadline that UCX has not ended yet."""
+    late_landed: int = 0
+    """Transfers that UCX completed after their deadline (their bytes did land)."""
+    unsettled: int = 0
+    """Transfers reported Unsettled (still held, polled until UCX ends them)."""
+    reconnects: int = 0
+    """Peers whose failed endpoint was replaced by a fresh one (their metadata reloaded)."""
+    reconnect_failures: int = 0
+    """Attempts to make a fresh endpoint that failed (the link still down)."""
+    notifs_held: int = 0
+    """Notifications held for a peer whose endpoint failed (sent once it is mended)."""
+    removals_deferred: int = 0
+    """Peers forgotten while transfers to them were in flight (removed once they ended)."""
+    notifs_expired: int = 0
+    """Held notifications failed: no fresh endpoint within the hold bound."""
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -137,6 +180,7 @@ class NixlEngine:
         num_threads: int = 0,
         poll_max_idle_us: int = 1000,
         ucx_tls: str = "",
+        settle_timeout: float = 0.0,
         trace: StageTrace = NO_TRACE,
     ) -> None:
         self.name: Final = name
@@ -145,7 +189,22 @@ class NixlEngine:
         self._num_threads = num_threads
         self._max_idle = poll_max_idle_us / 1e6
         self._ucx_tls = ucx_tls
+        self._settle = settle_timeout
+        """Bound on how long UCX may keep an unacknowledged operation (TCP_USER_TIMEOUT);
+        0: UCX's default (the kernel's, ~15 minutes with tcp_retries2=15)."""
         self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._mds: dict[str, list[bytes]] = {}
+        """Every metadata blob loaded for each remote agent, in order (the thread's): what
+        a fresh endpoint to it is made from when UCX failed the old one."""
+        self._reloaded: dict[str, float] = {}
+        self._broken: dict[str, float] = {}
+        """Peers whose endpoint failed and is not mended yet, since when."""
+        self._remove_later: set[str] = set()
+        """Peers forgotten while transfers to them were in flight (see `remove_remote`)."""
+        self._unloaded: set[str] = set()
+        """Peers removed from NIXL by a reload whose re-adding failed (link down)."""
+        self._held: dict[str, collections.deque[_Notif]] = {}
+        """Notifications waiting, in order, for a broken peer's fresh endpoint."""
         self._inflight: list[_Xfer] = []
         self._thread: threading.Thread | None = None
         self._agent: Any = None
@@ -184,6 +243,16 @@ class NixlEngine:
         if self._ucx_tls:
             os.environ["UCX_TLS"] = self._ucx_tls
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        if self._settle > 0:
+            # a peer that acknowledges nothing for this long is cut off by the kernel and
+            # every operation queued to it ends in error: nothing of it lands later
+            ms = f"{int(self._settle * 1000)}ms"
+            os.environ.setdefault("UCX_TCP_USER_TIMEOUT", ms)
+            # and an idle connection (a READ waiting for its data sends nothing) is
+            # probed, so that it too is cut off within the bound
+            half = f"{max(1, int(self._settle / 2))}s"
+            os.environ.setdefault("UCX_TCP_KEEPIDLE", half)
+            os.environ.setdefault("UCX_TCP_KEEPINTVL", half)
         from nixl._api import nixl_agent, nixl_agent_config
 
         conf = nixl_agent_config(
@@ -238,6 +307,7 @@ class NixlEngine:
                     return
                 if self._poll_notifs():
                     active = True
+                self._tend_broken()
                 if self._inflight and self._poll_xfers():
                     active = True
                 self.stats.polls += 1
@@ -276,6 +346,7 @@ class NixlEngine:
                 state = self._agent.check_xfer_state(x.handle)
             except Exception as exc:
                 self._finish(x, exc)
+                self._maybe_reload(x.peer, exc)
                 changed = True
                 continue
             if state == "DONE":
@@ -284,16 +355,46 @@ class NixlEngine:
             elif state == "PROC" and now < x.deadline:
                 keep.append(x)
             elif state == "PROC":
-                self._finish(x, Timeout(f"transfer still in flight after {now - x.started:.3f}s"))
-                changed = True
+                # Never release a handle UCX still works on: release does not cancel it
+                # (the bytes may land later). Wait for UCX to end it, up to the settle
+                # bound; past that, answer Unsettled and keep polling the handle.
+                if not x.late:
+                    x.late = True
+                    self.stats.late += 1
+                    late_s = round(now - x.started, 3)
+                    log.warning("nixl.transfer_late", trace_id=x.trace_id, after_s=late_s)
+                if not x.reported and now >= x.deadline + self._settle_bound():
+                    x.reported = True
+                    self.stats.unsettled += 1
+                    err = Unsettled(f"transfer still in flight after {now - x.started:.3f}s")
+                    assert self._loop is not None
+                    self._loop.call_soon_threadsafe(_set_exc, x.future, err)
+                    changed = True
+                keep.append(x)
             else:
                 self._finish(x, TransferError(f"transfer state {state!r}"))
                 changed = True
         self._inflight = keep
         self.stats.inflight = len(keep)
+        if self._remove_later:
+            self._removals_due()
         return changed
 
+    def _settle_bound(self) -> float:
+        return 2 * self._settle + 1.0 if self._settle > 0 else 60.0
+
     def _finish(self, x: _Xfer, exc: BaseException | None, *, at_post: bool = False) -> None:
+        if x.late:
+            self.stats.late -= 1
+            if exc is None:
+                self.stats.late_landed += 1
+        if x.reported:  # answered Unsettled already: UCX has ended it now
+            self.stats.unsettled -= 1
+            try:
+                self._agent.release_xfer_handle(x.handle)
+            except Exception as rel_exc:
+                self._count_error(rel_exc)
+            return
         try:
             self._agent.release_xfer_handle(x.handle)
         except Exception as rel_exc:
@@ -392,16 +493,18 @@ class NixlEngine:
                 self.stats.transfers_failed += 1
                 self._count_error(exc)
                 loop.call_soon_threadsafe(_set_exc, fut, translate(exc, posting=True))
+                self._maybe_reload(peer, exc)
                 return
             self.stats.transfers_posted += 1
             self.stats.bytes_moved += nbytes
-            x = _Xfer(handle, fut, started + timeout, started, trace_id)
+            x = _Xfer(handle, fut, started + timeout, started, trace_id, peer)
             if trace.on and trace_id:
                 trace.mark(trace_id, "nixl.posted")
             try:
                 state = agent.transfer(handle)
             except BaseException as exc:
                 self._finish(x, exc, at_post=True)
+                self._maybe_reload(peer, exc)
                 return
             x.post_s = time.monotonic() - started
             if state == "DONE":
@@ -413,18 +516,19 @@ class NixlEngine:
         return await fut
 
     async def send_notif(self, peer: str, msg: bytes, trace_id: str = "") -> None:
-        """Send one notification; NIXL sends it within the call, so every failure is one of
-        posting (see `translate`)."""
-        trace = self.trace
-        msg = self._seal(peer, msg)
+        """Send one notification and wait until it went out (see `post_notif`); every
+        failure is one of posting (see `translate`)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
 
-        def send(agent: Any) -> None:
-            if trace.on and trace_id:
-                trace.mark(trace_id, "nixl.notif_picked")
-            agent.send_notif(peer, msg)
-            self.stats.notifs_sent += 1
+        def done(exc: KvdError | None) -> None:
+            if exc is None:
+                _set_result(fut, None)
+            else:
+                _set_exc(fut, exc)
 
-        await self.call(send, posting=True)
+        self.post_notif(peer, msg, done, trace_id)
+        await fut
 
     def post_notif(
         self,
@@ -437,7 +541,12 @@ class NixlEngine:
     ) -> None:
         """Send one notification without waiting for it: `done` is called later on the
         event loop with the error `send_notif` would raise, or with None once it was sent
-        (only if `report_ok`). No task and no future: the caller's loop goes on at once."""
+        (only if `report_ok`). No task and no future: the caller's loop goes on at once.
+
+        A notification to a peer whose endpoint UCX failed (a link stalled past
+        TCP_USER_TIMEOUT) is held, in order with the peer's later ones, while a fresh
+        endpoint is made, and sent then; `done` gets the failure only if that takes
+        longer than the hold bound (`2 x settle + 1 s`)."""
         loop = self._loop
         if loop is None or self._thread is None:
             err = TransferError("NIXL engine is not running")
@@ -453,14 +562,7 @@ class NixlEngine:
         def send() -> None:
             if trace.on and trace_id:
                 trace.mark(trace_id, "nixl.notif_picked")
-            try:
-                self._agent.send_notif(peer, msg)
-            except BaseException as exc:
-                loop.call_soon_threadsafe(done, translate(exc, posting=True))
-                return
-            self.stats.notifs_sent += 1
-            if report_ok:
-                loop.call_soon_threadsafe(done, None)
+            self._send_or_hold(_Notif(peer, msg, done, report_ok, time.monotonic()))
 
         self._cmds.put(send)
 
@@ -496,11 +598,160 @@ class NixlEngine:
         return await self.call(get)
 
     async def add_remote(self, md: bytes) -> str:
-        name = await self.call(lambda a: a.add_remote_agent(md))
-        return name.decode() if isinstance(name, bytes) else str(name)
+        def add(a: Any) -> str:
+            raw = a.add_remote_agent(md)
+            name = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self._remove_later.discard(name)  # wanted again: the entry stays
+            self._mds.setdefault(name, []).append(md)
+            return name
+
+        return await self.call(add)
 
     async def remove_remote(self, name: str) -> None:
-        await self.call(lambda a: a.remove_remote_agent(name))
+        """Forget a peer. While a transfer to it is in flight its NIXL entry stays until
+        the transfer ends: NIXL answers NOT_FOUND for a transfer whose peer was removed
+        without looking at it (and releasing it then forgets it in UCX, where it goes on),
+        so removing it earlier would turn a transfer in flight into one that may land
+        after it was reported failed."""
+
+        def remove(a: Any) -> None:
+            self._mds.pop(name, None)
+            self._reloaded.pop(name, None)
+            self._broken.pop(name, None)
+            if name in self._unloaded:  # already gone from NIXL (a reload that failed)
+                self._unloaded.discard(name)
+                return
+            if self._busy(name):
+                self._remove_later.add(name)
+                self.stats.removals_deferred += 1
+                return
+            a.remove_remote_agent(name)
+
+        await self.call(remove)
+
+    def _busy(self, peer: str) -> bool:
+        return any(x.peer == peer for x in self._inflight)
+
+    def _removals_due(self) -> None:
+        """Carry out the removals deferred while transfers to the peer were in flight."""
+        for name in [n for n in self._remove_later if not self._busy(n)]:
+            self._remove_later.discard(name)
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                self._count_error(exc)
+
+    # ---------------------------------------------------------------- failed endpoints
+
+    def _send_or_hold(self, n: _Notif) -> None:
+        """On the thread: send `n` now, or hold it behind the peer's held ones."""
+        held = self._held.get(n.peer)
+        if held is not None:
+            held.append(n)
+            return
+        try:
+            self._agent.send_notif(n.peer, n.msg)
+        except BaseException as exc:
+            if not self._failed_endpoint(n.peer, exc):
+                self._answer(n, translate(exc, posting=True))
+                return
+            self._held[n.peer] = collections.deque([n])
+            self.stats.notifs_held += 1
+            self._mend(n.peer, time.monotonic())
+            return
+        self.stats.notifs_sent += 1
+        self._answer(n, None)
+
+    def _answer(self, n: _Notif, err: KvdError | None) -> None:
+        if err is not None or n.report_ok:
+            loop = self._loop
+            assert loop is not None
+            loop.call_soon_threadsafe(n.done, err)
+
+    def _failed_endpoint(self, peer: str, exc: BaseException) -> bool:
+        """Whether `exc` says UCX failed our endpoint to a peer we can make a fresh one
+        to (its metadata is loaded): RemoteDisconnect, or NotFound after a reload that
+        could not connect yet (the peer's entry is then missing)."""
+        if peer not in self._mds:
+            return False
+        name = type(exc).__name__
+        return "RemoteDisconnect" in name or ("NotFound" in name and peer in self._unloaded)
+
+    def _maybe_reload(self, peer: str, exc: BaseException) -> None:
+        """A transfer found our endpoint to `peer` failed: make a fresh one (held
+        notifications go out on it)."""
+        if self._failed_endpoint(peer, exc):
+            self._mend(peer, time.monotonic())
+
+    def _mend(self, peer: str, now: float) -> None:
+        """UCX failed our endpoint to `peer` (its operations ended, their queue dropped),
+        but NIXL keeps the failed endpoint, so every later post to the peer would fail
+        too: reload the peer's metadata (the same incarnation: a restarted peer is the
+        registrar's business) for a fresh endpoint, at most every `_RELOAD_EVERY_S`
+        (connecting fails while the link is still down). Then send what is held."""
+        since = self._broken.setdefault(peer, now)
+        if now - self._reloaded.get(peer, -1e9) < _RELOAD_EVERY_S or self._busy(peer):
+            # (a failed endpoint fails every transfer on it: they end soon; removing the
+            # peer before they did would make NIXL answer NOT_FOUND without looking)
+            return
+        self._reloaded[peer] = now
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as rm_exc:
+            self._count_error(rm_exc)
+        self._unloaded.add(peer)
+        try:
+            for md in self._mds[peer]:
+                self._agent.add_remote_agent(md)
+        except Exception as add_exc:
+            self._count_error(add_exc)
+            if self.stats.reconnect_failures % 50 == 0:
+                log.info("nixl.reconnect_failed", peer=peer, error=str(add_exc))
+            self.stats.reconnect_failures += 1
+            return
+        del self._broken[peer]
+        self._unloaded.discard(peer)
+        self.stats.reconnects += 1
+        log.info("nixl.reconnected", peer=peer, broken_s=round(now - since, 3))
+        held = self._held.pop(peer, None)
+        while held:
+            self._send_or_hold(held.popleft())
+            if peer in self._held:  # failed again: the rest stays behind it, in order
+                self._held[peer].extend(held)
+                return
+
+    def _tend_broken(self) -> None:
+        """On the thread, each turn: retry broken peers (while something is held for
+        them, or for the hold bound; later traffic to the peer re-arms it: nothing is
+        retried forever); fail held notifications past the hold bound."""
+        if not self._broken and not self._held:
+            return
+        now = time.monotonic()
+        bound = self._hold_bound()
+        for peer, since in list(self._broken.items()):
+            if peer not in self._mds:
+                del self._broken[peer]
+            elif peer in self._held or now - since <= bound:
+                self._mend(peer, now)
+            else:
+                del self._broken[peer]
+        for peer, held in list(self._held.items()):
+            if peer not in self._mds:  # forgotten meanwhile: nothing will mend it
+                gone: KvdError = PeerUnknown(f"peer {peer!r} was forgotten")
+                while held:
+                    self._answer(held.popleft(), gone)
+                del self._held[peer]
+                continue
+            while held and now - held[0].since > bound:
+                self.stats.notifs_expired += 1
+                late = PeerDisconnected(f"no endpoint to {peer!r} for {bound:.1f}s")
+                late.at_post = True
+                self._answer(held.popleft(), late)
+            if not held:
+                del self._held[peer]
+
+    def _hold_bound(self) -> float:
+        return 2 * self._settle + 1.0 if self._settle > 0 else 10.0
 
 
 def _tune_thread() -> None:

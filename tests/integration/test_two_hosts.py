@@ -166,7 +166,10 @@ def hosts() -> Iterator[Hosts]:
         for ns in made:  # deleting a namespace deletes the veth end in it
             _ip("netns", "del", ns, check=False)
         left = [ns for ns in made if ns in _ip("netns", "list").stdout]
-        shutil.rmtree(workdir, ignore_errors=True)
+        if os.environ.get("KVD_TEST_KEEP_LOGS"):
+            print(f"daemon logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
         assert not left, f"namespaces left behind: {left}"
         assert not problems, "\n".join(problems)
 
@@ -308,13 +311,12 @@ def test_link_cut_mid_transfer_then_restored(two: Hosts) -> None:
         assert res.verified + res.mismatched + res.failed == res.requests, res.summary()
     for res in after:
         assert res.verified + res.mismatched == res.requests, res.summary()
+    # No byte of a transfer given up on lands in blocks released since: NIXL cannot
+    # cancel a posted transfer, so kvd never releases one UCX still works on, bounds how
+    # long UCX may keep it (TCP_USER_TIMEOUT), mends the failed endpoints afterwards, and
+    # the EC consumer quarantines what it gave up on until the producer answers.
     wrong = [r.summary() for r in during + after if r.mismatched]
-    if wrong:
-        # Known bug, found by this test: a transfer abandoned at its timeout is not
-        # cancelled in UCX (NIXL's release_xfer_handle returns, the WRITE goes on once the
-        # link is back), and the destination blocks are freed for reuse meanwhile, so the
-        # late bytes land in blocks that now hold another request's data.
-        pytest.xfail(f"late WRITE of an abandoned transfer landed in reused blocks: {wrong}")
+    assert not wrong, wrong
 
 
 def _wait_in_flight(hosts: Hosts, timeout: float = 5.0) -> int:
