@@ -95,11 +95,12 @@ from kvd.actors.messages import (
     LocalRegion,
     LocalRegionsChanged,
     PeerInfo,
+    PeerLost,
     RegisterDaemonRegion,
     SessionClosed,
     Snapshot,
 )
-from kvd.adapters.nixl import NixlEngine, Unsettled
+from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
@@ -864,6 +865,7 @@ class ECRouter:
     async def _serve_one(self, ident: bytes, req: wire.ECXferReq) -> None:
         mm_hash = req.mm_hash
         pinned = False
+        info: PeerInfo | None = None
         pool = self.prod_pool
         assert pool is not None and self._router is not None
         try:
@@ -889,7 +891,7 @@ class ECRouter:
                 )
             pool.pin(mm_hash)
             pinned = True
-            info: PeerInfo = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
+            info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
             if _consumer_mismatch(info, req) is not None:
                 # Our view may be stale (the consumer restarted, perhaps under another
                 # name): look once more before refusing.
@@ -928,6 +930,10 @@ class ECRouter:
             return
         except KvdError as exc:
             self._xfer_failed(mm_hash, exc)
+            if isinstance(exc, PeerDisconnected) and info is not None:
+                # UCX failed our endpoint to the consumer: forget it, so that the next
+                # request handshakes afresh (a fresh endpoint, or its new incarnation)
+                self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
         finally:
             if pinned and mm_hash in pool:

@@ -546,7 +546,7 @@ class Registrar:
             await self._forget(hs.agent_name)
             known = None
         if known is None:
-            name = await self.engine.add_remote(hs.nixl_md)
+            name = await self.engine.add_remote(hs.nixl_md, mend=not dialed)
             if name != hs.agent_name:
                 if name not in self.peers and name != self.engine.name:  # never unload a real peer
                     await self.engine.remove_remote(name)

@@ -66,6 +66,12 @@ _RELOAD_EVERY_S: Final = 0.5
 """A peer whose fresh endpoint fails again is reloaded at most this often (a dead peer's
 failures must not turn into a reconnect storm; the registrar forgets dead peers)."""
 
+_HOLD_MAX_S: Final = 3.0
+"""The longest a notification waits for a broken peer's fresh endpoint. A peer that died
+looks the same from here as one behind a cut link (its endpoint failed; re-adding its old
+metadata yields another endpoint that fails): after this its notifications fail, so the
+callers see it gone (D forgets it and fails what waits on it within seconds)."""
+
 _PR_SET_TIMERSLACK: Final = 29
 _PR_SET_NAME: Final = 15
 THREAD_NAME: Final = "kvd-nixl"
@@ -161,6 +167,8 @@ class NixlStats:
     """Attempts to make a fresh endpoint that failed (the link still down)."""
     notifs_held: int = 0
     """Notifications held for a peer whose endpoint failed (sent once it is mended)."""
+    peers_given_up: int = 0
+    """Broken peers whose fresh endpoint failed too (gone, not behind a cut link)."""
     removals_deferred: int = 0
     """Peers forgotten while transfers to them were in flight (removed once they ended)."""
     notifs_expired: int = 0
@@ -199,6 +207,9 @@ class NixlEngine:
         self._reloaded: dict[str, float] = {}
         self._broken: dict[str, float] = {}
         """Peers whose endpoint failed and is not mended yet, since when."""
+        self._fresh: dict[str, float] = {}
+        """Peers given a fresh endpoint that has not carried anything yet: if it fails
+        too, the peer is gone, not behind a cut link."""
         self._remove_later: set[str] = set()
         """Peers forgotten while transfers to them were in flight (see `remove_remote`)."""
         self._unloaded: set[str] = set()
@@ -402,6 +413,7 @@ class NixlEngine:
         loop = self._loop
         assert loop is not None
         if exc is None:
+            self._fresh.pop(x.peer, None)
             self.stats.transfers_done += 1
             if self.trace.on and x.trace_id:
                 self.trace.mark(x.trace_id, "nixl.done")
@@ -546,7 +558,7 @@ class NixlEngine:
         A notification to a peer whose endpoint UCX failed (a link stalled past
         TCP_USER_TIMEOUT) is held, in order with the peer's later ones, while a fresh
         endpoint is made, and sent then; `done` gets the failure only if that takes
-        longer than the hold bound (`2 x settle + 1 s`)."""
+        longer than the hold bound (`2 x settle + 1 s`, at most `_HOLD_MAX_S`)."""
         loop = self._loop
         if loop is None or self._thread is None:
             err = TransferError("NIXL engine is not running")
@@ -597,12 +609,20 @@ class NixlEngine:
 
         return await self.call(get)
 
-    async def add_remote(self, md: bytes) -> str:
+    async def add_remote(self, md: bytes, *, mend: bool = False) -> str:
+        """Load a peer's metadata (full, or one more region's). `mend`: if UCX fails our
+        endpoint to it, make a fresh one from the metadata loaded so far (see
+        `post_notif`); for peers that dialed us, which we cannot handshake with again.
+        A peer we dial is not mended here: a failure reaches the caller, who handshakes
+        afresh (and so learns whether it restarted, which a fresh endpoint made from
+        the old metadata would hide: sends into it look fine until it fails)."""
+
         def add(a: Any) -> str:
             raw = a.add_remote_agent(md)
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
             self._remove_later.discard(name)  # wanted again: the entry stays
-            self._mds.setdefault(name, []).append(md)
+            if mend or name in self._mds:
+                self._mds.setdefault(name, []).append(md)
             return name
 
         return await self.call(add)
@@ -618,6 +638,7 @@ class NixlEngine:
             self._mds.pop(name, None)
             self._reloaded.pop(name, None)
             self._broken.pop(name, None)
+            self._fresh.pop(name, None)
             if name in self._unloaded:  # already gone from NIXL (a reload that failed)
                 self._unloaded.discard(name)
                 return
@@ -655,10 +676,17 @@ class NixlEngine:
             if not self._failed_endpoint(n.peer, exc):
                 self._answer(n, translate(exc, posting=True))
                 return
+            if self._fresh.pop(n.peer, None) is not None:
+                # the endpoint we just made failed too: the peer is gone (a dead process's
+                # address refuses us), not behind a cut link; its callers must know now
+                self._give_up(n.peer)
+                self._answer(n, translate(exc, posting=True))
+                return
             self._held[n.peer] = collections.deque([n])
             self.stats.notifs_held += 1
             self._mend(n.peer, time.monotonic())
             return
+        self._fresh.pop(n.peer, None)
         self.stats.notifs_sent += 1
         self._answer(n, None)
 
@@ -679,9 +707,23 @@ class NixlEngine:
 
     def _maybe_reload(self, peer: str, exc: BaseException) -> None:
         """A transfer found our endpoint to `peer` failed: make a fresh one (held
-        notifications go out on it)."""
-        if self._failed_endpoint(peer, exc):
-            self._mend(peer, time.monotonic())
+        notifications go out on it), unless the one we just made failed already."""
+        if not self._failed_endpoint(peer, exc):
+            return
+        if self._fresh.pop(peer, None) is not None:
+            self._give_up(peer)
+            return
+        self._mend(peer, time.monotonic())
+
+    def _give_up(self, peer: str) -> None:
+        """Stop mending `peer`: fail what is held for it (its callers see it gone)."""
+        self._broken.pop(peer, None)
+        self.stats.peers_given_up += 1
+        held = self._held.pop(peer, None)
+        gone = PeerDisconnected(f"peer {peer!r} is gone: a fresh endpoint to it failed too")
+        gone.at_post = True
+        while held:
+            self._answer(held.popleft(), gone)
 
     def _mend(self, peer: str, now: float) -> None:
         """UCX failed our endpoint to `peer` (its operations ended, their queue dropped),
@@ -711,6 +753,7 @@ class NixlEngine:
             return
         del self._broken[peer]
         self._unloaded.discard(peer)
+        self._fresh[peer] = now
         self.stats.reconnects += 1
         log.info("nixl.reconnected", peer=peer, broken_s=round(now - since, 3))
         held = self._held.pop(peer, None)
@@ -751,7 +794,7 @@ class NixlEngine:
                 del self._held[peer]
 
     def _hold_bound(self) -> float:
-        return 2 * self._settle + 1.0 if self._settle > 0 else 10.0
+        return min(2 * self._settle + 1.0, _HOLD_MAX_S) if self._settle > 0 else _HOLD_MAX_S
 
 
 def _tune_thread() -> None:
