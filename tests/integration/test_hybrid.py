@@ -422,7 +422,7 @@ def test_a_bad_group_is_refused_at_registration(
     try:
         g = groups[2] if case == "state-spec" else groups[0]
         fields = {**g.__dict__, **change}
-        bad = wire.KvGroup(**fields)  # type: ignore[arg-type]
+        bad = wire.KvGroup(**fields)
         at = groups.index(g)
         groups = (*groups[:at], bad, *groups[at + 1 :])
         with pytest.raises(Exception, match=says):
