@@ -11,8 +11,9 @@ of every group in that one id space, so nothing else of the protocol changes.
 
 What each kind moves (`plan_groups`):
 
-* full: every block, mapped like a plain region (`kvd.core.planner.plan_request`: any
-  TP, block sizes, NHD/HND, MLA, replicated heads).
+* full: every block, mapped like a plain region (`kvd.core.planner.plan_request`: with
+  a KV spec any TP, block sizes, NHD/HND, MLA, replicated heads; with an opaque compat
+  hash equal TP and formats only).
 * window: only the blocks inside the window: of the tail blocks each side names, the
   last ``min(D's, P's, window_blocks(window, block size))`` (P holds every block the
   window touches, so a D block P does not hold is outside it). Both sides need the same
@@ -143,8 +144,8 @@ def region_groups(
             geo = Geometry.from_layout(base_addr + g.offset, size, g.layout)
             if g.kind == "state":
                 _check_state(g.compat, g.layout)
-            elif check_region(g.compat, g.layout, tp_size, tp_rank) is None:
-                raise InvalidRequest("an attention group's compat must be a KV spec (kv_spec)")
+            else:  # a KV spec must fit; an opaque compat maps only onto an equal one
+                check_region(g.compat, g.layout, tp_size, tp_rank)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{where}: {exc.message}") from None
         spans.append((g.offset, g.offset + size, i))

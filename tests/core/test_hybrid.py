@@ -167,7 +167,7 @@ def _wire(
         (lambda gs: (gs[0], replace(gs[1], offset=gs[0].offset), gs[2]), "overlap"),
         (lambda gs: (*gs[:2], replace(gs[2], offset=1 << 30)), "ends at byte"),
         (lambda gs: (*gs[:2], replace(gs[2], compat=gs[0].compat)), "is not a state spec"),
-        (lambda gs: (replace(gs[0], compat="opaque"), *gs[1:]), "must be a KV spec"),
+        (lambda gs: (replace(gs[0], compat="kvspec1|x"), *gs[1:]), "malformed KV spec"),
         (
             lambda gs: (
                 *gs[:2],
