@@ -924,6 +924,7 @@ class Registrar:
                                 "generation": r.generation,
                                 "blocks": r.geometry.num_blocks,
                                 "compat": r.compat,
+                                "groups": [g.describe() for g in r.groups],
                             }
                             for r in p.info.regions.values()
                         ],
@@ -945,6 +946,7 @@ class Registrar:
                     "nbytes": r.nbytes,
                     "blocks": r.view.layout.num_blocks,
                     "compat": r.view.compat,
+                    "groups": [g.describe() for g in r.view.groups],
                     "session": r.view.session,
                 }
                 for r in self.regions.values()

@@ -432,3 +432,15 @@ def test_a_bad_group_is_refused_at_registration(
     finally:
         c.close()
         region.close()
+
+
+def test_status_names_each_regions_groups(pair: Pair) -> None:
+    rng = np.random.default_rng(12)
+    pair.n += 1
+    eng = engine(pair.d.socket, f"st{pair.n}", HSide(2), rng)
+    try:
+        mine = [r for r in eng.client.status()["regions"] if r["engine_id"] == eng.name]
+        assert [r["groups"] for r in mine] == [["full", "window(40 tokens)", "state"]] * 2
+        assert [r["blocks"] for r in mine] == [2 * 40 + STATE_SLOTS] * 2  # the id space
+    finally:
+        eng.close()
