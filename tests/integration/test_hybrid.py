@@ -202,6 +202,21 @@ def fill_state(
         dv[d_slot] = pv[p_slot]
 
 
+def announce(pair: Pair, p: Eng, rid: str, pb: list[int], done: int) -> None:
+    """P's workers say every layer of the request is staged, once D's registration is
+    there (the region's only 'layer' is its id space); wait until the stream started."""
+    before = p.client.status()["counters"].get("streams_started", 0)
+    deadline = time.monotonic() + 10
+    while p.client.status()["sender"]["pending_registrations"] == 0:
+        assert time.monotonic() < deadline, "D's registration never reached P"
+        time.sleep(0.01)
+    for w in p.workers:
+        assert w.layers_saved(1, [(rid, pb)])
+    while p.client.status()["counters"].get("streams_started", 0) <= before:
+        assert time.monotonic() < deadline, "the stream never started"
+        time.sleep(0.01)
+
+
 @dataclass
 class Scenario:
     """One request: its tokens, how many window blocks P holds and D names (tails)."""
@@ -218,7 +233,12 @@ SCENARIOS = (
 )
 
 
-def run_case(pair: Pair, ps: HSide, ds: HSide, mode: str, seed: int) -> None:
+def run_case(
+    pair: Pair, ps: HSide, ds: HSide, mode: str, seed: int, *, layerwise: bool = False
+) -> None:
+    """Every scenario P -> D in `mode`, bytes checked. `layerwise` (push): P's workers
+    announce saved layers after D registered; a hybrid request is never cut by layer, so
+    each goes whole at P's finish."""
     rng = np.random.default_rng(seed)
     pair.n += 1
     tag = f"{pair.n}{mode}"
@@ -273,6 +293,8 @@ def run_case(pair: Pair, ps: HSide, ds: HSide, mode: str, seed: int) -> None:
             d.client.track(f"d-{rid}", HOST, pair.p.side_port, **kw)
             if mode == "push":
                 d.client.register_push(f"d-{rid}", db, HOST, pair.p.side_port, **kw)
+                if layerwise:
+                    announce(pair, p, f"p-{rid}", pb, i)
                 assert p.client.finished(f"p-{rid}", pb)
             else:
                 assert p.client.finished(f"p-{rid}", pb)
@@ -313,6 +335,22 @@ CASES = [
 @pytest.mark.parametrize(("ps", "ds"), CASES, ids=[f"{a.label()}_{b.label()}" for a, b in CASES])
 def test_hybrid_every_byte(pair: Pair, mode: str, ps: HSide, ds: HSide) -> None:
     run_case(pair, ps, ds, mode, seed=len(pair.p.name) + ps.tp * 7 + ds.tokens)
+
+
+def test_hybrid_layerwise_push_goes_whole(pair: Pair) -> None:
+    """Workers announcing layers of a hybrid request: it streams, cannot be cut by layer
+    (its groups' layers are not the region's), and goes whole at P's finish, every byte
+    right."""
+    with KvdClient(pair.p.socket, role="cli", keepalive_interval=0) as c:
+        before = c.status()["counters"]
+    run_case(pair, HSide(2), HSide(2, kv_layout="HND"), "push", seed=21, layerwise=True)
+    with KvdClient(pair.p.socket, role="cli", keepalive_interval=0) as c:
+        after = c.status()["counters"]
+    grew = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in ("streams_started", "sends_layered", "streams_whole")
+    }
+    assert grew == {"streams_started": 3, "sends_layered": 0, "streams_whole": 3}, grew
 
 
 REFUSED = [
