@@ -256,10 +256,8 @@ def split_ids(groups: Sequence[Group], ids: Sequence[int]) -> list[Int64Array]:
     return [arr[which == i] - groups[i].first_id for i in range(len(groups))]
 
 
-def _window_tail(
-    g: int, p: Sequence[HybridView], pb: Int64Array, d: Sequence[HybridView], db: Int64Array
-) -> tuple[Int64Array, Int64Array]:
-    """The blocks of a window group that move: the last of both tails, within the window."""
+def _window_size(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> int:
+    """The block size of window group g, the same on both sides (else Incompatible)."""
     pt = p[0].groups[g].layout.tokens_per_block
     dt = d[0].groups[g].layout.tokens_per_block
     if pt != dt:
@@ -267,7 +265,15 @@ def _window_tail(
             f"sliding-window group {g}: block sizes differ, P {pt} tokens, D {dt} (a window "
             "group maps only at equal block size)"
         )
-    k = min(len(pb), len(db), window_blocks(p[0].groups[g].window_tokens, pt))
+    return pt
+
+
+def _window_tail(
+    g: int, p: Sequence[HybridView], pb: Int64Array, d: Sequence[HybridView], db: Int64Array
+) -> tuple[Int64Array, Int64Array]:
+    """The blocks of a window group that move: the last of both tails, within the window."""
+    size = _window_size(g, p, d)
+    k = min(len(pb), len(db), window_blocks(p[0].groups[g].window_tokens, size))
     return pb[len(pb) - k :], db[len(db) - k :]
 
 
@@ -363,7 +369,9 @@ def group_permutes(
 ) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
     """`receive_permutes` of a hybrid pair (D's side of push: P's blocks unknown): the
     pairs in `plan_groups`' order, and the permutes of D's attention groups (a window
-    group's: the blocks inside the window D names)."""
+    group's: the last `window_blocks` D names. Should P hold fewer, P writes only the last
+    of them and D's earlier ones lie outside the window (P holds every block the window
+    touches): they are permuted, unwritten, and never read)."""
     check_structure(p, d)
     d_ids = split_ids(d[0].groups, d_logical)
     pairs: list[Pair] = []
@@ -375,9 +383,7 @@ def group_permutes(
         else:
             db = d_ids[g]
             if grp.kind == "window":
-                pt, dt = grp.layout.tokens_per_block, d[0].groups[g].layout.tokens_per_block
-                if pt != dt:
-                    _window_tail(g, p, db, d, db)  # raises, naming both block sizes
+                _window_size(g, p, d)
                 db = _d_window(g, d, db)
             got, jobs = receive_permutes(_views(p, g), _views(d, g), db.tolist())
         permutes += _rebased(jobs, got, len(pairs), d, g)
