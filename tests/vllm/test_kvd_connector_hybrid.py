@@ -108,7 +108,9 @@ def test_hybrid_requests_arrive_byte_exact(
             assert len(params["remote_block_ids"]) == 3  # one list per KV cache group
             full, window, state = params["remote_block_ids"]
             assert len(full) == -(-(n - 1) // 16)  # P computed all but the last token
-            assert 0 < len(window) <= -(-(WINDOW - 1) // 16) + 1 and len(state) == 1
+            t = n - 1  # the window's blocks: those holding the last WINDOW - 1 of P's tokens
+            assert len(window) == -(-t // 16) - max(0, t - (WINDOW - 1)) // 16
+            assert len(state) == 1
             d.add(did, prompt(i, n), max_tokens=3, params=params)
             d.verify[did] = (p.salt, 0)
     run_until(lambda: all(did in d.finished for _, did in reqs) and not p.busy(), [p, d])
@@ -128,11 +130,11 @@ def test_hybrid_requests_arrive_byte_exact(
     sizes = [
         g.layout.num_layers * g.layout.kv_parts * g.layout.chunk_bytes for g in staging.kv_groups
     ]
-    cover = -(-(WINDOW - 1) // 16) + 1
-    want = sum(
-        -(-(n - 1) // 16) * sizes[0] + min(cover, -(-(n - 1) // 16)) * sizes[1] + sizes[2]
-        for n in lengths
-    )
+
+    def window(t: int) -> int:  # blocks holding the last WINDOW - 1 of t tokens
+        return -(-t // 16) - max(0, t - (WINDOW - 1)) // 16
+
+    want = sum(-(-(n - 1) // 16) * sizes[0] + window(n - 1) * sizes[1] + sizes[2] for n in lengths)
     moved = recent_bytes(dd, {did for _, did in reqs}) + recent_bytes(pd, {pid for pid, _ in reqs})
     assert moved == want, (moved, want)
 
@@ -162,3 +164,28 @@ def test_a_group_kvd_cannot_move_is_refused_naming_it(model: str) -> None:
         num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], full)]
     )
     assert KvGroups.from_config(one) is None  # one full group: the plain region, as before
+
+
+def test_groups_pick_what_moves_and_both_sides_agree() -> None:
+    from kvd_client.vllm.groups import GroupInfo, KvGroups
+
+    g = KvGroups(
+        [
+            GroupInfo("full", 0, 16, 0, ("a",)),
+            GroupInfo("window", 40, 16, 0, ("b",)),
+            GroupInfo("state", 0, 16, 2, ("c",)),
+        ],
+        num_blocks=100,
+    )
+    null = 0
+    # P computed 69 tokens: 5 blocks; vLLM freed the window group's first (null)
+    p = g.finished([[1, 2, 3, 4, 5], [0, 6, 7, 8, 9], [0, 11, 12, 13]], 69, null)
+    # full: all 5; window: tokens 30..68 (the last 39) are in blocks 1..4
+    assert p == ([1, 2, 3, 4, 5], [106, 107, 108, 109], [211])
+    # D loads the same 69 tokens after a 32-token local hit: full blocks 2..4, the same
+    # window blocks from its hit on (the daemon pairs the tails: P's last 3), the running
+    # slot (scratch slots dropped)
+    d = g.loading([[21, 22, 23, 24, 25], [31, 32, 33, 34, 35], [41, 42, 43]], 32, 69, null)
+    assert d == ([23, 24, 25], [133, 134, 135], [241])
+    assert g.remote_for(p, 32, d) == [3, 4, 5, 106, 107, 108, 109, 211]
+    assert g.backoff == 1

@@ -8,8 +8,9 @@ hybrid_region`), so a request's blocks of every group travel as one id list: one
 registration, one lease, one heartbeat stream, one done per request, as for one group.
 
 What each group moves (the daemon's rules, `kvd.core.hybrid`): full groups every computed
-block; sliding-window groups only the blocks inside the window (their tails, clipped to
-`window_blocks`; D copies in only those); state groups the request's running-state slot
+block; sliding-window groups only the blocks holding the window's tokens (the last
+window - 1 before the end: P and D clip alike from the same token count, so their tails
+pair exactly; D copies in only those); state groups the request's running-state slot
 (vLLM's speculative scratch slots are not sent). As vLLM's NixlConnector does, a model
 with state makes P stop one prompt token short (`backoff`): D loads the state after
 N - 1 tokens and computes the last one itself (its state must not take it twice).
@@ -104,22 +105,23 @@ class KvGroups:
     def base(self, g: int) -> int:
         return g * self.num_blocks
 
-    def window_cover(self, g: int) -> int:
-        info = self.groups[g]
-        return kvlayout.window_blocks(info.window, info.block_size)
-
-    def _held(self, g: int, ids: Sequence[int], null: int) -> list[int]:
-        """A group's blocks worth moving, as the group's own ids."""
+    def _held(self, g: int, ids: Sequence[int], start: int, end: int, null: int) -> list[int]:
+        """Group g's blocks worth moving for tokens [start, end) (`ids`: the group's list,
+        by position from token 0), as the group's own ids: a full group's blocks holding
+        those tokens; a window group's blocks holding the last window - 1 tokens before
+        `end` (P and D clip alike from the same token count, so their tails pair exactly,
+        within the daemon's `window_blocks` bound); a state group's running slot."""
         info = self.groups[g]
         if info.kind == "state":
             real = [b for b in ids if b != null]
             if info.spec_slots and len(real) > 1:
                 real = real[: max(1, len(real) - info.spec_slots)]
             return real[-1:]
+        first = start
         if info.kind == "window":
-            real = [b for b in ids if b != null]
-            return real[len(real) - min(len(real), self.window_cover(g)) :]
-        return list(ids)
+            first = max(start, end - (info.window - 1))
+        span = list(ids[first // info.block_size : _cdiv(end, info.block_size)])
+        return [b for b in span if b != null] if info.kind == "window" else span
 
     def to_region(self, per_group: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
         return tuple([self.base(g) + b for b in ids] for g, ids in enumerate(per_group))
@@ -127,27 +129,20 @@ class KvGroups:
     def finished(
         self, block_ids: Sequence[Sequence[int]], tokens: int, null: int
     ) -> tuple[list[int], ...]:
-        """P: the region ids of a finished request's blocks that move, per group (full
-        groups: those holding its first `tokens` tokens)."""
-        out: list[list[int]] = []
-        for g, ids in enumerate(block_ids):
-            if self.groups[g].kind == "full":
-                ids = list(ids[: _cdiv(tokens, self.groups[g].block_size)])
-            out.append(self._held(g, ids, null))
-        return self.to_region(out)
+        """P: the region ids of the blocks that move of a request whose first `tokens`
+        tokens were computed, per group."""
+        return self.to_region(
+            [self._held(g, ids, 0, tokens, null) for g, ids in enumerate(block_ids)]
+        )
 
     def loading(
         self, block_ids: Sequence[Sequence[int]], start: int, end: int, null: int
     ) -> tuple[list[int], ...]:
         """D: the region ids of the blocks that receive tokens [start, end) (start on a
         block boundary: the local hit), per group."""
-        out: list[list[int]] = []
-        for g, ids in enumerate(block_ids):
-            info = self.groups[g]
-            if info.kind != "state":
-                ids = list(ids[start // info.block_size : _cdiv(end, info.block_size)])
-            out.append(self._held(g, ids, null))
-        return self.to_region(out)
+        return self.to_region(
+            [self._held(g, ids, start, end, null) for g, ids in enumerate(block_ids)]
+        )
 
     def remote_for(
         self, remote: Sequence[Sequence[int]], start: int, local: Sequence[Sequence[int]]
