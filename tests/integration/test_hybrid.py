@@ -326,6 +326,8 @@ CASES = [
     (HSide(2, major="layer"), HSide(2)),
     (HSide(2, kinds=("full", "window")), HSide(1, kinds=("full", "window"), major="layer")),
     (HSide(1, kinds=("full", "window")), HSide(2, kinds=("full", "window"), kv_layout="HND")),
+    (HSide(4), HSide(4, major="layer")),
+    (HSide(4, kinds=("full", "window")), HSide(2, kinds=("full", "window"), kv_layout="HND")),
     (HSide(1, 16, kinds=("full", "state")), HSide(1, 32, kinds=("full", "state"))),
     (HSide(2, 32, kinds=("full", "state")), HSide(2, 16, "HND", kinds=("full", "state"))),
 ]
