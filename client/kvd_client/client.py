@@ -892,6 +892,7 @@ class KvdClient:
         nbytes: int = 0,
         ipc_handle: bytes = b"",
         device: int = -1,
+        groups: tuple[wire.KvGroup, ...] = (),
     ) -> int:
         """Register a KV region (a SharedRegion for host staging); returns its region id.
 
@@ -899,6 +900,10 @@ class KvdClient:
         KV heads, head size, layers, block size, token layout): build it with
         `kvd_client.layout.compat_hash`. The daemon refuses an empty one, and fails any
         transfer between regions whose compat strings differ.
+
+        A hybrid model's region holds several KV cache groups (`groups`; build the region
+        with `kvd_client.layout.hybrid_region`): its `layout` is then the groups' block id
+        space and its `compat` `kvd_client.layout.hybrid_compat(model)`.
         """
         msg = wire.RegisterRegion(
             kind=kind,
@@ -911,6 +916,7 @@ class KvdClient:
             compat=compat,
             ipc_handle=ipc_handle,
             device=device,
+            groups=groups,
         )
         reply = self.request(msg)
         if not isinstance(reply, wire.RegionRegistered):

@@ -267,3 +267,129 @@ def kv_region_layout(
 
 
 _LAYER_MAJOR = layer_major
+
+
+# ----------------------------------------------------------------- hybrid models
+
+GROUP_KINDS = ("full", "window", "state")
+"""Kinds of KV cache group a hybrid region may hold (`wire.KvGroup`)."""
+
+STATE_SPEC_PREFIX = "statespec1"
+"""First field of a state group's compat string (`state_spec`)."""
+
+HYBRID_PREFIX = "hybrid1"
+"""First field of a hybrid region's own compat string (`hybrid_compat`)."""
+
+GROUP_ALIGN = 64
+"""Bytes each group's part of a hybrid region is aligned to (`hybrid_region`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """What a state group holds per rank: per layer, one slot of `slot_bytes` bytes (K/V
+    parts together) of a recurrent state (Mamba conv+SSM, Gated DeltaNet). It is not paged
+    by tokens, so block sizes and token layouts do not apply; its inner shape is the
+    model's, so it maps only rank i to rank i at equal TP, slot for slot."""
+
+    model: str
+    dtype: str
+    slot_bytes: int
+    num_layers: int
+
+
+def state_spec(*, model: str, dtype: str, slot_bytes: int, num_layers: int) -> str:
+    """A state group's compat string (see `StateSpec`), at most 128 characters."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    for name, value in (("slot_bytes", slot_bytes), ("num_layers", num_layers)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    head = "|".join((STATE_SPEC_PREFIX, dtype, str(slot_bytes), str(num_layers)))
+    room = _SPEC_LIMIT - len(head) - 1
+    if len(model) > room:
+        digest = hashlib.sha256(model.encode()).hexdigest()[:12]
+        model = f"{model[: room - 13]}#{digest}"
+    return f"{head}|{model}"
+
+
+def parse_state_spec(compat: str) -> StateSpec:
+    """The StateSpec a state group's compat states; ValueError for anything else."""
+    parts = compat.split("|", 4)
+    if len(parts) != 5 or parts[0] != STATE_SPEC_PREFIX:
+        raise ValueError(f"state group compat {compat!r} is not a state spec (state_spec)")
+    _, dtype, slot, layers, model = parts
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"state spec dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    nums: list[int] = []
+    for name, text in (("slot_bytes", slot), ("num_layers", layers)):
+        if not text.isdigit() or int(text) <= 0 or len(text) > 12:
+            raise ValueError(f"state spec {name} {text!r} is not a positive int")
+        nums.append(int(text))
+    if not model:
+        raise ValueError("state spec names no model")
+    return StateSpec(model, dtype, nums[0], nums[1])
+
+
+def hybrid_compat(model: str) -> str:
+    """The compat string of a hybrid region itself (its groups carry their own)."""
+    text = f"{HYBRID_PREFIX}|{model}"
+    if len(text) > _SPEC_LIMIT:
+        text = f"{HYBRID_PREFIX}|#{hashlib.sha256(model.encode()).hexdigest()[:32]}"
+    return text
+
+
+def window_blocks(window_tokens: int, tokens_per_block: int) -> int:
+    """Blocks at the end of a request that can hold a token its next step attends to,
+    with a sliding window of `window_tokens` (the last window_tokens - 1 tokens, wherever
+    the request ends inside its last block): the blocks a window group moves at most."""
+    if window_tokens <= 0 or tokens_per_block <= 0:
+        raise ValueError(f"window {window_tokens} / block size {tokens_per_block} must be > 0")
+    return -(-(window_tokens - 1) // tokens_per_block) + 1
+
+
+def group_bases(groups: tuple[wire.KvGroup, ...]) -> tuple[int, ...]:
+    """First logical id of each group in a hybrid region's id space."""
+    out: list[int] = []
+    at = 0
+    for g in groups:
+        out.append(at)
+        at += g.layout.num_blocks
+    return tuple(out)
+
+
+def hybrid_layout(groups: tuple[wire.KvGroup, ...]) -> wire.RegionLayout:
+    """The `layout` a hybrid region registers with: its block id space (one byte-sized
+    'chunk' per logical id, the groups' ids one after the other); the bytes are the
+    groups' (`wire.KvGroup.layout`). kvd refuses a hybrid region with any other."""
+    total = sum(g.layout.num_blocks for g in groups)
+    return wire.RegionLayout(
+        num_blocks=max(total, 1),
+        num_layers=1,
+        kv_parts=1,
+        chunk_bytes=1,
+        block_stride=1,
+        layer_stride=0,
+        kv_stride=0,
+        tokens_per_block=1,
+        physical_per_logical=1,
+        kv_layout="NHD",
+        dtype="uint8",
+    )
+
+
+def hybrid_region(
+    parts: list[tuple[str, wire.RegionLayout, str, int]],
+) -> tuple[wire.RegionLayout, tuple[wire.KvGroup, ...], int]:
+    """A hybrid region from its groups, each (kind, layout, compat, window_tokens), placed
+    one after the other (each aligned to GROUP_ALIGN bytes): (the region's layout, its
+    groups, the bytes it needs)."""
+    groups: list[wire.KvGroup] = []
+    at = 0
+    for kind, lay, compat, window in parts:
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"group kind {kind!r} is not one of {GROUP_KINDS}")
+        at = -(-at // GROUP_ALIGN) * GROUP_ALIGN
+        groups.append(wire.KvGroup(kind, window, at, lay, compat))
+        at += region_bytes(lay)
+    out = tuple(groups)
+    return hybrid_layout(out), out, at

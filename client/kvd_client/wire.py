@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -370,6 +370,28 @@ class RegionLayout(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class KvGroup(Record):
+    """One KV cache group of a hybrid region (a model with several groups: full attention,
+    sliding window, Mamba/DeltaNet-style state). The group's chunks lie at `offset` bytes
+    from the region's base, laid out by `layout` (its own blocks, layers, chunk size, block
+    size and token layout). Its logical block ids follow the previous groups' in the
+    region's id space (group g's ids start at the sum of the earlier groups' block counts).
+
+    kind "full": every block of a request moves. "window": only the blocks inside the
+    last `window_tokens` tokens move (`kvd_client.layout.window_blocks`). "state": one
+    chunk per layer per state slot (not paged by tokens); a request's slots move whole."""
+
+    kind: Annotated[str, Len(1, 16)]
+    window_tokens: U32
+    """Sliding window in tokens (kind "window"; 0 otherwise)."""
+    offset: Annotated[int, Range(0, 1 << 48)]
+    layout: RegionLayout
+    compat: Annotated[str, Len(1, 128)]
+    """The group's format: a KV spec (`kvd_client.layout.kv_spec`) for attention groups,
+    a state spec (`kvd_client.layout.state_spec`) for state groups."""
+
+
+@dataclasses.dataclass(frozen=True)
 class RegionInfo(Record):
     """A region as a peer sees it after a handshake."""
 
@@ -387,6 +409,8 @@ class RegionInfo(Record):
     compat: Annotated[str, Len(0, 128)]
     nixl_md: Blob
     """Partial NIXL metadata for this region (loaded incrementally by the peer)."""
+    groups: Annotated[tuple[KvGroup, ...], Len(0, 64)] = ()
+    """KV cache groups of a hybrid region (empty: one group, the region itself)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -474,6 +498,9 @@ class RegisterRegion(Record):
     compat: Annotated[str, Len(0, 128)]
     ipc_handle: Annotated[bytes, Len(0, 4096)]
     device: Annotated[int, Range(-1, 1 << 10)]
+    groups: Annotated[tuple[KvGroup, ...], Len(0, 64)] = ()
+    """KV cache groups of a hybrid region (`KvGroup`); then `layout` must be
+    `kvd_client.layout.hybrid_layout(groups)` (the region's block id space)."""
 
 
 @message(11)

@@ -13,6 +13,7 @@ from typing import Any
 from kvd_client import wire
 
 from kvd.actors.base import Call, Outside
+from kvd.core.hybrid import Group
 from kvd.core.planner import Geometry
 
 # ------------------------------------------------------------------ shared views
@@ -34,6 +35,8 @@ class LocalRegion:
     name: str
     mem_type: str = "DRAM"
     device: int = 0
+    groups: tuple[Group, ...] = ()
+    """KV cache groups of a hybrid region (`kvd.core.hybrid`); () for a plain one."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class RemoteRegion:
     mem_type: str = "DRAM"
     device: int = 0
     layout: wire.RegionLayout | None = None
+    groups: tuple[Group, ...] = ()
+    """KV cache groups of a hybrid region (`kvd.core.hybrid`); () for a plain one."""
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,8 @@ from kvd.actors.transfers import (
 )
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.core import receiver as proto
-from kvd.core.planner import (
-    Permute,
-    check_logical,
-    permute_chunks,
-    plan_request,
-    receive_permutes,
-)
+from kvd.core.hybrid import permutes_any, plan_any
+from kvd.core.planner import Permute, check_logical, permute_chunks
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -297,7 +292,7 @@ class Receiver(TransferActor):
             plans: tuple[Any, ...] = ()
             permutes: tuple[Permute, ...] = ()
             # refuses a pair that cannot map, naming both sides' values
-            pairs, permutes = receive_permutes(remote, local, load.block_ids)
+            pairs, permutes = permutes_any(remote, local, load.block_ids)
             if load.mode == "push":
                 first = wire.PushRegistration(
                     request_id=load.request_id,
@@ -315,7 +310,7 @@ class Receiver(TransferActor):
             else:
                 n = len(load.block_ids)
                 if n:
-                    rp = plan_request(
+                    rp = plan_any(
                         remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
                     )
                     pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
@@ -583,7 +578,7 @@ class Receiver(TransferActor):
 
 def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:
     for loc, job in jobs:
-        g = loc.geometry
+        g = job.geometry or loc.geometry
         raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
         permute_chunks(np.ctypeslib.as_array(raw), g, job)
 

@@ -85,6 +85,7 @@ from kvd.adapters.shm import (
     staging_creator_here,
 )
 from kvd.core.addresses import address_problem
+from kvd.core.hybrid import region_groups
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.peersession import Keyring, Party, derive_session
 from kvd.core.planner import Geometry
@@ -310,6 +311,7 @@ class Registrar:
                 )
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
         check_region(m.compat, m.layout, m.tp_size, m.tp_rank)  # a KV spec must fit the layout
+        region_groups(0, m.nbytes, m.layout, m.groups, m.tp_size, m.tp_rank)  # hybrid: groups
         mapping: MappedRegion | CudaIpcRegion
         if m.kind == "shm":
             mapping, mem, dev = MappedRegion(m.name, m.nbytes), "DRAM", 0
@@ -321,6 +323,7 @@ class Registrar:
             )
         try:
             geo = geometry_of(mapping.addr, m.nbytes, m.layout)
+            groups = region_groups(mapping.addr, m.nbytes, m.layout, m.groups, m.tp_size, m.tp_rank)
             reg = await self.engine.register(mapping.addr, m.nbytes, mem, dev)
             try:
                 md = await self.engine.partial_metadata(mapping.addr, m.nbytes, mem, dev)
@@ -346,6 +349,7 @@ class Registrar:
             name=m.name,
             mem_type=mem,
             device=dev,
+            groups=groups,
         )
         self.regions[rid] = _Region(view, mapping, reg, md, mapping.addr, m.nbytes)
         self.counters["regions_registered"] = self.counters.get("regions_registered", 0) + 1
@@ -453,6 +457,7 @@ class Registrar:
                 layout=r.view.layout,
                 compat=r.view.compat,
                 nixl_md=r.nixl_md,
+                groups=tuple(g.to_wire() for g in r.view.groups),
             )
             for r in self.regions.values()
         )
@@ -518,6 +523,9 @@ class Registrar:
         for ri in hs.regions:
             try:
                 geo = geometry_of(ri.base_addr, ri.nbytes, ri.layout)
+                groups = region_groups(
+                    ri.base_addr, ri.nbytes, ri.layout, ri.groups, ri.tp_size, ri.tp_rank
+                )
             except InvalidRequest as exc:
                 raise RemoteProtocolError(f"peer region {ri.region_id}: {exc.message}") from None
             regions[(ri.engine_id, ri.tp_rank)] = RemoteRegion(
@@ -531,6 +539,7 @@ class Registrar:
                 ri.mem_type,
                 ri.device,
                 ri.layout,
+                groups,
             )
             try:
                 check_region(ri.compat, ri.layout, ri.tp_size, ri.tp_rank)
@@ -915,6 +924,7 @@ class Registrar:
                                 "generation": r.generation,
                                 "blocks": r.geometry.num_blocks,
                                 "compat": r.compat,
+                                "groups": [g.describe() for g in r.groups],
                             }
                             for r in p.info.regions.values()
                         ],
@@ -936,6 +946,7 @@ class Registrar:
                     "nbytes": r.nbytes,
                     "blocks": r.view.layout.num_blocks,
                     "compat": r.view.compat,
+                    "groups": [g.describe() for g in r.view.groups],
                     "session": r.view.session,
                 }
                 for r in self.regions.values()

@@ -48,6 +48,7 @@ from kvd.actors.transfers import (
     transfer_groups,
 )
 from kvd.core import sender as proto
+from kvd.core.hybrid import plan_any
 from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
@@ -298,7 +299,7 @@ class Sender(TransferActor):
                 raise Incompatible(
                     f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
                 )
-            rp = plan_request(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+            rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
             locs = [local[x.p] for x in rp.pairs]
             rems = [remote[x.d] for x in rp.pairs]
             notifs = [  # one per transfer: D counts them
@@ -456,7 +457,10 @@ def _layer_plan(
 ) -> RequestPlan:
     """The request's plan (`plan_request`) restricted to layers [first, end) of every
     rank's region on both sides. Only a request whose ranks map chunk for chunk (no
-    permute on receive) with equal layer counts can be cut so."""
+    permute on receive) with equal layer counts can be cut so; not a hybrid one (its
+    groups' layers are not the region's)."""
+    if any(r.groups for r in local) or any(r.groups for r in remote):
+        raise _CannotCut("hybrid regions go whole")
     try:
         lv = [replace(r, geometry=r.geometry.layers(eff.first, eff.end)) for r in local]
         rv = [replace(r, geometry=r.geometry.layers(eff.first, eff.end)) for r in remote]

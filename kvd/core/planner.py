@@ -702,6 +702,9 @@ class Permute:
     tokens: int
     heads: int
     head_bytes: int
+    geometry: Geometry | None = None
+    """The chunks' geometry when not the region's own (a KV cache group of a hybrid
+    region, `kvd.core.hybrid`)."""
 
 
 def permutes_on_receive(p_kv: RankKv, d_kv: RankKv, pair: Pair, d_mem: str) -> bool:

@@ -55,8 +55,21 @@ LAYOUT_MLA: Final = wire.RegionLayout(
 )
 
 
+GROUPS: Final = (
+    wire.KvGroup("full", 0, 0, LAYOUT, "kvspec1|bfloat16|8|128|61|0|model-ä"),
+    wire.KvGroup("window", 4096, 1 << 40, LAYOUT, "kvspec1|bfloat16|8|128|61|0|model-ä"),
+    wire.KvGroup("state", 0, (1 << 48) - 1, LAYOUT_MLA, "statespec1|float32|65536|30|model-ä"),
+)
+"""A hybrid region's KV cache groups (RegionInfo.groups pins KvGroup's encoding)."""
+
+
 def _region(
-    region_id: int, rank: int, layout: wire.RegionLayout, mem_type: str, device: int
+    region_id: int,
+    rank: int,
+    layout: wire.RegionLayout,
+    mem_type: str,
+    device: int,
+    groups: tuple[wire.KvGroup, ...] = (),
 ) -> wire.RegionInfo:
     return wire.RegionInfo(
         region_id=region_id,
@@ -71,6 +84,7 @@ def _region(
         layout=layout,
         compat="sha256:0f1e2d3c",
         nixl_md=bytes(range(256)) + b"\x00nixl-md\xff",
+        groups=groups,
     )
 
 
@@ -121,6 +135,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             compat="sha256:0f1e2d3c",
             ipc_handle=bytes(range(64)),
             device=-1,
+            groups=GROUPS[:2],
         ),
     ),
     "RegionRegistered": (5, wire.RegionRegistered(region_id=3, generation=0xFFFFFFFF)),
@@ -229,7 +244,11 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             side_host="10.0.0.7",
             side_port=5600,
             kv_lease_duration=30.0,
-            regions=(_region(1, 0, LAYOUT, "DRAM", 0), _region(2, 1, LAYOUT_MLA, "VRAM", 1 << 10)),
+            regions=(
+                _region(3, 0, LAYOUT, "DRAM", 0, GROUPS),
+                _region(1, 0, LAYOUT, "DRAM", 0),
+                _region(2, 1, LAYOUT_MLA, "VRAM", 1 << 10),
+            ),
             canary_addr=0x7F00_DEAD_BEEF,
             canary_bytes=64,
             nonce=bytes(range(16, 48)),

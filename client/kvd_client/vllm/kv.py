@@ -35,8 +35,15 @@ when the request's RecvFinished arrives, before reporting it in `finished_recvin
 both `finished_recving` and `failed_recving`, so vLLM applies `kv_load_failure_policy`),
 never an id vLLM did not hand over, and nothing through `invalid_block_ids`.
 
-Limits: one KV cache group (no hybrid/SSM models yet), no pipeline or decode-context
-parallelism, equal TP on P and D (the daemon's rule).
+Hybrid models (several KV cache groups: full attention, sliding window, Mamba-style
+state; `SupportsHMA`): one hybrid staging region per rank, the groups' ids in one region
+id space (`groups.py`); `request_finished_all_groups` hands the daemon the blocks that
+move (sliding windows clipped to the window, state groups their running slot), D copies
+in only those; with a state group P stops one prompt token short and D computes it.
+Hybrid requests are staged whole in the step that completes the prompt (not by layer).
+
+Limits: no pipeline or decode-context parallelism; staged KV maps at equal TP and block
+size (its compat is an opaque hash of the staged format).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from kvd_client.client import Event, daemon_listening
 from kvd_client.errors import KvdError
 from kvd_client.shm import SharedRegion, staging_name
 from kvd_client.vllm.config import ConnectorConfig
+from kvd_client.vllm.groups import HybridStaging, KvGroups
 from kvd_client.vllm.shared import SharedClient, Subscription, shared_client
 from kvd_client.vllm.staging import HostStaging, describe
 
@@ -130,6 +138,8 @@ class _Remote:
     """P daemon's incarnation (0: not given): a restarted P fails the request at once."""
     session: str = ""
     """P's client session that finished the request: if it ended, P fails it at once."""
+    group_ids: tuple[tuple[int, ...], ...] | None = None
+    """Hybrid P: its region ids per KV cache group (remote_block_ids of several groups)."""
 
     def ids(self) -> dict[str, Any]:
         return {
@@ -160,6 +170,8 @@ class _DReq:
     phase: str = "tracked"
     """tracked -> loading -> reported, or tracked -> orphaned (an empty transfer freeing P)."""
     finished: bool = False
+    computed: int = 0
+    """The local prefix hit (tokens) when the load was claimed."""
 
 
 @dataclass
@@ -178,7 +190,18 @@ def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
         return None
     raw = params.get("remote_block_ids")
     blocks: tuple[int, ...] | None = None
-    if isinstance(raw, (list, tuple)):
+    groups: tuple[tuple[int, ...], ...] | None = None
+    if (
+        isinstance(raw, (list, tuple))
+        and len(raw) > 1
+        and all(
+            isinstance(g, (list, tuple))
+            and all(isinstance(b, int) and not isinstance(b, bool) for b in g)
+            for g in raw
+        )
+    ):
+        groups = tuple(tuple(g) for g in raw)
+    elif isinstance(raw, (list, tuple)):
         if raw and isinstance(raw[0], (list, tuple)):  # per KV cache group, NixlConnector style
             raw = raw[0] if len(raw) == 1 else None
         if raw is not None and all(isinstance(b, int) and not isinstance(b, bool) for b in raw):
@@ -191,6 +214,7 @@ def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
         blocks,
         _incarnation(params.get("remote_incarnation")),
         str(params.get("remote_session") or ""),
+        group_ids=groups,
     )
 
 
@@ -202,6 +226,8 @@ class _SchedulerSide:
         self.engine_id = engine_id
         self.block_size: int = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
+        self.groups = KvGroups.from_config(kv_cache_config)
+        """A hybrid model's KV cache groups (None: one full-attention group)."""
         self.shared: SharedClient = shared_client(cfg.socket, engine_id, role="scheduler")
         self.sub: Subscription = self.shared.subscribe()
         welcome = self.shared.welcome
@@ -243,6 +269,8 @@ class _SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.groups is not None:
+            self._back_off(request, params)
         if not params or not params.get("do_remote_prefill"):
             return
         rid = request.request_id
@@ -250,7 +278,8 @@ class _SchedulerSide:
         if remote is None:
             return
         mode = self.cfg.transfer_mode
-        if mode == "pull" and (remote.block_ids is None or not remote.request_id):
+        ids = remote.block_ids if self.groups is None else remote.group_ids
+        if mode == "pull" and (ids is None or not remote.request_id):
             log.warning(
                 "kvd: request %s has no remote_block_ids/remote_request_id (push-style params): "
                 "loading it in push mode",
@@ -261,6 +290,24 @@ class _SchedulerSide:
         c = self.shared.client
         self.shared.call(c.track, rid, remote.host, remote.port, **remote.ids())
 
+    def _back_off(self, request: Any, params: dict[str, Any]) -> None:
+        """P, a model with state: drop the last prompt token (D computes it: its state must
+        take it once), as vLLM's NixlConnector does; once per request."""
+        n = self.groups.backoff if self.groups is not None else 0
+        if (
+            not n
+            or params.get("_kvd_backed_off")
+            or request.num_prompt_tokens <= n
+            or request.prompt_token_ids is None
+            or request.get_skip_reading_prefix_cache()
+        ):
+            return
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params["_kvd_backed_off"] = True
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -268,9 +315,12 @@ class _SchedulerSide:
         if st is None or st.phase != "tracked":
             return 0, False
         count = request.num_prompt_tokens - num_computed_tokens
+        if self.groups is not None:
+            count -= self.groups.backoff  # D computes what P left out
+            st.computed = num_computed_tokens
         if count <= 0:
             return 0, False
-        if st.mode == "pull" and st.remote.block_ids is not None:
+        if self.groups is None and st.mode == "pull" and st.remote.block_ids is not None:
             need = (
                 _cdiv(request.num_prompt_tokens, self.block_size)
                 - num_computed_tokens // self.block_size
@@ -296,6 +346,9 @@ class _SchedulerSide:
             return
         if num_external_tokens <= 0:
             self._release_remote(rid, st)  # full local hit (or nothing to load): P frees now
+            return
+        if self.groups is not None:
+            self._load_groups(request, st, blocks, num_external_tokens)
             return
         hashed = sum(1 for b in blocks.blocks[0] if b.block_hash is not None and not b.is_null)
         new_blocks = [b.block_id for b in blocks.blocks[0][hashed:]]
@@ -325,6 +378,47 @@ class _SchedulerSide:
         self.shared.call(c.abort, rid)
         self._meta.outcomes.append((rid, RECV_FAILED))
 
+    def _null(self) -> int:
+        """The id of vLLM's null block (a placeholder in a group's list, never moved)."""
+        mgr = self.kv_cache_manager
+        pool = getattr(mgr, "block_pool", None) if mgr is not None else None
+        null = getattr(pool, "null_block", None)
+        return int(null.block_id) if null is not None else 0
+
+    def _load_groups(self, request: Any, st: _DReq, blocks: Any, num_external: int) -> None:
+        """D, hybrid: every group's blocks that receive tokens [computed, computed + n)
+        (windows clipped, the state's running slot), as one region id list."""
+        assert self.groups is not None
+        rid = request.request_id
+        start, end = st.computed, st.computed + num_external
+        ids = [[b.block_id for b in group] for group in blocks.blocks]
+        local = self.groups.loading(ids, start, end, self._null())
+        flat = [b for part in local for b in part]
+        st.phase = "loading"
+        self._meta.recv[rid] = flat
+        c = self.shared.client
+        r = st.remote
+        whole = all(
+            len(part) == _cdiv(end, info.block_size) - start // info.block_size
+            for part, info in zip(local, self.groups.groups, strict=True)
+            if info.kind == "full"
+        )
+        if whole and st.mode == "pull":
+            if r.group_ids is not None and len(r.group_ids) == len(local):
+                remote = self.groups.remote_for(r.group_ids, start, local)
+                self.shared.call(
+                    c.pull, rid, flat, r.host, r.port, remote_block_ids=remote, **r.load_ids()
+                )
+                return
+        elif whole:
+            self.shared.call(c.register_push, rid, flat, r.host, r.port, **r.load_ids())
+            return
+        log.warning(
+            "kvd: request %s: cannot map its KV cache groups onto P's, failing the load", rid
+        )
+        self.shared.call(c.abort, rid)
+        self._meta.outcomes.append((rid, RECV_FAILED))
+
     def _release_remote(self, rid: str, st: _DReq) -> None:
         """An empty transfer: P frees the request's blocks; its terminal event is dropped."""
         c = self.shared.client
@@ -340,7 +434,10 @@ class _SchedulerSide:
     # ------------------------------------------------------------------ P and D ends
 
     def request_finished(
-        self, request: Any, block_ids: Sequence[int]
+        self,
+        request: Any,
+        block_ids: Sequence[int],
+        all_groups: Sequence[Sequence[int]] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         st = self._d.get(rid)
@@ -370,7 +467,13 @@ class _SchedulerSide:
                 self._meta.ignore.append(rid)
             return False, None
         n_prompt = request.num_prompt_tokens
-        blocks = list(block_ids[: _cdiv(n_prompt, self.block_size)])
+        if self.groups is not None and all_groups is not None:
+            per = self.groups.finished(all_groups, n_prompt, self._null())
+            blocks = [b for part in per for b in part]
+            remote_ids = [list(part) for part in per]
+        else:
+            blocks = list(block_ids[: _cdiv(n_prompt, self.block_size)])
+            remote_ids = [blocks]
         if p is None or p.staged_tokens < n_prompt or not blocks:
             log.warning(
                 "kvd: request %s finished without staged KV (%s of %d tokens); not offered to D",
@@ -391,7 +494,7 @@ class _SchedulerSide:
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [blocks],
+            "remote_block_ids": remote_ids,
             "remote_engine_id": self.engine_id,
             "remote_request_id": rid,
             "remote_host": self.side_host,
@@ -440,6 +543,13 @@ class _SchedulerSide:
             end = min(req.num_computed_tokens + n, req.num_prompt_tokens)
             if end <= p.staged_tokens:
                 continue
+            if self.groups is not None:  # hybrid: every group, whole, once the prompt is done
+                if end == req.num_prompt_tokens:
+                    all_ids = self.kv_cache_manager.get_block_ids(rid)
+                    per = self.groups.finished(all_ids, end, self._null())
+                    meta.save.append((rid, [b for part in per for b in part]))
+                    p.staged_tokens = end
+                continue
             ids = self._block_ids(rid)
             first, last = p.staged_tokens // self.block_size, _cdiv(end, self.block_size)
             meta.save.append((rid, ids[first:last]))
@@ -486,6 +596,9 @@ class _WorkerSide:
         self.engine_id = engine_id
         self.num_blocks: int = kv_cache_config.num_blocks
         self.block_size: int = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.groups = KvGroups.from_config(kv_cache_config)
+        self.hybrid: HybridStaging | None = None
+        """A hybrid model's staging (then `staging` stays None)."""
         self.tp_size: int = vllm_config.parallel_config.tensor_parallel_size
         self.tp_rank = _tp_rank(self.tp_size)
         self.shared: SharedClient = shared_client(
@@ -509,7 +622,47 @@ class _WorkerSide:
         """Staged layers of this step's blocks, so far."""
         self._announced = 0
 
+    def _register_hybrid(self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        mc = self.vllm_config.model_config
+        hs = HybridStaging(
+            groups,
+            kv_caches,
+            model=str(mc.model),
+            dtype=str(self.vllm_config.cache_config.cache_dtype),
+            num_kv_heads=mc.get_total_num_kv_heads(),
+            head_size=mc.get_head_size(),
+        )
+        region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), hs.nbytes)
+        try:
+            hs.attach(region.buf)
+            c = self.shared.client
+            self.region_id = self.shared.call(
+                c.register_region,
+                region,
+                layout=hs.layout,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                compat=kvlayout.hybrid_compat(str(mc.model)),
+                groups=hs.kv_groups,
+            )
+        except BaseException:
+            hs.close()
+            region.close()
+            raise
+        self.hybrid, self.region = hs, region
+        log.info(
+            "kvd: rank %d staged %d KV cache groups (%s) x %d blocks in %s",
+            self.tp_rank,
+            len(groups.groups),
+            ", ".join(groups.kinds),
+            self.num_blocks,
+            region.name,
+        )
+
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        if self.groups is not None:
+            self._register_hybrid(self.groups, kv_caches)
+            return
         layers = describe(kv_caches, self.num_blocks)
         lay = HostStaging.region_layout(layers, self.num_blocks, self.block_size)
         region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), kvlayout.region_bytes(lay))
@@ -575,6 +728,10 @@ class _WorkerSide:
     def wait_for_save(self) -> None:
         if self.meta is None or not self.meta.save:
             return
+        if self.hybrid is not None:  # every group's blocks, after the step's forward
+            for _, blocks in self.meta.save:
+                self.hybrid.save(blocks)
+            return
         assert self.staging is not None, "register_kv_caches was not called"
         rest = [i for i in range(len(self.staging.layers)) if i not in self._staged]
         if rest:
@@ -618,8 +775,9 @@ class _WorkerSide:
             elif kind != SEND_DONE and rid in self._recv:
                 blocks = self._recv.pop(rid)
                 if kind == RECV_OK:
-                    assert self.staging is not None, "register_kv_caches was not called"
-                    self.staging.load(blocks)
+                    staging = self.hybrid or self.staging
+                    assert staging is not None, "register_kv_caches was not called"
+                    staging.load(blocks)
                 else:
                     out.failed_recving.add(rid)
                 out.finished_recving.add(rid)
@@ -642,6 +800,9 @@ class _WorkerSide:
         if self.staging is not None:
             self.staging.close()
             self.staging = None
+        if self.hybrid is not None:
+            self.hybrid.close()
+            self.hybrid = None
         if self.region is not None:
             self.region.close()
             self.region = None
@@ -673,11 +834,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             raise ValueError(
                 "KvdConnector does not support pipeline or decode-context parallelism yet"
             )
-        if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError(
-                "KvdConnector supports models with exactly one KV cache group "
-                "(no hybrid/SSM models yet)"
-            )
+        if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+            raise ValueError("KvdConnector needs the engine's KVCacheConfig (KV cache groups)")
+        KvGroups.from_config(kv_cache_config)  # refuses, naming it, a group kvd cannot move
         self.engine_id = str(ktc.engine_id)
         self._sched: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -730,7 +889,9 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids[0] if block_ids else [])
+        return self.scheduler_side.request_finished(
+            request, block_ids[0] if block_ids else [], all_groups=block_ids
+        )
 
     def has_pending_push_work(self) -> bool:
         return self._sched is not None and self._sched.has_pending_push_work()

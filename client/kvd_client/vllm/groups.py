@@ -1,0 +1,239 @@
+"""KV cache groups of a hybrid vLLM model (`SupportsHMA`) as one kvd hybrid region.
+
+vLLM's hybrid allocator gives every group (full attention, sliding window, Mamba/DeltaNet
+state) block ids from one pool; a group's layers are indexed by its own ids. The worker
+stages each group in its own part of one shared-memory region (`HybridStaging`), with the
+group's ids at `base(g) + id` of the region's block id space (`kvd_client.layout.
+hybrid_region`), so a request's blocks of every group travel as one id list: one
+registration, one lease, one heartbeat stream, one done per request, as for one group.
+
+What each group moves (the daemon's rules, `kvd.core.hybrid`): full groups every computed
+block; sliding-window groups only the blocks holding the window's tokens (the last
+window - 1 before the end: P and D clip alike from the same token count, so their tails
+pair exactly; D copies in only those); state groups the request's running-state slot
+(vLLM's speculative scratch slots are not sent). As vLLM's NixlConnector does, a model
+with state makes P stop one prompt token short (`backoff`): D loads the state after
+N - 1 tokens and computes the last one itself (its state must not take it twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+    SlidingWindowSpec,
+)
+
+from kvd_client import layout as kvlayout
+from kvd_client import wire
+from kvd_client.vllm.staging import HostStaging, describe
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+_KINDS: dict[type[Any], str] = {
+    FullAttentionSpec: "full",
+    MLAAttentionSpec: "full",
+    SlidingWindowSpec: "window",
+    SlidingWindowMLASpec: "window",
+    MambaSpec: "state",
+}
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    kind: str
+    window: int
+    """Sliding window in tokens (kind "window")."""
+    block_size: int
+    """Tokens per block (attention groups)."""
+    spec_slots: int
+    """Speculative scratch slots a state group allocates after its running state."""
+    layers: tuple[str, ...]
+
+
+class KvGroups:
+    """The groups of a hybrid KVCacheConfig and how a request's blocks map to region ids."""
+
+    def __init__(self, groups: list[GroupInfo], num_blocks: int) -> None:
+        self.groups = groups
+        self.num_blocks = num_blocks
+
+    @classmethod
+    def from_config(cls, kv_cache_config: Any) -> KvGroups | None:
+        """The groups of a hybrid config; None for one full-attention group (a plain
+        region). Raises ValueError, naming the group, for what kvd cannot transfer."""
+        groups: list[GroupInfo] = []
+        for i, g in enumerate(kv_cache_config.kv_cache_groups):
+            spec = g.kv_cache_spec
+            kind = _KINDS.get(type(spec))
+            if kind is None:
+                raise ValueError(
+                    f"KvdConnector cannot transfer KV cache group {i} "
+                    f"({type(spec).__name__}): supported are full attention, sliding window "
+                    "and Mamba-style state"
+                )
+            if not getattr(g, "enable_kv_transfer", True):
+                raise ValueError(f"KV cache group {i} does not take part in KV transfer")
+            groups.append(
+                GroupInfo(
+                    kind,
+                    int(spec.sliding_window) if kind == "window" else 0,
+                    int(spec.block_size),
+                    int(spec.num_speculative_blocks) if kind == "state" else 0,
+                    tuple(g.layer_names),
+                )
+            )
+        if len(groups) == 1 and groups[0].kind == "full":
+            return None
+        return cls(groups, int(kv_cache_config.num_blocks))
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens P leaves for D to compute (1 with a state group)."""
+        return 1 if any(g.kind == "state" for g in self.groups) else 0
+
+    def base(self, g: int) -> int:
+        return g * self.num_blocks
+
+    def _held(self, g: int, ids: Sequence[int], start: int, end: int, null: int) -> list[int]:
+        """Group g's blocks worth moving for tokens [start, end) (`ids`: the group's list,
+        by position from token 0), as the group's own ids: a full group's blocks holding
+        those tokens; a window group's blocks holding the last window - 1 tokens before
+        `end` (P and D clip alike from the same token count, so their tails pair exactly,
+        within the daemon's `window_blocks` bound); a state group's running slot."""
+        info = self.groups[g]
+        if info.kind == "state":
+            real = [b for b in ids if b != null]
+            if info.spec_slots and len(real) > 1:
+                real = real[: max(1, len(real) - info.spec_slots)]
+            return real[-1:]
+        first = start
+        if info.kind == "window":
+            first = max(start, end - (info.window - 1))
+        span = list(ids[first // info.block_size : _cdiv(end, info.block_size)])
+        return [b for b in span if b != null] if info.kind == "window" else span
+
+    def to_region(self, per_group: Sequence[Sequence[int]]) -> tuple[list[int], ...]:
+        return tuple([self.base(g) + b for b in ids] for g, ids in enumerate(per_group))
+
+    def finished(
+        self, block_ids: Sequence[Sequence[int]], tokens: int, null: int
+    ) -> tuple[list[int], ...]:
+        """P: the region ids of the blocks that move of a request whose first `tokens`
+        tokens were computed, per group."""
+        return self.to_region(
+            [self._held(g, ids, 0, tokens, null) for g, ids in enumerate(block_ids)]
+        )
+
+    def loading(
+        self, block_ids: Sequence[Sequence[int]], start: int, end: int, null: int
+    ) -> tuple[list[int], ...]:
+        """D: the region ids of the blocks that receive tokens [start, end) (start on a
+        block boundary: the local hit), per group."""
+        return self.to_region(
+            [self._held(g, ids, start, end, null) for g, ids in enumerate(block_ids)]
+        )
+
+    def remote_for(
+        self, remote: Sequence[Sequence[int]], start: int, local: Sequence[Sequence[int]]
+    ) -> list[int]:
+        """D (pull): P's region ids for D's blocks (`local`, per group, from `loading`):
+        full groups by position (D's first block is at token `start`), window and state
+        groups whole (the daemon aligns their tails)."""
+        out: list[int] = []
+        for info, ids, mine in zip(self.groups, remote, local, strict=True):
+            if info.kind == "full":
+                first = start // info.block_size
+                out += list(ids[first : first + len(mine)])
+            else:
+                out += list(ids)
+        return out
+
+    @property
+    def kinds(self) -> list[str]:
+        return [g.kind for g in self.groups]
+
+
+class HybridStaging:
+    """Host staging of a hybrid rank: one `HostStaging` per group, each in its part of one
+    shared-memory region; ids are region ids (`KvGroups.base(g) + id`)."""
+
+    def __init__(
+        self,
+        groups: KvGroups,
+        kv_caches: Mapping[str, torch.Tensor],
+        *,
+        model: str,
+        dtype: str,
+        num_kv_heads: int,
+        head_size: int,
+    ) -> None:
+        self.groups = groups
+        self.parts: list[tuple[str, wire.RegionLayout, str, int]] = []
+        self._layers = []
+        for info in groups.groups:
+            layers = describe({n: kv_caches[n] for n in info.layers}, groups.num_blocks)
+            lay = HostStaging.region_layout(layers, groups.num_blocks, info.block_size)
+            if info.kind == "state":
+                compat = kvlayout.state_spec(
+                    model=model,
+                    dtype=lay.dtype,
+                    slot_bytes=lay.kv_parts * lay.chunk_bytes,
+                    num_layers=lay.num_layers,
+                )
+            else:
+                compat = kvlayout.compat_hash(
+                    model=model,
+                    dtype=dtype,
+                    num_kv_heads=num_kv_heads,
+                    head_size=head_size,
+                    num_layers=len(layers),
+                    tokens_per_block=info.block_size,
+                    kv_layout=f"staged:{HostStaging.signature(layers)}",
+                    transfer_mode="any",
+                )
+            self.parts.append((info.kind, lay, compat, info.window))
+            self._layers.append(layers)
+        self.layout, self.kv_groups, self.nbytes = kvlayout.hybrid_region(self.parts)
+        self._staging: list[HostStaging] = []
+
+    def attach(self, buf: memoryview) -> None:
+        """Start staging into the region's buffer (of `self.nbytes` bytes)."""
+        for g, layers in zip(self.kv_groups, self._layers, strict=True):
+            size = kvlayout.region_bytes(g.layout)
+            self._staging.append(
+                HostStaging(layers, self.groups.num_blocks, buf[g.offset : g.offset + size])
+            )
+
+    def _split(self, ids: Sequence[int]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in self.groups.groups]
+        n = self.groups.num_blocks
+        for b in ids:
+            g = b // n
+            if not 0 <= g < len(out):
+                raise IndexError(f"region block id {b} is outside every KV cache group")
+            out[g].append(b - g * n)
+        return out
+
+    def save(self, ids: Sequence[int]) -> None:
+        for staging, part in zip(self._staging, self._split(ids), strict=True):
+            staging.save(part)
+
+    def load(self, ids: Sequence[int]) -> None:
+        for staging, part in zip(self._staging, self._split(ids), strict=True):
+            staging.load(part)
+
+    def close(self) -> None:
+        for staging in self._staging:
+            staging.close()
+        self._staging = []

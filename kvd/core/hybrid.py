@@ -1,0 +1,426 @@
+"""KV cache groups of hybrid models: what each group moves, and the plan of a request.
+
+A hybrid model (full attention + sliding window + Mamba/DeltaNet-style state) has several
+KV cache groups. A rank registers them as one region (one NIXL registration, one
+generation, one lease, one heartbeat stream per node pair per request, as any region):
+`wire.RegisterRegion.groups` lists the groups, each with its own layout at its own offset
+in the region, and the region's block id space is the groups' ids one after the other
+(group g's logical ids start at the sum of the earlier groups' block counts; the region's
+own `layout` is `kvd_client.layout.hybrid_layout(groups)`). A request names its blocks
+of every group in that one id space, so nothing else of the protocol changes.
+
+What each kind moves (`plan_groups`):
+
+* full: every block, mapped like a plain region (`kvd.core.planner.plan_request`: with
+  a KV spec any TP, block sizes, NHD/HND, MLA, replicated heads; with an opaque compat
+  hash equal TP and formats only).
+* window: only the blocks inside the window: of the tail blocks each side names, the
+  last ``min(D's, P's, window_blocks(window, block size))`` (P holds every block the
+  window touches, so a D block P does not hold is outside it). Both sides need the same
+  block size (lists are tails; without the token count a tail cannot be aligned across
+  block sizes); TP and token layouts map as for full groups.
+* state: per layer, one slot per state id (not paged by tokens): the request's slots
+  move whole, P's i-th slot into D's i-th; only at equal TP, rank i to rank i (the
+  state's inner shape is the model's), with equal slot sizes (`StateSpec`).
+
+Group structures must agree (kinds, windows, order) and each group's format must agree
+(its KV spec or state spec); anything else is refused (Incompatible) naming both sides'
+values. Sans IO: plain functions of region views and block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from typing import Final, Protocol
+
+import numpy as np
+from kvd_client import wire
+from kvd_client.errors import Incompatible, InvalidRequest
+from kvd_client.layout import (
+    GROUP_KINDS,
+    StateSpec,
+    hybrid_layout,
+    parse_state_spec,
+    region_bytes,
+    window_blocks,
+)
+
+from kvd.core.planner import (
+    Geometry,
+    Int64Array,
+    Permute,
+    Plan,
+    RankView,
+    RequestPlan,
+    check_blocks,
+    plan_request,
+    plan_transfer,
+    receive_permutes,
+)
+from kvd.core.topology import Pair, check_region
+
+MAX_GROUPS: Final = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One KV cache group of one rank's region, validated, at its absolute address."""
+
+    kind: str
+    window_tokens: int
+    offset: int
+    first_id: int
+    """First logical id of the group in the region's id space."""
+    geometry: Geometry
+    layout: wire.RegionLayout
+    compat: str
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def to_wire(self) -> wire.KvGroup:
+        return wire.KvGroup(self.kind, self.window_tokens, self.offset, self.layout, self.compat)
+
+    def describe(self) -> str:
+        return f"window({self.window_tokens} tokens)" if self.kind == "window" else self.kind
+
+
+class HybridView(RankView, Protocol):
+    """A rank's region as the hybrid planning needs it (LocalRegion, RemoteRegion)."""
+
+    @property
+    def groups(self) -> tuple[Group, ...]: ...
+
+
+def region_groups(
+    base_addr: int,
+    nbytes: int,
+    layout: wire.RegionLayout,
+    groups: Sequence[wire.KvGroup],
+    tp_size: int,
+    tp_rank: int,
+) -> tuple[Group, ...]:
+    """The validated groups of a region registered (or announced by a peer) with `groups`;
+    () for a plain region. Raises InvalidRequest naming what is wrong: an unknown kind, a
+    window without tokens, a group outside the region or overlapping another, a layout
+    that is not `hybrid_layout(groups)`, a KV spec that does not fit the group's layout
+    (`check_region`), a state spec that does not."""
+    if not groups:
+        return ()
+    if len(groups) > MAX_GROUPS:
+        raise InvalidRequest(f"{len(groups)} KV cache groups, at most {MAX_GROUPS}")
+    envelope = hybrid_layout(tuple(groups))
+    if layout != envelope:
+        raise InvalidRequest(
+            "a hybrid region's layout must be kvd_client.layout.hybrid_layout(groups) "
+            f"({envelope.num_blocks} block ids), got {layout}"
+        )
+    out: list[Group] = []
+    first = 0
+    spans: list[tuple[int, int, int]] = []
+    for i, g in enumerate(groups):
+        where = f"KV cache group {i} ({g.kind})"
+        if g.kind not in GROUP_KINDS:
+            raise InvalidRequest(f"{where}: kind must be one of {GROUP_KINDS}")
+        if (g.kind == "window") != (g.window_tokens > 0):
+            raise InvalidRequest(
+                f"{where}: window_tokens={g.window_tokens} (a window group needs > 0, "
+                "other kinds 0)"
+            )
+        if g.layout.physical_per_logical != 1:
+            raise InvalidRequest(
+                f"{where}: physical_per_logical={g.layout.physical_per_logical}, a group "
+                "states its own block size instead (1)"
+            )
+        size = region_bytes(g.layout)
+        if g.offset + size > nbytes:
+            raise InvalidRequest(
+                f"{where}: ends at byte {g.offset + size}, the region has {nbytes}"
+            )
+        try:
+            geo = Geometry.from_layout(base_addr + g.offset, size, g.layout)
+            if g.kind == "state":
+                _check_state(g.compat, g.layout)
+            else:  # a KV spec must fit; an opaque compat maps only onto an equal one
+                check_region(g.compat, g.layout, tp_size, tp_rank)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc.message}") from None
+        spans.append((g.offset, g.offset + size, i))
+        out.append(Group(g.kind, g.window_tokens, g.offset, first, geo, g.layout, g.compat))
+        first += g.layout.num_blocks
+    spans.sort()
+    for (_, end, a), (start, _, b) in pairwise(spans):
+        if start < end:
+            raise InvalidRequest(f"KV cache groups {a} and {b} overlap in the region")
+    return tuple(out)
+
+
+def _check_state(compat: str, layout: wire.RegionLayout) -> StateSpec:
+    try:
+        spec = parse_state_spec(compat)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if layout.dtype != spec.dtype or layout.num_layers != spec.num_layers:
+        raise InvalidRequest(
+            f"layout has {layout.num_layers} layers of {layout.dtype!r}, the state spec "
+            f"says {spec.num_layers} of {spec.dtype!r}"
+        )
+    if layout.kv_parts * layout.chunk_bytes != spec.slot_bytes:
+        raise InvalidRequest(
+            f"a slot is {layout.kv_parts} x {layout.chunk_bytes} bytes per layer, the state "
+            f"spec says {spec.slot_bytes}"
+        )
+    return spec
+
+
+# ------------------------------------------------------------------ structure
+
+
+def is_hybrid(p: Sequence[HybridView], d: Sequence[HybridView]) -> bool:
+    """Whether the pair is hybrid; Incompatible, naming both, if only one side is."""
+    ph = bool(p) and bool(p[0].groups)
+    dh = bool(d) and bool(d[0].groups)
+    if ph != dh:
+        raise Incompatible(f"KV cache groups differ: P has {_describe(p)}, D has {_describe(d)}")
+    return ph
+
+
+def _describe(side: Sequence[HybridView]) -> str:
+    if not side or not side[0].groups:
+        return "one group (a plain region)"
+    return f"{len(side[0].groups)} groups (" + ", ".join(g.describe() for g in side[0].groups) + ")"
+
+
+def check_structure(p: Sequence[HybridView], d: Sequence[HybridView]) -> None:
+    """Refuse (Incompatible, naming both sides' values) unless every rank of each side has
+    the same groups and P's and D's agree in order, kinds, windows and model."""
+    for side, regions in (("P", p), ("D", d)):
+        first = [(g.kind, g.window_tokens, g.compat) for g in regions[0].groups]
+        for r in regions[1:]:
+            if [(g.kind, g.window_tokens, g.compat) for g in r.groups] != first:
+                raise Incompatible(f"{side}'s ranks state different KV cache groups")
+    pk = [(g.kind, g.window_tokens) for g in p[0].groups]
+    dk = [(g.kind, g.window_tokens) for g in d[0].groups]
+    if pk != dk:
+        raise Incompatible(f"KV cache groups differ: P has {_describe(p)}, D has {_describe(d)}")
+    if p[0].compat != d[0].compat:
+        raise Incompatible(f"hybrid regions differ: P states {p[0].compat!r}, D {d[0].compat!r}")
+
+
+# ------------------------------------------------------------------ planning
+
+
+@dataclass(frozen=True, slots=True)
+class _GroupRank:
+    """One group of one rank's region as `plan_request` sees a plain region."""
+
+    tp_rank: int
+    tp_size: int
+    compat: str
+    geometry: Geometry
+    layout: wire.RegionLayout | None
+    mem_type: str
+
+
+def _views(side: Sequence[HybridView], g: int) -> list[_GroupRank]:
+    return [
+        _GroupRank(
+            r.tp_rank,
+            r.tp_size,
+            r.groups[g].compat,
+            r.groups[g].geometry,
+            r.groups[g].layout,
+            r.mem_type,
+        )
+        for r in side
+    ]
+
+
+def split_ids(groups: Sequence[Group], ids: Sequence[int]) -> list[Int64Array]:
+    """A request's logical ids (the region's id space) per group, as each group's own ids,
+    in the order named. Raises InvalidRequest for an id outside every group."""
+    arr = np.asarray(ids, dtype=np.int64) if len(ids) else np.empty(0, dtype=np.int64)
+    total = groups[-1].first_id + groups[-1].num_blocks
+    bad = (arr < 0) | (arr >= total)
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise InvalidRequest(
+            f"block id {int(arr[first])} (position {first}) is outside the region's "
+            f"{total} ids (its KV cache groups')"
+        )
+    firsts = np.array([g.first_id for g in groups], dtype=np.int64)
+    which = np.searchsorted(firsts, arr, side="right") - 1
+    return [arr[which == i] - groups[i].first_id for i in range(len(groups))]
+
+
+def _window_size(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> int:
+    """The block size of window group g, the same on both sides (else Incompatible)."""
+    pt = p[0].groups[g].layout.tokens_per_block
+    dt = d[0].groups[g].layout.tokens_per_block
+    if pt != dt:
+        raise Incompatible(
+            f"sliding-window group {g}: block sizes differ, P {pt} tokens, D {dt} (a window "
+            "group maps only at equal block size)"
+        )
+    return pt
+
+
+def _window_tail(
+    g: int, p: Sequence[HybridView], pb: Int64Array, d: Sequence[HybridView], db: Int64Array
+) -> tuple[Int64Array, Int64Array]:
+    """The blocks of a window group that move: the last of both tails, within the window."""
+    size = _window_size(g, p, d)
+    k = min(len(pb), len(db), window_blocks(p[0].groups[g].window_tokens, size))
+    return pb[len(pb) - k :], db[len(db) - k :]
+
+
+def _d_window(g: int, d: Sequence[HybridView], db: Int64Array) -> Int64Array:
+    grp = d[0].groups[g]
+    k = min(len(db), window_blocks(grp.window_tokens, grp.layout.tokens_per_block))
+    return db[len(db) - k :]
+
+
+def _state_pairs(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> tuple[Pair, ...]:
+    """Rank i to rank i, when the two sides' state groups can map."""
+    if len(p) != len(d):
+        raise Incompatible(
+            f"state group {g}: TP differs, P {len(p)} ranks, D {len(d)} (a state group maps "
+            "only at equal TP: its inner shape is the model's)"
+        )
+    for pr, dr in zip(p, d, strict=True):
+        ps, ds = parse_state_spec(pr.groups[g].compat), parse_state_spec(dr.groups[g].compat)
+        diffs = [
+            f"{name} P={getattr(ps, name)!r} D={getattr(ds, name)!r}"
+            for name in ("model", "dtype", "slot_bytes", "num_layers")
+            if getattr(ps, name) != getattr(ds, name)
+        ]
+        if diffs:
+            raise Incompatible(f"state group {g} (rank {pr.tp_rank}) differs: " + ", ".join(diffs))
+        pg, dg = pr.groups[g].geometry, dr.groups[g].geometry
+        if (pg.kv_parts, pg.chunk_bytes) != (dg.kv_parts, dg.chunk_bytes):
+            raise Incompatible(
+                f"state group {g} (rank {pr.tp_rank}): slots are {pg.kv_parts} x "
+                f"{pg.chunk_bytes} bytes on P, {dg.kv_parts} x {dg.chunk_bytes} on D"
+            )
+    return tuple(Pair(i, i, 0, 0, 0, True) for i in range(len(p)))
+
+
+def _state_plans(
+    g: int,
+    p: Sequence[HybridView],
+    pb: Int64Array,
+    d: Sequence[HybridView],
+    db: Int64Array,
+    local_is_p: bool,
+) -> RequestPlan:
+    pairs = _state_pairs(g, p, d)
+    if len(pb) != len(db):
+        raise InvalidRequest(
+            f"state group {g}: P names {len(pb)} state slots, D {len(db)} (they move slot for slot)"
+        )
+    plans: list[Plan] = []
+    for pair in pairs:
+        pg, dg = p[pair.p].groups[g].geometry, d[pair.d].groups[g].geometry
+        check_blocks(pg, pb)
+        check_blocks(dg, db)
+        plans.append(plan_transfer(pg, pb, dg, db) if local_is_p else plan_transfer(dg, db, pg, pb))
+    return RequestPlan(pairs, tuple(plans))
+
+
+def plan_groups(
+    p: Sequence[HybridView],
+    p_logical: Sequence[int],
+    d: Sequence[HybridView],
+    d_logical: Sequence[int],
+    *,
+    local_is_p: bool,
+) -> RequestPlan:
+    """`plan_request` of a hybrid pair: every group's transfers (module docstring), one
+    after the other. A rank pair appears once per group; its descriptors go in the same
+    NIXL transfer as the others of its memory types (`transfer_groups`), so D still counts
+    one completion per transfer. Permutes name their group's geometry."""
+    check_structure(p, d)
+    p_ids = split_ids(p[0].groups, p_logical)
+    d_ids = split_ids(d[0].groups, d_logical)
+    pairs: list[Pair] = []
+    plans: list[Plan] = []
+    permutes: list[Permute] = []
+    for g, grp in enumerate(p[0].groups):
+        pb, db = p_ids[g], d_ids[g]
+        if grp.kind == "state":
+            rp = _state_plans(g, p, pb, d, db, local_is_p)
+        else:
+            if grp.kind == "window":
+                pb, db = _window_tail(g, p, pb, d, db)
+            rp = plan_request(
+                _views(p, g), pb.tolist(), _views(d, g), db.tolist(), local_is_p=local_is_p
+            )
+        permutes += _rebased(rp.permutes, rp.pairs, len(pairs), d, g)
+        pairs += rp.pairs
+        plans += rp.plans
+    return RequestPlan(tuple(pairs), tuple(plans), tuple(permutes))
+
+
+def group_permutes(
+    p: Sequence[HybridView], d: Sequence[HybridView], d_logical: Sequence[int]
+) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
+    """`receive_permutes` of a hybrid pair (D's side of push: P's blocks unknown): the
+    pairs in `plan_groups`' order, and the permutes of D's attention groups (a window
+    group's: the last `window_blocks` D names. Should P hold fewer, P writes only the last
+    of them and D's earlier ones lie outside the window (P holds every block the window
+    touches): they are permuted, unwritten, and never read)."""
+    check_structure(p, d)
+    d_ids = split_ids(d[0].groups, d_logical)
+    pairs: list[Pair] = []
+    permutes: list[Permute] = []
+    for g, grp in enumerate(p[0].groups):
+        if grp.kind == "state":
+            got: tuple[Pair, ...] = _state_pairs(g, p, d)
+            jobs: tuple[Permute, ...] = ()
+        else:
+            db = d_ids[g]
+            if grp.kind == "window":
+                _window_size(g, p, d)
+                db = _d_window(g, d, db)
+            got, jobs = receive_permutes(_views(p, g), _views(d, g), db.tolist())
+        permutes += _rebased(jobs, got, len(pairs), d, g)
+        pairs += got
+    return tuple(pairs), tuple(permutes)
+
+
+def _rebased(
+    jobs: Sequence[Permute], pairs: Sequence[Pair], first: int, d: Sequence[HybridView], g: int
+) -> list[Permute]:
+    """Permutes of group g as the whole request's: pair indices after the earlier groups'
+    (`first`), each with its group's geometry on D's rank."""
+    return [
+        replace(j, pair=first + j.pair, geometry=d[pairs[j.pair].d].groups[g].geometry)
+        for j in jobs
+    ]
+
+
+def plan_any(
+    p: Sequence[HybridView],
+    p_logical: Sequence[int],
+    d: Sequence[HybridView],
+    d_logical: Sequence[int],
+    *,
+    local_is_p: bool,
+) -> RequestPlan:
+    """The plan of a request between any two regions: `plan_groups` for hybrid ones,
+    `plan_request` otherwise (a hybrid side facing a plain one is refused)."""
+    if is_hybrid(p, d):
+        return plan_groups(p, p_logical, d, d_logical, local_is_p=local_is_p)
+    return plan_request(p, p_logical, d, d_logical, local_is_p=local_is_p)
+
+
+def permutes_any(
+    p: Sequence[HybridView], d: Sequence[HybridView], d_logical: Sequence[int]
+) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
+    """`group_permutes` for hybrid regions, `receive_permutes` otherwise."""
+    if is_hybrid(p, d):
+        return group_permutes(p, d, d_logical)
+    return receive_permutes(p, d, d_logical)
