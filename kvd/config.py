@@ -283,8 +283,9 @@ class DaemonConfig(_Section):
     mailbox_size: int = _opt(
         1024,
         "Bound of the outside input (client requests, peers' heartbeats and probes) "
-        "waiting in each actor's mailbox: beyond it input is answered BUSY, never queued "
-        "without bound. Notices between actors are never refused and do not count.",
+        "waiting in each actor's mailbox, and of the consumers' EC requests a producer "
+        "serves at once: beyond it input is answered BUSY, never queued without bound. "
+        "Notices between actors are never refused and do not count.",
         ge=1,
         le=1_000_000,
     )

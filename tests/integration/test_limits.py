@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -18,14 +19,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import zmq
 from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import Busy, ErrorCode
 
 from kvd.demo import DaemonProc, Engine, make_engine, run_mode
+from kvd.ecdemo import ECSide, run_ec
 
 from .conftest import StartDaemon
 from .test_bad_input import FAKE_ENGINE, FakePeer, eventually, side_exchange
+from .test_ec import MiB, ec_cfg
+from .test_ec_auth import commit_output
 
 BLOCKS = 64
 LAYERS = 2
@@ -345,3 +350,65 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
             server.join(120)
         pe.close()
         de.close()
+
+
+def test_an_ec_request_flood_is_served_a_few_at_a_time_the_rest_refused_busy(
+    daemons: StartDaemon,
+) -> None:
+    """A producer serves at most `daemon.mailbox_size` consumers' EC requests at once
+    (each waits on a handshake with its consumer, then a WRITE): a flood of requests
+    naming a consumer whose side channel never answers holds that many, and every other
+    is acked BUSY at once (counted), holding no task, pin or handshake. Once those end
+    (the handshake times out), nothing is left, and a real consumer is served."""
+    silent = socket.socket()  # accepts connections (the kernel does) but never speaks
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    at_once, flood = 4, 50
+    e = daemons(
+        "kvdt-lim-ecp",
+        ec_cfg("producer", 16 * MiB),
+        overrides={"daemon": {"mailbox_size": at_once}, "side_channel": {"handshake_timeout": 5.0}},
+    )
+    c = daemons("kvdt-lim-ecc", ec_cfg("consumer", 16 * MiB))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    dealer: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        params = commit_output(prod)
+        dealer.connect(f"tcp://127.0.0.1:{params.peer_port}")
+        req = wire.ECXferReq(
+            mm_hash="img",
+            compat="ec-ok",
+            agent_name="kvdt-ec-flooder",
+            side_host="127.0.0.1",
+            side_port=silent.getsockname()[1],
+            dst_region=1,
+            dst_generation=1,
+            dst_block_ids=(0, 1, 2),
+        )
+        for _ in range(flood):
+            dealer.send(wire.encode(req))
+        acks: list[wire.ECXferAck] = []
+        while len(acks) < flood:
+            assert dealer.poll(30_000), f"the producer answered {len(acks)} of {flood}"
+            _, ack = wire.decode(dealer.recv())
+            assert isinstance(ack, wire.ECXferAck), ack
+            acks.append(ack)
+            if len(acks) == flood - at_once:  # the refusals come first, at once
+                assert prod.client.status("ec")["serving"] == at_once
+                assert prod.client.status("ec")["producer"]["pinned"] == 3
+        busy = [a for a in acks if a.code == int(ErrorCode.BUSY)]
+        assert acks[: flood - at_once] == busy, acks
+        assert all(not a.ok and "daemon.mailbox_size" in a.reason for a in busy)
+        assert not any(a.ok or a.code == int(ErrorCode.BUSY) for a in acks[-at_once:])
+        st = prod.client.status("ec")
+        assert st["serving"] == 0 and st["producer"]["pinned"] == 0
+        assert prod.client.status()["counters"]["ec_xfer_failed"] == flood
+        # a real consumer is served, every byte checked
+        res = run_ec(prod, cons, 6, random.Random(4), max_bytes=2 * MiB, name="real")
+        assert res.failures == [] and res.verified == 6
+    finally:
+        dealer.close(0)
+        silent.close()
+        prod.close()
+        cons.close()
