@@ -504,7 +504,8 @@ class LimitsConfig(_Section):
         256 * MiB,
         "Estimated bytes of per-request state each transfer machine may hold (about 1 KiB "
         "plus 40 bytes per block id per request). P: leases, and registrations and pulls "
-        "waiting for P's engine; D: requests tracked or receiving. Beyond it a new "
+        "waiting for P's engine, charged as they are decoded (so also while they wait to "
+        "be handled); D: requests tracked or receiving. Beyond it a new "
         "registration or pull is answered failed, and a client's finish, push "
         "registration or pull ends failed at once (its track is refused).",
         ge=64 * KiB,
