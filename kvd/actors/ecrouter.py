@@ -24,11 +24,11 @@ Producer (role producer/both):
   refused request. At most `daemon.mailbox_size` requests are served at once (each
   waits on a handshake and a WRITE); one beyond is acked BUSY at once, counted in
   `ec_xfer_failed`, so a flood holds no task, pin or registrar call per request. With a
-  secret, each ack carries a MAC over b"ecack", the request's
-  nonce and the ack: a consumer takes an ok ack only with a valid one (else it is
-  counted in `ec_auth_rejected` and the fetch waits on); a refusal is taken either way
-  (it only costs a local encode). Malformed and refused requests are counted and logged at a bounded
-  rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
+  secret, each ack carries a MAC over b"ecack", the request's nonce and the ack: a
+  consumer takes an ok ack only with a valid one (else it is counted in
+  `ec_auth_rejected` and the fetch waits on); a refusal is taken either way (it only
+  costs a local encode). Malformed and refused requests are counted and logged at a
+  bounded rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
   their connection (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
 Consumer (role consumer/both):
