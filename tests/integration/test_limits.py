@@ -2,7 +2,7 @@
 it, counts the refusal and shows it in `kvd status`; after the burst, normal service
 resumes (verified transfers). The flooding peer is a real NIXL agent in this process that
 handshakes like a peer daemon (no secret: these daemons run without `[auth]`) and sends
-real notifications.
+real notifications; the EC flood comes from a raw DEALER on the producer's EC port.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,10 +26,12 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import Busy, ErrorCode
 
+from kvd.actors.ecrouter import EC_XFER_CONTEXT
+from kvd.core.peerauth import message_mac
 from kvd.demo import DaemonProc, Engine, make_engine, run_mode
 from kvd.ecdemo import ECSide, run_ec
 
-from .conftest import StartDaemon
+from .conftest import StartDaemon, shared_secret_bytes
 from .test_bad_input import FAKE_ENGINE, FakePeer, eventually, side_exchange
 from .test_ec import MiB, ec_cfg
 from .test_ec_auth import commit_output
@@ -386,7 +390,11 @@ def test_an_ec_request_flood_is_served_a_few_at_a_time_the_rest_refused_busy(
             dst_generation=1,
             dst_block_ids=(0, 1, 2),
         )
+        secret = shared_secret_bytes(Path(e.config).parent)
         for _ in range(flood):
+            if secret is not None:  # KVD_TEST_AUTH=1: signed as a daemon signs it
+                req = replace(req, timestamp=time.time(), nonce=os.urandom(16), mac=b"")
+                req = replace(req, mac=message_mac(secret, req, EC_XFER_CONTEXT))
             dealer.send(wire.encode(req))
         acks: list[wire.ECXferAck] = []
         while len(acks) < flood:
