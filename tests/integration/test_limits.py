@@ -252,8 +252,8 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
     D is served all along. P charges each registration to `limits.pending_bytes` as it
     decodes it, before it queues it for the sender: what fits in 1 MiB is kept, the rest
     is answered BUSY at once (counted) and never queued. Each registration is answered
-    exactly once (refused, or cancelled when the peer gives up). P's RSS stays where it
-    was, its peak included: no flood adds more than allocator noise."""
+    exactly once (refused, or cancelled when the peer gives up). P's RSS stays bounded,
+    its peak included: a flood adds no more than allocator noise and its raw bytes."""
     bound = 1 << 20
     p = daemons(
         "kvdt-lim-memp",
@@ -261,7 +261,7 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
     )
     d = daemons("kvdt-lim-memd")
     pe, de = engines(p, d)
-    flood = 2000
+    flood, floods = 2000, 3
     stop = threading.Event()
     rounds: list[str] = []
     errors: list[BaseException] = []
@@ -284,7 +284,7 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
         rss = [_rss_kib(p.proc.pid)]
         server.start()
         refused_in_all = 0
-        for round_ in range(2):
+        for round_ in range(floods):
             ids = [f"flood-{round_}-{i}" for i in range(flood)]
             for i, rid in enumerate(ids):
                 peer.agent.send_notif(p.name, peer.registration(rid, 4096))
@@ -338,14 +338,17 @@ def test_a_flood_of_pending_registrations_stays_under_the_memory_bound(
         peak = _rss_kib(p.proc.pid, "VmHWM")
         print(f"P's RSS (KiB) before, after each flood: {rss}, peak {peak}; D's rounds {rounds}")
         assert status(p)["limits"]["pending_bytes_sender"]["used"] == 0
-        # KiB. What P keeps and queues is bounded (asserted above), so a second flood as
-        # large as the first adds no more than allocator noise; nor does any flood while
-        # it lasts (the peak; queued unbounded, a flood's decoded registrations added
-        # 180-300 MB), apart from its raw notifications: NIXL's thread polls them all and
-        # hands them to the event loop in batches before P decodes any, so a whole flood
-        # (32 MB here) can sit there, in NIXL's list and as Python bytes, at once.
+        # KiB. What P keeps and queues is bounded (asserted above), so no flood adds more
+        # than allocator noise while it lasts (the peak; queued unbounded, a flood's
+        # decoded registrations added 180-300 MB), apart from its raw notifications:
+        # NIXL's thread polls them and hands them to the event loop in batches before P
+        # decodes any, so a whole flood (32 MB here) can sit there at once, in NIXL's
+        # list and as Python bytes allocated in that thread's malloc arena. That arena
+        # keeps what it grew to, so the floods before the last take P to its working
+        # size (a second flood added up to 30 MB, in 5 of 33 runs over 10 MB, mostly
+        # under 3 MB): the last flood, as large, adds less than 32 MiB.
         raw = flood * len(peer.registration("flood-1-1999", 4096)) // 1024
-        assert rss[2] - rss[1] < 32 * 1024, rss
+        assert rss[-1] - rss[-2] < 32 * 1024, rss
         assert peak - rss[0] < 32 * 1024 + 2 * raw, (peak, rss, raw)
         served(p, pe, de)
     finally:
