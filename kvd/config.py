@@ -283,8 +283,9 @@ class DaemonConfig(_Section):
     mailbox_size: int = _opt(
         1024,
         "Bound of the outside input (client requests, peers' heartbeats and probes) "
-        "waiting in each actor's mailbox: beyond it input is answered BUSY, never queued "
-        "without bound. Notices between actors are never refused and do not count.",
+        "waiting in each actor's mailbox, and of the consumers' EC requests a producer "
+        "serves at once: beyond it input is answered BUSY, never queued without bound. "
+        "Notices between actors are never refused and do not count.",
         ge=1,
         le=1_000_000,
     )
@@ -510,7 +511,8 @@ class LimitsConfig(_Section):
         256 * MiB,
         "Estimated bytes of per-request state each transfer machine may hold (about 1 KiB "
         "plus 40 bytes per block id per request). P: leases, and registrations and pulls "
-        "waiting for P's engine; D: requests tracked or receiving. Beyond it a new "
+        "waiting for P's engine, charged as they are decoded (so also while they wait to "
+        "be handled); D: requests tracked or receiving. Beyond it a new "
         "registration or pull is answered failed, and a client's finish, push "
         "registration or pull ends failed at once (its track is refused).",
         ge=64 * KiB,

@@ -179,6 +179,8 @@ class Daemon:
             clock=self.clock,
             trace=self.trace,
             keyring=self.keyring,
+            budget=self.sender.proto.budget,
+            transport=self.engine,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,

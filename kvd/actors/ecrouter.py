@@ -21,11 +21,14 @@ Producer (role producer/both):
   once more, in case our view is stale, then refuse). The destination blocks must lie in
   that EC region (the planner refuses anything else). The output is pinned, WRITten into
   the consumer's blocks, acked (`ECXferAck`), then unpinned. Nothing is WRITten for a
-  refused request. With a secret, each ack carries a MAC over b"ecack", the request's
-  nonce and the ack: a consumer takes an ok ack only with a valid one (else it is
-  counted in `ec_auth_rejected` and the fetch waits on); a refusal is taken either way
-  (it only costs a local encode). Malformed and refused requests are counted and logged at a bounded
-  rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
+  refused request. At most `daemon.mailbox_size` requests are served at once (each
+  waits on a handshake and a WRITE); one beyond is acked BUSY at once, counted in
+  `ec_xfer_failed`, so a flood holds no task, pin or registrar call per request. With a
+  secret, each ack carries a MAC over b"ecack", the request's nonce and the ack: a
+  consumer takes an ok ack only with a valid one (else it is counted in
+  `ec_auth_rejected` and the fetch waits on); a refusal is taken either way (it only
+  costs a local encode). Malformed and refused requests are counted and logged at a
+  bounded rate (`RejectLog`); frames above twice `max_frame_bytes` are cut off by libzmq with
   their connection (`ec_disconnects`, `kvd.adapters.zmq_monitor`).
 
 Consumer (role consumer/both):
@@ -254,6 +257,8 @@ class ECRouter:
         self.replays = ReplayGuard(AUTH_WINDOW_S, EC_NONCES_MAX, not_before=wall_clock())
         self.counters = counters
         self.rejects = rejects
+        self.serving = 0
+        """Consumers' requests being served now (each a task): at most `mailbox.size`."""
         nblocks = region_bytes // block_bytes
         self.producing = role in ("producer", "both")
         self.consuming = role in ("consumer", "both")
@@ -771,7 +776,10 @@ class ECRouter:
                         if self.trace.on:
                             self.trace.mark(req.mm_hash, "ec.request_received")
                         refused = self._admit(req)
+                        if refused is None and self.serving >= self.mailbox.size:
+                            refused = self._busy(req)
                         if refused is None:
+                            self.serving += 1
                             self._tg.start_soon(self._serve_one, frames[0], req)
                         else:
                             await self._ack(frames[0], refused, req.nonce)
@@ -804,6 +812,14 @@ class ECRouter:
             )
         else:
             self._xfer_failed(req.mm_hash, exc)
+        return wire.ECXferAck(req.mm_hash, False, int(exc.code), exc.message, 0)
+
+    def _busy(self, req: wire.ECXferReq) -> wire.ECXferAck:
+        """The refusal of a request beyond the ones served at once (`daemon.mailbox_size`):
+        each waits on a handshake and a WRITE, so a flood would otherwise hold a task, a
+        pin and a registrar call per request, without bound."""
+        exc = Busy(f"the producer serves {self.serving} requests already (daemon.mailbox_size)")
+        self._xfer_failed(req.mm_hash, exc)
         return wire.ECXferAck(req.mm_hash, False, int(exc.code), exc.message, 0)
 
     def _auth_problem(self, secret: bytes, req: wire.ECXferReq) -> tuple[str, KvdError] | None:
@@ -863,6 +879,12 @@ class ECRouter:
         )
 
     async def _serve_one(self, ident: bytes, req: wire.ECXferReq) -> None:
+        try:
+            await self._serve(ident, req)
+        finally:
+            self.serving -= 1
+
+    async def _serve(self, ident: bytes, req: wire.ECXferReq) -> None:
         mm_hash = req.mm_hash
         pinned = False
         info: PeerInfo | None = None
@@ -960,6 +982,7 @@ class ECRouter:
 
         return {
             "role": self.role,
+            "serving": self.serving,
             "region": self.region.name if self.region else "",
             "index": self.index.name if self.index is not None else "",
             "indexed": len(self.index) if self.index is not None else 0,

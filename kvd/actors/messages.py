@@ -14,6 +14,7 @@ from kvd_client import wire
 
 from kvd.actors.base import Call, Outside
 from kvd.core.hybrid import Group
+from kvd.core.limits import Reservation
 from kvd.core.planner import Geometry
 
 # ------------------------------------------------------------------ shared views
@@ -207,10 +208,13 @@ class LocalRegionsChanged:
 @dataclass(frozen=True)
 class NotifReceived:
     """Notifier -> owner: one decoded notification from a peer agent (an answer to our own
-    transfer, a registration, a cancel): never refused."""
+    transfer, a registration, a cancel): never refused. A registration or pull for the
+    sender carries the bytes the notifier reserved for it (`kvd.core.limits`): the sender
+    hands it to its machine, or releases it if it drops the message."""
 
     agent: str
     msg: wire.Record
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,14 @@ an old incarnation's key) is dropped before it is decoded further, counted in
 A peer may send at most `limits.notifs_per_peer_per_s` notifications a second (bursts of
 one second's worth, `kvd.core.ratelimit.RateLimiter`): beyond it they are dropped before
 decoding and counted (`limit_notifs_dropped`), so a flooding peer costs a counter each.
+What the sender keeps while P's engine has not finished (D's registrations and pulls) is
+charged from here, not only once the sender keeps it: each is reserved its estimated
+bytes from the sender's `limits.pending_bytes` budget (`kvd.core.limits.Reservation`)
+before it is posted, and one that does not fit is answered BUSY at once (a PushDone or
+PullAck, counted in `limit_pending_bytes_refused`) and never queued. The reservation goes
+with the message; the sender adopts it or releases it. So a flood waiting in the
+sender's mailbox (its notices are never refused) is bounded by the same bytes as what
+the sender keeps.
 With the stage trace on, it records for each message that names a request when the NIXL
 thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
@@ -28,16 +36,20 @@ import time
 from typing import Any, Final
 
 from kvd_client import wire
-from kvd_client.errors import Busy, RemoteProtocolError
+from kvd_client.errors import Busy, ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import SYSTEM_CLOCK, Clock, Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
+from kvd.actors.transfers import Transport
+from kvd.core.limits import PendingBudget, Reservation, record_cost
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.ratelimit import RateLimiter
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
 _TO_SENDER = (wire.PushRegistration, wire.PullDone, wire.CancelRegistration, wire.ResyncAck)
+_RESERVED = (wire.PushRegistration, wire.PullDone)
+"""What the sender may keep while P's engine has not finished: charged at intake."""
 _TO_RECEIVER = (wire.PushDone, wire.LayersPushed, wire.PullAck, wire.Resync)
 RATE_KEYS: Final = 4096
 """Peers whose notification rate is tracked apart; further peers share one bucket."""
@@ -58,7 +70,14 @@ class Notifier:
         clock: Clock = SYSTEM_CLOCK,
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
+        budget: PendingBudget | None = None,
+        transport: Transport | None = None,
     ) -> None:
+        """`budget`: the sender machine's pending budget, charged here for registrations
+        and pulls (None: the sender charges what it keeps, nothing bounds its mailbox);
+        `transport` answers those refused (required with a budget)."""
+        if (budget is None) != (transport is None):
+            raise ValueError("a pending budget needs a transport to answer refusals")
         self.sender = sender
         self.receiver = receiver
         self.registrar = registrar
@@ -68,6 +87,8 @@ class Notifier:
         self.trace = trace
         self.keyring = keyring
         self.clock = clock
+        self.budget = budget
+        self.transport = transport
         self.rate: RateLimiter[str] = RateLimiter(
             notifs_per_peer_per_s, notifs_per_peer_per_s, RATE_KEYS, _OTHER_PEERS
         )
@@ -121,6 +142,11 @@ class Notifier:
                 self.registrar.post(ProbeReceived(agent, msg))
             elif isinstance(msg, wire.Heartbeat):
                 self.sender.post(HeartbeatReceived(agent, msg))
+            elif isinstance(msg, _RESERVED) and self.budget is not None:
+                reservation = self._reserve(agent, msg, self.budget)
+                if reservation is None:
+                    return  # refused and answered: never queued
+                self.sender.post(NotifReceived(agent, msg, reservation))
             elif isinstance(msg, _TO_SENDER):
                 self.sender.post(NotifReceived(agent, msg))
             elif isinstance(msg, _TO_RECEIVER):
@@ -140,6 +166,39 @@ class Notifier:
         if self.trace.on and polled_ns and (rid := trace_key(msg)):
             self.trace.mark_at(rid, "nixl.notif_polled", polled_ns)
             self.trace.mark(rid, "notifier.routed")
+
+    def _reserve(
+        self, agent: str, msg: wire.PushRegistration | wire.PullDone, budget: PendingBudget
+    ) -> Reservation | None:
+        """The bytes reserved for `msg` until the sender keeps or drops it; None once it
+        was refused for want of them (answered BUSY, counted)."""
+        cost = record_cost(msg)
+        reservation = budget.reserve(cost)
+        if reservation is not None:
+            return reservation
+        busy = int(ErrorCode.BUSY)
+        answer: wire.Record
+        if isinstance(msg, wire.PushRegistration):
+            why = budget.why(cost, "a push registration")
+            answer = wire.PushDone(msg.request_id, 0, False, busy, why)
+        else:
+            why = budget.why(cost, "a pull")
+            answer = wire.PullAck(msg.d_request_id, False, busy, why)
+        self.rejects.reject(
+            "notifier",
+            "limit_pending_bytes_refused",
+            "peer_request_refused",
+            "pending_bytes",
+            peer=agent,
+        )
+        assert self.transport is not None
+
+        def done(exc: KvdError | None) -> None:
+            if exc is not None:
+                self._count("notifs_failed")
+
+        self.transport.post_notif(agent, wire.encode(answer), done, report_ok=False)
+        return None
 
     def _open(self, agent: str, msg: wire.Record) -> bytes | AuthRefusal:
         """The body of an authentic, fresh envelope from `agent`, or why not."""

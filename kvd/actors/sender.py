@@ -49,6 +49,7 @@ from kvd.actors.transfers import (
 )
 from kvd.core import sender as proto
 from kvd.core.hybrid import plan_any
+from kvd.core.limits import Reservation
 from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
@@ -115,7 +116,11 @@ class Sender(TransferActor):
             if self._known(msg.agent, msg.msg):
                 self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
         elif isinstance(msg, NotifReceived):
-            self._notif(msg.agent, msg.msg, now)
+            try:
+                self._notif(msg.agent, msg.msg, now, msg.reservation)
+            finally:  # dropped before the machine kept it (the machine adopts what it keeps)
+                if msg.reservation is not None:
+                    msg.reservation.release()
         elif isinstance(msg, LayersAnnounced):
             self._layers_announced(msg.msg, now)
         elif isinstance(msg, LocalRegionsChanged):
@@ -209,15 +214,17 @@ class Sender(TransferActor):
             error=exc.message,
         )
 
-    def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
+    def _notif(
+        self, agent: str, msg: wire.Record, now: float, reserved: Reservation | None
+    ) -> None:
         if not self._known(agent, msg):
             return
         if isinstance(msg, wire.PushRegistration):
-            self._feed(proto.RegistrationArrived(agent, msg), now)
+            self._feed(proto.RegistrationArrived(agent, msg, reserved), now)
         elif isinstance(msg, wire.PullDone):
             if self.trace.on:
                 self.trace.link(msg.request_id, agent, msg.d_request_id)
-            self._feed(proto.PullDoneArrived(agent, msg), now)
+            self._feed(proto.PullDoneArrived(agent, msg, reserved), now)
         elif isinstance(msg, wire.CancelRegistration):
             self._feed(proto.CancelArrived(agent, msg.request_id), now)
         elif isinstance(msg, wire.ResyncAck):

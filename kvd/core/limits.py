@@ -9,7 +9,19 @@ ids it names. A machine takes an entry only if its charge fits under `limit`; th
 charge is returned when the entry goes. The estimate is deliberately generous (CPython
 objects, not wire bytes), so the daemon's real use stays below the bound.
 
-No IO and no clock: the machines own their budget and decide what a refusal means.
+A peer's message is charged from the moment it is decoded, not only once a machine keeps
+it: the intake (the notifier) `reserve`s its cost, refuses it at once if it does not fit,
+and hands the `Reservation` along with the message. The reservation moves with it: the
+machine `adopt`s it when it keeps the entry (the charge is then the entry's, given back
+when the entry goes), and whoever drops the message otherwise (the machine refusing it,
+the actor discarding it) `release`s it. So what waits in a mailbox counts against the
+same bound as what is kept, and a flood is refused at intake instead of queued. A
+reservation frees its bytes at most once: a second release, or a release after adopt,
+gives nothing back.
+
+No IO and no clock: the machines own their budget and decide what a refusal means (the
+intake and P's sender machine share the sender's budget, as tasks share a capacity
+limiter; both run on the daemon's one event loop).
 """
 
 from __future__ import annotations
@@ -53,6 +65,11 @@ class PendingBudget:
         self.peak = max(self.peak, after)
         return True
 
+    def reserve(self, cost: int) -> Reservation | None:
+        """Charge `cost` for a message not yet kept (see the module docstring); None
+        (counted in `refused`, nothing changed) if it does not fit."""
+        return Reservation(self, cost) if self.take(cost) else None
+
     def give(self, cost: int) -> None:
         """Return what an entry was charged."""
         self.used -= cost
@@ -65,6 +82,46 @@ class PendingBudget:
             f"limits.pending_bytes reached: {what} needs ~{cost} bytes, "
             f"{self.used} of {self.limit} in use"
         )
+
+
+class Reservation:
+    """Bytes of a `PendingBudget` charged for one message from its intake until it ends.
+
+    Exactly one of `adopt` (the charge becomes a kept entry's, returned by the machine
+    with `PendingBudget.give` when the entry goes) and `release` (the message was dropped:
+    the bytes go back now) takes effect; anything after that is a no-op for `release`
+    and an error for `adopt` (the caller would charge an entry twice).
+    """
+
+    __slots__ = ("_held", "budget", "cost")
+
+    def __init__(self, budget: PendingBudget, cost: int) -> None:
+        self.budget = budget
+        self.cost = cost
+        self._held = True
+
+    @property
+    def held(self) -> bool:
+        """Whether the bytes are still this reservation's (neither adopted nor released)."""
+        return self._held
+
+    def adopt(self) -> int:
+        """The machine keeps the message: its charge is now the entry's. Returns it."""
+        if not self._held:
+            raise ValueError("reservation already adopted or released")
+        self._held = False
+        return self.cost
+
+    def release(self) -> bool:
+        """Give the bytes back if still held; False (nothing given) if already done."""
+        if not self._held:
+            return False
+        self._held = False
+        self.budget.give(self.cost)
+        return True
+
+    def __repr__(self) -> str:
+        return f"Reservation(cost={self.cost}, held={self._held})"
 
 
 def record_cost(*records: object) -> int:

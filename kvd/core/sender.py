@@ -53,7 +53,10 @@ Rules it keeps:
 - Bounded (`kvd.core.limits`): at most `max_pending_per_peer` registrations and pulls
   from one D wait in AWAITING, and every live request is charged its estimated bytes
   against `pending_bytes`. A registration or pull beyond either is answered failed at
-  once (D fails the request and its engine recomputes); a finish beyond the bytes ends
+  once (D fails the request and its engine recomputes). One that arrives with a
+  `Reservation` (its bytes charged at intake, before it queued) is not charged again:
+  the request it starts or joins adopts the reservation, and if it is not kept,
+  `handle` releases it, whatever the answer was. A finish beyond the bytes ends
   failed at once (SendFailed to P's engine, and D answered if it registered), with a
   tombstone so that D's later registration or pull is answered at once too.
 - A streaming request ends only once none of its layer WRITEs is in flight: D hears of a
@@ -76,7 +79,7 @@ from kvd_client.errors import ErrorCode, InvalidRequest, KvdError, LocalProtocol
 from kvd.core.effects import Drained, Emit, Log, Notify, Refused, SessionEnded
 from kvd.core.ids import base_request_id
 from kvd.core.leases import LeaseTable
-from kvd.core.limits import PendingBudget, record_cost
+from kvd.core.limits import PendingBudget, Reservation, record_cost
 from kvd.core.timers import TimerHeap
 
 
@@ -152,6 +155,8 @@ class ForceAbort:
 class RegistrationArrived:
     agent: str
     msg: wire.PushRegistration
+    reservation: Reservation | None = None
+    """Its bytes, reserved from `Sender.budget` at intake (None: charged here)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,8 @@ class HeartbeatArrived:
 class PullDoneArrived:
     agent: str
     msg: wire.PullDone
+    reservation: Reservation | None = None
+    """Its bytes, reserved from `Sender.budget` at intake (None: charged here)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,7 +442,12 @@ class Sender:
         fault: the actor answers it with the error); the machine is unchanged then.
         """
         self._out = []
-        _HANDLERS[type(event)](self, event, now)
+        try:
+            _HANDLERS[type(event)](self, event, now)
+        finally:
+            # not kept (what is kept was adopted): its bytes go back now
+            if isinstance(event, RegistrationArrived | PullDoneArrived) and event.reservation:
+                event.reservation.release()
         out, self._out = self._out, []
         return out
 
@@ -709,16 +721,17 @@ class Sender:
             self._fail_waiting(waiting, tomb, S.FAILED)
         self._bury(ev.request_id, tomb)
 
-    def _over(self, agent: str, cost: int, what: str) -> str | None:
+    def _over(self, agent: str, cost: int, what: str, reserved: bool) -> str | None:
         """Why D's registration or pull (charged `cost`) may not wait for P's engine, or
-        None after charging it (see the module docstring)."""
+        None after charging it (see the module docstring); `reserved`: its bytes were
+        charged at intake already (the caller adopts the reservation)."""
         if self._awaiting_by_agent[agent] >= self.max_pending_per_peer:
             why = (
                 f"limits.pending_registrations_per_peer reached: {self.max_pending_per_peer} "
                 f"registrations and pulls from {agent} wait for P's engine"
             )
             counter, kind = "limit_pending_registrations_refused", "pending_registrations"
-        elif not self.budget.take(cost):
+        elif not reserved and not self.budget.take(cost):
             why = self.budget.why(cost, what)
             counter, kind = "limit_pending_bytes_refused", "pending_bytes"
         else:
@@ -784,8 +797,10 @@ class Sender:
                     )
                 )
                 return
-            cost = record_cost(msg)
-            if (why := self._over(ev.agent, cost, "a push registration")) is not None:
+            res = ev.reservation
+            cost = res.cost if res is not None else record_cost(msg)
+            why = self._over(ev.agent, cost, "a push registration", res is not None)
+            if why is not None:
                 self._out.append(
                     Notify(
                         ev.agent,
@@ -795,7 +810,7 @@ class Sender:
                 return
             self._count("push_registrations")
             waiting = SendRequest(key, S.AWAITING, now, agent=ev.agent, registration=msg)
-            waiting.cost = cost
+            waiting.cost = res.adopt() if res is not None else cost
             self._add(waiting)
             self._timers.set(key, now + self.registration_timeout)
             return
@@ -810,6 +825,8 @@ class Sender:
     def _held_registered(self, req: SendRequest, ev: RegistrationArrived, now: float) -> None:
         self._count("push_registrations")
         req.agent, req.registration = ev.agent, ev.msg
+        if ev.reservation is not None:
+            req.cost += ev.reservation.adopt()  # it keeps D's registration too
         self._match(req, now)
 
     def _match(self, req: SendRequest, now: float) -> None:
@@ -875,14 +892,15 @@ class Sender:
             self._pull_refused(ev.agent, msg, tomb.code, tomb.reason)
             return
         # P's engine may not have finished yet (its `finished` is on its way): wait for it
-        cost = record_cost(msg)
-        if (refusal := self._over(ev.agent, cost, "a pull")) is not None:
+        res = ev.reservation
+        cost = res.cost if res is not None else record_cost(msg)
+        if (refusal := self._over(ev.agent, cost, "a pull", res is not None)) is not None:
             busy = int(ErrorCode.BUSY)
             self._out.append(Notify(ev.agent, wire.PullAck(msg.d_request_id, False, busy, refusal)))
             return
         self._count("early_pulls")
         waiting = SendRequest(msg.request_id, S.AWAITING, now, agent=ev.agent, early_pull=msg)
-        waiting.cost = cost
+        waiting.cost = res.adopt() if res is not None else cost
         self._add(waiting)
         self._timers.set(waiting.key, now + self.lease_wait_timeout)
 

@@ -51,10 +51,12 @@ from kvd.actors.messages import (
     SessionClosed,
     Snapshot,
 )
+from kvd.actors.notifier import Notifier
 from kvd.actors.receiver import Receiver
 from kvd.actors.sender import Sender
 from kvd.adapters.nixl import PeerDisconnected, translate
 from kvd.config import Config, DaemonConfig
+from kvd.core.limits import PendingBudget, record_cost
 from kvd.core.planner import Geometry
 from kvd.core.stats import XferTiming
 from kvd.daemon import Daemon
@@ -961,3 +963,72 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
     finally:
         sock.close(0)
         gateway.close()
+
+
+async def test_a_registration_flood_is_refused_at_intake_and_never_queued() -> None:
+    """The notifier charges each registration to the sender's pending budget before it
+    posts it: what does not fit is answered BUSY at once through the port and never
+    enters the sender's mailbox, so the mailbox holds no more than the budget, even when
+    a whole flood arrives in one NIXL batch (the sender cannot run in between). The
+    sender adopts what it keeps and releases what it drops (an agent that never
+    handshaked); a registration for a lease it holds is served as before."""
+    async with world() as w:
+        budget = w.sender.proto.budget = PendingBudget(1 << 20)
+        counters = w.sender.counters
+        notifier = Notifier(
+            sender=w.sender.mailbox,
+            receiver=w.receiver.mailbox,
+            registrar=w.registrar.box,
+            max_frame=1 << 22,
+            counters=counters,
+            rejects=RejectLog(counters, 10.0),
+            clock=w.clock,
+            budget=budget,
+            transport=w.p_port,
+        )
+        big = [
+            replace(registration(f"f{i}", f"fp{i}"), block_ids=tuple(range(4096)))
+            for i in range(300)
+        ]
+        cost = record_cost(big[0])
+        fits = (1 << 20) // cost
+        notifier.sink(D_AGENT, [wire.encode(r) for r in big])
+        # 6 of 300 were posted (one may already be handed to the sender's waiting loop)
+        assert fits == 6 and w.sender.mailbox.depth() in (fits - 1, fits)
+        assert budget.used == fits * cost and budget.refused == 300 - fits
+        assert counters["limit_pending_bytes_refused"] == 300 - fits
+        refusals = await w.p_port.wait_sent(wire.PushDone, 300 - fits)
+        assert {r.request_id for _, r in refusals} == {f"f{i}" for i in range(fits, 300)}
+        assert all(
+            peer == D_AGENT and not r.ok and r.code == ErrorCode.BUSY for peer, r in refusals
+        )
+        assert all("limits.pending_bytes reached" in r.reason for _, r in refusals)
+        status = await snapshot(w.sender.mailbox)
+        assert status["pending_registrations"] == fits  # kept: their reservations adopted
+        assert budget.used == fits * cost
+        # an agent that never handshaked: reserved at intake, released by the sender
+        notifier.sink("kvd-stranger", [wire.encode(registration("s1", "sp1"))])
+        assert budget.used > fits * cost
+        await snapshot(w.sender.mailbox)
+        assert budget.used == fits * cost and counters["notifs_rejected"] == 1
+        # a real push still goes through beside the flood: P's lease, D's registration
+        assert (
+            await client(w.sender.mailbox, P_SESSION, wire.Finish("p-req", P_ENGINE, (1, 2, 3)))
+            == wire.Ok()
+        )
+        notifier.sink(D_AGENT, [wire.encode(registration())])
+        xfer = await w.p_port.wait_transfer()
+        xfer.complete()
+        done = [e.record for e in await _events(w, "p-req")]
+        assert done == [wire.SendFinished("p-req")]
+        # D gives up on the flood: everything goes back
+        notifier.sink(D_AGENT, [wire.encode(wire.CancelRegistration(f"fp{i}")) for i in range(300)])
+        await snapshot(w.sender.mailbox)
+        assert budget.used == 0 and w.sender.proto.reqs == {}
+
+
+async def _events(w: World, rid: str) -> list[EventOut]:
+    await w.events.until(
+        lambda items: any(getattr(e.record, "request_id", "") == rid for e in items)
+    )
+    return [e for e in w.events.items if getattr(e.record, "request_id", "") == rid]
