@@ -136,6 +136,8 @@ EC_XFER_CONTEXT: Final = b"ecxfer"
 EC_ACK_CONTEXT: Final = b"ecack"
 """Domain separation of an `ECXferAck`'s MAC (followed by its request's nonce)."""
 
+QUARANTINE_MARGIN_S: Final = 5.0
+"""Room, past a producer's settle bound, for its answer to reach us."""
 _QUARANTINE: Final = "\0quarantine:"
 """Deadline keys of quarantined fetches (mm_hashes are the other keys)."""
 EC_NONCES_MAX: Final = 1 << 18
@@ -242,10 +244,10 @@ class ECRouter:
         self.block_bytes = block_bytes
         self.xfer_timeout = xfer_timeout
         # What bounds a producer's WRITE we gave up on: its own deadline, then UCX's
-        # settle bound (kvd.adapters.nixl), with room for its answer; a request still
-        # queued for a producer behind a cut link can outlive that: without an answer,
-        # the blocks wait for as long as a request may be served (AUTH_WINDOW_S, twice).
-        self.quarantine_s = max(xfer_timeout + 2 * settle_timeout + 1.0, 2 * AUTH_WINDOW_S)
+        # settle bound (kvd.adapters.nixl), with room for its answer. (A request still
+        # queued in ZMQ for a producer behind a cut link longer than this could be served
+        # after it: docs/late-writes.md, still open.)
+        self.quarantine_s = xfer_timeout + 2 * settle_timeout + 1.0 + QUARANTINE_MARGIN_S
         self.quarantined: dict[str, bytes] = {}
         """Fetches given up on whose blocks may still be written: hash -> request nonce."""
         self.side_host = side_host

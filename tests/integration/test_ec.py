@@ -316,3 +316,59 @@ def test_consumer_cache_serves_an_output_only_under_its_compat(daemons: StartDae
     finally:
         prod.close()
         cons.close()
+
+
+def test_a_fetch_given_up_on_keeps_its_blocks_until_the_producer_answers(
+    daemons: StartDaemon,
+) -> None:
+    """The producer is frozen (SIGSTOP) while a consumer asks for an output: the consumer
+    gives up at ec.xfer_timeout (the engine is told at once), but the blocks it had given
+    that fetch stay quarantined, not freed: the producer, resumed, still serves the
+    request (NIXL cannot take back a request or a WRITE). Only its answer frees them; the
+    output is then fetched again and every byte checked, and nothing stays pinned."""
+    import signal
+
+    xfer = 2.0
+    cfg = ec_cfg("producer", 16 * MiB).replace("xfer_timeout = 5.0", f"xfer_timeout = {xfer}")
+    e = daemons("kvd-encq", cfg)
+    c = daemons("kvd-conq", ec_cfg("consumer", 16 * MiB).replace("5.0", str(xfer)))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        data = output_bytes(3, 2 * MiB)
+        blocks = prod.client.ec_allocate("frozen", len(data))
+        prod.write(blocks.block_ids, data)
+        params = prod.client.ec_commit(
+            "frozen", len(data), shape=(len(data),), dtype="uint8", compat="ec-q"
+        )
+        e.proc.send_signal(signal.SIGSTOP)
+        try:
+            cons.client.ec_ensure(params)
+            (ev,) = cons.client.wait_events(xfer + 10)
+            assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.TIMEOUT, ev
+            st = cons.client.status("ec")
+            assert st["consumer"]["pinned"] == 2  # quarantined, not freed
+            assert cons.client.status()["counters"]["ec_quarantined"] == 1
+            # asked again meanwhile: refused at once (busy), never handed those blocks
+            cons.client.ec_ensure(params)
+            (ev,) = cons.client.wait_events(5)
+            assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.BUSY, ev
+        finally:
+            e.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 15
+        while cons.client.status("ec")["consumer"]["pinned"]:
+            assert time.monotonic() < deadline, "quarantine never released"
+            time.sleep(0.1)
+        counters = cons.client.status()["counters"]
+        assert counters["ec_quarantine_released_answered"] == 1
+        assert "ec_quarantine_released_bound" not in counters
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady), ev
+        assert cons.matches(ev.block_ids, data)
+        cons.client.ec_release("frozen")
+        assert cons.client.status("ec")["consumer"]["pinned"] == 0
+    finally:
+        if e.proc.poll() is None:
+            e.proc.send_signal(signal.SIGCONT)
+        prod.close()
+        cons.close()
