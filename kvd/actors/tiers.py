@@ -1,0 +1,805 @@
+"""Tiers: node-wide KV tiers that engines keep blocks in (vLLM's secondary offloading tiers).
+
+The daemon owns a host pool (one shared-memory segment, registered with NIXL, cut into
+slots of the block size of the first client that opens it) and, with `tiers.disk_path`,
+a disk tier of files moved with NIXL's POSIX backend (a second backend of the daemon's
+one agent). `kvd.core.tiers` keeps the indexes; this actor feeds them requests and does
+the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes themselves:
+- `TierLookup`: one answer for a whole batch (host, disk or miss per key).
+- Store: `TierReserve` reserves and pins a slot per key not held yet (evicting the least
+  recently used unpinned block when no slot is free), the client copies, `TierCommit`
+  makes the blocks visible; a block is never visible before its bytes are in place.
+- Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
+  slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
+  its length and CRC-32 checked (a bad or truncated file is a miss: removed and counted,
+  never a crash); the client copies out and sends `TierUnpin`.
+A reservation or pin belongs to an operation of the client's session: it is dropped when
+the client ends it, when the session ends (goodbye, or no keep-alive for
+`daemon.client_timeout`: a killed client), or after `tiers.pin_timeout`.
+
+Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
+namespace and the key, then a trailer (magic, length, flags, CRC-32 of all before it).
+It is written as a temp file (NIXL WRITE from its pinned host slot, then the trailer)
+and renamed into place only when complete, so a crash or a full disk never leaves a
+file that is served; temp files found at start are removed. At start the index is
+rebuilt from the files' trailers (a warm restart). Demotion: the host tier keeps
+`tiers.low_water` of its slots free by writing its least recently used blocks to disk
+(`demote_on_evict`) and then evicting them; blocks already on disk are evicted at once.
+A reservation that finds no free slot evicts at once, and a block not yet on disk is
+then dropped (counted as `tiers_host_dropped`). A failed disk write (a full disk) drops
+the block and removes the temp file (counted as `tiers_disk_write_failed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import math
+import os
+import secrets
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+import structlog
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.shm import SharedRegion
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
+from kvd.adapters.nixl import NixlEngine
+from kvd.config import TiersConfig
+from kvd.core.tiers import DiskIndex, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
+from kvd.logs import RejectLog
+
+log = structlog.get_logger("kvd.tiers", actor="tiers")
+
+POOL_PREFIX: Final = "kvd-tiers-"
+MAGIC: Final = b"KVDTIER1"
+TRAILER: Final = struct.Struct("<8sQIHHI4x")
+"""magic, data bytes, CRC-32 (of data, namespace, key), namespace length, key length,
+flags; 32 bytes."""
+FLAG_CRC: Final = 1
+SUFFIX: Final = ".blk"
+TMP_SUFFIX: Final = ".tmp"
+DEMOTE_BATCH: Final = 64
+"""Blocks written to disk in one NIXL transfer by the background demoter."""
+DISK_IO_TIMEOUT: Final = 60.0
+
+
+@dataclass
+class _DiskDone:
+    """Notice from a disk task to the actor: per block, whether it worked."""
+
+    op: Op | None
+    read: bool
+    results: list[tuple[TierKey, int, bool, str]]
+    req: ClientRequest | None = None
+
+
+@dataclass
+class _Opened:
+    namespaces: set[bytes] = field(default_factory=set)
+
+
+def block_path(root: str, key: TierKey) -> str:
+    """Where the disk tier keeps `key`'s block (a digest: keys may be long)."""
+    ns, k = key
+    h = hashlib.blake2b(len(ns).to_bytes(2, "big") + ns + k, digest_size=20).hexdigest()
+    return os.path.join(root, h[:2], h + SUFFIX)
+
+
+def trailer_of(key: TierKey, nbytes: int, crc: int | None) -> bytes:
+    ns, k = key
+    flags = FLAG_CRC if crc is not None else 0
+    return ns + k + TRAILER.pack(MAGIC, nbytes, crc or 0, len(ns), len(k), flags)
+
+
+def read_trailer(fd: int, size: int) -> tuple[TierKey, int, int | None] | str:
+    """(key, data bytes, CRC or None) from a block file of `size` bytes, or why it is bad."""
+    if size < TRAILER.size:
+        return "truncated"
+    raw = os.pread(fd, TRAILER.size, size - TRAILER.size)
+    if len(raw) != TRAILER.size:
+        return "truncated"
+    magic, nbytes, crc, ns_len, key_len, flags = TRAILER.unpack(raw)
+    if magic != MAGIC:
+        return "bad magic"
+    if size != nbytes + ns_len + key_len + TRAILER.size or ns_len == 0 or key_len == 0:
+        return "wrong length"
+    names = os.pread(fd, ns_len + key_len, nbytes)
+    if len(names) != ns_len + key_len:
+        return "truncated"
+    return (names[:ns_len], names[ns_len:]), nbytes, (crc if flags & FLAG_CRC else None)
+
+
+def block_crc(data: memoryview, key: TierKey) -> int:
+    """CRC-32 of a block's bytes, then its namespace and key (zlib releases the GIL)."""
+    return zlib.crc32(key[0] + key[1], zlib.crc32(data))
+
+
+def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink host pools left by daemons that died without cleanup (their pid is gone)."""
+    removed = []
+    for name in os.listdir(shm_dir):
+        if not name.startswith(POOL_PREFIX):
+            continue
+        pid_text = name[len(POOL_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except OSError:
+                pass
+        except (PermissionError, FileNotFoundError):
+            continue
+    return removed
+
+
+def scan_disk(
+    root: str, check: Callable[[str], None] | None = None
+) -> tuple[list[tuple[float, TierKey, int]], list[str], list[str]]:
+    """Files of a disk tier: (mtime, key, data bytes) of the good ones, oldest first; the
+    bad ones (removed); the temp files of writes that never finished (removed)."""
+    good: list[tuple[float, TierKey, int]] = []
+    bad: list[str] = []
+    leftovers: list[str] = []
+    if not os.path.isdir(root):
+        return good, bad, leftovers
+    for sub in sorted(os.listdir(root)):
+        d = os.path.join(root, sub)
+        if len(sub) != 2 or not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            path = os.path.join(d, name)
+            if name.endswith(TMP_SUFFIX):
+                _unlink(path)
+                leftovers.append(path)
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                got = read_trailer(fd, st.st_size)
+            except OSError:
+                got = "unreadable"
+            finally:
+                os.close(fd)
+            if isinstance(got, str) or block_path(root, got[0]) != path:
+                _unlink(path)
+                bad.append(path)
+                continue
+            good.append((st.st_mtime, got[0], got[1]))
+    good.sort(key=lambda g: g[0])
+    return good, bad, leftovers
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Tiers:
+    def __init__(
+        self,
+        *,
+        engine: NixlEngine,
+        mailbox: Mailbox[Any],
+        cfg: TiersConfig,
+        counters: dict[str, int],
+        rejects: RejectLog,
+    ) -> None:
+        self.engine = engine
+        self.mailbox = mailbox
+        self.clock = mailbox.clock
+        self.cfg = cfg
+        self.counters = counters
+        self.rejects = rejects
+        self.disk_root = os.path.abspath(cfg.disk_path) if cfg.disk_path else ""
+        self.pool: SharedRegion | None = None
+        self.pool_addr = 0
+        self._pool_reg: Any = None
+        self.host: HostIndex | None = None
+        self.slot_bytes = 0
+        self.disk: DiskIndex | None = DiskIndex(cfg.disk_bytes) if self.disk_root else None
+        self.ops = OpBook()
+        self.sessions: dict[str, _Opened] = {}
+        self.demoting = 0
+        self.reading = 0
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.enabled:
+            await self._start()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                msg: Any = await self.mailbox.receive_before(self.ops.next_deadline())
+                if msg is not None:
+                    self._dispatch(msg)
+                for op in self.ops.expired(self.clock.now()):
+                    self._count("tiers_pins_expired")
+                    self._release(op)
+
+    async def _start(self) -> None:
+        reap_stale_pools()
+        name = f"{POOL_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.pool = SharedRegion(name, self.cfg.host_bytes)
+        import ctypes
+
+        anchor = ctypes.c_char.from_buffer(self.pool.buf)
+        self.pool_addr = ctypes.addressof(anchor)
+        del anchor
+        self._pool_reg = await self.engine.register(self.pool_addr, self.cfg.host_bytes)
+        if self.disk is not None:
+            os.makedirs(self.disk_root, exist_ok=True)
+            good, bad, leftovers = await anyio.to_thread.run_sync(scan_disk, self.disk_root)
+            for _, key, nbytes in good:
+                got = self.disk.add_existing(key, nbytes)
+                if isinstance(got, list):
+                    for old in got:
+                        _unlink(block_path(self.disk_root, old))
+                        self._count("tiers_disk_evictions", 1)
+                else:
+                    _unlink(block_path(self.disk_root, key))
+            self._count("tiers_disk_corrupt", len(bad))
+            self._count("tiers_disk_leftovers_removed", len(leftovers))
+            log.info(
+                "tiers_disk_loaded",
+                path=self.disk_root,
+                blocks=len(self.disk),
+                bytes=self.disk.used,
+                bad=len(bad),
+                leftovers=len(leftovers),
+            )
+        log.info("tiers_ready", pool=name, host_bytes=self.cfg.host_bytes, disk=self.disk_root)
+
+    async def cleanup(self) -> None:
+        """Deregister and unlink the pool (shutdown; shielded by the daemon)."""
+        if self._pool_reg is not None:
+            try:
+                await self.engine.deregister(self._pool_reg)
+            except KvdError as exc:
+                log.warning("tiers_deregister_failed", error=exc.message)
+            self._pool_reg = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, ClientRequest):
+            try:
+                self._client(msg)
+            except KvdError as exc:
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_requests_rejected",
+                    "tiers_request_rejected",
+                    type(exc).__name__,
+                    session=msg.session,
+                    error=exc.message,
+                )
+                msg.fail(exc)
+        elif isinstance(msg, _DiskDone):
+            if msg.read:
+                self._read_done(msg)
+            else:
+                self._write_done(msg)
+        elif isinstance(msg, SessionClosed):
+            self.sessions.pop(msg.session, None)
+            for op in self.ops.of_session(msg.session):
+                self._release(op)
+            msg.resolve(None)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot())
+        else:
+            raise TypeError(f"tiers got {type(msg).__name__}")
+
+    def _client(self, req: ClientRequest) -> None:
+        m = req.msg
+        if not self.enabled or self.pool is None:
+            raise InvalidRequest("this daemon keeps no KV tiers (tiers.enabled = false)")
+        if isinstance(m, wire.TierOpen):
+            req.resolve(self._open(req.session, m))
+            return
+        if isinstance(m, (wire.TierUnpin, wire.TierCommit)):
+            req.resolve(self._finish(req.session, m))
+            return
+        assert isinstance(m, (wire.TierLookup, wire.TierReserve, wire.TierPin))
+        opened = self.sessions.get(req.session)
+        if opened is None or m.namespace not in opened.namespaces:
+            raise InvalidRequest("TierOpen this namespace first")
+        if len(m.keys) % m.key_bytes:
+            raise InvalidRequest(f"keys are not a multiple of key_bytes ({m.key_bytes})")
+        n = len(m.keys) // m.key_bytes
+        if n > wire.MAX_TIER_KEYS:
+            raise InvalidRequest(f"{n} keys in one batch (at most {wire.MAX_TIER_KEYS})")
+        kb, blob, ns = m.key_bytes, m.keys, m.namespace
+        keys = [(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)]
+        if isinstance(m, wire.TierLookup):
+            req.resolve(wire.TierFound(self._lookup(keys)))
+        elif isinstance(m, wire.TierReserve):
+            req.resolve(self._reserve(req.session, keys))
+        else:
+            self._pin(req, keys)
+
+    # ---------------------------------------------------------------- requests
+
+    def _open(self, session: str, m: wire.TierOpen) -> wire.TierOpened:
+        assert self.pool is not None
+        if m.block_bytes > self.cfg.host_bytes:
+            raise InvalidRequest(
+                f"a block of {m.block_bytes} bytes exceeds tiers.host_bytes ({self.cfg.host_bytes})"
+            )
+        if self.host is None or (
+            self.slot_bytes != m.block_bytes and len(self.host) == 0 and len(self.ops) == 0
+        ):
+            self.slot_bytes = m.block_bytes
+            self.host = HostIndex(self.cfg.host_bytes // m.block_bytes)
+        elif self.slot_bytes != m.block_bytes:
+            raise Incompatible(
+                f"the host tier holds blocks of {self.slot_bytes} bytes; this client's "
+                f"are {m.block_bytes} (one block size per daemon while blocks are held)"
+            )
+        self.sessions.setdefault(session, _Opened()).namespaces.add(m.namespace)
+        return wire.TierOpened(
+            self.pool.name,
+            self.cfg.host_bytes,
+            self.slot_bytes,
+            self.host.num_slots,
+            self.cfg.pin_timeout,
+            self.cfg.lookup_timeout,
+            self.disk is not None,
+        )
+
+    def _lookup(self, keys: list[TierKey]) -> bytes:
+        host, disk = self.host, self.disk
+        assert host is not None
+        out = bytearray(len(keys))
+        hits = dhits = 0
+        for i, k in enumerate(keys):
+            if host.ready(k):
+                out[i] = wire.TIER_HOST
+                hits += 1
+            elif disk is not None and disk.ready(k):
+                out[i] = wire.TIER_DISK
+                dhits += 1
+        self._count("tiers_host_hits", hits)
+        self._count("tiers_host_misses", len(keys) - hits)
+        if disk is not None:
+            self._count("tiers_disk_hits", dhits)
+            self._count("tiers_disk_misses", len(keys) - hits - dhits)
+        self._count("tiers_lookups")
+        self._count("tiers_lookup_keys", len(keys))
+        return bytes(out)
+
+    def _reserve(self, session: str, keys: list[TierKey]) -> wire.TierSlots:
+        host, disk = self.host, self.disk
+        assert host is not None
+        op = self.ops.open(session, OpKind.STORE, self.clock.now() + self.cfg.pin_timeout)
+        slots: list[int] = []
+        for k in keys:
+            if k in host or (disk is not None and disk.ready(k)):
+                slots.append(wire.SLOT_HELD)
+                continue
+            got = host.reserve(k)
+            if isinstance(got, Reserve):
+                slots.append(wire.SLOT_HELD if got is Reserve.HELD else wire.SLOT_REFUSED)
+                if got is Reserve.FULL:
+                    self._count("tiers_store_refused")
+                continue
+            slot, victim = got
+            if victim is not None:
+                self._count("tiers_host_evictions", 1)
+                if not victim.on_disk:
+                    self._count("tiers_host_dropped")
+            slots.append(slot)
+        op.keys = keys
+        op.slots = slots
+        return wire.TierSlots(op.op, tuple(slots))
+
+    def _finish(self, session: str, m: wire.TierUnpin | wire.TierCommit) -> wire.Record:
+        op = self.ops.get(m.op)
+        if op is None or op.session != session:
+            raise NotFound(f"no tier operation {m.op} (expired, or its pins were dropped)")
+        if isinstance(m, wire.TierUnpin):
+            self._release(m.op)
+            return wire.Ok()
+        if op.kind is not OpKind.STORE:
+            raise InvalidRequest(f"operation {m.op} is a load: unpin it, not commit it")
+        host = self.host
+        assert host is not None
+        self.ops.close(m.op)
+        flags = bytearray(len(op.slots))
+        committed = 0
+        for j, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
+            if slot == wire.SLOT_HELD:
+                flags[j] = 1
+            elif slot >= 0:
+                if j < len(m.ok) and m.ok[j]:
+                    host.commit(k)
+                    flags[j] = 1
+                    committed += 1
+                else:
+                    host.abort(k)
+        self._count("tiers_host_bytes_in", committed * self.slot_bytes)
+        self._count("tiers_blocks_stored", committed)
+        self._keep_free()
+        return wire.TierFlags(bytes(flags))
+
+    def _pin(self, req: ClientRequest, keys: list[TierKey]) -> None:
+        host, disk = self.host, self.disk
+        assert host is not None
+        op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + self.cfg.pin_timeout)
+        slots: list[int] = []
+        reads: list[tuple[TierKey, int]] = []
+        for k in keys:
+            slot = host.pin(k)
+            if slot is not None:
+                slots.append(slot)
+                continue
+            if disk is not None and disk.ready(k) and disk.nbytes(k) == self.slot_bytes:
+                got = host.reserve(k, transient=not self.cfg.promote_on_hit, on_disk=True)
+                if not isinstance(got, Reserve):
+                    slot, victim = got
+                    if victim is not None:
+                        self._count("tiers_host_evictions", 1)
+                        if not victim.on_disk:
+                            self._count("tiers_host_dropped")
+                    disk.pin(k)
+                    reads.append((k, slot))
+                    slots.append(slot)
+                    continue
+            slots.append(wire.SLOT_HELD)
+        op.keys = keys
+        op.slots = slots
+        n_host = sum(1 for s in slots if s >= 0) - len(reads)
+        self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
+        self._count("tiers_blocks_loaded", n_host)
+        if not reads:
+            req.resolve(wire.TierSlots(op.op, tuple(slots)))
+            return
+        op.ready = False
+        op.pending = set(reads)
+        self.reading += len(reads)
+        assert self._tg is not None
+        self._tg.start_soon(self._read_disk, op, reads, req)
+
+    def _release(self, op_id: int) -> None:
+        """Drop what an operation holds: a store's uncommitted reservations, a load's pins
+        (blocks still being read from disk are released when the read ends)."""
+        op = self.ops.close(op_id)
+        host = self.host
+        if op is None or host is None:
+            return
+        for k, slot in zip(op.keys, op.slots, strict=True):
+            if slot < 0 or (k, slot) in op.pending:
+                continue
+            if op.kind is OpKind.STORE:
+                host.abort(k)
+            else:
+                host.unpin(k)
+        op.released = True
+        self._keep_free()
+
+    # ---------------------------------------------------------------- disk: loads
+
+    async def _read_disk(
+        self, op: Op, reads: list[tuple[TierKey, int]], req: ClientRequest
+    ) -> None:
+        results: list[tuple[TierKey, int, bool, str]] = []
+        fds: list[tuple[TierKey, int, int, int | None]] = []  # key, slot, fd, crc
+        try:
+            for k, slot in reads:
+                why, fd, crc = self._open_block(k)
+                if fd < 0:
+                    results.append((k, slot, False, why))
+                else:
+                    fds.append((k, slot, fd, crc))
+            if fds:
+                pieces = [
+                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd)
+                    for _, s, fd, _ in fds
+                ]
+                try:
+                    await self.engine.file_transfer("READ", pieces, DISK_IO_TIMEOUT)
+                    checks = await anyio.to_thread.run_sync(self._check_crcs, fds)
+                    results.extend(checks)
+                except KvdError as exc:
+                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in fds)
+        finally:
+            for _, _, fd, _ in fds:
+                os.close(fd)
+            self.mailbox.post(_DiskDone(op, True, results, req))
+
+    def _open_block(self, k: TierKey) -> tuple[str, int, int | None]:
+        """(why not, fd or -1, crc): a block file checked by its trailer."""
+        path = block_path(self.disk_root, k)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            return f"open: {exc.strerror}", -1, None
+        try:
+            got = read_trailer(fd, os.fstat(fd).st_size)
+        except OSError as exc:
+            got = f"read: {exc.strerror}"
+        if isinstance(got, str) or got[0] != k or got[1] != self.slot_bytes:
+            os.close(fd)
+            return (got if isinstance(got, str) else "names another block"), -1, None
+        return "", fd, got[2]
+
+    def _check_crcs(
+        self, fds: list[tuple[TierKey, int, int, int | None]]
+    ) -> list[tuple[TierKey, int, bool, str]]:
+        assert self.pool is not None
+        out = []
+        for k, slot, _, crc in fds:
+            if crc is None or not self.cfg.disk_checksum:
+                out.append((k, slot, True, ""))
+                continue
+            off = slot * self.slot_bytes
+            got = block_crc(self.pool.buf[off : off + self.slot_bytes], k)
+            out.append((k, slot, got == crc, "" if got == crc else "checksum mismatch"))
+        return out
+
+    def _read_done(self, msg: _DiskDone) -> None:
+        host, disk = self.host, self.disk
+        op, req = msg.op, msg.req
+        assert host is not None and disk is not None and op is not None and req is not None
+        self.reading -= len(msg.results)
+        good = 0
+        for k, slot, ok, why in msg.results:
+            op.pending.discard((k, slot))
+            disk.unpin(k)
+            if ok:
+                host.commit(k, keep_pin=True)
+                good += 1
+                if op.released:
+                    host.unpin(k)
+            else:
+                host.abort(k)
+                if disk.remove(k):
+                    _unlink(block_path(self.disk_root, k))
+                self._count("tiers_disk_corrupt")
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_disk_bad_files",
+                    "tiers_disk_block_bad",
+                    "bad_file",
+                    level="warning",
+                    error=why,
+                )
+                op.slots[op.keys.index(k)] = wire.SLOT_HELD
+        self._count("tiers_disk_bytes_out", good * self.slot_bytes)
+        self._count("tiers_blocks_promoted", good)
+        self._count("tiers_blocks_loaded", good)
+        op.ready = True
+        if op.released:
+            req.fail(NotFound("the load's pins were dropped while the disk was read"))
+        else:
+            req.resolve(wire.TierSlots(op.op, tuple(op.slots)))
+        self._keep_free()
+
+    # ---------------------------------------------------------------- disk: demotion
+
+    def _keep_free(self) -> None:
+        """Keep `low_water` of the host slots free: evict blocks already on disk, write
+        the others to disk first (one batch at a time), or drop them (no disk tier)."""
+        host, disk = self.host, self.disk
+        if host is None:
+            return
+        target = max(1, math.ceil(self.cfg.low_water * host.num_slots)) if self.cfg.low_water else 0
+        need = target - host.free_slots - self.demoting
+        if need <= 0:
+            return
+        demote = disk is not None and self.cfg.demote_on_evict
+        writes: list[tuple[TierKey, int]] = []
+        for k in host.victims(need if not demote else min(need, DEMOTE_BATCH) + need):
+            if host.on_disk(k) or not demote:
+                ev = host.evict(k)
+                if ev is not None:
+                    self._count("tiers_host_evictions", 1)
+                    if not ev.on_disk:
+                        self._count("tiers_host_dropped")
+                continue
+            if len(writes) >= DEMOTE_BATCH or self.demoting:
+                break
+            assert disk is not None
+            got = disk.begin_write(k, self.slot_bytes)
+            if got is Reserve.HELD:
+                host.mark_on_disk(k)
+                host.evict(k)
+                self._count("tiers_host_evictions", 1)
+                continue
+            if got is Reserve.FULL:
+                host.evict(k)
+                self._count("tiers_host_evictions", 1)
+                self._count("tiers_host_dropped")
+                continue
+            assert isinstance(got, list)
+            for old in got:
+                _unlink(block_path(self.disk_root, old))
+                self._count("tiers_disk_evictions", 1)
+            slot = host.pin(k)
+            assert slot is not None
+            writes.append((k, slot))
+        if writes:
+            self.demoting += len(writes)
+            assert self._tg is not None
+            self._tg.start_soon(self._write_disk, writes)
+
+    async def _write_disk(self, writes: list[tuple[TierKey, int]]) -> None:
+        results: list[tuple[TierKey, int, bool, str]] = []
+        opened: list[tuple[TierKey, int, int, str]] = []  # key, slot, fd, temp path
+        try:
+            for k, slot in writes:
+                final = block_path(self.disk_root, k)
+                tmp = f"{final}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+                try:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                except OSError as exc:
+                    results.append((k, slot, False, f"open: {exc.strerror}"))
+                    continue
+                opened.append((k, slot, fd, tmp))
+            if opened:
+                pieces = [
+                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd)
+                    for _, s, fd, _ in opened
+                ]
+                try:
+                    await self.engine.file_transfer("WRITE", pieces, DISK_IO_TIMEOUT)
+                    results.extend(await anyio.to_thread.run_sync(self._seal_files, opened))
+                except KvdError as exc:
+                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in opened)
+        finally:
+            for _, _, fd, _ in opened:
+                os.close(fd)
+            ok_keys = {k for k, _, ok, _ in results if ok}
+            for k, _, _, tmp in opened:
+                if k not in ok_keys:
+                    _unlink(tmp)
+            self.mailbox.post(_DiskDone(None, False, results))
+
+    def _seal_files(
+        self, opened: list[tuple[TierKey, int, int, str]]
+    ) -> list[tuple[TierKey, int, bool, str]]:
+        """Trailer written, then renamed into place: only a whole block is ever served."""
+        assert self.pool is not None
+        out = []
+        for k, slot, fd, tmp in opened:
+            off = slot * self.slot_bytes
+            crc = (
+                block_crc(self.pool.buf[off : off + self.slot_bytes], k)
+                if self.cfg.disk_checksum
+                else None
+            )
+            tail = trailer_of(k, self.slot_bytes, crc)
+            try:
+                if os.pwrite(fd, tail, self.slot_bytes) != len(tail):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.rename(tmp, block_path(self.disk_root, k))
+            except OSError as exc:
+                out.append((k, slot, False, f"write: {exc.strerror}"))
+                continue
+            out.append((k, slot, True, ""))
+        return out
+
+    def _write_done(self, msg: _DiskDone) -> None:
+        host, disk = self.host, self.disk
+        assert host is not None and disk is not None
+        self.demoting -= len(msg.results)
+        for k, _, ok, why in msg.results:
+            disk.finish_write(k, ok)
+            host.unpin(k)
+            if ok:
+                host.mark_on_disk(k)
+                self._count("tiers_disk_bytes_in", self.slot_bytes)
+                self._count("tiers_blocks_demoted")
+            else:
+                self._count("tiers_disk_write_failed")
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_disk_write_errors",
+                    "tiers_disk_write_failed",
+                    "write_failed",
+                    level="warning",
+                    error=why,
+                )
+            ev = host.evict(k)
+            if ev is not None:
+                self._count("tiers_host_evictions", 1)
+                if not ev.on_disk:
+                    self._count("tiers_host_dropped")
+        self._keep_free()
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self) -> dict[str, Any]:
+        host, disk = self.host, self.disk
+        out: dict[str, Any] = {"enabled": self.enabled}
+        if not self.enabled:
+            return out
+        c = self.counters
+        slots = host.num_slots if host is not None else 0
+        used = (len(host) if host is not None else 0) * self.slot_bytes
+        out["pool"] = self.pool.name if self.pool is not None else ""
+        out["block_bytes"] = self.slot_bytes
+        out["pending_lookups"] = self.mailbox.depth()
+        out["ops_open"] = len(self.ops)
+        out["host"] = {
+            "capacity": self.cfg.host_bytes,
+            "slots": slots,
+            "used": used,
+            "blocks": len(host) if host is not None else 0,
+            "free_slots": host.free_slots if host is not None else 0,
+            "hits": c.get("tiers_host_hits", 0),
+            "misses": c.get("tiers_host_misses", 0),
+            "evictions": c.get("tiers_host_evictions", 0),
+            "bytes_in": c.get("tiers_host_bytes_in", 0),
+            "bytes_out": c.get("tiers_host_bytes_out", 0),
+            "demoting": self.demoting,
+        }
+        if disk is not None:
+            out["disk"] = {
+                "path": self.disk_root,
+                "capacity": disk.capacity,
+                "used": disk.used,
+                "blocks": len(disk),
+                "hits": c.get("tiers_disk_hits", 0),
+                "misses": c.get("tiers_disk_misses", 0),
+                "evictions": c.get("tiers_disk_evictions", 0),
+                "bytes_in": c.get("tiers_disk_bytes_in", 0),
+                "bytes_out": c.get("tiers_disk_bytes_out", 0),
+                "reading": self.reading,
+            }
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        """Plain numbers for the metrics exporter (read from its thread)."""
+        snap_host = self.host
+        out = {
+            "host_capacity_bytes": float(self.cfg.host_bytes if self.enabled else 0),
+            "host_used_bytes": float(len(snap_host) * self.slot_bytes if snap_host else 0),
+            "host_blocks": float(len(snap_host) if snap_host else 0),
+        }
+        if self.disk is not None:
+            out["disk_capacity_bytes"] = float(self.disk.capacity)
+            out["disk_used_bytes"] = float(self.disk.used)
+            out["disk_blocks"] = float(len(self.disk))
+        return out
+
+
+__all__ = ["Tiers", "TransferError", "block_path", "scan_disk"]

@@ -1,0 +1,219 @@
+"""KV tiers kept by the daemon: real daemons, real NIXL (UCX for the pool, POSIX for the
+disk tier), the real shared-memory pool and real files; every loaded byte is checked."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvd_client.tiers import TierClient
+
+from kvd.actors.tiers import SUFFIX, TMP_SUFFIX, block_path
+from tests.integration.conftest import StartDaemon, shm_segments
+
+NS = b"model-compat-hash-A"
+BB = 64 * 1024
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """An OffloadKey as vLLM makes it: a 32-byte block hash and the group, 4 bytes."""
+    return hashlib.sha256(f"block-{i}".encode()).digest() + group.to_bytes(4, "big")
+
+
+def block(i: int, ns: bytes = NS, size: int = BB) -> bytes:
+    seed = hashlib.sha256(ns + i.to_bytes(8, "little")).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def tiers_cfg(**kw: Any) -> dict[str, dict[str, Any]]:
+    tiers: dict[str, Any] = {"enabled": True, "host_bytes": 16 * BB, "low_water": 0.0}
+    tiers.update(kw)
+    return {"tiers": tiers}
+
+
+def load_check(c: TierClient, ids: list[int], ns: bytes = NS) -> list[bool]:
+    dests = [bytearray(c.block_bytes) for _ in ids]
+    got = c.load([key(i) for i in ids], [memoryview(d) for d in dests])
+    for i, ok, d in zip(ids, got, dests, strict=True):
+        if ok:
+            assert bytes(d) == block(i, ns), f"block {i}: wrong bytes"
+        else:
+            assert bytes(d) == bytes(len(d)), f"block {i}: a miss wrote into its dest"
+    return got
+
+
+def disk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob(f"*{SUFFIX}"))
+
+
+def test_store_lookup_load_host_tier(daemons: StartDaemon) -> None:
+    d = daemons("t1", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        ids = list(range(8))
+        assert c.batch_lookup([key(i) for i in ids]) == [False] * 8
+        assert c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]) == [True] * 8
+        assert c.batch_lookup([key(i) for i in range(10)]) == [True] * 8 + [False] * 2
+        # storing again: already held (nothing copied), still True
+        assert c.store([key(0)], [memoryview(block(0))]) == [True]
+        assert load_check(c, [3, 9, 0, 7]) == [True, False, True, True]
+        # another namespace (another model) never sees these blocks
+        with TierClient(d.socket, b"model-B", BB) as other:
+            assert other.batch_lookup([key(i) for i in ids]) == [False] * 8
+        s = c.stats()
+        assert s["host"]["blocks"] == 8
+        assert s["host"]["bytes_in"] == 8 * BB
+        assert s["host"]["bytes_out"] == 3 * BB
+        assert s["ops_open"] == 0
+
+
+def test_second_client_loads_what_the_first_stored(daemons: StartDaemon) -> None:
+    d = daemons("t2", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as a:
+        assert all(a.store([key(i) for i in range(4)], [memoryview(block(i)) for i in range(4)]))
+    with TierClient(d.socket, NS, BB) as b:
+        assert b.batch_lookup([key(i) for i in range(4)]) == [True] * 4
+        assert load_check(b, [0, 1, 2, 3]) == [True] * 4
+
+
+def test_lru_eviction_never_evicts_pinned(daemons: StartDaemon) -> None:
+    d = daemons("t3", overrides=tiers_cfg())  # 16 slots, no disk tier
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
+        assert load_check(c, [0]) == [True]  # 0 is now the most recently used
+        assert all(
+            c.store([key(i) for i in range(16, 20)], [memoryview(block(i)) for i in range(16, 20)])
+        )
+        found = c.batch_lookup([key(i) for i in range(20)])
+        assert found[0] and all(found[16:20])
+        assert found[1:5] == [False] * 4  # the least recently used went
+        s = c.stats()
+        assert s["host"]["evictions"] == 4
+        assert s["host"]["blocks"] == 16
+
+
+def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir: Path) -> None:
+    root = workdir / "disk"
+    cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=0.25)
+    d = daemons("t4", overrides=cfg)
+    ids = list(range(40))
+    with TierClient(d.socket, NS, BB) as c:
+        for i in ids:  # one at a time: the demoter keeps 4 slots free as they come
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            time.sleep(0.01)
+        _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        s = c.stats()
+        assert s["disk"]["blocks"] >= 20, s
+        assert all(c.batch_lookup([key(i) for i in ids]))
+        for part in range(0, 40, 4):  # each part fits the slots the demoter keeps free
+            assert load_check(c, ids[part : part + 4]) == [True] * 4
+            _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        s2 = c.stats()
+        assert s2["disk"]["bytes_out"] > 0  # some came back from disk (promoted)
+    files = disk_files(root)
+    assert files and not list(root.rglob(f"*{TMP_SUFFIX}"))
+    d.stop()
+    # warm restart: the disk index is rebuilt from the files
+    d2 = daemons("t4b", overrides=cfg)
+    with TierClient(d2.socket, NS, BB) as c:
+        on_disk = c.batch_lookup([key(i) for i in ids])
+        assert sum(on_disk) == len(files)
+        held = [i for i, ok in zip(ids, on_disk, strict=True) if ok]
+        assert load_check(c, held) == [True] * len(held)
+        assert c.stats()["disk"]["blocks"] == len(files)
+
+
+def test_corrupt_and_truncated_files_are_misses(daemons: StartDaemon, workdir: Path) -> None:
+    root = workdir / "disk"
+    cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=1 / 16)
+    d = daemons("t5", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        for i in range(24):
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+        _wait(lambda: c.stats()["host"]["demoting"] == 0)
+    d.stop()
+    files = {p for p in disk_files(root)}
+    flip = Path(block_path(str(root), (NS, key(0))))
+    cut = Path(block_path(str(root), (NS, key(1))))
+    assert flip in files and cut in files
+    raw = bytearray(flip.read_bytes())
+    raw[100] ^= 0xFF
+    flip.write_bytes(raw)
+    with open(cut, "r+b") as f:
+        f.truncate(BB // 2)
+    d2 = daemons("t5b", overrides=cfg)
+    with TierClient(d2.socket, NS, BB) as c:
+        # the truncated file fails its length check when the index is rebuilt
+        assert not cut.exists()
+        assert c.batch_lookup([key(0), key(1)]) == [True, False]
+        # the flipped byte fails its checksum when loaded: a miss, removed, counted
+        assert load_check(c, [0, 2]) == [False, True]
+        assert not flip.exists()
+        assert c.batch_lookup([key(0)]) == [False]
+        status = c.stats()
+        assert status["disk"]["blocks"] == len(files) - 2
+
+
+def test_killed_client_pins_released(daemons: StartDaemon) -> None:
+    d = daemons("t6", overrides={**tiers_cfg(), "daemon": {"client_timeout": 1.0}})
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
+    # a client that pins every block (a load's first step) and is killed before unpinning
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from kvd_client import wire
+        from kvd_client.tiers import TierClient
+        c = TierClient({d.socket!r}, {NS!r}, {BB})
+        keys = [{", ".join(repr(key(i)) for i in range(16))}]
+        got = c._ask(wire.TierPin(c.namespace, 36, b"".join(keys)), wire.TierSlots, 5.0)
+        assert all(s >= 0 for s in got.slots)
+        print("pinned", flush=True)
+        time.sleep(60)
+        """
+    )
+    env = dict(os.environ)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"pinned"
+        with TierClient(d.socket, NS, BB) as c:
+            assert c.stats()["ops_open"] == 1
+            # every slot is pinned: a new block cannot be stored
+            assert c.store([key(99)], [memoryview(block(99))]) == [False]
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert c.store([key(99)], [memoryview(block(99))]) == [True]
+            assert load_check(c, [99]) == [True]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_pool_segment_removed_at_stop(daemons: StartDaemon) -> None:
+    before = shm_segments("kvd-tiers-")
+    d = daemons("t7", overrides=tiers_cfg())
+    assert len(shm_segments("kvd-tiers-") - before) == 1
+    d.stop()
+    assert shm_segments("kvd-tiers-") - before == set()
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not met in time")
+        time.sleep(0.02)
+
+
+_ = shutil
