@@ -82,9 +82,9 @@ class TierClient:
         io_timeout: float = 30.0,
     ) -> None:
         """Connect to the daemon at `socket_path` and open the tiers for blocks of
-        `block_bytes` under `namespace`. `timeout` bounds each lookup and each copy's
-        bookkeeping round trip; `io_timeout` bounds a load's pin (which may read the disk
-        tier) and a store's commit."""
+        `block_bytes` under `namespace`. `timeout` bounds each lookup and each unpin;
+        `io_timeout` bounds a store's reservation and a load's pin (which may wait for
+        the daemon to demote blocks to disk, or read the disk tier) and a commit."""
         if not namespace or len(namespace) > 128:
             raise InvalidRequest("namespace must be 1..128 bytes (the model's compat hash)")
         if block_bytes <= 0:
@@ -141,7 +141,7 @@ class TierClient:
             for base, part in _indexed_parts(keys):
                 for key_bytes, idx, blob in _by_length(part):
                     reserve = wire.TierReserve(self.namespace, key_bytes, blob)
-                    slots = self._retrying(reserve, wire.TierSlots, self.timeout)
+                    slots = self._retrying(reserve, wire.TierSlots, self.io_timeout)
                     if len(slots.slots) != len(idx):
                         self._release(slots.op, store=True)
                         raise ProtocolError("reserve answer does not match the batch")

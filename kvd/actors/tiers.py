@@ -56,7 +56,7 @@ from kvd.actors.base import Mailbox
 from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import TiersConfig
-from kvd.core.tiers import DiskIndex, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
+from kvd.core.tiers import DiskIndex, Evicted, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.tiers", actor="tiers")
@@ -81,7 +81,6 @@ class _DiskDone:
     op: Op | None
     read: bool
     results: list[tuple[TierKey, int, bool, str]]
-    req: ClientRequest | None = None
 
 
 @dataclass
@@ -224,6 +223,10 @@ class Tiers:
         self.sessions: dict[str, _Opened] = {}
         self.demoting = 0
         self.reading = 0
+        self.op_reqs: dict[int, ClientRequest] = {}
+        """Operations not answered yet (disk reads pending, or waiting for slots)."""
+        self.waiters: dict[int, Op] = {}
+        """Operations whose keys wait for host slots, oldest first."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     @property
@@ -351,7 +354,7 @@ class Tiers:
         if isinstance(m, wire.TierLookup):
             req.resolve(wire.TierFound(self._lookup(keys)))
         elif isinstance(m, wire.TierReserve):
-            req.resolve(self._reserve(req.session, keys))
+            self._reserve(req, keys)
         else:
             self._pin(req, keys)
 
@@ -405,30 +408,20 @@ class Tiers:
         self._count("tiers_lookup_keys", len(keys))
         return bytes(out)
 
-    def _reserve(self, session: str, keys: list[TierKey]) -> wire.TierSlots:
+    def _reserve(self, req: ClientRequest, keys: list[TierKey]) -> None:
         host, disk = self.host, self.disk
         assert host is not None
-        op = self.ops.open(session, OpKind.STORE, self.clock.now() + self.cfg.pin_timeout)
-        slots: list[int] = []
-        for k in keys:
-            if k in host or (disk is not None and disk.ready(k)):
-                slots.append(wire.SLOT_HELD)
-                continue
-            got = host.reserve(k)
-            if isinstance(got, Reserve):
-                slots.append(wire.SLOT_HELD if got is Reserve.HELD else wire.SLOT_REFUSED)
-                if got is Reserve.FULL:
-                    self._count("tiers_store_refused")
-                continue
-            slot, victim = got
-            if victim is not None:
-                self._count("tiers_host_evictions", 1)
-                if not victim.on_disk:
-                    self._count("tiers_host_dropped")
-            slots.append(slot)
+        op = self.ops.open(req.session, OpKind.STORE, self.clock.now() + self.cfg.pin_timeout)
         op.keys = keys
-        op.slots = slots
-        return wire.TierSlots(op.op, tuple(slots))
+        op.slots = [wire.SLOT_HELD] * len(keys)
+        seen: set[TierKey] = set()
+        for i, k in enumerate(keys):
+            if k in host or (disk is not None and disk.ready(k)) or k in seen:
+                continue
+            seen.add(k)
+            op.waiting.append(i)
+        self.op_reqs[op.op] = req
+        self._place(op)
 
     def _finish(self, session: str, m: wire.TierUnpin | wire.TierCommit) -> wire.Record:
         op = self.ops.get(m.op)
@@ -463,39 +456,113 @@ class Tiers:
         host, disk = self.host, self.disk
         assert host is not None
         op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + self.cfg.pin_timeout)
-        slots: list[int] = []
-        reads: list[tuple[TierKey, int]] = []
-        for k in keys:
+        op.keys = keys
+        op.slots = [wire.SLOT_HELD] * len(keys)
+        n_host = 0
+        for i, k in enumerate(keys):
             slot = host.pin(k)
             if slot is not None:
-                slots.append(slot)
-                continue
-            if disk is not None and disk.ready(k) and disk.nbytes(k) == self.slot_bytes:
-                got = host.reserve(k, transient=not self.cfg.promote_on_hit, on_disk=True)
-                if not isinstance(got, Reserve):
-                    slot, victim = got
-                    if victim is not None:
-                        self._count("tiers_host_evictions", 1)
-                        if not victim.on_disk:
-                            self._count("tiers_host_dropped")
-                    disk.pin(k)
-                    reads.append((k, slot))
-                    slots.append(slot)
-                    continue
-            slots.append(wire.SLOT_HELD)
-        op.keys = keys
-        op.slots = slots
-        n_host = sum(1 for s in slots if s >= 0) - len(reads)
+                op.slots[i] = slot
+                n_host += 1
+            elif disk is not None and disk.ready(k):
+                op.waiting.append(i)
         self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
         self._count("tiers_blocks_loaded", n_host)
-        if not reads:
-            req.resolve(wire.TierSlots(op.op, tuple(slots)))
+        self.op_reqs[op.op] = req
+        self._place(op)
+
+    def _place(self, op: Op) -> None:
+        """Find host slots for the op's waiting keys: a store's new blocks, or a load's
+        disk hits (which then start reading). Those that find none wait for the demoter
+        to free slots, or are refused (store) or misses (load) when nothing can free one.
+        Answers the op once nothing is pending or waiting."""
+        host, disk = self.host, self.disk
+        assert host is not None
+        reads: list[tuple[TierKey, int]] = []
+        still: list[int] = []
+        todo, op.waiting = op.waiting, []
+        if op.kind is OpKind.STORE:
+            for i in todo:
+                got = host.reserve(op.keys[i], evict_dirty=not self._demoting_on)
+                if got is Reserve.FULL:
+                    still.append(i)
+                elif not isinstance(got, Reserve):
+                    op.slots[i] = got[0]
+                    self._evicted(got[1])
+                # HELD: stored by another client meanwhile
+            todo = []
+        for i in todo:
+            k = op.keys[i]
+            if disk is None or not disk.ready(k) or disk.nbytes(k) != self.slot_bytes:
+                continue  # gone meanwhile, or another block size: a miss
+            got = host.reserve(
+                k,
+                transient=not self.cfg.promote_on_hit,
+                on_disk=True,
+                evict_dirty=not self._demoting_on,
+            )
+            if got is Reserve.HELD:  # promoted (or being read) for another load meanwhile
+                slot = host.pin(k)
+                if slot is None:
+                    still.append(i)
+                else:
+                    op.slots[i] = slot
+                continue
+            if got is Reserve.FULL:
+                still.append(i)
+                continue
+            assert not isinstance(got, Reserve)
+            slot, victim = got
+            self._evicted(victim)
+            disk.pin(k)
+            reads.append((k, slot))
+            op.slots[i] = slot
+            op.pending.add((k, slot))
+        op.waiting = still
+        if reads:
+            self.reading += len(reads)
+            assert self._tg is not None
+            self._tg.start_soon(self._read_disk, op, reads)
+        if op.waiting:
+            self.waiters[op.op] = op  # (kept in place if it was waiting already)
+            self._keep_free()
+            if self.demoting == 0 and not op.pending:  # nothing will free a slot for it
+                if op.kind is OpKind.STORE:
+                    self._count("tiers_store_refused", len(op.waiting))
+                    for i in op.waiting:
+                        op.slots[i] = wire.SLOT_REFUSED
+                else:
+                    self._count("tiers_promote_no_room", len(op.waiting))
+                op.waiting = []
+        if not op.waiting:
+            self.waiters.pop(op.op, None)
+        self._answer(op)
+
+    def _answer(self, op: Op) -> None:
+        if op.answered or op.waiting or op.pending:
             return
-        op.ready = False
-        op.pending = set(reads)
-        self.reading += len(reads)
-        assert self._tg is not None
-        self._tg.start_soon(self._read_disk, op, reads, req)
+        op.answered = True
+        req = self.op_reqs.pop(op.op, None)
+        if req is None:
+            return
+        if op.released:
+            req.fail(NotFound("the operation's pins were dropped (pin timeout, session end)"))
+        else:
+            req.resolve(wire.TierSlots(op.op, tuple(op.slots)))
+
+    def _retry_waiters(self) -> None:
+        for op in list(self.waiters.values()):
+            self._place(op)
+
+    @property
+    def _demoting_on(self) -> bool:
+        return self.disk is not None and self.cfg.demote_on_evict
+
+    def _evicted(self, victim: Evicted | None) -> None:
+        if victim is not None:
+            self._count("tiers_host_evictions")
+            if not victim.on_disk:
+                self._count("tiers_host_dropped")
 
     def _release(self, op_id: int) -> None:
         """Drop what an operation holds: a store's uncommitted reservations, a load's pins
@@ -504,21 +571,24 @@ class Tiers:
         host = self.host
         if op is None or host is None:
             return
-        for k, slot in zip(op.keys, op.slots, strict=True):
-            if slot < 0 or (k, slot) in op.pending:
+        op.released = True
+        waiting = set(op.waiting)
+        op.waiting = []
+        self.waiters.pop(op.op, None)
+        for i, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
+            if slot < 0 or i in waiting or (k, slot) in op.pending:
                 continue
             if op.kind is OpKind.STORE:
                 host.abort(k)
             else:
                 host.unpin(k)
-        op.released = True
+        self._answer(op)
         self._keep_free()
+        self._retry_waiters()
 
     # ---------------------------------------------------------------- disk: loads
 
-    async def _read_disk(
-        self, op: Op, reads: list[tuple[TierKey, int]], req: ClientRequest
-    ) -> None:
+    async def _read_disk(self, op: Op, reads: list[tuple[TierKey, int]]) -> None:
         results: list[tuple[TierKey, int, bool, str]] = []
         fds: list[tuple[TierKey, int, int, int | None]] = []  # key, slot, fd, crc
         try:
@@ -542,7 +612,7 @@ class Tiers:
         finally:
             for _, _, fd, _ in fds:
                 os.close(fd)
-            self.mailbox.post(_DiskDone(op, True, results, req))
+            self.mailbox.post(_DiskDone(op, True, results))
 
     def _open_block(self, k: TierKey) -> tuple[str, int, int | None]:
         """(why not, fd or -1, crc): a block file checked by its trailer."""
@@ -576,10 +646,11 @@ class Tiers:
 
     def _read_done(self, msg: _DiskDone) -> None:
         host, disk = self.host, self.disk
-        op, req = msg.op, msg.req
-        assert host is not None and disk is not None and op is not None and req is not None
+        op = msg.op
+        assert host is not None and disk is not None and op is not None
         self.reading -= len(msg.results)
         good = 0
+        index = {k: i for i, k in enumerate(op.keys)}
         for k, slot, ok, why in msg.results:
             op.pending.discard((k, slot))
             disk.unpin(k)
@@ -588,70 +659,68 @@ class Tiers:
                 good += 1
                 if op.released:
                     host.unpin(k)
-            else:
-                host.abort(k)
-                if disk.remove(k):
-                    _unlink(block_path(self.disk_root, k))
-                self._count("tiers_disk_corrupt")
-                self.rejects.reject(
-                    "tiers",
-                    "tiers_disk_bad_files",
-                    "tiers_disk_block_bad",
-                    "bad_file",
-                    level="warning",
-                    error=why,
-                )
-                op.slots[op.keys.index(k)] = wire.SLOT_HELD
+                continue
+            host.abort(k)
+            if disk.remove(k):
+                _unlink(block_path(self.disk_root, k))
+            self._count("tiers_disk_corrupt")
+            self.rejects.reject(
+                "tiers",
+                "tiers_disk_bad_files",
+                "tiers_disk_block_bad",
+                "bad_file",
+                level="warning",
+                error=why,
+            )
+            op.slots[index[k]] = wire.SLOT_HELD
         self._count("tiers_disk_bytes_out", good * self.slot_bytes)
         self._count("tiers_blocks_promoted", good)
         self._count("tiers_blocks_loaded", good)
-        op.ready = True
-        if op.released:
-            req.fail(NotFound("the load's pins were dropped while the disk was read"))
-        else:
-            req.resolve(wire.TierSlots(op.op, tuple(op.slots)))
+        self._answer(op)
         self._keep_free()
+        self._retry_waiters()
 
     # ---------------------------------------------------------------- disk: demotion
 
     def _keep_free(self) -> None:
-        """Keep `low_water` of the host slots free: evict blocks already on disk, write
-        the others to disk first (one batch at a time), or drop them (no disk tier)."""
+        """Keep `low_water` of the host slots free (and as many as waiting loads need):
+        evict blocks already on disk, write the others to disk first (one batch at a
+        time), or drop them (no disk tier, or demotion off)."""
         host, disk = self.host, self.disk
         if host is None:
             return
-        target = max(1, math.ceil(self.cfg.low_water * host.num_slots)) if self.cfg.low_water else 0
+        target = math.ceil(self.cfg.low_water * host.num_slots)
+        target = max(target, sum(len(op.waiting) for op in self.waiters.values()))
         need = target - host.free_slots - self.demoting
         if need <= 0:
             return
-        demote = disk is not None and self.cfg.demote_on_evict
+        for ev in host.evict_clean(need):
+            self._evicted(ev)
+            need -= 1
+        if need <= 0:
+            return
+        if not self._demoting_on:
+            for k in host.victims(need):
+                self._evicted(host.evict(k))
+            return
+        if self.demoting:
+            return  # one batch at a time; its end calls us again
+        assert disk is not None
         writes: list[tuple[TierKey, int]] = []
-        for k in host.victims(need if not demote else min(need, DEMOTE_BATCH) + need):
-            if host.on_disk(k) or not demote:
-                ev = host.evict(k)
-                if ev is not None:
-                    self._count("tiers_host_evictions", 1)
-                    if not ev.on_disk:
-                        self._count("tiers_host_dropped")
-                continue
-            if len(writes) >= DEMOTE_BATCH or self.demoting:
-                break
-            assert disk is not None
+        for k in host.victims(min(need, DEMOTE_BATCH)):
             got = disk.begin_write(k, self.slot_bytes)
-            if got is Reserve.HELD:
+            if got is Reserve.HELD:  # (a file of an earlier life of this block)
                 host.mark_on_disk(k)
-                host.evict(k)
-                self._count("tiers_host_evictions", 1)
+                self._evicted(host.evict(k))
                 continue
             if got is Reserve.FULL:
-                host.evict(k)
-                self._count("tiers_host_evictions", 1)
-                self._count("tiers_host_dropped")
+                self._count("tiers_disk_full")
+                self._evicted(host.evict(k))
                 continue
             assert isinstance(got, list)
             for old in got:
                 _unlink(block_path(self.disk_root, old))
-                self._count("tiers_disk_evictions", 1)
+                self._count("tiers_disk_evictions")
             slot = host.pin(k)
             assert slot is not None
             writes.append((k, slot))
@@ -738,12 +807,9 @@ class Tiers:
                     level="warning",
                     error=why,
                 )
-            ev = host.evict(k)
-            if ev is not None:
-                self._count("tiers_host_evictions", 1)
-                if not ev.on_disk:
-                    self._count("tiers_host_dropped")
+            self._evicted(host.evict(k))
         self._keep_free()
+        self._retry_waiters()
 
     # ---------------------------------------------------------------- status
 

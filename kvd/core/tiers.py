@@ -5,11 +5,12 @@ compatibility hash, so two models never share a block; the key is vLLM's Offload
 
 `HostIndex`: the daemon's shared-memory pool cut into `num_slots` slots. An entry is
 RESERVED (a store's client is copying into it, or a disk read is filling it) or READY.
-Entries in use are pinned (counted); a READY entry with no pins sits in an LRU list and
-is evicted, oldest first, when a reservation needs its slot. A pinned or RESERVED entry
-is never evicted. A READY entry knows whether the disk tier holds a copy (`on_disk`):
-evicting one that does not loses the block unless it is demoted first, which the actor
-does ahead of need (`victims`, then `evict` once the copy is on disk).
+Entries in use are pinned (counted); a READY entry with no pins sits in a recency list
+and is evicted, oldest first, when a reservation needs its slot. A pinned or RESERVED
+entry is never evicted. A READY entry knows whether the disk tier holds a copy
+(`on_disk`, "clean"): clean entries are evicted before dirty ones, since evicting a
+dirty one loses the block unless it is demoted first, which the actor does ahead of
+need (`victims`, then `evict` once the copy is on disk).
 
 `DiskIndex`: files bounded by `capacity` bytes. An entry is RESERVED (a temp file being written, not
 yet renamed: never served) or READY; READY entries with no readers sit in an LRU list,
@@ -70,9 +71,15 @@ class Evicted:
 
 
 class HostIndex:
-    """Slots of the host pool, by key, with pins and LRU eviction (module docstring)."""
+    """Slots of the host pool, by key, with pins and LRU eviction (module docstring).
 
-    __slots__ = ("_entries", "_free", "_lru", "num_slots")
+    Unpinned READY entries are kept in two recency lists: clean (the disk tier holds a
+    copy) and dirty (it does not). A slot is taken from the free list, else from the
+    least recently used clean entry, and only then, if the caller allows it, from the
+    least recently used dirty one (whose block then leaves the tiers): where a disk tier
+    takes demoted blocks, the actor writes dirty entries out (`victims`) instead."""
+
+    __slots__ = ("_clean", "_dirty", "_entries", "_free", "num_slots")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots <= 0:
@@ -80,7 +87,9 @@ class HostIndex:
         self.num_slots: Final = num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: 0 first
         self._entries: dict[TierKey, _HostEntry] = {}
-        self._lru: OrderedDict[TierKey, None] = OrderedDict()  # READY, unpinned; oldest first
+        # READY and unpinned, oldest first
+        self._clean: OrderedDict[TierKey, None] = OrderedDict()
+        self._dirty: OrderedDict[TierKey, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -94,7 +103,12 @@ class HostIndex:
 
     @property
     def evictable(self) -> int:
-        return len(self._lru)
+        return len(self._clean) + len(self._dirty)
+
+    @property
+    def clean(self) -> int:
+        """Unpinned entries the disk tier also holds (evicted first, at no loss)."""
+        return len(self._clean)
 
     def ready(self, key: TierKey) -> bool:
         e = self._entries.get(key)
@@ -113,17 +127,24 @@ class HostIndex:
         return e is not None and e.on_disk
 
     def reserve(
-        self, key: TierKey, *, transient: bool = False, on_disk: bool = False
+        self,
+        key: TierKey,
+        *,
+        transient: bool = False,
+        on_disk: bool = False,
+        evict_dirty: bool = True,
     ) -> tuple[int, Evicted | None] | Reserve:
         """A RESERVED entry (pinned once) for `key` in a free slot, or in the slot of the
-        least recently used unpinned entry (evicted, and returned)."""
+        least recently used unpinned clean entry, or (`evict_dirty`) dirty one: evicted,
+        and returned."""
         if key in self._entries:
             return Reserve.HELD
         victim: Evicted | None = None
         if self._free:
             slot = self._free.pop()
-        elif self._lru:
-            old, _ = self._lru.popitem(last=False)
+        elif self._clean or (evict_dirty and self._dirty):
+            lru = self._clean if self._clean else self._dirty
+            old, _ = lru.popitem(last=False)
             e = self._entries.pop(old)
             victim = Evicted(old, e.slot, e.on_disk)
             slot = e.slot
@@ -157,7 +178,7 @@ class HostIndex:
         if e is None or e.state is not State.READY:
             return None
         if e.pins == 0:
-            self._lru.pop(key, None)
+            (self._clean if e.on_disk else self._dirty).pop(key, None)
         e.pins += 1
         return e.slot
 
@@ -174,21 +195,39 @@ class HostIndex:
                 del self._entries[key]
                 self._free.append(e.slot)
                 return True
-            self._lru[key] = None
+            (self._clean if e.on_disk else self._dirty)[key] = None
         return False
 
     def mark_on_disk(self, key: TierKey) -> None:
+        """The disk tier now holds a copy: an unpinned entry becomes the oldest clean one
+        (it was among the oldest dirty ones: the demoter writes those)."""
         e = self._entries.get(key)
-        if e is not None:
-            e.on_disk = True
+        if e is None or e.on_disk:
+            return
+        e.on_disk = True
+        if key in self._dirty:
+            del self._dirty[key]
+            self._clean[key] = None
+            self._clean.move_to_end(key, last=False)
 
     def victims(self, n: int) -> list[TierKey]:
-        """Up to `n` least recently used unpinned READY entries, oldest first."""
+        """Up to `n` least recently used unpinned dirty entries, oldest first (to write
+        to disk before they are evicted)."""
         out: list[TierKey] = []
-        for key in self._lru:
+        for key in self._dirty:
             if len(out) >= n:
                 break
             out.append(key)
+        return out
+
+    def evict_clean(self, n: int) -> list[Evicted]:
+        """Evict up to `n` least recently used unpinned clean entries."""
+        out: list[Evicted] = []
+        while self._clean and len(out) < n:
+            key, _ = self._clean.popitem(last=False)
+            e = self._entries.pop(key)
+            self._free.append(e.slot)
+            out.append(Evicted(key, e.slot, True))
         return out
 
     def evict(self, key: TierKey) -> Evicted | None:
@@ -197,7 +236,7 @@ class HostIndex:
         if e is None or e.state is not State.READY or e.pins:
             return None
         del self._entries[key]
-        self._lru.pop(key, None)
+        (self._clean if e.on_disk else self._dirty).pop(key, None)
         self._free.append(e.slot)
         return Evicted(key, e.slot, e.on_disk)
 
@@ -339,10 +378,11 @@ class Op:
     slots: list[int] = field(default_factory=list)
     pending: set[tuple[TierKey, int]] = field(default_factory=set)
     """(key, slot) still being read from disk: released by the read's end, not here."""
-    ready: bool = True
-    """False while the daemon still reads disk blocks into some of its slots."""
     released: bool = False
     """Its pins were dropped (closed) while reads were pending."""
+    waiting: list[int] = field(default_factory=list)
+    """Indices of disk hits waiting for a free host slot to be read into."""
+    answered: bool = False
 
 
 class OpBook:
