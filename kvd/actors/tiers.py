@@ -824,6 +824,9 @@ class Tiers:
         out["pool"] = self.pool.name if self.pool is not None else ""
         out["block_bytes"] = self.slot_bytes
         out["pending_lookups"] = self.mailbox.depth()
+        out["counters"] = {
+            name[len("tiers_") :]: v for name, v in sorted(c.items()) if name.startswith("tiers_")
+        }
         out["ops_open"] = len(self.ops)
         out["host"] = {
             "capacity": self.cfg.host_bytes,
