@@ -210,6 +210,30 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """KV tiers: per tier capacity, use, blocks, hits, misses, evictions, bytes in and out."""
+    data = _fetch(socket, "tiers", as_json)
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return
+    if not data.get("enabled"):
+        console.print("KV tiers are off (tiers.enabled = false)")
+        return
+    console.print(
+        f"pool {data['pool']}  block {data['block_bytes']} bytes  "
+        f"pending lookups {data['pending_lookups']}  operations open {data['ops_open']}"
+    )
+    rows = [{"tier": name, **data[name]} for name in ("host", "disk") if data.get(name)]
+    for row in rows:
+        total = row["hits"] + row["misses"]
+        row["hit_rate"] = f"{row['hits'] / total:.1%}" if total else "-"
+    cols = ["tier", "capacity", "used", "blocks", "hits", "misses", "hit_rate", "evictions"]
+    console.print(_table("tiers", rows, [*cols, "bytes_in", "bytes_out"]))
+    counters = [{"counter": k, "value": v} for k, v in data.get("counters", {}).items()]
+    console.print(_table("counters", counters, ["counter", "value"]))
+
+
+@app.command()
 def top(
     socket: SocketOpt = None,
     interval: Annotated[float, typer.Option(help="Seconds between frames.")] = 1.0,

@@ -473,6 +473,7 @@ class Daemon:
             in_flight=lambda: {side: len(a.book.in_flight) for side, a in sides.items()},
             leases=lambda: len(self.sender.proto.leases),
             clients=self.gateway.client_counts,
+            tiers=self.tiers.gauges if self.tiers.enabled else None,
         )
         collector = DaemonCollector(self.agent_name, sources)
         self._metrics = serve_metrics(self.cfg.metrics.host, self.cfg.metrics.port, collector)

@@ -107,8 +107,12 @@ class TierClient:
         self._keepalive_s = 1.0
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
-        with self._lock:
-            self._open_session()
+        try:
+            with self._lock:
+                self._open_session()
+        except BaseException:
+            self.close()
+            raise
 
     # ---------------------------------------------------------------- public calls
 

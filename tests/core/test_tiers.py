@@ -53,7 +53,7 @@ def test_clean_entries_go_first_and_dirty_only_when_allowed() -> None:
         h.commit(k(i))
     h.mark_on_disk(k(3))  # the newest, but clean
     assert h.clean == 1
-    slot, victim = h.reserve(k(4), evict_dirty=False)  # type: ignore[misc]
+    _, victim = h.reserve(k(4), evict_dirty=False)  # type: ignore[misc]
     assert victim is not None and victim.key == k(3) and victim.on_disk
     h.commit(k(4))
     assert h.reserve(k(5), evict_dirty=False) is Reserve.FULL

@@ -4,6 +4,7 @@ disk tier), the real shared-memory pool and real files; every loaded byte is che
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -272,3 +273,44 @@ def test_full_disk_fails_cleanly(workdir: Path) -> None:
     finally:
         rc = d.stop()
     assert rc == 0, d.log.read_text()[-2000:]
+
+
+def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:
+    from tests.integration.test_metrics import _free_port, _get, _samples
+
+    port = _free_port()
+    root = workdir / "disk"
+    cfg = {**tiers_cfg(disk_path=str(root), disk_bytes=64 * BB), "metrics": {"port": port}}
+    d = daemons("t8", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(3)], [memoryview(block(i)) for i in range(3)]))
+        assert c.batch_lookup([key(0), key(7)]) == [True, False]
+        assert load_check(c, [1, 2]) == [True, True]
+    run = [sys.executable, "-m", "kvd"]
+    out = subprocess.run(
+        [*run, "tiers", "--socket", d.socket, "--json"], capture_output=True, check=True
+    )
+    data = json.loads(out.stdout)
+    assert data["host"]["blocks"] == 3 and data["host"]["hits"] == 1
+    assert data["host"]["misses"] == 1 and data["host"]["bytes_out"] == 2 * BB
+    assert data["disk"]["capacity"] == 64 * BB and data["disk"]["path"] == str(root)
+    table = subprocess.run([*run, "tiers", "--socket", d.socket], capture_output=True, check=True)
+    assert b"host" in table.stdout and b"disk" in table.stdout
+    status = subprocess.run(
+        [*run, "status", "--socket", d.socket, "--json"], capture_output=True, check=True
+    )
+    assert json.loads(status.stdout)["tiers"]["host"]["blocks"] == 3
+    m = _samples(port)
+    agent = "t8"
+    assert _get(m, "kvd_tiers_hits_total", agent=agent, tier="host") == 1
+    assert _get(m, "kvd_tiers_bytes_in_total", agent=agent, tier="host") == 3 * BB
+    assert _get(m, "kvd_tiers_blocks", agent=agent, tier="host") == 3
+    assert _get(m, "kvd_tiers_capacity_bytes", agent=agent, tier="disk") == 64 * BB
+
+
+def test_tiers_off_refuses_clearly(daemons: StartDaemon) -> None:
+    from kvd_client.errors import InvalidRequest
+
+    d = daemons("t9")
+    with pytest.raises(InvalidRequest, match="tiers.enabled"):
+        TierClient(d.socket, NS, BB)
