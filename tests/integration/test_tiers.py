@@ -312,5 +312,5 @@ def test_tiers_off_refuses_clearly(daemons: StartDaemon) -> None:
     from kvd_client.errors import InvalidRequest
 
     d = daemons("t9")
-    with pytest.raises(InvalidRequest, match="tiers.enabled"):
+    with pytest.raises(InvalidRequest, match=r"tiers\.enabled"):
         TierClient(d.socket, NS, BB)
