@@ -432,6 +432,8 @@ class Tiers:
             return wire.Ok()
         if op.kind is not OpKind.STORE:
             raise InvalidRequest(f"operation {m.op} is a load: unpin it, not commit it")
+        if not op.answered:
+            raise InvalidRequest(f"operation {m.op} has no slots yet: commit after its answer")
         host = self.host
         assert host is not None
         self.ops.close(m.op)

@@ -314,3 +314,17 @@ def test_tiers_off_refuses_clearly(daemons: StartDaemon) -> None:
     d = daemons("t9")
     with pytest.raises(InvalidRequest, match=r"tiers\.enabled"):
         TierClient(d.socket, NS, BB)
+
+
+def test_client_survives_a_daemon_restart(daemons: StartDaemon) -> None:
+    d = daemons("t10", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        assert c.store([key(1)], [memoryview(block(1))]) == [True]
+        d.stop()
+        d2 = daemons("t10", overrides=tiers_cfg())
+        assert d2.socket == d.socket
+        # a new daemon: a new session and a new (empty) pool, met on the next call
+        assert c.batch_lookup([key(1)]) == [False]
+        assert c.reopened == 1
+        assert c.store([key(2)], [memoryview(block(2))]) == [True]
+        assert load_check(c, [2]) == [True]
