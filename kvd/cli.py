@@ -424,7 +424,7 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     only: Annotated[
-        str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology,layerwise.")
+        str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology,layerwise,tiers.")
     ] = "",
     seed: Annotated[int, typer.Option(help="Random seed (block allocation, ids).")] = 0,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")] = None,

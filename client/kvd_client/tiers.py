@@ -50,7 +50,7 @@ from kvd_client.errors import (
     Timeout,
     error_from_code,
 )
-from kvd_client.shm import SHM_DIR, check_name
+from kvd_client.shm import MAP_POPULATE, SHM_DIR, check_name
 
 __all__ = ["TierClient"]
 
@@ -264,7 +264,8 @@ class TierClient:
             size = os.fstat(fd).st_size
             if size < opened.num_slots * opened.slot_bytes:
                 raise ProtocolError(f"the tier pool {opened.pool} is smaller than announced")
-            self._pool_mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            # every page mapped now: copies never fault page by page
+            self._pool_mm = mmap.mmap(fd, size, mmap.MAP_SHARED | MAP_POPULATE)
         finally:
             os.close(fd)
         self._pool = memoryview(self._pool_mm)

@@ -133,9 +133,14 @@ def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir
         assert c.stats()["disk"]["blocks"] == len(files)
 
 
-def test_corrupt_and_truncated_files_are_misses(daemons: StartDaemon, workdir: Path) -> None:
+@pytest.mark.parametrize("checksum", ["sum64", "crc32"])
+def test_corrupt_and_truncated_files_are_misses(
+    daemons: StartDaemon, workdir: Path, checksum: str
+) -> None:
     root = workdir / "disk"
-    cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=1 / 16)
+    cfg = tiers_cfg(
+        disk_path=str(root), disk_bytes=64 * BB, low_water=1 / 16, disk_checksum=checksum
+    )
     d = daemons("t5", overrides=cfg)
     with TierClient(d.socket, NS, BB) as c:
         for i in range(24):
