@@ -11,7 +11,8 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
 - `store`: the daemon reserves (and pins) a slot per key it does not hold yet; the
   client copies each block into its slot; a commit makes them visible (two round trips).
 - `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
-  the client copies each block out; an unpin releases them (two round trips).
+  the client copies each block out; an unpin releases them (one round trip: the unpin
+  is sent without waiting for its answer).
 A reservation or pin is held for the session only: if the client dies, its session ends
 (no keep-alive for `client_timeout`) and the daemon drops its pins; one left longer
 than the daemon's pin timeout is dropped too. Nothing stays pinned for a party that is
@@ -202,7 +203,7 @@ class TierClient:
                                 views[base + i][:bb] = pool[off : off + bb]
                                 out[base + i] = True
                     finally:
-                        self._release(slots.op, store=False)
+                        self._release(slots.op, store=False, wait=False)
             return out
 
     def stats(self) -> dict[str, Any]:
@@ -329,10 +330,18 @@ class TierClient:
         self._open_session()
         return self._ask(msg, want, timeout)
 
-    def _release(self, op: int, *, store: bool) -> None:
+    def _release(self, op: int, *, store: bool, wait: bool = True) -> None:
         """Drop an operation's pins, best effort (the session's end or the pin timeout
-        drops them otherwise)."""
+        drops them otherwise). `wait=False`: send and return (a load's unpin: its
+        answer is dropped when it arrives, like any late one; the daemon handles our
+        messages in order, so the next request of this client sees the pins gone)."""
         del store  # an unpin releases either kind
+        if not wait:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    msg = wire.encode(wire.TierUnpin(op), next(self._corr))
+                    self._sock.send(msg, flags=zmq.NOBLOCK)
+            return
         with contextlib.suppress(KvdError, zmq.ZMQError):
             self._ask(wire.TierUnpin(op), wire.Ok, self.timeout)
 

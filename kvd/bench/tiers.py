@@ -197,7 +197,7 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
     root = Path(env.workdir) / "tiers-disk"
     shutil.rmtree(root, ignore_errors=True)
     tiers = {
-        "host_bytes": 16 * bb,
+        "host_bytes": 2 * n * bb,  # a load of the whole request is one pin of n blocks
         "disk_path": str(root),
         "disk_bytes": 4 * cfg.request_bytes,
         "low_water": 0.5,
@@ -211,8 +211,8 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                     raise RuntimeError("a store was refused")
             deadline = time.monotonic() + 120
             # everything must reach the disk: store more until the request is evicted
-            filler = [_key(20_000_000 + i) for i in range(16)]
-            for i in range(0, 16, 4):
+            filler = [_key(20_000_000 + i) for i in range(2 * n)]
+            for i in range(0, 2 * n, 4):
                 c.store(filler[i : i + 4], blocks[:4])
             while c.stats()["host"]["demoting"] and time.monotonic() < deadline:
                 time.sleep(0.05)
