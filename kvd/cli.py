@@ -400,19 +400,21 @@ def abort(
 @app.command()
 def demo(
     requests: Annotated[int, typer.Option("--requests", "-n", help="Requests per mode.")] = 100,
-    mode: Annotated[str, typer.Option(help="push, pull, ec (encoder cache) or all.")] = "all",
+    mode: Annotated[
+        str, typer.Option(help="push, pull, ec (encoder cache), tiers (KV tiers) or all.")
+    ] = "all",
     as_json: JsonOpt = False,
     seed: Annotated[int, typer.Option(help="Random seed (block counts, arrival order).")] = 0,
 ) -> None:
     """Run a full local P/D pipeline: two daemons, simulated engines, every byte verified."""
     from kvd.demo import run_demo
 
-    if mode not in ("push", "pull", "ec", "all"):
-        err.print("[red]--mode must be push, pull, ec or all[/red]")
+    if mode not in ("push", "pull", "ec", "tiers", "all"):
+        err.print("[red]--mode must be push, pull, ec, tiers or all[/red]")
         raise typer.Exit(2)
     code = run_demo(
         requests=requests,
-        modes=["push", "pull", "ec"] if mode == "all" else [mode],
+        modes=["push", "pull", "ec", "tiers"] if mode == "all" else [mode],
         as_json=as_json,
         seed=seed,
     )

@@ -333,3 +333,30 @@ def test_client_survives_a_daemon_restart(daemons: StartDaemon) -> None:
         assert c.reopened == 1
         assert c.store([key(2)], [memoryview(block(2))]) == [True]
         assert load_check(c, [2]) == [True]
+
+
+def test_pins_expire_after_pin_timeout(daemons: StartDaemon) -> None:
+    from kvd_client import wire
+
+    d = daemons("t11", overrides=tiers_cfg(pin_timeout=0.5))
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
+        # a load's first step, never followed by its unpin
+        got = c._ask(wire.TierPin(NS, 36, key(0) + key(1)), wire.TierSlots, 5.0)
+        assert all(s >= 0 for s in got.slots)
+        assert c.stats()["ops_open"] == 1
+        _wait(lambda: c.stats()["ops_open"] == 0, timeout=5)
+        assert c.stats()["counters"]["pins_expired"] == 1
+        assert load_check(c, [0, 1]) == [True, True]
+
+
+def test_keys_of_mixed_lengths_in_one_batch(daemons: StartDaemon) -> None:
+    d = daemons("t12", overrides=tiers_cfg())
+    short = [b"k-%d" % i for i in range(3)]
+    with TierClient(d.socket, NS, BB) as c:
+        keys = [key(0), short[0], key(1), short[1]]
+        assert c.store(keys, [memoryview(block(i)) for i in range(4)]) == [True] * 4
+        assert c.batch_lookup([short[1], key(1), short[2], key(0)]) == [True, True, False, True]
+        dests = [bytearray(BB) for _ in range(4)]
+        assert c.load(keys, [memoryview(x) for x in dests]) == [True] * 4
+        assert [bytes(x) for x in dests] == [block(i) for i in range(4)]
