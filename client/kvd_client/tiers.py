@@ -108,6 +108,7 @@ class TierClient:
         self._keepalive_s = 1.0
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
+        self._closed = False
         try:
             with self._lock:
                 self._open_session()
@@ -212,9 +213,30 @@ class TierClient:
             reply = self._retrying(wire.GetStatus("tiers"), wire.StatusReply, self.timeout)
             return dict(reply.data)
 
-    def close(self) -> None:
-        """End the session (the daemon drops anything it still held for it) and unmap."""
+    @property
+    def num_slots(self) -> int:
+        """Slots of the daemon's host pool (a load pins at most half of them at once)."""
         with self._lock:
+            return self._num_slots()
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether the daemon keeps a disk tier behind its host tier."""
+        with self._lock:
+            return self._info().disk
+
+    @property
+    def lookup_timeout(self) -> float:
+        """The lookup timeout the daemon suggests (`tiers.lookup_timeout`); this client's
+        own `timeout` is what its calls use."""
+        with self._lock:
+            return self._info().lookup_timeout
+
+    def close(self) -> None:
+        """End the session (the daemon drops anything it still held for it) and unmap.
+        Calls after this raise ProtocolError."""
+        with self._lock:
+            self._closed = True
             self._ka_stop.set()
             if self._sock is not None and self._session:
                 with contextlib.suppress(KvdError, zmq.ZMQError):
@@ -235,6 +257,8 @@ class TierClient:
 
     def _open_session(self) -> None:
         """A new session: Hello, TierOpen, the pool mapped (caller holds the lock)."""
+        if self._closed:
+            raise ProtocolError("this TierClient is closed")
         self._close_socket()
         self._unmap()
         self._session = f"{ROLE}-{os.getpid()}-{secrets.token_hex(6)}"
@@ -290,11 +314,14 @@ class TierClient:
             raise ProtocolError("the tier pool is not mapped")
         return self._pool
 
-    def _num_slots(self) -> int:
+    def _info(self) -> wire.TierOpened:
         if self._opened is None:
             self._open_session()
         assert self._opened is not None
-        return self._opened.num_slots
+        return self._opened
+
+    def _num_slots(self) -> int:
+        return self._info().num_slots
 
     def _slot_bytes(self) -> int:
         assert self._opened is not None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvd_client.errors import ProtocolError
 from kvd_client.tiers import TierClient
 
 from kvd.actors.tiers import SUFFIX, TMP_SUFFIX, block_path
@@ -75,6 +76,9 @@ def test_store_lookup_load_host_tier(daemons: StartDaemon) -> None:
         assert s["host"]["bytes_in"] == 8 * BB
         assert s["host"]["bytes_out"] == 3 * BB
         assert s["ops_open"] == 0
+        assert c.num_slots == 16 and not c.has_disk and c.lookup_timeout == 2.0
+    with pytest.raises(ProtocolError, match="closed"):
+        c.batch_lookup([key(0)])
 
 
 def test_second_client_loads_what_the_first_stored(daemons: StartDaemon) -> None:
@@ -178,7 +182,8 @@ def test_killed_client_pins_released(daemons: StartDaemon) -> None:
         f"""
         import sys, time
         from kvd_client import wire
-        from kvd_client.tiers import TierClient
+        from kvd_client.errors import ProtocolError
+from kvd_client.tiers import TierClient
         c = TierClient({d.socket!r}, {NS!r}, {BB})
         keys = [{", ".join(repr(key(i)) for i in range(16))}]
         got = c._ask(wire.TierPin(c.namespace, 36, b"".join(keys)), wire.TierSlots, 5.0)
