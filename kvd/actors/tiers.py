@@ -627,7 +627,7 @@ class Tiers:
                     for _, s, fd, _ in fds
                 ]
                 try:
-                    await self.engine.file_transfer("READ", pieces, DISK_IO_TIMEOUT)
+                    await self._file_io("READ", pieces)
                     checks = await anyio.to_thread.run_sync(self._check_sums, fds)
                     results.extend(checks)
                 except KvdError as exc:
@@ -636,6 +636,13 @@ class Tiers:
             for _, _, fd, _ in fds:
                 os.close(fd)
             self.mailbox.post(_DiskDone(op, True, results))
+
+    async def _file_io(self, op: str, pieces: list[tuple[int, int, int]]) -> None:
+        """A NIXL file transfer into or out of the pool, shielded from cancellation: at
+        shutdown the pool is deregistered and unmapped only after the NIXL thread is done
+        with it (bounded: the thread fails a transfer after DISK_IO_TIMEOUT)."""
+        with anyio.CancelScope(shield=True):
+            await self.engine.file_transfer(op, pieces, DISK_IO_TIMEOUT)
 
     def _open_block(self, k: TierKey) -> tuple[str, int, tuple[int, int]]:
         """(why not, fd or -1, its checksum): a block file checked by its trailer."""
@@ -773,7 +780,7 @@ class Tiers:
                     for _, s, fd, _ in opened
                 ]
                 try:
-                    await self.engine.file_transfer("WRITE", pieces, DISK_IO_TIMEOUT)
+                    await self._file_io("WRITE", pieces)
                     results.extend(await anyio.to_thread.run_sync(self._seal_files, opened))
                 except KvdError as exc:
                     results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in opened)
