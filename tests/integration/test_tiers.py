@@ -182,8 +182,7 @@ def test_killed_client_pins_released(daemons: StartDaemon) -> None:
         f"""
         import sys, time
         from kvd_client import wire
-        from kvd_client.errors import ProtocolError
-from kvd_client.tiers import TierClient
+        from kvd_client.tiers import TierClient
         c = TierClient({d.socket!r}, {NS!r}, {BB})
         keys = [{", ".join(repr(key(i)) for i in range(16))}]
         got = c._ask(wire.TierPin(c.namespace, 36, b"".join(keys)), wire.TierSlots, 5.0)
