@@ -155,6 +155,7 @@ class TierClient:
                     try:
                         pool = self._need_pool()
                         sb = self._slot_bytes()
+                        _check_slots(slots.slots, self._num_slots())
                         for j, (i, s) in enumerate(zip(idx, slots.slots, strict=True)):
                             if s >= 0:
                                 off = s * sb
@@ -198,6 +199,7 @@ class TierClient:
                         pool = self._need_pool()
                         sb = self._slot_bytes()
                         bb = self.block_bytes
+                        _check_slots(slots.slots, self._num_slots())
                         for i, s in zip(idx, slots.slots, strict=True):
                             if s >= 0:
                                 off = s * sb
@@ -405,6 +407,12 @@ class TierClient:
             with contextlib.suppress(zmq.ZMQError):
                 corr = next(self._corr)  # its answer is dropped as another late one
                 self._sock.send(wire.encode(wire.TierUnpin(reply.op), corr), flags=zmq.NOBLOCK)
+
+
+def _check_slots(slots: Sequence[int], num_slots: int) -> None:
+    """The daemon's slots must lie in its pool (never turned into a wild offset)."""
+    if any(s >= num_slots or s < wire.SLOT_REFUSED for s in slots):
+        raise ProtocolError(f"a slot outside the pool's {num_slots} slots")
 
 
 def _parts(keys: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
