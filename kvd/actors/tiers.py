@@ -56,7 +56,7 @@ from kvd_client.shm import SharedRegion
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
-from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.nixl import NixlEngine, Unsettled
 from kvd.config import TiersConfig
 from kvd.core.tiers import DiskIndex, Evicted, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
 from kvd.logs import RejectLog
@@ -76,6 +76,8 @@ TMP_SUFFIX: Final = ".tmp"
 DEMOTE_BATCH: Final = 64
 """Blocks written to disk in one NIXL transfer by the background demoter."""
 DISK_IO_TIMEOUT: Final = 60.0
+UNSETTLED: Final = "unsettled"
+"""Why a disk transfer failed when NIXL still had it in flight (`Unsettled`)."""
 
 
 @dataclass
@@ -630,6 +632,11 @@ class Tiers:
                     await self._file_io("READ", pieces)
                     checks = await anyio.to_thread.run_sync(self._check_sums, fds)
                     results.extend(checks)
+                except Unsettled:
+                    # NIXL may still write into these slots and read these fds: both are
+                    # kept (the slots never reused, the fds never closed: counted)
+                    results.extend((k, s, False, UNSETTLED) for k, s, _, _ in fds)
+                    fds = []
                 except KvdError as exc:
                     results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in fds)
         finally:
@@ -685,6 +692,10 @@ class Tiers:
         for k, slot, ok, why in msg.results:
             op.pending.discard((k, slot))
             disk.unpin(k)
+            if why == UNSETTLED:  # the slot stays reserved for good: NIXL may write it
+                self._count("tiers_slots_unsettled")
+                op.slots[index[k]] = wire.SLOT_HELD
+                continue
             if ok:
                 host.commit(k, keep_pin=True)
                 good += 1
@@ -761,6 +772,7 @@ class Tiers:
             self._tg.start_soon(self._write_disk, writes)
 
     async def _write_disk(self, writes: list[tuple[TierKey, int]]) -> None:
+        leaked = False
         results: list[tuple[TierKey, int, bool, str]] = []
         opened: list[tuple[TierKey, int, int, str]] = []  # key, slot, fd, temp path
         try:
@@ -782,11 +794,17 @@ class Tiers:
                 try:
                     await self._file_io("WRITE", pieces)
                     results.extend(await anyio.to_thread.run_sync(self._seal_files, opened))
+                except Unsettled:
+                    # NIXL may still write to these fds: never closed (a closed number
+                    # could name another file by then); the temp files are unlinked
+                    results.extend((k, s, False, UNSETTLED) for k, s, _, _ in opened)
+                    leaked = True
                 except KvdError as exc:
                     results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in opened)
         finally:
             for _, _, fd, _ in opened:
-                os.close(fd)
+                if not leaked:
+                    os.close(fd)
             ok_keys = {k for k, _, ok, _ in results if ok}
             for k, _, _, tmp in opened:
                 if k not in ok_keys:
