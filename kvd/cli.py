@@ -210,6 +210,30 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 
 @app.command()
+def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
+    """KV tiers: per tier capacity, use, blocks, hits, misses, evictions, bytes in and out."""
+    data = _fetch(socket, "tiers", as_json)
+    if as_json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return
+    if not data.get("enabled"):
+        console.print("KV tiers are off (tiers.enabled = false)")
+        return
+    console.print(
+        f"pool {data['pool']}  block {data['block_bytes']} bytes  "
+        f"pending lookups {data['pending_lookups']}  operations open {data['ops_open']}"
+    )
+    rows = [{"tier": name, **data[name]} for name in ("host", "disk") if data.get(name)]
+    for row in rows:
+        total = row["hits"] + row["misses"]
+        row["hit_rate"] = f"{row['hits'] / total:.1%}" if total else "-"
+    cols = ["tier", "capacity", "used", "blocks", "hits", "misses", "hit_rate", "evictions"]
+    console.print(_table("tiers", rows, [*cols, "bytes_in", "bytes_out"]))
+    counters = [{"counter": k, "value": v} for k, v in data.get("counters", {}).items()]
+    console.print(_table("counters", counters, ["counter", "value"]))
+
+
+@app.command()
 def top(
     socket: SocketOpt = None,
     interval: Annotated[float, typer.Option(help="Seconds between frames.")] = 1.0,
@@ -376,19 +400,21 @@ def abort(
 @app.command()
 def demo(
     requests: Annotated[int, typer.Option("--requests", "-n", help="Requests per mode.")] = 100,
-    mode: Annotated[str, typer.Option(help="push, pull, ec (encoder cache) or all.")] = "all",
+    mode: Annotated[
+        str, typer.Option(help="push, pull, ec (encoder cache), tiers (KV tiers) or all.")
+    ] = "all",
     as_json: JsonOpt = False,
     seed: Annotated[int, typer.Option(help="Random seed (block counts, arrival order).")] = 0,
 ) -> None:
     """Run a full local P/D pipeline: two daemons, simulated engines, every byte verified."""
     from kvd.demo import run_demo
 
-    if mode not in ("push", "pull", "ec", "all"):
-        err.print("[red]--mode must be push, pull, ec or all[/red]")
+    if mode not in ("push", "pull", "ec", "tiers", "all"):
+        err.print("[red]--mode must be push, pull, ec, tiers or all[/red]")
         raise typer.Exit(2)
     code = run_demo(
         requests=requests,
-        modes=["push", "pull", "ec"] if mode == "all" else [mode],
+        modes=["push", "pull", "ec", "tiers"] if mode == "all" else [mode],
         as_json=as_json,
         seed=seed,
     )
@@ -400,7 +426,7 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="A small, fast run (CI smoke).")] = False,
     json_file: Annotated[Path | None, typer.Option("--json", help="Write results as JSON.")] = None,
     only: Annotated[
-        str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology,layerwise.")
+        str, typer.Option(help="Scenarios: dataplane,control,scale,ec,topology,layerwise,tiers.")
     ] = "",
     seed: Annotated[int, typer.Option(help="Random seed (block allocation, ids).")] = 0,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write PNG charts here.")] = None,

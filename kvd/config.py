@@ -687,6 +687,74 @@ class ECConfig(_Section):
 
 
 @dataclass(frozen=True)
+class TiersConfig(_Section):
+    """KV tiers kept by the daemon for its engines (vLLM's secondary offloading tiers):
+    a host-memory pool in shared memory and, optionally, a disk tier (`kvd tiers`)."""
+
+    SECTION: ClassVar[str] = "tiers"
+
+    enabled: bool = _opt(False, "Keep KV tiers (clients then may open them).")
+    host_bytes: int = _opt(
+        GiB,
+        "Size in bytes of the host tier's shared-memory pool (registered with NIXL), cut "
+        "into slots of the block size of the first client that opens it.",
+        gt=0,
+        le=4096 * GiB,
+        fmt="bytes",
+    )
+    disk_path: str = _opt(
+        "",
+        "Directory of the disk tier's files (created if missing); empty = no disk tier. "
+        "Its index is rebuilt from the files at start (a warm restart).",
+    )
+    disk_bytes: int = _opt(
+        16 * GiB,
+        "Most bytes the disk tier's files may take (least recently used files are "
+        "deleted to make room).",
+        ge=0,
+        le=1 << 50,
+        fmt="bytes",
+    )
+    disk_checksum: str = _opt(
+        "sum64",
+        "Checksum kept with each disk block and checked on every load (a mismatch is a "
+        "miss, the file removed and counted): `sum64` (the 64-bit sum of the block's "
+        "words, at about memory speed: catches flipped bits, zeroed or cut data), `crc32` "
+        "(stronger, ~2 GB/s per core), or `none` (only the length is checked).",
+        choices=("sum64", "crc32", "none"),
+    )
+    promote_on_hit: bool = _opt(
+        True,
+        "A disk-tier block that is loaded stays in the host tier afterwards (off: it is "
+        "read into a slot for that load only).",
+    )
+    demote_on_evict: bool = _opt(
+        True,
+        "Host-tier blocks are written to the disk tier before they are evicted (ahead of "
+        "need, once fewer than `low_water` slots are free); off: they are dropped.",
+    )
+    low_water: float = _opt(
+        0.05,
+        "Fraction of the host pool's slots kept free by demoting (or dropping) its least "
+        "recently used blocks in the background.",
+        ge=0,
+        le=0.9,
+    )
+    pin_timeout: float = _opt(
+        30.0,
+        "Seconds a client's reservation (store) or pin (load) is held before the daemon "
+        "drops it (it is dropped at once when the client's session ends).",
+        gt=0,
+    )
+    lookup_timeout: float = _opt(
+        2.0,
+        "Seconds a client waits for a lookup batch's answer (told to clients; a late "
+        "answer counts as all-miss).",
+        gt=0,
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration of one kvd daemon."""
 
@@ -699,6 +767,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     ec: ECConfig = field(default_factory=ECConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _section_types().items():

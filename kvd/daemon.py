@@ -38,6 +38,7 @@ from kvd.actors.receiver import Receiver
 from kvd.actors.registrar import Registrar
 from kvd.actors.sender import Sender
 from kvd.actors.sidechannel import SideChannel
+from kvd.actors.tiers import Tiers
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
@@ -74,6 +75,7 @@ class Daemon:
         self.sender_box: Mailbox[Any] = Mailbox("sender", size, self.clock)
         self.receiver_box: Mailbox[Any] = Mailbox("receiver", size, self.clock)
         self.ec_box: Mailbox[Any] = Mailbox("ecrouter", size, self.clock)
+        self.tiers_box: Mailbox[Any] = Mailbox("tiers", size, self.clock)
         self.events: Mailbox[EventOut] = Mailbox("events", max(size * 64, 65536), self.clock)
         self.engine = NixlEngine(
             self.agent_name,
@@ -84,6 +86,7 @@ class Daemon:
             ucx_tls=cfg.nixl.ucx_tls,
             settle_timeout=cfg.transfer.transfer_timeout,
             trace=self.trace,
+            file_backend=cfg.tiers.enabled and bool(cfg.tiers.disk_path),
         )
         self.engine.keyring = self.keyring
         self.side = SideChannel(
@@ -168,6 +171,13 @@ class Daemon:
             counters=self.counters,
             rejects=self.rejects,
         )
+        self.tiers = Tiers(
+            engine=self.engine,
+            mailbox=self.tiers_box,
+            cfg=cfg.tiers,
+            counters=self.counters,
+            rejects=self.rejects,
+        )
         self.notifier = Notifier(
             sender=self.sender_box,
             receiver=self.receiver_box,
@@ -190,6 +200,7 @@ class Daemon:
             receiver=self.receiver_box,
             ecrouter=self.ec_box,
             events=self.events,
+            tiers=self.tiers_box,
             client_timeout=cfg.daemon.client_timeout,
             max_frame=cfg.daemon.max_frame_bytes,
             counters=self.counters,
@@ -266,6 +277,7 @@ class Daemon:
             "sender": self.sender_box,
             "receiver": self.receiver_box,
             "ecrouter": self.ec_box,
+            "tiers": self.tiers_box,
         }
         if section in ("peers",):
             return await self.registrar_box.call(Snapshot(section))
@@ -282,6 +294,8 @@ class Daemon:
             }
         if section == "ec":
             return await self.ec_box.call(Snapshot(section))
+        if section == "tiers":
+            return await self.tiers_box.call(Snapshot(section))
         if section in ("trace", "trace_on", "trace_off"):
             return self._trace_section(section)
         if section == "drain":
@@ -402,6 +416,7 @@ class Daemon:
                 await tg.start(self.receiver.run)
                 self.ecrouter.bind()
                 await tg.start(self.ecrouter.run)
+                await tg.start(self.tiers.run)
                 self.gateway.bind()
                 await tg.start(self.gateway.run)
                 tg.start_soon(self._watchdog)
@@ -445,6 +460,7 @@ class Daemon:
             "sender": self.sender_box,
             "receiver": self.receiver_box,
             "ecrouter": self.ec_box,
+            "tiers": self.tiers_box,
             "events": self.events,
         }
         sides = {"sender": self.sender, "receiver": self.receiver}
@@ -457,6 +473,7 @@ class Daemon:
             in_flight=lambda: {side: len(a.book.in_flight) for side, a in sides.items()},
             leases=lambda: len(self.sender.proto.leases),
             clients=self.gateway.client_counts,
+            tiers=self.tiers.gauges if self.tiers.enabled else None,
         )
         collector = DaemonCollector(self.agent_name, sources)
         self._metrics = serve_metrics(self.cfg.metrics.host, self.cfg.metrics.port, collector)
@@ -475,6 +492,8 @@ class Daemon:
         except Exception as exc:
             log.error("registrar_cleanup_failed", error=repr(exc))
         self.ecrouter.close()
+        await self.tiers.cleanup()
+        self.tiers.close()
         await self.engine.close()
 
     async def _wait_for_stop(self) -> None:

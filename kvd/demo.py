@@ -508,6 +508,8 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
                     d.close()
         if "ec" in modes:
             summaries.append(_run_ec_demo(requests, rng, bar, counters))
+        if "tiers" in modes:
+            summaries.append(_run_tiers_demo(requests, rng, bar, counters))
     ok = all(
         s["verified"] == s["requests"] and not s["mismatched"] and not s["failed"]
         for s in summaries
@@ -564,11 +566,36 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
             f"encoder daemon: outputs served {c.get('ec_served', 0)}, "
             f"evicted {c.get('ec_evicted', 0)}"
         )
+    if "tiers" in counters:
+        c = counters["tiers"]
+        out.print(
+            f"tiers daemon: host blocks {c['host']['blocks']}, disk blocks "
+            f"{c['disk']['blocks']}, demoted {c['counters'].get('blocks_demoted', 0)}, "
+            f"promoted {c['counters'].get('blocks_promoted', 0)}"
+        )
     for s in summaries:
         for f in s["failures"][:5]:
             out.print(f"[red]{s['mode']}: {f}[/red]")
     out.print("[green]all bytes verified[/green]" if ok else "[red]FAILED[/red]")
     return 0 if ok else 1
+
+
+def _run_tiers_demo(
+    requests: int, rng: random.Random, bar: Any, counters: dict[str, Any]
+) -> dict[str, Any]:
+    """A daemon with a host and a disk tier; engine A stores, engine B loads."""
+    from kvd.tierdemo import run_tiers, tiers_config
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvd-demo-tiers-"))
+    daemon = start_daemon(tmp, "kvd-demo-t", tiers_config(str(tmp / "disk")))
+    try:
+        task = bar.add_task("tiers", total=requests)
+        res = run_tiers(daemon.socket, requests, rng, progress=lambda: bar.advance(task))
+        counters["tiers"] = res.pop("tiers")
+    finally:
+        daemon.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
 
 
 def _run_ec_demo(

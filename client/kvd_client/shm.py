@@ -23,6 +23,8 @@ import secrets
 from typing import Final
 
 SHM_DIR: Final = "/dev/shm"
+MAP_POPULATE: Final[int] = getattr(mmap, "MAP_POPULATE", 0)
+"""Linux: map every page at mmap time (0 where the platform has no such flag)."""
 _NAME_RE: Final = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 _STAGING_RE: Final = re.compile(
     r"^kvd-(?P<label>[A-Za-z0-9._-]+)-n(?P<ns>[1-9][0-9]{0,19})-p(?P<pid>[1-9][0-9]{0,9})"
@@ -80,7 +82,9 @@ def staging_creator(name: str) -> tuple[int, int] | None:
 class SharedRegion:
     """A shared-memory segment created and owned by this process."""
 
-    def __init__(self, name: str, nbytes: int) -> None:
+    def __init__(self, name: str, nbytes: int, *, populate: bool = False) -> None:
+        """`populate`: allocate and map every page now (MAP_POPULATE), so that the first
+        copy into the segment does not pay a page fault per page."""
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
         self.name: Final = check_name(name)
@@ -89,8 +93,9 @@ class SharedRegion:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         try:
             os.ftruncate(fd, nbytes)
+            flags = mmap.MAP_SHARED | (MAP_POPULATE if populate else 0)
             self._mm: mmap.mmap | None = mmap.mmap(
-                fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+                fd, nbytes, flags, mmap.PROT_READ | mmap.PROT_WRITE
             )
         except BaseException:
             os.close(fd)

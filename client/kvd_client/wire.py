@@ -1092,3 +1092,134 @@ class ECXferAck(Record):
     mac: Annotated[bytes, Len(0, 64)] = b""
     """With a shared secret: HMAC-SHA256 over b"ecack", the request's nonce and the ack with
     an empty mac, so an ack answers exactly one request and only the producer can say ok."""
+
+
+# --------------------------------------------------------------------------------------
+# KV tiers: client <-> daemon (`kvd_client.tiers`, `kvd.actors.tiers`)
+# --------------------------------------------------------------------------------------
+
+Namespace = Annotated[bytes, Len(1, 128)]
+"""The model's compatibility hash: blocks are kept and found only under it."""
+MAX_TIER_KEYS: Final = 1 << 16
+"""Most keys in one tier message."""
+TierKeys = Annotated[bytes, Len(0, 8 * 1024 * 1024)]
+"""A batch of keys of `key_bytes` each, concatenated (one bin: a 1,000-key batch decodes
+as one memcpy, not 1,000 items)."""
+KeyBytes = Annotated[int, Range(1, 256)]
+Flags = Annotated[bytes, Len(0, MAX_TIER_KEYS)]
+"""One byte per key of the batch it answers."""
+
+
+@message(100)
+@dataclasses.dataclass(frozen=True)
+class TierOpen(Record):
+    """Use the daemon's tiers for blocks of `block_bytes` under `namespace`."""
+
+    namespace: Namespace
+    block_bytes: Annotated[int, Range(1, 1 << 34)]
+
+
+@message(101)
+@dataclasses.dataclass(frozen=True)
+class TierOpened(Record):
+    """Where the host tier's pool lives: the client maps the shared-memory segment `pool`
+    read-write and copies blocks into or out of the slots the daemon names (slot i at
+    offset i * slot_bytes)."""
+
+    pool: Annotated[str, Len(1, 255)]
+    pool_bytes: U64
+    slot_bytes: U64
+    num_slots: U32
+    pin_timeout: NonNegFloat
+    """Seconds a reservation or a pin is held for the client before the daemon drops it."""
+    lookup_timeout: NonNegFloat
+    """Seconds the daemon suggests a client waits for a lookup (`tiers.lookup_timeout`)."""
+    disk: bool
+    """Whether the daemon has a disk tier."""
+
+
+@message(102)
+@dataclasses.dataclass(frozen=True)
+class TierLookup(Record):
+    """Which of these keys do the tiers hold (answered by `TierFound`, one batch)."""
+
+    namespace: Namespace
+    key_bytes: KeyBytes
+    keys: TierKeys
+
+
+TIER_MISS: Final = 0
+TIER_HOST: Final = 1
+TIER_DISK: Final = 2
+
+
+@message(103)
+@dataclasses.dataclass(frozen=True)
+class TierFound(Record):
+    """Per key of the lookup: TIER_MISS, TIER_HOST or TIER_DISK."""
+
+    found: Flags
+
+
+@message(104)
+@dataclasses.dataclass(frozen=True)
+class TierReserve(Record):
+    """Store, step 1: reserve (and pin) host slots for the keys not held yet."""
+
+    namespace: Namespace
+    key_bytes: KeyBytes
+    keys: TierKeys
+
+
+SLOT_HELD: Final = -1
+"""In `TierSlots` of a store: the key is already held (nothing to copy). Of a load: a miss."""
+SLOT_REFUSED: Final = -2
+"""In `TierSlots` of a store: no room (every slot pinned) or no room on the key's tier."""
+
+
+@message(105)
+@dataclasses.dataclass(frozen=True)
+class TierSlots(Record):
+    """Per key: the pool slot to copy into (store) or out of (load), or SLOT_HELD /
+    SLOT_REFUSED. The slots stay pinned for operation `op` until `TierCommit` (store),
+    `TierUnpin` (load), the pin timeout or the end of the session."""
+
+    op: U64
+    slots: BlockIds
+
+
+@message(106)
+@dataclasses.dataclass(frozen=True)
+class TierCommit(Record):
+    """Store, step 2: the bytes of the reserved slots whose flag is 1 are in place; make
+    them visible (flag 0: drop the reservation). Answered by `TierFlags`."""
+
+    op: U64
+    ok: Flags
+
+
+@message(107)
+@dataclasses.dataclass(frozen=True)
+class TierFlags(Record):
+    """Per key of the operation: 1 stored (or already held), 0 not."""
+
+    flags: Flags
+
+
+@message(108)
+@dataclasses.dataclass(frozen=True)
+class TierPin(Record):
+    """Load, step 1: pin the keys' blocks in host slots (a disk hit is read into one
+    first). Answered by `TierSlots` (SLOT_HELD = a miss)."""
+
+    namespace: Namespace
+    key_bytes: KeyBytes
+    keys: TierKeys
+
+
+@message(109)
+@dataclasses.dataclass(frozen=True)
+class TierUnpin(Record):
+    """Load, step 2: the client copied the blocks out; drop the operation's pins."""
+
+    op: U64

@@ -84,7 +84,7 @@ from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.gateway", actor="gateway")
 
-ROLES = ("scheduler", "worker", "cli")
+ROLES = ("scheduler", "worker", "cli", "tiers")
 CLI_RESERVE: Final = 8
 """Sessions of role `cli` allowed beyond `max_clients` (see the module docstring)."""
 CLOSED_SESSIONS: Final = 65536
@@ -116,6 +116,7 @@ class Gateway:
         receiver: Mailbox[Any],
         ecrouter: Mailbox[Any],
         events: Mailbox[EventOut],
+        tiers: Mailbox[Any] | None = None,
         client_timeout: float,
         max_frame: int,
         counters: dict[str, int],
@@ -134,6 +135,7 @@ class Gateway:
         self.sender = sender
         self.receiver = receiver
         self.ecrouter = ecrouter
+        self.tiers = tiers
         self.events = events
         self.client_timeout = client_timeout
         self.max_frame = max_frame
@@ -166,6 +168,16 @@ class Gateway:
             wire.ECRelease: ecrouter,
             wire.ECHits: ecrouter,
         }
+        if tiers is not None:
+            for tier_msg in (
+                wire.TierOpen,
+                wire.TierLookup,
+                wire.TierReserve,
+                wire.TierCommit,
+                wire.TierPin,
+                wire.TierUnpin,
+            ):
+                self._routes[tier_msg] = tiers
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -472,7 +484,10 @@ class Gateway:
     ) -> None:
         calls: list[SessionClosed] = []
         if s.role != "cli":
-            for box in (self.registrar, self.sender, self.receiver, self.ecrouter):
+            boxes = [self.registrar, self.sender, self.receiver, self.ecrouter]
+            if self.tiers is not None:
+                boxes.append(self.tiers)
+            for box in boxes:
                 call = SessionClosed(s.session, client_gone)
                 box.post(call)  # a notice between actors: never refused
                 calls.append(call)

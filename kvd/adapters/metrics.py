@@ -38,6 +38,19 @@ NIXL_COUNTERS: Final = (
     "notifs_received",
 )
 
+TIER_COUNTERS: Final = {
+    "hits": "KV tiers: keys looked up and found in the tier",
+    "misses": "KV tiers: keys looked up and not found in the tier",
+    "evictions": "KV tiers: blocks evicted from the tier",
+    "bytes_in": "KV tiers: bytes stored into the tier",
+    "bytes_out": "KV tiers: bytes loaded out of the tier",
+}
+TIER_GAUGES: Final = {
+    "capacity_bytes": "KV tiers: the tier's capacity in bytes",
+    "used_bytes": "KV tiers: bytes of blocks the tier holds",
+    "blocks": "KV tiers: blocks the tier holds",
+}
+
 HISTOGRAMS: Final = {
     "xfer_time": ("kvd_nixl_xfer_time_seconds", "Seconds from posting a NIXL transfer to done"),
     "post_time": ("kvd_nixl_post_time_seconds", "Seconds spent preparing and posting a transfer"),
@@ -75,6 +88,8 @@ class Sources:
     leases: Callable[[], int] | None = None
     clients: Callable[[], Mapping[str, int]] | None = None
     """Open client sessions per role."""
+    tiers: Callable[[], Mapping[str, float]] | None = None
+    """KV tiers' gauges: `<tier>_capacity_bytes`, `<tier>_used_bytes`, `<tier>_blocks`."""
 
 
 class DaemonCollector(Collector):
@@ -101,6 +116,7 @@ class DaemonCollector(Collector):
         yield from self._nixl()
         yield from self._histograms()
         yield from self._requests()
+        yield from self._tiers(counters)
 
     def _mailboxes(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
@@ -178,6 +194,22 @@ class DaemonCollector(Collector):
         for role, n in sorted((self.src.clients() if self.src.clients else {}).items()):
             clients.add_metric([self.agent, role], float(n))
         yield clients
+
+    def _tiers(self, counters: Mapping[str, int]) -> Iterator[Metric]:
+        if self.src.tiers is None:
+            return
+        gauges = dict(self.src.tiers())
+        tiers = [t for t in ("host", "disk") if f"{t}_capacity_bytes" in gauges]
+        for key, doc in TIER_COUNTERS.items():
+            c = CounterMetricFamily(f"kvd_tiers_{key}", doc, labels=["agent", "tier"])
+            for t in tiers:
+                c.add_metric([self.agent, t], float(counters.get(f"tiers_{t}_{key}", 0)))
+            yield c
+        for key, doc in TIER_GAUGES.items():
+            g = GaugeMetricFamily(f"kvd_tiers_{key}", doc, labels=["agent", "tier"])
+            for t in tiers:
+                g.add_metric([self.agent, t], float(gauges.get(f"{t}_{key}", 0.0)))
+            yield g
 
 
 def _merge(hists: Sequence[Histogram]) -> tuple[list[tuple[str, float]], float]:

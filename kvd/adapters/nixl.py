@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import queue
 import threading
@@ -71,6 +72,8 @@ _HOLD_MAX_S: Final = 3.0
 looks the same from here as one behind a cut link (its endpoint failed; re-adding its old
 metadata yields another endpoint that fails): after this its notifications fail, so the
 callers see it gone (D forgets it and fails what waits on it within seconds)."""
+FILE_BACKEND: Final = "POSIX"
+"""NIXL's backend for files (`file_transfer`)."""
 
 _PR_SET_TIMERSLACK: Final = 29
 _PR_SET_NAME: Final = 15
@@ -127,6 +130,8 @@ class _Xfer:
     started: float
     trace_id: str = ""
     peer: str = ""
+    cleanup: Callable[[], None] | None = None
+    """Run on the NIXL thread once the transfer ended (e.g. deregister its files)."""
     post_s: float = 0.0
     """Seconds spent preparing and posting it (descriptor lists, initialize, transfer)."""
     late: bool = False
@@ -190,8 +195,11 @@ class NixlEngine:
         ucx_tls: str = "",
         settle_timeout: float = 0.0,
         trace: StageTrace = NO_TRACE,
+        file_backend: bool = False,
     ) -> None:
         self.name: Final = name
+        self.file_backend = file_backend
+        """Also create NIXL's POSIX backend (files: the KV tiers' disk tier)."""
         self._backend = backend
         self._err_mode = error_handling_mode
         self._num_threads = num_threads
@@ -274,6 +282,8 @@ class NixlEngine:
         )
         agent = nixl_agent(self.name, conf)
         agent.create_backend(self._backend, {"ucx_error_handling_mode": self._err_mode})
+        if self.file_backend:
+            agent.create_backend(FILE_BACKEND, {})
         return agent
 
     # ---------------------------------------------------------------- the thread
@@ -405,11 +415,21 @@ class NixlEngine:
                 self._agent.release_xfer_handle(x.handle)
             except Exception as rel_exc:
                 self._count_error(rel_exc)
+            if x.cleanup is not None:
+                try:
+                    x.cleanup()
+                except Exception as cl_exc:
+                    self._count_error(cl_exc)
             return
         try:
             self._agent.release_xfer_handle(x.handle)
         except Exception as rel_exc:
             self._count_error(rel_exc)
+        if x.cleanup is not None:
+            try:
+                x.cleanup()
+            except Exception as cl_exc:
+                self._count_error(cl_exc)
         loop = self._loop
         assert loop is not None
         if exc is None:
@@ -517,6 +537,68 @@ class NixlEngine:
             except BaseException as exc:
                 self._finish(x, exc, at_post=True)
                 self._maybe_reload(peer, exc)
+                return
+            x.post_s = time.monotonic() - started
+            if state == "DONE":
+                self._finish(x, None)
+            else:
+                self._inflight.append(x)
+
+        self._cmds.put(run)
+        return await fut
+
+    async def file_transfer(
+        self,
+        op: str,
+        pieces: list[tuple[int, int, int]],
+        timeout: float,  # noqa: ASYNC109 - enforced by the NIXL thread, which owns the handle
+    ) -> XferTiming:
+        """Move bytes between registered host memory and files with the POSIX backend:
+        `op` "WRITE" (memory -> file) or "READ" (file -> memory); each piece is (host
+        address, length, fd), the file side at offset 0 of its fd. The files are
+        registered for this transfer only. Raises TransferError (a short read or write,
+        e.g. a full disk or a truncated file, is one)."""
+        loop = self._loop
+        if loop is None or self._thread is None:
+            raise TransferError("NIXL engine is not running")
+        if not self.file_backend:
+            raise TransferError("NIXL engine has no file backend")
+        fut: asyncio.Future[XferTiming] = loop.create_future()
+        nbytes = sum(n for _, n, _ in pieces)
+
+        def run() -> None:
+            agent = self._agent
+            started = time.monotonic()
+            reg: Any = None
+            try:
+                reg = agent.register_memory(
+                    [(0, n, fd, "") for _, n, fd in pieces], "FILE", backends=[FILE_BACKEND]
+                )
+                mem = agent.get_xfer_descs([(a, n, 0) for a, n, _ in pieces], "DRAM")
+                files = agent.get_xfer_descs([(0, n, fd) for _, n, fd in pieces], "FILE")
+                handle = agent.initialize_xfer(
+                    op, mem, files, self.name, b"", backends=[FILE_BACKEND]
+                )
+            except BaseException as exc:
+                if reg is not None:
+                    _quietly(agent.deregister_memory, reg)
+                self.stats.transfers_failed += 1
+                self._count_error(exc)
+                loop.call_soon_threadsafe(_set_exc, fut, translate(exc, posting=True))
+                return
+            self.stats.transfers_posted += 1
+            self.stats.bytes_moved += nbytes
+            x = _Xfer(
+                handle,
+                fut,
+                started + timeout,
+                started,
+                cleanup=lambda: agent.deregister_memory(reg),
+            )
+            try:
+                state = agent.transfer(handle)
+            except BaseException as exc:
+                self._finish(x, exc, at_post=True)
                 return
             x.post_s = time.monotonic() - started
             if state == "DONE":
@@ -809,6 +891,11 @@ def _tune_thread() -> None:
         libc.prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)  # 1 us, for the calling thread only
     except (OSError, AttributeError):
         pass
+
+
+def _quietly(fn: Callable[[Any], Any], arg: Any) -> None:
+    with contextlib.suppress(Exception):  # after a failure: the first error is reported
+        fn(arg)
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

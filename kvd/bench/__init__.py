@@ -15,10 +15,13 @@ process, a P daemon, a D daemon and a raw-NIXL helper) and reports medians and r
    256 MiB NHD->HND layout conversion against a memcpy.
 6. `layerwise`: a simulated 32-layer prefill; when D is ready after the last layer's
    compute, with layer-wise push and with whole-request push.
+7. `tiers`: KV tiers in a daemon of their own: a 1,000-key lookup batch at 1k and 100k
+   blocks held, a 64 MiB request stored and loaded through the host tier (vs memcpy),
+   and loaded from the disk tier (vs buffered reads of the same files).
 
 Targets are reported met or missed; nothing here asserts a timing. The entry point is
 `kvd.bench.runner.run_bench`; this package imports nothing itself, so that the raw-NIXL
 helper process (`python -m kvd.bench.raw`) starts light.
 """
 
-SCENARIOS = ("dataplane", "control", "scale", "ec", "topology", "layerwise")
+SCENARIOS = ("dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers")

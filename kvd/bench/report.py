@@ -38,6 +38,39 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
             {"target": name, "goal": goal, "value": value, "unit": unit, "met": met, "case": case}
         )
 
+    tr = sc.get("tiers")
+    if tr:
+        lk = tr["lookup"]
+        p50 = lk[f"p50_ms_{lk['blocks_small']}"]
+        add("tier lookup of 1,000 keys p50", "<= 1 ms", p50, p50 <= 1.0, "ms")
+        per = lk[f"per_key_us_{lk['blocks_small']}"]
+        add("tier lookup per key (engine side)", "<= 5 us", per, per <= 5.0, "us")
+        h = tr["host"]
+        add(
+            "host tier load vs memcpy",
+            ">= 0.8x",
+            h["load_vs_memcpy"],
+            h["load_vs_memcpy"] >= 0.8,
+            "x",
+        )
+        add(
+            "host tier store vs memcpy",
+            ">= 0.8x",
+            h["store_vs_memcpy"],
+            h["store_vs_memcpy"] >= 0.8,
+            "x",
+        )
+        dk = tr["disk"]
+        add(
+            "disk tier load vs buffered reads",
+            ">= 0.7x",
+            dk["load_vs_buffered"],
+            dk["load_vs_buffered"] >= 0.7,
+            "x",
+        )
+        add("tier lookup at 100k vs 1k blocks", "<= 3x", lk["growth"], lk["growth"] <= 3.0, "x")
+        ix = tr["index"]
+        add("host index op at 100k vs 1k", "<= 3x", ix["growth"], ix["growth"] <= 3.0, "x")
     dp = sc.get("dataplane")
     if dp:
         for key, goal in DATAPLANE_TARGETS:
@@ -159,6 +192,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(topology_table(sc["topology"]))
     if "layerwise" in sc:
         console.print(layerwise_table(sc["layerwise"]))
+    if "tiers" in sc:
+        console.print(tiers_table(sc["tiers"]))
     console.print(targets_table(res["targets"]))
 
 
@@ -503,6 +538,51 @@ def ec_stages_table(e: dict[str, Any]) -> Table:
     t.add_column("took", justify="right")
     for row in e["cold_stages"]:
         t.add_row(row["stage"], str(row["n"]), f"{row['us']:.0f} us")
+    return t
+
+
+def tiers_table(tr: dict[str, Any]) -> Table:
+    """KV tiers: lookups, the host index, and a request through each tier."""
+    t = Table(title="KV tiers (a daemon of their own; TierClient)")
+    t.add_column("measure")
+    t.add_column("kvd", justify="right")
+    t.add_column("baseline", justify="right")
+    t.add_column("ratio", justify="right")
+    lk, ix, h, d = tr["lookup"], tr["index"], tr["host"], tr["disk"]
+    small, big = lk["blocks_small"], lk["blocks_big"]
+    t.add_row(f"lookup 1,000 keys, {small:,} held: p50 ms", f"{lk[f'p50_ms_{small}']:.3f}", "", "")
+    t.add_row(
+        f"lookup 1,000 keys, {big:,} held: p50 ms",
+        f"{lk[f'p50_ms_{big}']:.3f}",
+        "",
+        f"{lk['growth']:.2f}x",
+    )
+    t.add_row("lookup per key (engine side): us", f"{lk[f'per_key_us_{small}']:.3f}", "", "")
+    t.add_row(
+        "host index op per key, 1k -> 100k: ns",
+        f"{ix['ns_per_key_100000']:.0f}",
+        f"{ix['ns_per_key_1000']:.0f}",
+        f"{ix['growth']:.2f}x",
+    )
+    mib = h["request_bytes"] >> 20
+    t.add_row(
+        f"host store {mib} MiB: GB/s (vs memcpy)",
+        f"{h['store_gbps']:.2f}",
+        f"{h['memcpy_gbps']:.2f}",
+        f"{h['store_vs_memcpy']:.2f}x",
+    )
+    t.add_row(
+        f"host load {mib} MiB: GB/s (vs memcpy)",
+        f"{h['load_gbps']:.2f}",
+        f"{h['memcpy_gbps']:.2f}",
+        f"{h['load_vs_memcpy']:.2f}x",
+    )
+    t.add_row(
+        f"disk load {mib} MiB: GB/s (vs buffered reads; {d['page_cache']})",
+        f"{d['load_gbps']:.2f}",
+        f"{d['buffered_read_gbps']:.2f}",
+        f"{d['load_vs_buffered']:.2f}x",
+    )
     return t
 
 

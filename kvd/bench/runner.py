@@ -24,6 +24,7 @@ from kvd.bench import (
     layerwise,
     report,
     scale,
+    tiers,
     topology,
 )
 from kvd.bench.common import Env, machine, status, status_client
@@ -131,6 +132,7 @@ def run_bench(
     ec_cfg = ec.ECConfig.quick() if quick else ec.ECConfig()
     topo_cfg = topology.TopoConfig.quick() if quick else topology.TopoConfig()
     lw_cfg = layerwise.LayerwiseConfig.quick() if quick else layerwise.LayerwiseConfig()
+    tr_cfg = tiers.TiersBenchConfig.quick() if quick else tiers.TiersBenchConfig()
     steps = {
         "dataplane": len(dataplane.LAYOUTS) * len(dataplane.ALLOCATIONS) * (dp_cfg.reps + 1),
         "control": control.steps(ctl_cfg),
@@ -138,6 +140,7 @@ def run_bench(
         "ec": ec.steps(ec_cfg),
         "topology": topology.steps(topo_cfg),
         "layerwise": layerwise.steps(lw_cfg),
+        "tiers": tiers.steps(tr_cfg),
     }
     t_start = time.perf_counter()
     with Progress(
@@ -199,6 +202,8 @@ def run_bench(
                     results["scenarios"]["layerwise"] = layerwise.run(
                         env, lw_cfg, lws, seed, progress
                     )
+                if "tiers" in chosen:
+                    results["scenarios"]["tiers"] = tiers.run(env, tr_cfg, seed, progress)
             finally:
                 topo.close()
                 dataplane.teardown(pairs)

@@ -88,9 +88,10 @@ def test_demo_command_json() -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["ok"] is True
-    for mode in ("push", "pull"):
+    for mode in ("push", "pull", "tiers"):
         m = out["modes"][mode]
         assert (m["requests"], m["verified"], m["mismatched"], m["failed"]) == (30, 30, 0, 0)
+    assert out["modes"]["tiers"]["hit_rate"] == 1.0
 
 
 def test_full_local_hit_pull_frees_p_at_once(daemons: StartDaemon) -> None:

@@ -432,6 +432,30 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             mac=bytes(range(200, 232)),
         ),
     ),
+    "TierOpen": (60, wire.TierOpen(namespace=b"compat-\x00\xffA", block_bytes=2 * 1024 * 1024)),
+    "TierOpened": (
+        60,
+        wire.TierOpened(
+            pool="kvd-tiers-123-0a1b2c3d",
+            pool_bytes=1 << 30,
+            slot_bytes=2 * 1024 * 1024,
+            num_slots=512,
+            pin_timeout=30.0,
+            lookup_timeout=2.0,
+            disk=True,
+        ),
+    ),
+    "TierLookup": (
+        61,
+        wire.TierLookup(namespace=b"compat-A", key_bytes=4, keys=b"\x00\x01\x02\x03abcd"),
+    ),
+    "TierFound": (61, wire.TierFound(found=bytes([1, 0, 2]))),
+    "TierReserve": (62, wire.TierReserve(namespace=b"compat-A", key_bytes=2, keys=b"k1k2")),
+    "TierSlots": (62, wire.TierSlots(op=7, slots=(5, -1, -2, 1 << 20))),
+    "TierCommit": (63, wire.TierCommit(op=7, ok=bytes([1, 0, 1]))),
+    "TierFlags": (63, wire.TierFlags(flags=bytes([1, 1, 0]))),
+    "TierPin": (64, wire.TierPin(namespace=b"compat-A", key_bytes=3, keys=b"abc")),
+    "TierUnpin": (65, wire.TierUnpin(op=(1 << 64) - 1)),
 }
 """Type name -> (corr, instance); corr is 0 for events and notifications."""
 

@@ -66,6 +66,16 @@ TYPE_IDS = {
     "ECUnavailable": 87,
     "ECXferReq": 88,
     "ECXferAck": 89,
+    "TierOpen": 100,
+    "TierOpened": 101,
+    "TierLookup": 102,
+    "TierFound": 103,
+    "TierReserve": 104,
+    "TierSlots": 105,
+    "TierCommit": 106,
+    "TierFlags": 107,
+    "TierPin": 108,
+    "TierUnpin": 109,
 }
 
 ERROR_CODES = {

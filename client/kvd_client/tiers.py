@@ -1,0 +1,447 @@
+"""The engine's side of kvd's KV tiers: keep blocks in the node's daemon, find and load them.
+
+A `TierClient` is one session with the local daemon (its own ZMQ DEALER on the daemon's
+IPC socket). Blocks are kept under a `namespace` (the model's compatibility hash: two
+models never share blocks) and found by key (vLLM's `OffloadKey`: the block hash and
+the KV group index, 4 bytes big-endian); one key is one block of `block_bytes`.
+
+The daemon owns the host tier: a shared-memory pool cut into slots. The client maps it
+read-write and moves the bytes itself, so a block crosses memory once each way:
+- `batch_lookup`: one round trip for the whole batch.
+- `store`: the daemon reserves (and pins) a slot per key it does not hold yet; the
+  client copies each block into its slot; a commit makes them visible (two round trips).
+- `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
+  the client copies each block out; an unpin releases them (one round trip: the unpin
+  is sent without waiting for its answer).
+A reservation or pin is held for the session only: if the client dies, its session ends
+(no keep-alive for `client_timeout`) and the daemon drops its pins; one left longer
+than the daemon's pin timeout is dropped too. Nothing stays pinned for a party that is
+gone.
+
+Every call blocks until the daemon answered or `timeout` passed. Failures raise
+`KvdError` (a subclass): the caller treats a failed lookup as all-miss and a failed
+load as a failed load (recompute). A session the daemon no longer knows (it restarted,
+or timed this one out) is reopened once, transparently, by the next call.
+
+Threads: calls are serialized by an internal lock, so one background thread (or a few)
+may use one client; they are meant for one thread at a time and gain nothing from more.
+This module imports only the thin client's dependencies (msgpack, pyzmq, the stdlib).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Final
+
+import zmq
+
+from kvd_client import __version__, wire
+from kvd_client.errors import (
+    DaemonUnavailable,
+    InvalidRequest,
+    KvdError,
+    ProtocolError,
+    Timeout,
+    error_from_code,
+)
+from kvd_client.shm import MAP_POPULATE, SHM_DIR, check_name
+
+__all__ = ["TierClient"]
+
+ROLE: Final = "tiers"
+MAX_BATCH: Final = wire.MAX_TIER_KEYS
+"""Keys per message; longer batches are split (one round trip per part)."""
+
+
+def _flat(buf: memoryview, what: str) -> memoryview:
+    """A 1-D byte view of a C-contiguous buffer (raises InvalidRequest otherwise)."""
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if mv.format == "B" and mv.ndim == 1:
+        return mv
+    if not mv.c_contiguous:
+        raise InvalidRequest(f"{what} is not C-contiguous")
+    return mv.cast("B")
+
+
+class TierClient:
+    """A session with the local daemon's KV tiers (see the module docstring)."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        namespace: bytes,
+        block_bytes: int,
+        *,
+        timeout: float = 2.0,
+        io_timeout: float = 30.0,
+    ) -> None:
+        """Connect to the daemon at `socket_path` and open the tiers for blocks of
+        `block_bytes` under `namespace`. `timeout` bounds each lookup and each unpin;
+        `io_timeout` bounds a store's reservation and a load's pin (which may wait for
+        the daemon to demote blocks to disk, or read the disk tier) and a commit."""
+        if not namespace or len(namespace) > 128:
+            raise InvalidRequest("namespace must be 1..128 bytes (the model's compat hash)")
+        if block_bytes <= 0:
+            raise InvalidRequest(f"block_bytes must be positive, got {block_bytes}")
+        self.socket_path: Final = socket_path
+        self.namespace: Final = bytes(namespace)
+        self.block_bytes: Final = block_bytes
+        self.timeout = timeout
+        self.io_timeout = max(io_timeout, timeout)
+        self._lock = threading.Lock()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
+        self._corr = itertools.count(1)
+        self._session = ""
+        self._opened: wire.TierOpened | None = None
+        self._pool_mm: mmap.mmap | None = None
+        self._pool: memoryview | None = None
+        self._ka_stop = threading.Event()
+        self._ka_thread: threading.Thread | None = None
+        self._keepalive_s = 1.0
+        self.reopened = 0
+        """Sessions opened again after the daemon forgot ours (restart, timeout)."""
+        self._closed = False
+        try:
+            with self._lock:
+                self._open_session()
+        except BaseException:
+            self.close()
+            raise
+
+    # ---------------------------------------------------------------- public calls
+
+    def batch_lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key: is it held (host or disk tier)? One round trip per batch."""
+        with self._lock:
+            out: list[bool] = []
+            for part in _parts(keys):
+                res = [False] * len(part)
+                for key_bytes, idx, blob in _by_length(part):
+                    msg = wire.TierLookup(self.namespace, key_bytes, blob)
+                    found = self._retrying(msg, wire.TierFound, self.timeout).found
+                    if len(found) != len(idx):
+                        raise ProtocolError("lookup answer does not match the batch")
+                    for i, f in zip(idx, found, strict=True):
+                        res[i] = f != wire.TIER_MISS
+                out.extend(res)
+            return out
+
+    def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        """Per key: stored and committed (or already held). A block is `block_bytes`."""
+        if len(keys) != len(blocks):
+            raise InvalidRequest(f"{len(keys)} keys but {len(blocks)} blocks")
+        views = [_flat(b, f"block {i}") for i, b in enumerate(blocks)]
+        for i, v in enumerate(views):
+            if v.nbytes != self.block_bytes:
+                raise InvalidRequest(f"block {i} has {v.nbytes} bytes, not {self.block_bytes}")
+        with self._lock:
+            out = [False] * len(keys)
+            for base, part in _indexed_parts(keys):
+                for key_bytes, idx, blob in _by_length(part):
+                    reserve = wire.TierReserve(self.namespace, key_bytes, blob)
+                    slots = self._retrying(reserve, wire.TierSlots, self.io_timeout)
+                    if len(slots.slots) != len(idx):
+                        self._release(slots.op, store=True)
+                        raise ProtocolError("reserve answer does not match the batch")
+                    ok = bytearray(len(idx))
+                    try:
+                        pool = self._need_pool()
+                        sb = self._slot_bytes()
+                        _check_slots(slots.slots, self._num_slots())
+                        for j, (i, s) in enumerate(zip(idx, slots.slots, strict=True)):
+                            if s >= 0:
+                                off = s * sb
+                                pool[off : off + self.block_bytes] = views[base + i]
+                                ok[j] = 1
+                    except BaseException:
+                        self._release(slots.op, store=True)
+                        raise
+                    flags = self._ask(
+                        wire.TierCommit(slots.op, bytes(ok)), wire.TierFlags, self.io_timeout
+                    ).flags
+                    if len(flags) != len(idx):
+                        raise ProtocolError("commit answer does not match the batch")
+                    for i, f in zip(idx, flags, strict=True):
+                        out[base + i] = bool(f)
+            return out
+
+    def load(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
+        """Per key: its block was copied into its dest (`block_bytes` long). A miss
+        leaves its dest untouched."""
+        if len(keys) != len(dests):
+            raise InvalidRequest(f"{len(keys)} keys but {len(dests)} destinations")
+        views = [_flat(d, f"dest {i}") for i, d in enumerate(dests)]
+        for i, v in enumerate(views):
+            if v.readonly:
+                raise InvalidRequest(f"dest {i} is read-only")
+            if v.nbytes < self.block_bytes:
+                raise InvalidRequest(f"dest {i} has {v.nbytes} bytes, fewer than a block")
+        with self._lock:
+            out = [False] * len(keys)
+            # a load pins all its blocks at once: at most half the pool per part, so
+            # that its disk hits find slots to be read into
+            per = max(1, min(MAX_BATCH, self._num_slots() // 2))
+            for base, part in _indexed_parts(keys, per):
+                for key_bytes, idx, blob in _by_length(part):
+                    pin = wire.TierPin(self.namespace, key_bytes, blob)
+                    slots = self._retrying(pin, wire.TierSlots, self.io_timeout)
+                    try:
+                        if len(slots.slots) != len(idx):
+                            raise ProtocolError("pin answer does not match the batch")
+                        pool = self._need_pool()
+                        sb = self._slot_bytes()
+                        bb = self.block_bytes
+                        _check_slots(slots.slots, self._num_slots())
+                        for i, s in zip(idx, slots.slots, strict=True):
+                            if s >= 0:
+                                off = s * sb
+                                views[base + i][:bb] = pool[off : off + bb]
+                                out[base + i] = True
+                    finally:
+                        self._release(slots.op, store=False, wait=False)
+            return out
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's tier statistics (as `kvd tiers --json` shows them)."""
+        with self._lock:
+            reply = self._retrying(wire.GetStatus("tiers"), wire.StatusReply, self.timeout)
+            return dict(reply.data)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the daemon's host pool (a load pins at most half of them at once)."""
+        with self._lock:
+            return self._num_slots()
+
+    @property
+    def has_disk(self) -> bool:
+        """Whether the daemon keeps a disk tier behind its host tier."""
+        with self._lock:
+            return self._info().disk
+
+    @property
+    def lookup_timeout(self) -> float:
+        """The lookup timeout the daemon suggests (`tiers.lookup_timeout`); this client's
+        own `timeout` is what its calls use."""
+        with self._lock:
+            return self._info().lookup_timeout
+
+    def close(self) -> None:
+        """End the session (the daemon drops anything it still held for it) and unmap.
+        Calls after this raise ProtocolError."""
+        with self._lock:
+            self._closed = True
+            self._ka_stop.set()
+            if self._sock is not None and self._session:
+                with contextlib.suppress(KvdError, zmq.ZMQError):
+                    self._ask(wire.Goodbye(self._session), wire.Ok, min(self.timeout, 2.0))
+            self._close_socket()
+            self._unmap()
+        if self._ka_thread is not None:
+            self._ka_thread.join(timeout=2.0)
+            self._ka_thread = None
+
+    def __enter__(self) -> TierClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- session
+
+    def _open_session(self) -> None:
+        """A new session: Hello, TierOpen, the pool mapped (caller holds the lock)."""
+        if self._closed:
+            raise ProtocolError("this TierClient is closed")
+        self._close_socket()
+        self._unmap()
+        self._session = f"{ROLE}-{os.getpid()}-{secrets.token_hex(6)}"
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, self._session.encode())
+        sock.connect(f"ipc://{self.socket_path}")
+        self._sock = sock
+        hello = wire.Hello(self._session, ROLE, "", -1, os.getpid(), __version__)
+        welcome = self._ask(hello, wire.Welcome, self.timeout)
+        self._keepalive_s = max(0.05, welcome.client_timeout / 4)
+        opened = self._ask(
+            wire.TierOpen(self.namespace, self.block_bytes), wire.TierOpened, self.timeout
+        )
+        if opened.slot_bytes < self.block_bytes:
+            raise ProtocolError(f"pool slots of {opened.slot_bytes} bytes hold no block")
+        self._map(opened)
+        self._opened = opened
+        if self._ka_thread is None:
+            self._ka_thread = threading.Thread(
+                target=self._keepalive, name="kvd-tiers-keepalive", daemon=True
+            )
+            self._ka_thread.start()
+
+    def _map(self, opened: wire.TierOpened) -> None:
+        fd = os.open(os.path.join(SHM_DIR, check_name(opened.pool)), os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            if size < opened.num_slots * opened.slot_bytes:
+                raise ProtocolError(f"the tier pool {opened.pool} is smaller than announced")
+            # every page mapped now: copies never fault page by page
+            self._pool_mm = mmap.mmap(fd, size, mmap.MAP_SHARED | MAP_POPULATE)
+        finally:
+            os.close(fd)
+        self._pool = memoryview(self._pool_mm)
+
+    def _unmap(self) -> None:
+        if self._pool is not None:
+            self._pool.release()
+            self._pool = None
+        if self._pool_mm is not None:
+            self._pool_mm.close()
+            self._pool_mm = None
+        self._opened = None
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+
+    def _need_pool(self) -> memoryview:
+        if self._pool is None:
+            raise ProtocolError("the tier pool is not mapped")
+        return self._pool
+
+    def _info(self) -> wire.TierOpened:
+        if self._opened is None:
+            self._open_session()
+        assert self._opened is not None
+        return self._opened
+
+    def _num_slots(self) -> int:
+        return self._info().num_slots
+
+    def _slot_bytes(self) -> int:
+        assert self._opened is not None
+        return self._opened.slot_bytes
+
+    def _keepalive(self) -> None:
+        """Ping our session so the daemon keeps it (and its pins) while we live."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"ipc://{self.socket_path}")
+        try:
+            while not self._ka_stop.wait(self._keepalive_s):
+                session = self._session
+                if session:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send(wire.encode(wire.KeepAlive(session)), flags=zmq.NOBLOCK)
+                while sock.poll(0):  # NOT_FOUND answers: the next call reopens
+                    sock.recv()
+        finally:
+            sock.close(0)
+
+    def _retrying(self, msg: wire.Record, want: Any, timeout: float) -> Any:
+        """Ask; if the daemon no longer knows our session (it restarted, or timed it
+        out), open a new one and ask once more."""
+        if self._sock is None:
+            self._open_session()
+        try:
+            return self._ask(msg, want, timeout)
+        except ProtocolError as exc:
+            if "Hello" not in exc.message and "closed" not in exc.message:
+                raise
+        self.reopened += 1
+        self._open_session()
+        return self._ask(msg, want, timeout)
+
+    def _release(self, op: int, *, store: bool, wait: bool = True) -> None:
+        """Drop an operation's pins, best effort (the session's end or the pin timeout
+        drops them otherwise). `wait=False`: send and return (a load's unpin: its
+        answer is dropped when it arrives, like any late one; the daemon handles our
+        messages in order, so the next request of this client sees the pins gone)."""
+        del store  # an unpin releases either kind
+        if not wait:
+            if self._sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    msg = wire.encode(wire.TierUnpin(op), next(self._corr))
+                    self._sock.send(msg, flags=zmq.NOBLOCK)
+            return
+        with contextlib.suppress(KvdError, zmq.ZMQError):
+            self._ask(wire.TierUnpin(op), wire.Ok, self.timeout)
+
+    def _ask(self, msg: wire.Record, want: Any, timeout: float) -> Any:
+        """Send `msg`, wait for its reply (of type `want`); raise the daemon's error."""
+        sock = self._sock
+        if sock is None:
+            raise ProtocolError("not connected")
+        corr = next(self._corr)
+        try:
+            sock.send(wire.encode(msg, corr), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                if time.monotonic() >= deadline:
+                    raise Timeout(f"no reply from kvd at {self.socket_path} within {timeout}s")
+                continue
+            rcorr, reply = wire.decode(sock.recv())
+            if rcorr != corr:
+                self._late(reply)
+                continue
+            if isinstance(reply, wire.ErrorReply):
+                raise error_from_code(reply.code, reply.message)
+            if not isinstance(reply, want):
+                raise ProtocolError(f"expected {want}, got {type(reply).__name__}")
+            return reply
+
+    def _late(self, reply: wire.Record) -> None:
+        """A reply to a call that timed out: release what it pinned for us."""
+        if isinstance(reply, wire.TierSlots) and self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                corr = next(self._corr)  # its answer is dropped as another late one
+                self._sock.send(wire.encode(wire.TierUnpin(reply.op), corr), flags=zmq.NOBLOCK)
+
+
+def _check_slots(slots: Sequence[int], num_slots: int) -> None:
+    """The daemon's slots must lie in its pool (never turned into a wild offset)."""
+    if any(s >= num_slots or s < wire.SLOT_REFUSED for s in slots):
+        raise ProtocolError(f"a slot outside the pool's {num_slots} slots")
+
+
+def _parts(keys: Sequence[bytes]) -> Iterator[Sequence[bytes]]:
+    for _, part in _indexed_parts(keys):
+        yield part
+
+
+def _indexed_parts(
+    keys: Sequence[bytes], per: int = MAX_BATCH
+) -> Iterator[tuple[int, Sequence[bytes]]]:
+    for start in range(0, len(keys), per):
+        yield start, keys[start : start + per]
+
+
+def _by_length(keys: Sequence[bytes]) -> Iterator[tuple[int, list[int], bytes]]:
+    """(key length, indices, the keys concatenated) per key length: one message each
+    (vLLM's keys all have one length, so one message per batch)."""
+    if not keys:
+        return
+    n = len(keys[0])
+    if all(len(k) == n for k in keys):
+        if not 1 <= n <= 256:
+            raise InvalidRequest(f"keys must be 1..256 bytes, got {n}")
+        yield n, list(range(len(keys))), b"".join(keys)
+        return
+    groups: dict[int, list[int]] = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(len(k), []).append(i)
+    for n, idx in groups.items():
+        if not 1 <= n <= 256:
+            raise InvalidRequest(f"keys must be 1..256 bytes, got {n}")
+        yield n, idx, b"".join(keys[i] for i in idx)

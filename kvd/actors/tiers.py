@@ -1,0 +1,920 @@
+"""Tiers: node-wide KV tiers that engines keep blocks in (vLLM's secondary offloading tiers).
+
+The daemon owns a host pool (one shared-memory segment, registered with NIXL, cut into
+slots of the block size of the first client that opens it) and, with `tiers.disk_path`,
+a disk tier of files moved with NIXL's POSIX backend (a second backend of the daemon's
+one agent). `kvd.core.tiers` keeps the indexes; this actor feeds them requests and does
+the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes themselves:
+- `TierLookup`: one answer for a whole batch (host, disk or miss per key).
+- Store: `TierReserve` reserves and pins a slot per key not held yet (evicting the least
+  recently used unpinned block when no slot is free), the client copies, `TierCommit`
+  makes the blocks visible; a block is never visible before its bytes are in place.
+- Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
+  slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
+  its length and checksum checked (a bad or truncated file is a miss: removed and counted,
+  never a crash); the client copies out and sends `TierUnpin`.
+A reservation or pin belongs to an operation of the client's session: it is dropped when
+the client ends it, when the session ends (goodbye, or no keep-alive for
+`daemon.client_timeout`: a killed client), or after `tiers.pin_timeout`.
+
+Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
+namespace and the key, then a trailer (magic, length, checksum kind, and the checksum
+of all before it: `tiers.disk_checksum`).
+It is written as a temp file (NIXL WRITE from its pinned host slot, then the trailer)
+and renamed into place only when complete, so a crash or a full disk never leaves a
+file that is served; temp files found at start are removed. At start the index is
+rebuilt from the files' trailers (a warm restart). Demotion: the host tier keeps
+`tiers.low_water` of its slots free by writing its least recently used blocks to disk
+(`demote_on_evict`) and then evicting them; blocks already on disk are evicted at once.
+A reservation that finds no free slot evicts at once, and a block not yet on disk is
+then dropped (counted as `tiers_host_dropped`). A failed disk write (a full disk) drops
+the block and removes the temp file (counted as `tiers_disk_write_failed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import math
+import os
+import secrets
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import structlog
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.shm import SharedRegion
+
+from kvd.actors.base import Mailbox
+from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
+from kvd.adapters.nixl import NixlEngine, Unsettled
+from kvd.config import TiersConfig
+from kvd.core.tiers import DiskIndex, Evicted, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
+from kvd.logs import RejectLog
+
+log = structlog.get_logger("kvd.tiers", actor="tiers")
+
+POOL_PREFIX: Final = "kvd-tiers-"
+MAGIC: Final = b"KVDTIER1"
+TRAILER: Final = struct.Struct("<8sQQHHI")
+"""magic, data bytes, checksum (of data, namespace, key), namespace length, key length,
+checksum kind; 32 bytes."""
+CHECKSUMS: Final = {"none": 0, "sum64": 1, "crc32": 2}
+"""`tiers.disk_checksum` -> the kind recorded in a file's trailer."""
+_MASK64: Final = (1 << 64) - 1
+SUFFIX: Final = ".blk"
+TMP_SUFFIX: Final = ".tmp"
+DEMOTE_BATCH: Final = 64
+"""Blocks written to disk in one NIXL transfer by the background demoter."""
+DISK_IO_TIMEOUT: Final = 60.0
+UNSETTLED: Final = "unsettled"
+"""Why a disk transfer failed when NIXL still had it in flight (`Unsettled`)."""
+
+
+@dataclass
+class _DiskDone:
+    """Notice from a disk task to the actor: per block, whether it worked."""
+
+    op: Op | None
+    read: bool
+    results: list[tuple[TierKey, int, bool, str]]
+
+
+@dataclass
+class _Opened:
+    namespaces: set[bytes] = field(default_factory=set)
+
+
+def block_path(root: str, key: TierKey) -> str:
+    """Where the disk tier keeps `key`'s block (a digest: keys may be long)."""
+    ns, k = key
+    h = hashlib.blake2b(len(ns).to_bytes(2, "big") + ns + k, digest_size=20).hexdigest()
+    return os.path.join(root, h[:2], h + SUFFIX)
+
+
+def trailer_of(key: TierKey, nbytes: int, kind: int, checksum: int) -> bytes:
+    ns, k = key
+    return ns + k + TRAILER.pack(MAGIC, nbytes, checksum, len(ns), len(k), kind)
+
+
+def read_trailer(fd: int, size: int) -> tuple[TierKey, int, tuple[int, int]] | str:
+    """(key, data bytes, (checksum kind, checksum)) from a block file of `size` bytes, or
+    why it is bad."""
+    if size < TRAILER.size:
+        return "truncated"
+    raw = os.pread(fd, TRAILER.size, size - TRAILER.size)
+    if len(raw) != TRAILER.size:
+        return "truncated"
+    magic, nbytes, checksum, ns_len, key_len, kind = TRAILER.unpack(raw)
+    if magic != MAGIC:
+        return "bad magic"
+    if kind not in CHECKSUMS.values():
+        return "unknown checksum kind"
+    if size != nbytes + ns_len + key_len + TRAILER.size or ns_len == 0 or key_len == 0:
+        return "wrong length"
+    names = os.pread(fd, ns_len + key_len, nbytes)
+    if len(names) != ns_len + key_len:
+        return "truncated"
+    return (names[:ns_len], names[ns_len:]), nbytes, (kind, checksum)
+
+
+def block_checksum(kind: int, data: memoryview, key: TierKey) -> int:
+    """A block's checksum of `kind` over its bytes, namespace and key. sum64: the 64-bit
+    wrapping sum of its little-endian words (about memory speed: catches flipped bits and
+    zeroed or cut data, not reordered words); crc32: CRC-32 (stronger, ~2 GB/s here).
+    Both release the GIL (numpy's reduction, zlib)."""
+    names = len(key[0]).to_bytes(2, "little") + key[0] + key[1]
+    if kind == CHECKSUMS["crc32"]:
+        return zlib.crc32(names, zlib.crc32(data))
+    if kind == CHECKSUMS["sum64"]:
+        n8 = len(data) // 8 * 8
+        total = int(np.add.reduce(np.frombuffer(data[:n8], dtype="<u8"), dtype=np.uint64))
+        tail = bytes(data[n8:])
+        if tail:
+            total += int.from_bytes(tail, "little")
+        total += int.from_bytes(hashlib.blake2b(names, digest_size=8).digest(), "little")
+        return total & _MASK64
+    return 0
+
+
+def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink host pools left by daemons that died without cleanup (their pid is gone)."""
+    removed = []
+    for name in os.listdir(shm_dir):
+        if not name.startswith(POOL_PREFIX):
+            continue
+        pid_text = name[len(POOL_PREFIX) :].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except OSError:
+                pass
+        except (PermissionError, FileNotFoundError):
+            continue
+    return removed
+
+
+def scan_disk(
+    root: str, check: Callable[[str], None] | None = None
+) -> tuple[list[tuple[float, TierKey, int]], list[str], list[str]]:
+    """Files of a disk tier: (mtime, key, data bytes) of the good ones, oldest first; the
+    bad ones (removed); the temp files of writes that never finished (removed)."""
+    good: list[tuple[float, TierKey, int]] = []
+    bad: list[str] = []
+    leftovers: list[str] = []
+    if not os.path.isdir(root):
+        return good, bad, leftovers
+    for sub in sorted(os.listdir(root)):
+        d = os.path.join(root, sub)
+        if len(sub) != 2 or not os.path.isdir(d):
+            continue
+        for name in os.listdir(d):
+            path = os.path.join(d, name)
+            if name.endswith(TMP_SUFFIX):
+                _unlink(path)
+                leftovers.append(path)
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                got = read_trailer(fd, st.st_size)
+            except OSError:
+                got = "unreadable"
+            finally:
+                os.close(fd)
+            if isinstance(got, str) or block_path(root, got[0]) != path:
+                _unlink(path)
+                bad.append(path)
+                continue
+            good.append((st.st_mtime, got[0], got[1]))
+    good.sort(key=lambda g: g[0])
+    return good, bad, leftovers
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class Tiers:
+    def __init__(
+        self,
+        *,
+        engine: NixlEngine,
+        mailbox: Mailbox[Any],
+        cfg: TiersConfig,
+        counters: dict[str, int],
+        rejects: RejectLog,
+    ) -> None:
+        self.engine = engine
+        self.mailbox = mailbox
+        self.clock = mailbox.clock
+        self.cfg = cfg
+        self.counters = counters
+        self.rejects = rejects
+        self.disk_root = os.path.abspath(cfg.disk_path) if cfg.disk_path else ""
+        self.pool: SharedRegion | None = None
+        self.pool_addr = 0
+        self._pool_reg: Any = None
+        self.host: HostIndex | None = None
+        self.slot_bytes = 0
+        self.disk: DiskIndex | None = DiskIndex(cfg.disk_bytes) if self.disk_root else None
+        self.ops = OpBook()
+        self.sessions: dict[str, _Opened] = {}
+        self.demoting = 0
+        self.reading = 0
+        self.op_reqs: dict[int, ClientRequest] = {}
+        """Operations not answered yet (disk reads pending, or waiting for slots)."""
+        self.waiters: dict[int, Op] = {}
+        """Operations whose keys wait for host slots, oldest first."""
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.cfg.enabled
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        if self.enabled:
+            await self._start()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            while True:
+                msg: Any = await self.mailbox.receive_before(self.ops.next_deadline())
+                if msg is not None:
+                    self._dispatch(msg)
+                for op in self.ops.expired(self.clock.now()):
+                    self._count("tiers_pins_expired")
+                    self._release(op)
+
+    async def _start(self) -> None:
+        reap_stale_pools()
+        name = f"{POOL_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        # the pool's pages are allocated now, not at each first copy into a slot
+        self.pool = SharedRegion(name, self.cfg.host_bytes, populate=True)
+        import ctypes
+
+        anchor = ctypes.c_char.from_buffer(self.pool.buf)
+        self.pool_addr = ctypes.addressof(anchor)
+        del anchor
+        self._pool_reg = await self.engine.register(self.pool_addr, self.cfg.host_bytes)
+        if self.disk is not None:
+            os.makedirs(self.disk_root, exist_ok=True)
+            good, bad, leftovers = await anyio.to_thread.run_sync(scan_disk, self.disk_root)
+            for _, key, nbytes in good:
+                got = self.disk.add_existing(key, nbytes)
+                if isinstance(got, list):
+                    for old in got:
+                        _unlink(block_path(self.disk_root, old))
+                        self._count("tiers_disk_evictions", 1)
+                else:
+                    _unlink(block_path(self.disk_root, key))
+            self._count("tiers_disk_corrupt", len(bad))
+            self._count("tiers_disk_leftovers_removed", len(leftovers))
+            log.info(
+                "tiers_disk_loaded",
+                path=self.disk_root,
+                blocks=len(self.disk),
+                bytes=self.disk.used,
+                bad=len(bad),
+                leftovers=len(leftovers),
+            )
+        log.info("tiers_ready", pool=name, host_bytes=self.cfg.host_bytes, disk=self.disk_root)
+
+    async def cleanup(self) -> None:
+        """Deregister and unlink the pool (shutdown; shielded by the daemon)."""
+        if self._pool_reg is not None:
+            try:
+                await self.engine.deregister(self._pool_reg)
+            except KvdError as exc:
+                log.warning("tiers_deregister_failed", error=exc.message)
+            self._pool_reg = None
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, ClientRequest):
+            try:
+                self._client(msg)
+            except KvdError as exc:
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_requests_rejected",
+                    "tiers_request_rejected",
+                    type(exc).__name__,
+                    session=msg.session,
+                    error=exc.message,
+                )
+                msg.fail(exc)
+        elif isinstance(msg, _DiskDone):
+            if msg.read:
+                self._read_done(msg)
+            else:
+                self._write_done(msg)
+        elif isinstance(msg, SessionClosed):
+            self.sessions.pop(msg.session, None)
+            for op in self.ops.of_session(msg.session):
+                self._release(op)
+            msg.resolve(None)
+        elif isinstance(msg, Snapshot):
+            msg.resolve(self.snapshot())
+        else:
+            raise TypeError(f"tiers got {type(msg).__name__}")
+
+    def _client(self, req: ClientRequest) -> None:
+        m = req.msg
+        if not self.enabled or self.pool is None:
+            raise InvalidRequest("this daemon keeps no KV tiers (tiers.enabled = false)")
+        if isinstance(m, wire.TierOpen):
+            req.resolve(self._open(req.session, m))
+            return
+        if isinstance(m, (wire.TierUnpin, wire.TierCommit)):
+            req.resolve(self._finish(req.session, m))
+            return
+        assert isinstance(m, (wire.TierLookup, wire.TierReserve, wire.TierPin))
+        opened = self.sessions.get(req.session)
+        if opened is None or m.namespace not in opened.namespaces:
+            raise InvalidRequest("TierOpen this namespace first")
+        if len(m.keys) % m.key_bytes:
+            raise InvalidRequest(f"keys are not a multiple of key_bytes ({m.key_bytes})")
+        n = len(m.keys) // m.key_bytes
+        if n > wire.MAX_TIER_KEYS:
+            raise InvalidRequest(f"{n} keys in one batch (at most {wire.MAX_TIER_KEYS})")
+        kb, blob, ns = m.key_bytes, m.keys, m.namespace
+        keys = [(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)]
+        if isinstance(m, wire.TierLookup):
+            req.resolve(wire.TierFound(self._lookup(keys)))
+        elif isinstance(m, wire.TierReserve):
+            self._reserve(req, keys)
+        else:
+            self._pin(req, keys)
+
+    # ---------------------------------------------------------------- requests
+
+    def _open(self, session: str, m: wire.TierOpen) -> wire.TierOpened:
+        assert self.pool is not None
+        if m.block_bytes > self.cfg.host_bytes:
+            raise InvalidRequest(
+                f"a block of {m.block_bytes} bytes exceeds tiers.host_bytes ({self.cfg.host_bytes})"
+            )
+        if self.host is None or (
+            self.slot_bytes != m.block_bytes and len(self.host) == 0 and len(self.ops) == 0
+        ):
+            self.slot_bytes = m.block_bytes
+            self.host = HostIndex(self.cfg.host_bytes // m.block_bytes)
+        elif self.slot_bytes != m.block_bytes:
+            raise Incompatible(
+                f"the host tier holds blocks of {self.slot_bytes} bytes; this client's "
+                f"are {m.block_bytes} (one block size per daemon while blocks are held)"
+            )
+        self.sessions.setdefault(session, _Opened()).namespaces.add(m.namespace)
+        return wire.TierOpened(
+            self.pool.name,
+            self.cfg.host_bytes,
+            self.slot_bytes,
+            self.host.num_slots,
+            self.cfg.pin_timeout,
+            self.cfg.lookup_timeout,
+            self.disk is not None,
+        )
+
+    def _lookup(self, keys: list[TierKey]) -> bytes:
+        host, disk = self.host, self.disk
+        assert host is not None
+        out = bytearray(len(keys))
+        hits = dhits = 0
+        for i, k in enumerate(keys):
+            if host.ready(k):
+                out[i] = wire.TIER_HOST
+                hits += 1
+            elif disk is not None and disk.ready(k):
+                out[i] = wire.TIER_DISK
+                dhits += 1
+        self._count("tiers_host_hits", hits)
+        self._count("tiers_host_misses", len(keys) - hits)
+        if disk is not None:
+            self._count("tiers_disk_hits", dhits)
+            self._count("tiers_disk_misses", len(keys) - hits - dhits)
+        self._count("tiers_lookups")
+        self._count("tiers_lookup_keys", len(keys))
+        return bytes(out)
+
+    def _reserve(self, req: ClientRequest, keys: list[TierKey]) -> None:
+        host, disk = self.host, self.disk
+        assert host is not None
+        op = self.ops.open(req.session, OpKind.STORE, self.clock.now() + self.cfg.pin_timeout)
+        op.keys = keys
+        op.slots = [wire.SLOT_HELD] * len(keys)
+        seen: set[TierKey] = set()
+        for i, k in enumerate(keys):
+            if k in host or (disk is not None and disk.ready(k)) or k in seen:
+                continue
+            seen.add(k)
+            op.waiting.append(i)
+        self.op_reqs[op.op] = req
+        self._place(op)
+
+    def _finish(self, session: str, m: wire.TierUnpin | wire.TierCommit) -> wire.Record:
+        op = self.ops.get(m.op)
+        if op is None or op.session != session:
+            raise NotFound(f"no tier operation {m.op} (expired, or its pins were dropped)")
+        if isinstance(m, wire.TierUnpin):
+            self._release(m.op)
+            return wire.Ok()
+        if op.kind is not OpKind.STORE:
+            raise InvalidRequest(f"operation {m.op} is a load: unpin it, not commit it")
+        if not op.answered:
+            raise InvalidRequest(f"operation {m.op} has no slots yet: commit after its answer")
+        host = self.host
+        assert host is not None
+        self.ops.close(m.op)
+        flags = bytearray(len(op.slots))
+        committed = 0
+        for j, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
+            if slot == wire.SLOT_HELD:
+                flags[j] = 1
+            elif slot >= 0:
+                if j < len(m.ok) and m.ok[j]:
+                    host.commit(k)
+                    flags[j] = 1
+                    committed += 1
+                else:
+                    host.abort(k)
+        self._count("tiers_host_bytes_in", committed * self.slot_bytes)
+        self._count("tiers_blocks_stored", committed)
+        self._keep_free()
+        return wire.TierFlags(bytes(flags))
+
+    def _pin(self, req: ClientRequest, keys: list[TierKey]) -> None:
+        host, disk = self.host, self.disk
+        assert host is not None
+        op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + self.cfg.pin_timeout)
+        op.keys = keys
+        op.slots = [wire.SLOT_HELD] * len(keys)
+        n_host = 0
+        for i, k in enumerate(keys):
+            slot = host.pin(k)
+            if slot is not None:
+                op.slots[i] = slot
+                n_host += 1
+            elif disk is not None and disk.ready(k):
+                op.waiting.append(i)
+        self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
+        self._count("tiers_blocks_loaded", n_host)
+        self.op_reqs[op.op] = req
+        self._place(op)
+
+    def _place(self, op: Op) -> None:
+        """Find host slots for the op's waiting keys: a store's new blocks, or a load's
+        disk hits (which then start reading). Those that find none wait for the demoter
+        to free slots, or are refused (store) or misses (load) when nothing can free one.
+        Answers the op once nothing is pending or waiting."""
+        host, disk = self.host, self.disk
+        assert host is not None
+        reads: list[tuple[TierKey, int]] = []
+        still: list[int] = []
+        todo, op.waiting = op.waiting, []
+        if op.kind is OpKind.STORE:
+            for i in todo:
+                got = host.reserve(op.keys[i], evict_dirty=not self._demoting_on)
+                if got is Reserve.FULL:
+                    still.append(i)
+                elif not isinstance(got, Reserve):
+                    op.slots[i] = got[0]
+                    self._evicted(got[1])
+                # HELD: stored by another client meanwhile
+            todo = []
+        for i in todo:
+            k = op.keys[i]
+            if disk is None or not disk.ready(k) or disk.nbytes(k) != self.slot_bytes:
+                continue  # gone meanwhile, or another block size: a miss
+            got = host.reserve(
+                k,
+                transient=not self.cfg.promote_on_hit,
+                on_disk=True,
+                evict_dirty=not self._demoting_on,
+            )
+            if got is Reserve.HELD:  # promoted (or being read) for another load meanwhile
+                slot = host.pin(k)
+                if slot is None:
+                    still.append(i)
+                else:
+                    op.slots[i] = slot
+                continue
+            if got is Reserve.FULL:
+                still.append(i)
+                continue
+            assert not isinstance(got, Reserve)
+            slot, victim = got
+            self._evicted(victim)
+            disk.pin(k)
+            reads.append((k, slot))
+            op.slots[i] = slot
+            op.pending.add((k, slot))
+        op.waiting = still
+        if reads:
+            self.reading += len(reads)
+            assert self._tg is not None
+            self._tg.start_soon(self._read_disk, op, reads)
+        if op.waiting:
+            self.waiters[op.op] = op  # (kept in place if it was waiting already)
+            self._keep_free()
+            if self.demoting == 0 and not op.pending:  # nothing will free a slot for it
+                if op.kind is OpKind.STORE:
+                    self._count("tiers_store_refused", len(op.waiting))
+                    for i in op.waiting:
+                        op.slots[i] = wire.SLOT_REFUSED
+                else:
+                    self._count("tiers_promote_no_room", len(op.waiting))
+                op.waiting = []
+        if not op.waiting:
+            self.waiters.pop(op.op, None)
+        self._answer(op)
+
+    def _answer(self, op: Op) -> None:
+        if op.answered or op.waiting or op.pending:
+            return
+        op.answered = True
+        req = self.op_reqs.pop(op.op, None)
+        if req is None:
+            return
+        if op.released:
+            req.fail(NotFound("the operation's pins were dropped (pin timeout, session end)"))
+        else:
+            req.resolve(wire.TierSlots(op.op, tuple(op.slots)))
+
+    def _retry_waiters(self) -> None:
+        for op in list(self.waiters.values()):
+            self._place(op)
+
+    @property
+    def _demoting_on(self) -> bool:
+        return self.disk is not None and self.cfg.demote_on_evict
+
+    def _evicted(self, victim: Evicted | None) -> None:
+        if victim is not None:
+            self._count("tiers_host_evictions")
+            if not victim.on_disk:
+                self._count("tiers_host_dropped")
+
+    def _release(self, op_id: int) -> None:
+        """Drop what an operation holds: a store's uncommitted reservations, a load's pins
+        (blocks still being read from disk are released when the read ends)."""
+        op = self.ops.close(op_id)
+        host = self.host
+        if op is None or host is None:
+            return
+        op.released = True
+        waiting = set(op.waiting)
+        op.waiting = []
+        self.waiters.pop(op.op, None)
+        for i, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
+            if slot < 0 or i in waiting or (k, slot) in op.pending:
+                continue
+            if op.kind is OpKind.STORE:
+                host.abort(k)
+            else:
+                host.unpin(k)
+        self._answer(op)
+        self._keep_free()
+        self._retry_waiters()
+
+    # ---------------------------------------------------------------- disk: loads
+
+    async def _read_disk(self, op: Op, reads: list[tuple[TierKey, int]]) -> None:
+        results: list[tuple[TierKey, int, bool, str]] = []
+        fds: list[tuple[TierKey, int, int, tuple[int, int]]] = []  # key, slot, fd, checksum
+        try:
+            for k, slot in reads:
+                why, fd, crc = self._open_block(k)
+                if fd < 0:
+                    results.append((k, slot, False, why))
+                else:
+                    fds.append((k, slot, fd, crc))
+            if fds:
+                pieces = [
+                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd)
+                    for _, s, fd, _ in fds
+                ]
+                try:
+                    await self._file_io("READ", pieces)
+                    checks = await anyio.to_thread.run_sync(self._check_sums, fds)
+                    results.extend(checks)
+                except Unsettled:
+                    # NIXL may still write into these slots and read these fds: both are
+                    # kept (the slots never reused, the fds never closed: counted)
+                    results.extend((k, s, False, UNSETTLED) for k, s, _, _ in fds)
+                    fds = []
+                except KvdError as exc:
+                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in fds)
+        finally:
+            for _, _, fd, _ in fds:
+                os.close(fd)
+            self.mailbox.post(_DiskDone(op, True, results))
+
+    async def _file_io(self, op: str, pieces: list[tuple[int, int, int]]) -> None:
+        """A NIXL file transfer into or out of the pool, shielded from cancellation: at
+        shutdown the pool is deregistered and unmapped only after the NIXL thread is done
+        with it (bounded: the thread fails a transfer after DISK_IO_TIMEOUT)."""
+        with anyio.CancelScope(shield=True):
+            await self.engine.file_transfer(op, pieces, DISK_IO_TIMEOUT)
+
+    def _open_block(self, k: TierKey) -> tuple[str, int, tuple[int, int]]:
+        """(why not, fd or -1, its checksum): a block file checked by its trailer."""
+        path = block_path(self.disk_root, k)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            return f"open: {exc.strerror}", -1, (0, 0)
+        try:
+            got = read_trailer(fd, os.fstat(fd).st_size)
+        except OSError as exc:
+            got = f"read: {exc.strerror}"
+        if isinstance(got, str) or got[0] != k or got[1] != self.slot_bytes:
+            os.close(fd)
+            return (got if isinstance(got, str) else "names another block"), -1, (0, 0)
+        return "", fd, got[2]
+
+    def _check_sums(
+        self, fds: list[tuple[TierKey, int, int, tuple[int, int]]]
+    ) -> list[tuple[TierKey, int, bool, str]]:
+        """Each block's checksum, as its file's trailer recorded it (off: length only)."""
+        assert self.pool is not None
+        out = []
+        for k, slot, _, (kind, want) in fds:
+            if kind == CHECKSUMS["none"] or self.cfg.disk_checksum == "none":
+                out.append((k, slot, True, ""))
+                continue
+            off = slot * self.slot_bytes
+            got = block_checksum(kind, self.pool.buf[off : off + self.slot_bytes], k)
+            out.append((k, slot, got == want, "" if got == want else "checksum mismatch"))
+        return out
+
+    def _read_done(self, msg: _DiskDone) -> None:
+        host, disk = self.host, self.disk
+        op = msg.op
+        assert host is not None and disk is not None and op is not None
+        self.reading -= len(msg.results)
+        good = 0
+        index = {k: i for i, k in enumerate(op.keys)}
+        for k, slot, ok, why in msg.results:
+            op.pending.discard((k, slot))
+            disk.unpin(k)
+            if why == UNSETTLED:  # the slot stays reserved for good: NIXL may write it
+                self._count("tiers_slots_unsettled")
+                op.slots[index[k]] = wire.SLOT_HELD
+                continue
+            if ok:
+                host.commit(k, keep_pin=True)
+                good += 1
+                if op.released:
+                    host.unpin(k)
+                continue
+            host.abort(k)
+            if disk.remove(k):
+                _unlink(block_path(self.disk_root, k))
+            self._count("tiers_disk_corrupt")
+            self.rejects.reject(
+                "tiers",
+                "tiers_disk_bad_files",
+                "tiers_disk_block_bad",
+                "bad_file",
+                level="warning",
+                error=why,
+            )
+            op.slots[index[k]] = wire.SLOT_HELD
+        self._count("tiers_disk_bytes_out", good * self.slot_bytes)
+        self._count("tiers_blocks_promoted", good)
+        self._count("tiers_blocks_loaded", good)
+        self._answer(op)
+        self._keep_free()
+        self._retry_waiters()
+
+    # ---------------------------------------------------------------- disk: demotion
+
+    def _keep_free(self) -> None:
+        """Keep `low_water` of the host slots free (and as many as waiting loads need):
+        evict blocks already on disk, write the others to disk first (one batch at a
+        time), or drop them (no disk tier, or demotion off)."""
+        host, disk = self.host, self.disk
+        if host is None:
+            return
+        target = math.ceil(self.cfg.low_water * host.num_slots)
+        target = max(target, sum(len(op.waiting) for op in self.waiters.values()))
+        need = target - host.free_slots - self.demoting
+        if need <= 0:
+            return
+        for ev in host.evict_clean(need):
+            self._evicted(ev)
+            need -= 1
+        if need <= 0:
+            return
+        if not self._demoting_on:
+            for k in host.victims(need):
+                self._evicted(host.evict(k))
+            return
+        if self.demoting:
+            return  # one batch at a time; its end calls us again
+        assert disk is not None
+        writes: list[tuple[TierKey, int]] = []
+        for k in host.victims(min(need, DEMOTE_BATCH)):
+            got = disk.begin_write(k, self.slot_bytes)
+            if got is Reserve.HELD:  # (a file of an earlier life of this block)
+                host.mark_on_disk(k)
+                self._evicted(host.evict(k))
+                continue
+            if got is Reserve.FULL:
+                self._count("tiers_disk_full")
+                self._evicted(host.evict(k))
+                continue
+            assert isinstance(got, list)
+            for old in got:
+                _unlink(block_path(self.disk_root, old))
+                self._count("tiers_disk_evictions")
+            slot = host.pin(k)
+            assert slot is not None
+            writes.append((k, slot))
+        if writes:
+            self.demoting += len(writes)
+            assert self._tg is not None
+            self._tg.start_soon(self._write_disk, writes)
+
+    async def _write_disk(self, writes: list[tuple[TierKey, int]]) -> None:
+        leaked = False
+        results: list[tuple[TierKey, int, bool, str]] = []
+        opened: list[tuple[TierKey, int, int, str]] = []  # key, slot, fd, temp path
+        try:
+            for k, slot in writes:
+                final = block_path(self.disk_root, k)
+                tmp = f"{final}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+                try:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                except OSError as exc:
+                    results.append((k, slot, False, f"open: {exc.strerror}"))
+                    continue
+                opened.append((k, slot, fd, tmp))
+            if opened:
+                pieces = [
+                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd)
+                    for _, s, fd, _ in opened
+                ]
+                try:
+                    await self._file_io("WRITE", pieces)
+                    results.extend(await anyio.to_thread.run_sync(self._seal_files, opened))
+                except Unsettled:
+                    # NIXL may still write to these fds: never closed (a closed number
+                    # could name another file by then); the temp files are unlinked
+                    results.extend((k, s, False, UNSETTLED) for k, s, _, _ in opened)
+                    leaked = True
+                except KvdError as exc:
+                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in opened)
+        finally:
+            for _, _, fd, _ in opened:
+                if not leaked:
+                    os.close(fd)
+            ok_keys = {k for k, _, ok, _ in results if ok}
+            for k, _, _, tmp in opened:
+                if k not in ok_keys:
+                    _unlink(tmp)
+            self.mailbox.post(_DiskDone(None, False, results))
+
+    def _seal_files(
+        self, opened: list[tuple[TierKey, int, int, str]]
+    ) -> list[tuple[TierKey, int, bool, str]]:
+        """Trailer written, then renamed into place: only a whole block is ever served."""
+        assert self.pool is not None
+        out = []
+        for k, slot, fd, tmp in opened:
+            off = slot * self.slot_bytes
+            kind = CHECKSUMS[self.cfg.disk_checksum]
+            data = self.pool.buf[off : off + self.slot_bytes]
+            tail = trailer_of(k, self.slot_bytes, kind, block_checksum(kind, data, k))
+            try:
+                if os.pwrite(fd, tail, self.slot_bytes) != len(tail):
+                    raise OSError(errno.ENOSPC, "short write")
+                os.rename(tmp, block_path(self.disk_root, k))
+            except OSError as exc:
+                out.append((k, slot, False, f"write: {exc.strerror}"))
+                continue
+            out.append((k, slot, True, ""))
+        return out
+
+    def _write_done(self, msg: _DiskDone) -> None:
+        host, disk = self.host, self.disk
+        assert host is not None and disk is not None
+        self.demoting -= len(msg.results)
+        for k, _, ok, why in msg.results:
+            disk.finish_write(k, ok)
+            host.unpin(k)
+            if ok:
+                host.mark_on_disk(k)
+                self._count("tiers_disk_bytes_in", self.slot_bytes)
+                self._count("tiers_blocks_demoted")
+            else:
+                self._count("tiers_disk_write_failed")
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_disk_write_errors",
+                    "tiers_disk_write_failed",
+                    "write_failed",
+                    level="warning",
+                    error=why,
+                )
+            self._evicted(host.evict(k))
+        self._keep_free()
+        self._retry_waiters()
+
+    # ---------------------------------------------------------------- status
+
+    def snapshot(self) -> dict[str, Any]:
+        host, disk = self.host, self.disk
+        out: dict[str, Any] = {"enabled": self.enabled}
+        if not self.enabled:
+            return out
+        c = self.counters
+        slots = host.num_slots if host is not None else 0
+        used = (len(host) if host is not None else 0) * self.slot_bytes
+        out["pool"] = self.pool.name if self.pool is not None else ""
+        out["block_bytes"] = self.slot_bytes
+        out["pending_lookups"] = self.mailbox.depth()
+        out["counters"] = {
+            name[len("tiers_") :]: v for name, v in sorted(c.items()) if name.startswith("tiers_")
+        }
+        out["ops_open"] = len(self.ops)
+        out["host"] = {
+            "capacity": self.cfg.host_bytes,
+            "slots": slots,
+            "used": used,
+            "blocks": len(host) if host is not None else 0,
+            "free_slots": host.free_slots if host is not None else 0,
+            "hits": c.get("tiers_host_hits", 0),
+            "misses": c.get("tiers_host_misses", 0),
+            "evictions": c.get("tiers_host_evictions", 0),
+            "bytes_in": c.get("tiers_host_bytes_in", 0),
+            "bytes_out": c.get("tiers_host_bytes_out", 0),
+            "demoting": self.demoting,
+        }
+        if disk is not None:
+            out["disk"] = {
+                "path": self.disk_root,
+                "capacity": disk.capacity,
+                "used": disk.used,
+                "blocks": len(disk),
+                "hits": c.get("tiers_disk_hits", 0),
+                "misses": c.get("tiers_disk_misses", 0),
+                "evictions": c.get("tiers_disk_evictions", 0),
+                "bytes_in": c.get("tiers_disk_bytes_in", 0),
+                "bytes_out": c.get("tiers_disk_bytes_out", 0),
+                "reading": self.reading,
+            }
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        """Plain numbers for the metrics exporter (read from its thread)."""
+        snap_host = self.host
+        out = {
+            "host_capacity_bytes": float(self.cfg.host_bytes if self.enabled else 0),
+            "host_used_bytes": float(len(snap_host) * self.slot_bytes if snap_host else 0),
+            "host_blocks": float(len(snap_host) if snap_host else 0),
+        }
+        if self.disk is not None:
+            out["disk_capacity_bytes"] = float(self.disk.capacity)
+            out["disk_used_bytes"] = float(self.disk.used)
+            out["disk_blocks"] = float(len(self.disk))
+        return out
+
+
+__all__ = ["Tiers", "TransferError", "block_path", "scan_disk"]

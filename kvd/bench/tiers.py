@@ -1,0 +1,261 @@
+"""Scenario 7, KV tiers: a daemon of its own with `[tiers]` on, and `TierClient`.
+
+- Lookup: a batch of 1,000 keys (all host-tier hits), the client's round trip (daemon
+  answer included), with 1,000 and with 100,000 blocks held (1 KiB blocks); the same
+  1,000-key batch's cost per key, as the engine pays it. Beside it, the sans-IO host
+  index alone (reserve + commit + pin + unpin per key) at 1k and 100k entries.
+- Host tier: store and load of one 64 MiB request (32 blocks of 2 MiB) through the pool
+  against a memcpy of the same bytes.
+- Disk tier: the request's blocks written by the demoter, the daemon restarted (its disk
+  index rebuilt: nothing in the host tier), then loads from disk (`promote_on_hit` off,
+  so every load reads the files) against plain buffered reads of the same files
+  (`readinto`, one file after another) in the same run. The files were just written,
+  so the page cache is warm for both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvd_client.tiers import TierClient
+
+from kvd.bench.common import Env, Progress, median
+from kvd.core.tiers import HostIndex
+from kvd.demo import DaemonProc, start_daemon
+
+NS = b"kvd-bench-tiers"
+
+
+@dataclass(frozen=True)
+class TiersBenchConfig:
+    lookup_keys: int = 1000
+    lookup_reps: int = 200
+    big_blocks: int = 100_000
+    request_bytes: int = 64 << 20
+    block_bytes: int = 2 << 20
+    reps: int = 7
+
+    @classmethod
+    def quick(cls) -> TiersBenchConfig:
+        return cls(
+            lookup_reps=50, big_blocks=20_000, request_bytes=16 << 20, block_bytes=1 << 20, reps=3
+        )
+
+
+def steps(cfg: TiersBenchConfig) -> int:
+    return 4
+
+
+def _key(i: int) -> bytes:
+    return hashlib.sha256(i.to_bytes(8, "little")).digest() + b"\0\0\0\0"
+
+
+def _daemon(env: Env, name: str, tiers: dict[str, Any]) -> DaemonProc:
+    return start_daemon(
+        env.workdir,
+        f"{name}-{os.getpid()}",
+        overrides={"tiers": {"enabled": True, **tiers}, "daemon": {"client_timeout": 30.0}},
+    )
+
+
+def run(env: Env, cfg: TiersBenchConfig, seed: int, progress: Progress) -> dict[str, Any]:
+    del seed
+    out: dict[str, Any] = {"config": cfg.__dict__}
+    out["lookup"] = _lookup(env, cfg)
+    progress("tiers: lookup at 1k and 100k blocks")
+    out["index"] = _index(cfg)
+    progress("tiers: sans-IO host index")
+    out["host"] = _host(env, cfg)
+    progress("tiers: host tier store and load")
+    out["disk"] = _disk(env, cfg)
+    progress("tiers: disk tier load")
+    return out
+
+
+def _lookup(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
+    bb = 1024
+    d = _daemon(env, "kvdb-tl", {"host_bytes": (cfg.big_blocks + 4096) * bb, "low_water": 0.0})
+    res: dict[str, Any] = {"block_bytes": bb}
+    try:
+        with TierClient(d.socket, NS, bb, timeout=10.0) as c:
+            blob = memoryview(bytes(bb))
+            held = 0
+            for size in (cfg.lookup_keys, cfg.big_blocks):
+                while held < size:
+                    n = min(4096, size - held)
+                    keys = [_key(i) for i in range(held, held + n)]
+                    c.store(keys, [blob] * n)
+                    held += n
+                probe = [_key(i) for i in range(0, size, max(1, size // cfg.lookup_keys))]
+                probe = probe[: cfg.lookup_keys]
+                c.batch_lookup(probe)  # warm
+                took = []
+                for _ in range(cfg.lookup_reps):
+                    t0 = time.perf_counter()
+                    found = c.batch_lookup(probe)
+                    took.append(time.perf_counter() - t0)
+                    if not all(found):
+                        raise RuntimeError("a held key was not found")
+                res[f"p50_ms_{size}"] = round(median(took) * 1e3, 4)
+                res[f"per_key_us_{size}"] = round(median(took) * 1e6 / len(probe), 3)
+            res["blocks_small"] = cfg.lookup_keys
+            res["blocks_big"] = cfg.big_blocks
+            res["growth"] = round(
+                res[f"p50_ms_{cfg.big_blocks}"] / res[f"p50_ms_{cfg.lookup_keys}"], 3
+            )
+    finally:
+        d.stop()
+    return res
+
+
+def _index(cfg: TiersBenchConfig) -> dict[str, Any]:
+    """ns per key of reserve + commit + pin + unpin + evict, in an index of n entries."""
+    res: dict[str, Any] = {}
+    for n in (1000, 100_000):
+        h = HostIndex(n + cfg.lookup_keys)
+        for i in range(n):
+            k = (NS, _key(i))
+            h.reserve(k)
+            h.commit(k)
+        keys = [(NS, _key(n + i)) for i in range(cfg.lookup_keys)]
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for k in keys:
+                h.reserve(k)
+                h.commit(k)
+                h.pin(k)
+                h.unpin(k)
+            for k in keys:
+                h.evict(k)
+            best = min(best, time.perf_counter() - t0)
+        res[f"ns_per_key_{n}"] = round(best * 1e9 / len(keys), 1)
+    res["growth"] = round(res["ns_per_key_100000"] / res["ns_per_key_1000"], 3)
+    return res
+
+
+def _blocks(cfg: TiersBenchConfig) -> tuple[list[bytes], list[memoryview]]:
+    n = cfg.request_bytes // cfg.block_bytes
+    src = bytearray(os.urandom(cfg.request_bytes))
+    view = memoryview(src)
+    blocks = [view[i * cfg.block_bytes : (i + 1) * cfg.block_bytes] for i in range(n)]
+    return [_key(10_000_000 + i) for i in range(n)], blocks
+
+
+def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
+    keys, blocks = _blocks(cfg)
+    n, bb = len(keys), cfg.block_bytes
+    d = _daemon(env, "kvdb-th", {"host_bytes": (cfg.reps + 2) * cfg.request_bytes})
+    dst = bytearray(cfg.request_bytes)
+    dview = memoryview(dst)
+    dests = [dview[i * bb : (i + 1) * bb] for i in range(n)]
+    src_all = blocks[0].obj  # the one buffer the blocks are views of
+    store_t, load_t, copy_t = [], [], []
+    try:
+        with TierClient(d.socket, NS, bb, timeout=10.0) as c:
+            for r in range(cfg.reps):
+                fresh = [hashlib.sha256(k + bytes([r])).digest() + b"\0\0\0\0" for k in keys]
+                t0 = time.perf_counter()
+                ok = c.store(fresh, blocks)
+                store_t.append(time.perf_counter() - t0)
+                if not all(ok):
+                    raise RuntimeError("a store was refused")
+                keys = fresh
+                t0 = time.perf_counter()
+                dview[:] = memoryview(src_all)
+                copy_t.append(time.perf_counter() - t0)
+                dview[:] = bytes(len(dview))
+                t0 = time.perf_counter()
+                got = c.load(keys, dests)
+                load_t.append(time.perf_counter() - t0)
+                if not all(got) or dst != src_all:
+                    raise RuntimeError("a load returned wrong bytes")
+    finally:
+        d.stop()
+    mc, st, ld = median(copy_t), median(store_t), median(load_t)
+    gb = cfg.request_bytes / 1e9
+    return {
+        "request_bytes": cfg.request_bytes,
+        "block_bytes": bb,
+        "memcpy_gbps": round(gb / mc, 2),
+        "store_gbps": round(gb / st, 2),
+        "load_gbps": round(gb / ld, 2),
+        "store_vs_memcpy": round(mc / st, 3),
+        "load_vs_memcpy": round(mc / ld, 3),
+    }
+
+
+def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
+    keys, blocks = _blocks(cfg)
+    n, bb = len(keys), cfg.block_bytes
+    root = Path(env.workdir) / "tiers-disk"
+    shutil.rmtree(root, ignore_errors=True)
+    tiers = {
+        "host_bytes": 2 * n * bb,  # a load of the whole request is one pin of n blocks
+        "disk_path": str(root),
+        "disk_bytes": 4 * cfg.request_bytes,
+        "low_water": 0.5,
+        "promote_on_hit": False,
+    }
+    d = _daemon(env, "kvdb-td", tiers)
+    try:
+        with TierClient(d.socket, NS, bb, timeout=10.0, io_timeout=120.0) as c:
+            for i in range(0, n, 4):
+                if not all(c.store(keys[i : i + 4], blocks[i : i + 4])):
+                    raise RuntimeError("a store was refused")
+            deadline = time.monotonic() + 120
+            # everything must reach the disk: store more until the request is evicted
+            filler = [_key(20_000_000 + i) for i in range(2 * n)]
+            for i in range(0, 2 * n, 4):
+                c.store(filler[i : i + 4], blocks[:4])
+            while c.stats()["host"]["demoting"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        d.stop()
+    d = _daemon(env, "kvdb-td2", tiers)  # warm restart: every block is on disk only
+    dst = bytearray(cfg.request_bytes)
+    dview = memoryview(dst)
+    dests = [dview[i * bb : (i + 1) * bb] for i in range(n)]
+    src_all = blocks[0].obj
+    files = sorted(root.rglob("*.blk"))
+    load_t, read_t = [], []
+    try:
+        with TierClient(d.socket, NS, bb, timeout=10.0, io_timeout=120.0) as c:
+            on_disk = c.stats()["disk"]["blocks"]
+            found = c.batch_lookup(keys)
+            if not all(found):
+                raise RuntimeError(f"only {sum(found)} of {n} blocks reached the disk")
+            for _ in range(cfg.reps):
+                dview[:] = bytes(len(dview))
+                t0 = time.perf_counter()
+                got = c.load(keys, dests)
+                load_t.append(time.perf_counter() - t0)
+                if not all(got) or dst != src_all:
+                    raise RuntimeError("a disk load returned wrong bytes")
+                buf = memoryview(bytearray(bb))
+                t0 = time.perf_counter()
+                for path in files[:n]:
+                    with open(path, "rb") as f:
+                        f.readinto(buf)
+                read_t.append(time.perf_counter() - t0)
+    finally:
+        d.stop()
+    ld, rd = median(load_t), median(read_t)
+    gb = cfg.request_bytes / 1e9
+    return {
+        "request_bytes": cfg.request_bytes,
+        "block_bytes": bb,
+        "files": len(files),
+        "blocks_on_disk_at_start": on_disk,
+        "page_cache": "warm for both (files just written)",
+        "checksum": "sum64 (the default)",
+        "load_gbps": round(gb / ld, 2),
+        "buffered_read_gbps": round(gb / rd, 2),
+        "load_vs_buffered": round(rd / ld, 3),
+    }

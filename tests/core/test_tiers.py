@@ -1,0 +1,397 @@
+"""The KV tiers' indexes (kvd.core.tiers): unit cases, and hypothesis models of the host
+and disk indexes against plain reference models (lists scanned in full, obviously right)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvd.core.tiers import DiskIndex, HostIndex, OpBook, OpKind, Reserve, TierKey
+
+
+def k(i: int, ns: bytes = b"m") -> TierKey:
+    return (ns, i.to_bytes(4, "big"))
+
+
+# --------------------------------------------------------------------------- host, by hand
+
+
+def test_reserve_commit_pin_unpin() -> None:
+    h = HostIndex(2)
+    got = h.reserve(k(1))
+    assert got == (0, None)
+    assert not h.ready(k(1)) and k(1) in h
+    assert h.reserve(k(1)) is Reserve.HELD
+    h.commit(k(1))
+    assert h.ready(k(1)) and h.pins(k(1)) == 0
+    assert h.pin(k(1)) == 0 and h.pins(k(1)) == 1
+    assert h.unpin(k(1)) is False
+    assert h.pin(k(2)) is None
+
+
+def test_pinned_and_reserved_are_never_evicted() -> None:
+    h = HostIndex(2)
+    h.reserve(k(1))  # reserved (pinned once)
+    h.reserve(k(2))
+    h.commit(k(2))
+    h.pin(k(2))
+    assert h.reserve(k(3)) is Reserve.FULL
+    assert h.evict(k(2)) is None and h.evict(k(1)) is None
+    h.unpin(k(2))
+    slot, victim = h.reserve(k(3))  # type: ignore[misc]
+    assert victim is not None and victim.key == k(2) and not victim.on_disk and slot == 1
+
+
+def test_clean_entries_go_first_and_dirty_only_when_allowed() -> None:
+    h = HostIndex(3)
+    for i in (1, 2, 3):
+        h.reserve(k(i))
+        h.commit(k(i))
+    h.mark_on_disk(k(3))  # the newest, but clean
+    assert h.clean == 1
+    _, victim = h.reserve(k(4), evict_dirty=False)  # type: ignore[misc]
+    assert victim is not None and victim.key == k(3) and victim.on_disk
+    h.commit(k(4))
+    assert h.reserve(k(5), evict_dirty=False) is Reserve.FULL
+    got = h.reserve(k(5))
+    assert not isinstance(got, Reserve) and got[1] is not None and got[1].key == k(1)
+    assert h.victims(10) == [k(2), k(4)]
+
+
+def test_transient_entry_freed_by_its_last_unpin() -> None:
+    h = HostIndex(1)
+    h.reserve(k(1), transient=True, on_disk=True)
+    h.commit(k(1), keep_pin=True)
+    assert h.pins(k(1)) == 1
+    assert h.unpin(k(1)) is True
+    assert k(1) not in h and h.free_slots == 1
+
+
+def test_abort_and_bad_transitions() -> None:
+    h = HostIndex(1)
+    h.reserve(k(1))
+    assert h.abort(k(1)) == 0 and h.free_slots == 1
+    with pytest.raises(KeyError):
+        h.unpin(k(1))
+    h.reserve(k(1))
+    h.commit(k(1))
+    with pytest.raises(ValueError, match="not reserved"):
+        h.commit(k(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        h.unpin(k(1))
+    with pytest.raises(ValueError):
+        HostIndex(0)
+
+
+def test_namespaces_never_share() -> None:
+    h = HostIndex(4)
+    h.reserve(k(1, b"a"))
+    h.commit(k(1, b"a"))
+    assert not h.ready(k(1, b"b"))
+    assert h.reserve(k(1, b"b")) != Reserve.HELD
+
+
+# --------------------------------------------------------------------------- disk, by hand
+
+
+def test_disk_capacity_evicts_lru_and_refuses_what_cannot_fit() -> None:
+    d = DiskIndex(100)
+    for i in range(4):
+        assert d.begin_write(k(i), 25) == []
+        d.finish_write(k(i), True)
+    assert d.used == 100
+    assert d.pin(k(0))  # a reader: k(0) now the most recent and not evictable
+    assert d.begin_write(k(9), 30) == [k(1), k(2)]
+    assert d.used == 80
+    assert d.begin_write(k(10), 101) is Reserve.FULL
+    assert d.begin_write(k(3), 1) is Reserve.HELD
+    d.finish_write(k(9), False)  # a failed write frees its bytes
+    assert d.used == 50 and k(9) not in d
+    assert not d.remove(k(0))  # has a reader
+    d.unpin(k(0))
+    assert d.remove(k(0)) and d.used == 25
+
+
+def test_disk_full_of_readers_and_writers_refuses_without_evicting() -> None:
+    d = DiskIndex(50)
+    d.begin_write(k(1), 25)  # being written
+    d.begin_write(k(2), 25)
+    d.finish_write(k(2), True)
+    d.pin(k(2))
+    assert d.begin_write(k(3), 25) is Reserve.FULL
+    assert len(d) == 2 and d.used == 50
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def test_opbook_sessions_and_deadlines() -> None:
+    b = OpBook()
+    a = b.open("s1", OpKind.LOAD, deadline=10.0)
+    c = b.open("s1", OpKind.STORE, deadline=5.0)
+    e = b.open("s2", OpKind.LOAD, deadline=20.0)
+    assert b.of_session("s1") == [a.op, c.op]
+    assert b.next_deadline() == 5.0
+    assert b.expired(9.0) == [c.op]
+    assert b.close(c.op) is c and b.close(c.op) is None
+    assert b.of_session("s1") == [a.op]
+    assert b.close(a.op) is a
+    assert b.of_session("s1") == []
+    assert b.expired(100.0) == [e.op]
+
+
+# --------------------------------------------------------------------------- host model
+
+
+@dataclass
+class _Ref:
+    slot: int
+    reserved: bool
+    pins: int
+    on_disk: bool
+    transient: bool
+    used: int  # recency stamp when it last became unpinned and ready
+
+
+class HostMachine(RuleBasedStateMachine):
+    """HostIndex against a reference that finds victims by scanning every entry."""
+
+    N = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = HostIndex(self.N)
+        self.ref: dict[TierKey, _Ref] = {}
+        self.clock = 0
+
+    def _tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def _lru(self, on_disk: bool) -> list[TierKey]:
+        cands = [
+            (r.used, key)
+            for key, r in self.ref.items()
+            if not r.reserved and r.pins == 0 and r.on_disk == on_disk
+        ]
+        return [key for _, key in sorted(cands)]
+
+    @rule(i=st.integers(0, 9), evict_dirty=st.booleans(), transient=st.booleans())
+    def reserve(self, i: int, evict_dirty: bool, transient: bool) -> None:
+        key = k(i)
+        got = self.h.reserve(key, evict_dirty=evict_dirty, transient=transient)
+        if key in self.ref:
+            assert got is Reserve.HELD
+            return
+        clean, dirty = self._lru(True), self._lru(False)
+        if len(self.ref) < self.N:
+            assert not isinstance(got, Reserve) and got[1] is None
+        elif clean or (evict_dirty and dirty):
+            expect = clean[0] if clean else dirty[0]
+            assert not isinstance(got, Reserve)
+            assert got[1] is not None and got[1].key == expect
+            assert got[1].slot == self.ref[expect].slot == got[0]
+            assert got[1].on_disk == self.ref[expect].on_disk
+            del self.ref[expect]
+        else:
+            assert got is Reserve.FULL
+            return
+        assert not isinstance(got, Reserve)
+        self.ref[key] = _Ref(got[0], True, 1, False, transient, 0)
+
+    @precondition(lambda self: any(r.reserved for r in self.ref.values()))
+    @rule(data=st.data(), keep=st.booleans())
+    def commit(self, data: st.DataObject, keep: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(kk for kk, r in self.ref.items() if r.reserved)))
+        self.h.commit(key, keep_pin=keep)
+        r = self.ref[key]
+        r.reserved = False
+        if not keep:
+            self._unpin(key)
+
+    def _unpin(self, key: TierKey) -> None:
+        r = self.ref[key]
+        r.pins -= 1
+        if r.pins == 0:
+            if r.transient:
+                del self.ref[key]
+            else:
+                r.used = self._tick()
+
+    @precondition(lambda self: any(r.reserved for r in self.ref.values()))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(kk for kk, r in self.ref.items() if r.reserved)))
+        assert self.h.abort(key) == self.ref.pop(key).slot
+
+    @rule(i=st.integers(0, 9))
+    def pin(self, i: int) -> None:
+        key = k(i)
+        r = self.ref.get(key)
+        got = self.h.pin(key)
+        if r is None or r.reserved:
+            assert got is None
+        else:
+            assert got == r.slot
+            r.pins += 1
+
+    @precondition(lambda self: any(not r.reserved and r.pins for r in self.ref.values()))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        pinned = sorted(kk for kk, r in self.ref.items() if not r.reserved and r.pins)
+        key = data.draw(st.sampled_from(pinned))
+        freed = self.h.unpin(key)
+        transient = self.ref[key].transient and self.ref[key].pins == 1
+        self._unpin(key)
+        assert freed == transient
+
+    @rule(i=st.integers(0, 9))
+    def mark_on_disk(self, i: int) -> None:
+        key = k(i)
+        self.h.mark_on_disk(key)
+        r = self.ref.get(key)
+        if r is not None and not r.on_disk:
+            r.on_disk = True
+            if not r.reserved and r.pins == 0:  # the oldest clean one now
+                r.used = min([x.used for x in self.ref.values()] + [0]) - 1
+
+    @rule(n=st.integers(0, 4))
+    def evict_clean(self, n: int) -> None:
+        expect = self._lru(True)[:n]
+        got = self.h.evict_clean(n)
+        assert [e.key for e in got] == expect
+        for key in expect:
+            del self.ref[key]
+
+    @rule(n=st.integers(0, 4))
+    def victims(self, n: int) -> None:
+        assert self.h.victims(n) == self._lru(False)[:n]
+
+    @rule(i=st.integers(0, 9))
+    def evict(self, i: int) -> None:
+        key = k(i)
+        r = self.ref.get(key)
+        got = self.h.evict(key)
+        if r is None or r.reserved or r.pins:
+            assert got is None
+        else:
+            assert got is not None and got.slot == r.slot
+            del self.ref[key]
+
+    @invariant()
+    def agrees(self) -> None:
+        assert len(self.h) == len(self.ref)
+        assert self.h.free_slots == self.N - len(self.ref)
+        slots = [r.slot for r in self.ref.values()]
+        assert len(set(slots)) == len(slots) and all(0 <= s < self.N for s in slots)
+        for key, r in self.ref.items():
+            assert self.h.slot_of(key) == r.slot
+            assert self.h.pins(key) == r.pins
+            assert self.h.ready(key) == (not r.reserved)
+        assert self.h.evictable == len(self._lru(True)) + len(self._lru(False))
+
+
+HostMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestHostMachine = HostMachine.TestCase
+
+
+# --------------------------------------------------------------------------- disk model
+
+
+class DiskMachine(RuleBasedStateMachine):
+    """DiskIndex against a reference of (key -> [bytes, writing, readers, recency])."""
+
+    CAP = 100
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.d = DiskIndex(self.CAP)
+        self.ref: dict[TierKey, list[int]] = {}
+        self.clock = 0
+
+    def _lru(self) -> list[TierKey]:
+        return [
+            key
+            for _, key in sorted(
+                (v[3], key) for key, v in self.ref.items() if not v[1] and v[2] == 0
+            )
+        ]
+
+    @rule(i=st.integers(0, 9), n=st.integers(1, 60))
+    def begin(self, i: int, n: int) -> None:
+        key = k(i)
+        got = self.d.begin_write(key, n)
+        if key in self.ref:
+            assert got is Reserve.HELD
+            return
+        used = sum(v[0] for v in self.ref.values())
+        evictable = self._lru()
+        freed, expect = 0, []
+        for old in evictable:
+            if used - freed + n <= self.CAP:
+                break
+            freed += self.ref[old][0]
+            expect.append(old)
+        if used - freed + n > self.CAP:
+            assert got is Reserve.FULL
+            return
+        assert got == expect
+        for old in expect:
+            del self.ref[old]
+        self.ref[key] = [n, 1, 0, 0]
+
+    @precondition(lambda self: any(v[1] for v in self.ref.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def finish(self, data: st.DataObject, ok: bool) -> None:
+        key = data.draw(st.sampled_from(sorted(kk for kk, v in self.ref.items() if v[1])))
+        self.d.finish_write(key, ok)
+        if ok:
+            self.clock += 1
+            self.ref[key][1] = 0
+            self.ref[key][3] = self.clock
+        else:
+            del self.ref[key]
+
+    @rule(i=st.integers(0, 9))
+    def pin(self, i: int) -> None:
+        key = k(i)
+        v = self.ref.get(key)
+        assert self.d.pin(key) == (v is not None and not v[1])
+        if v is not None and not v[1]:
+            v[2] += 1
+
+    @precondition(lambda self: any(v[2] for v in self.ref.values()))
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(kk for kk, v in self.ref.items() if v[2])))
+        self.d.unpin(key)
+        v = self.ref[key]
+        v[2] -= 1
+        if v[2] == 0:
+            self.clock += 1
+            v[3] = self.clock
+
+    @rule(i=st.integers(0, 9))
+    def remove(self, i: int) -> None:
+        key = k(i)
+        v = self.ref.get(key)
+        ok = v is not None and not v[1] and v[2] == 0
+        assert self.d.remove(key) == ok
+        if ok:
+            del self.ref[key]
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.d.used == sum(v[0] for v in self.ref.values()) <= self.CAP
+        assert len(self.d) == len(self.ref)
+        for key, v in self.ref.items():
+            assert self.d.ready(key) == (not v[1])
+            assert self.d.nbytes(key) == v[0]
+
+
+DiskMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestDiskMachine = DiskMachine.TestCase

@@ -1,0 +1,367 @@
+"""KV tiers kept by the daemon: real daemons, real NIXL (UCX for the pool, POSIX for the
+disk tier), the real shared-memory pool and real files; every loaded byte is checked."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvd_client.errors import ProtocolError
+from kvd_client.tiers import TierClient
+
+from kvd.actors.tiers import SUFFIX, TMP_SUFFIX, block_path
+from kvd.demo import start_daemon
+from tests.integration.conftest import StartDaemon, shm_segments
+
+NS = b"model-compat-hash-A"
+BB = 64 * 1024
+
+
+def key(i: int, group: int = 0) -> bytes:
+    """An OffloadKey as vLLM makes it: a 32-byte block hash and the group, 4 bytes."""
+    return hashlib.sha256(f"block-{i}".encode()).digest() + group.to_bytes(4, "big")
+
+
+def block(i: int, ns: bytes = NS, size: int = BB) -> bytes:
+    seed = hashlib.sha256(ns + i.to_bytes(8, "little")).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+def tiers_cfg(**kw: Any) -> dict[str, dict[str, Any]]:
+    tiers: dict[str, Any] = {"enabled": True, "host_bytes": 16 * BB, "low_water": 0.0}
+    tiers.update(kw)
+    return {"tiers": tiers}
+
+
+def load_check(c: TierClient, ids: list[int], ns: bytes = NS) -> list[bool]:
+    dests = [bytearray(c.block_bytes) for _ in ids]
+    got = c.load([key(i) for i in ids], [memoryview(d) for d in dests])
+    for i, ok, d in zip(ids, got, dests, strict=True):
+        if ok:
+            assert bytes(d) == block(i, ns), f"block {i}: wrong bytes"
+        else:
+            assert bytes(d) == bytes(len(d)), f"block {i}: a miss wrote into its dest"
+    return got
+
+
+def disk_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob(f"*{SUFFIX}"))
+
+
+def test_store_lookup_load_host_tier(daemons: StartDaemon) -> None:
+    d = daemons("t1", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        ids = list(range(8))
+        assert c.batch_lookup([key(i) for i in ids]) == [False] * 8
+        assert c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]) == [True] * 8
+        assert c.batch_lookup([key(i) for i in range(10)]) == [True] * 8 + [False] * 2
+        # storing again: already held (nothing copied), still True
+        assert c.store([key(0)], [memoryview(block(0))]) == [True]
+        assert load_check(c, [3, 9, 0, 7]) == [True, False, True, True]
+        # another namespace (another model) never sees these blocks
+        with TierClient(d.socket, b"model-B", BB) as other:
+            assert other.batch_lookup([key(i) for i in ids]) == [False] * 8
+        s = c.stats()
+        assert s["host"]["blocks"] == 8
+        assert s["host"]["bytes_in"] == 8 * BB
+        assert s["host"]["bytes_out"] == 3 * BB
+        assert s["ops_open"] == 0
+        assert c.num_slots == 16 and not c.has_disk and c.lookup_timeout == 2.0
+    with pytest.raises(ProtocolError, match="closed"):
+        c.batch_lookup([key(0)])
+
+
+def test_second_client_loads_what_the_first_stored(daemons: StartDaemon) -> None:
+    d = daemons("t2", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as a:
+        assert all(a.store([key(i) for i in range(4)], [memoryview(block(i)) for i in range(4)]))
+    with TierClient(d.socket, NS, BB) as b:
+        assert b.batch_lookup([key(i) for i in range(4)]) == [True] * 4
+        assert load_check(b, [0, 1, 2, 3]) == [True] * 4
+
+
+def test_lru_eviction_never_evicts_pinned(daemons: StartDaemon) -> None:
+    d = daemons("t3", overrides=tiers_cfg())  # 16 slots, no disk tier
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
+        assert load_check(c, [0]) == [True]  # 0 is now the most recently used
+        assert all(
+            c.store([key(i) for i in range(16, 20)], [memoryview(block(i)) for i in range(16, 20)])
+        )
+        found = c.batch_lookup([key(i) for i in range(20)])
+        assert found[0] and all(found[16:20])
+        assert found[1:5] == [False] * 4  # the least recently used went
+        s = c.stats()
+        assert s["host"]["evictions"] == 4
+        assert s["host"]["blocks"] == 16
+
+
+def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir: Path) -> None:
+    root = workdir / "disk"
+    cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=0.25)
+    d = daemons("t4", overrides=cfg)
+    ids = list(range(40))
+    with TierClient(d.socket, NS, BB) as c:
+        for i in ids:  # one at a time: the demoter keeps 4 slots free as they come
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            time.sleep(0.01)
+        _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        s = c.stats()
+        assert s["disk"]["blocks"] >= 20, s
+        assert all(c.batch_lookup([key(i) for i in ids]))
+        # more than the host tier holds: disk hits wait for the demoter to free slots
+        got = load_check(c, ids)
+        assert got == [True] * 40
+        s2 = c.stats()
+        assert s2["disk"]["bytes_out"] > 0  # some came back from disk (promoted)
+    files = disk_files(root)
+    assert files and not list(root.rglob(f"*{TMP_SUFFIX}"))
+    d.stop()
+    # warm restart: the disk index is rebuilt from the files
+    d2 = daemons("t4b", overrides=cfg)
+    with TierClient(d2.socket, NS, BB) as c:
+        on_disk = c.batch_lookup([key(i) for i in ids])
+        assert sum(on_disk) == len(files)
+        held = [i for i, ok in zip(ids, on_disk, strict=True) if ok]
+        assert load_check(c, held) == [True] * len(held)
+        assert c.stats()["disk"]["blocks"] == len(files)
+
+
+@pytest.mark.parametrize("checksum", ["sum64", "crc32"])
+def test_corrupt_and_truncated_files_are_misses(
+    daemons: StartDaemon, workdir: Path, checksum: str
+) -> None:
+    root = workdir / "disk"
+    cfg = tiers_cfg(
+        disk_path=str(root), disk_bytes=64 * BB, low_water=1 / 16, disk_checksum=checksum
+    )
+    d = daemons("t5", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        for i in range(24):
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+        _wait(lambda: c.stats()["host"]["demoting"] == 0)
+    d.stop()
+    files = {p for p in disk_files(root)}
+    flip = Path(block_path(str(root), (NS, key(0))))
+    cut = Path(block_path(str(root), (NS, key(1))))
+    assert flip in files and cut in files
+    raw = bytearray(flip.read_bytes())
+    raw[100] ^= 0xFF
+    flip.write_bytes(raw)
+    with open(cut, "r+b") as f:
+        f.truncate(BB // 2)
+    d2 = daemons("t5b", overrides=cfg)
+    with TierClient(d2.socket, NS, BB) as c:
+        # the truncated file fails its length check when the index is rebuilt
+        assert not cut.exists()
+        assert c.batch_lookup([key(0), key(1)]) == [True, False]
+        # the flipped byte fails its checksum when loaded: a miss, removed, counted
+        assert load_check(c, [0, 2]) == [False, True]
+        assert not flip.exists()
+        assert c.batch_lookup([key(0)]) == [False]
+        status = c.stats()
+        assert status["disk"]["blocks"] == len(files) - 2
+
+
+def test_killed_client_pins_released(daemons: StartDaemon) -> None:
+    d = daemons("t6", overrides={**tiers_cfg(), "daemon": {"client_timeout": 1.0}})
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
+    # a client that pins every block (a load's first step) and is killed before unpinning
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from kvd_client import wire
+        from kvd_client.tiers import TierClient
+        c = TierClient({d.socket!r}, {NS!r}, {BB})
+        keys = [{", ".join(repr(key(i)) for i in range(16))}]
+        got = c._ask(wire.TierPin(c.namespace, 36, b"".join(keys)), wire.TierSlots, 5.0)
+        assert all(s >= 0 for s in got.slots)
+        print("pinned", flush=True)
+        time.sleep(60)
+        """
+    )
+    env = dict(os.environ)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"pinned"
+        with TierClient(d.socket, NS, BB) as c:
+            assert c.stats()["ops_open"] == 1
+            # every slot is pinned: a new block cannot be stored
+            assert c.store([key(99)], [memoryview(block(99))]) == [False]
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert c.store([key(99)], [memoryview(block(99))]) == [True]
+            assert load_check(c, [99]) == [True]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_pool_segment_removed_at_stop(daemons: StartDaemon) -> None:
+    d = daemons("t7", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        pool = c.stats()["pool"]
+    assert pool.startswith("kvd-tiers-") and pool in shm_segments("kvd-tiers-")
+    d.stop()
+    assert pool not in shm_segments("kvd-tiers-")
+
+
+def _in_ns(pid: int, path: str) -> bool:
+    """Does `path` exist in the mount namespace of process `pid`?"""
+    return (Path(f"/proc/{pid}/root") / path.lstrip("/")).exists()
+
+
+def _wait(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_full_disk_fails_cleanly(workdir: Path) -> None:
+    """A real full file system: a 1 MiB tmpfs mounted in the daemon's own user and mount
+    namespace (`unshare -rm`, no root needed), under a disk tier told it may use 16 MiB.
+    Demotions that hit ENOSPC fail, their temp files are removed, and nothing
+    half-written is ever found or served."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"unprivileged user namespaces are off: {probe.stderr.decode().strip()}")
+    root = workdir / "small"
+    root.mkdir()
+    mount = f'mount -t tmpfs -o size=1m kvdtest "{root}" && exec "$0" "$@"'
+    d = start_daemon(
+        workdir,
+        "tfull",
+        overrides={
+            **tiers_cfg(disk_path=str(root), disk_bytes=16 << 20, low_water=0.25),
+            "daemon": {"reap_leftover_segments": False},
+        },
+        prefix=["unshare", "-rm", "sh", "-c", mount],
+    )
+    seen = Path(f"/proc/{d.proc.pid}/root") / str(root).lstrip("/")
+    try:
+        with TierClient(d.socket, NS, BB) as c:
+            ids = list(range(48))
+            for i in ids:
+                c.store([key(i)], [memoryview(block(i))])
+            _wait(lambda: c.stats()["host"]["demoting"] == 0)
+            s = c.stats()
+            assert s["counters"].get("disk_write_failed", 0) > 0, s
+            # only whole blocks: the index holds exactly the renamed files, no temp file
+            files = list(seen.rglob(f"*{SUFFIX}"))
+            assert not list(seen.rglob(f"*{TMP_SUFFIX}"))
+            assert s["disk"]["blocks"] == len(files) > 0
+            assert s["disk"]["used"] == len(files) * BB
+            on_disk = [i for i in ids if _in_ns(d.proc.pid, block_path(str(root), (NS, key(i))))]
+            assert len(on_disk) == len(files)
+            # what is found loads with the right bytes (load_check), every block on disk
+            # among it; a block only in the host tier may be dropped meanwhile, when the
+            # demoter's write of it fails (a miss, which the engine recomputes)
+            found = c.batch_lookup([key(i) for i in ids])
+            held = [i for i, f in zip(ids, found, strict=True) if f]
+            assert set(on_disk) <= set(held) and len(held) < len(ids)
+            loaded = dict(zip(held, load_check(c, held), strict=True))
+            assert all(loaded[i] for i in on_disk)
+            assert c.stats()["counters"].get("disk_corrupt", 0) == 0
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.log.read_text()[-2000:]
+
+
+def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:
+    from tests.integration.test_metrics import _free_port, _get, _samples
+
+    port = _free_port()
+    root = workdir / "disk"
+    cfg = {**tiers_cfg(disk_path=str(root), disk_bytes=64 * BB), "metrics": {"port": port}}
+    d = daemons("t8", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(3)], [memoryview(block(i)) for i in range(3)]))
+        assert c.batch_lookup([key(0), key(7)]) == [True, False]
+        assert load_check(c, [1, 2]) == [True, True]
+    run = [sys.executable, "-m", "kvd"]
+    out = subprocess.run(
+        [*run, "tiers", "--socket", d.socket, "--json"], capture_output=True, check=True
+    )
+    data = json.loads(out.stdout)
+    assert data["host"]["blocks"] == 3 and data["host"]["hits"] == 1
+    assert data["host"]["misses"] == 1 and data["host"]["bytes_out"] == 2 * BB
+    assert data["disk"]["capacity"] == 64 * BB and data["disk"]["path"] == str(root)
+    table = subprocess.run([*run, "tiers", "--socket", d.socket], capture_output=True, check=True)
+    assert b"host" in table.stdout and b"disk" in table.stdout
+    status = subprocess.run(
+        [*run, "status", "--socket", d.socket, "--json"], capture_output=True, check=True
+    )
+    assert json.loads(status.stdout)["tiers"]["host"]["blocks"] == 3
+    m = _samples(port)
+    agent = "t8"
+    assert _get(m, "kvd_tiers_hits_total", agent=agent, tier="host") == 1
+    assert _get(m, "kvd_tiers_bytes_in_total", agent=agent, tier="host") == 3 * BB
+    assert _get(m, "kvd_tiers_blocks", agent=agent, tier="host") == 3
+    assert _get(m, "kvd_tiers_capacity_bytes", agent=agent, tier="disk") == 64 * BB
+
+
+def test_tiers_off_refuses_clearly(daemons: StartDaemon) -> None:
+    from kvd_client.errors import InvalidRequest
+
+    d = daemons("t9")
+    with pytest.raises(InvalidRequest, match=r"tiers\.enabled"):
+        TierClient(d.socket, NS, BB)
+
+
+def test_client_survives_a_daemon_restart(daemons: StartDaemon) -> None:
+    d = daemons("t10", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        assert c.store([key(1)], [memoryview(block(1))]) == [True]
+        d.stop()
+        d2 = daemons("t10", overrides=tiers_cfg())
+        assert d2.socket == d.socket
+        # a new daemon: a new session and a new (empty) pool, met on the next call
+        assert c.batch_lookup([key(1)]) == [False]
+        assert c.reopened == 1
+        assert c.store([key(2)], [memoryview(block(2))]) == [True]
+        assert load_check(c, [2]) == [True]
+
+
+def test_pins_expire_after_pin_timeout(daemons: StartDaemon) -> None:
+    from kvd_client import wire
+
+    d = daemons("t11", overrides=tiers_cfg(pin_timeout=0.5))
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
+        # a load's first step, never followed by its unpin
+        got = c._ask(wire.TierPin(NS, 36, key(0) + key(1)), wire.TierSlots, 5.0)
+        assert all(s >= 0 for s in got.slots)
+        assert c.stats()["ops_open"] == 1
+        _wait(lambda: c.stats()["ops_open"] == 0, timeout=5)
+        assert c.stats()["counters"]["pins_expired"] == 1
+        assert load_check(c, [0, 1]) == [True, True]
+
+
+def test_keys_of_mixed_lengths_in_one_batch(daemons: StartDaemon) -> None:
+    d = daemons("t12", overrides=tiers_cfg())
+    short = [b"k-%d" % i for i in range(3)]
+    with TierClient(d.socket, NS, BB) as c:
+        keys = [key(0), short[0], key(1), short[1]]
+        assert c.store(keys, [memoryview(block(i)) for i in range(4)]) == [True] * 4
+        assert c.batch_lookup([short[1], key(1), short[2], key(0)]) == [True, True, False, True]
+        dests = [bytearray(BB) for _ in range(4)]
+        assert c.load(keys, [memoryview(x) for x in dests]) == [True] * 4
+        assert [bytes(x) for x in dests] == [block(i) for i in range(4)]
