@@ -362,6 +362,7 @@ class TransferRunner:
         self._jobs.put(None)
         self._thread.join()
         self._slot.close()  # the thread is gone: this thread owns the transport now
+        self._view.release()  # vLLM unmaps the primary tier only when nothing exports it
 
     # ------------------------------------------------------------ worker thread
 
