@@ -111,7 +111,7 @@ class TierConfig:
     socket: str
     lookup_timeout: float = 1.0
     """Seconds a lookup batch may take; past it the batch is all misses."""
-    transfer_timeout: float = 30.0
+    transfer_timeout: float = 5.0
     """Seconds one store or load job may take; past it the job fails."""
     retry_interval: float = 5.0
     """Seconds after a failure before the daemon is asked again (misses meanwhile)."""
