@@ -128,6 +128,11 @@ def settle(tier: Any, key: bytes, c: Any) -> Any:
     return r
 
 
+def answered(tier: Any) -> None:
+    """Wait until the lookup thread has queued its answer (not yet applied)."""
+    wait_for(lambda: not tier._lookups._pending_results.empty())
+
+
 def tier_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(("kvd_tier", "vllm_off"))]
 
@@ -314,7 +319,7 @@ def test_lookup_is_tristate_batched_per_step_and_drained_before_the_next(
     # in flight: still not yet, and no second batch for the same keys
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.RETRY
     daemon.gate.set()
-    wait_for(lambda: daemon.batches)
+    answered(tier)
     end_step(tier)  # (the flush also drains what arrived)
     assert daemon.batches == [[b"a", b"b", b"c"]]  # one batch for two requests
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.HIT
@@ -346,8 +351,7 @@ def test_results_are_applied_before_the_next_steps_lookups(tier: Any, daemon: Fa
     daemon.blocks[(tier.namespace, b"a")] = b"x" * BB
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.RETRY
     end_step(tier)
-    wait_for(lambda: daemon.batches)
-    time.sleep(0.02)  # the answer is queued; applied at the next step's first lookup
+    answered(tier)  # the answer is queued; applied at the next step's first lookup
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.HIT
     assert tier.lookup(b"z", ctx("r1")) is LookupResult.RETRY
     tier.on_request_finished(ctx("r1"))
@@ -361,8 +365,8 @@ def test_failed_and_timed_out_lookups_are_misses(tier: Any, daemon: FakeDaemon) 
     daemon.slow = True
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.RETRY
     end_step(tier)
-    wait_for(lambda: tier._lookups._slot.failures == 1)
-    end_step(tier)
+    answered(tier)
+    assert tier._lookups._slot.failures == 1
     assert tier.lookup(b"a", ctx("r1")) is LookupResult.MISS  # present, but unanswered
     tier.on_request_finished(ctx("r1"))
     daemon.slow = False
@@ -373,10 +377,7 @@ def test_failed_and_timed_out_lookups_are_misses(tier: Any, daemon: FakeDaemon) 
     daemon.dead = False
     time.sleep(0.06)  # past retry_interval: asked again, and found
     assert tier.lookup(b"a", ctx("r3")) is LookupResult.RETRY
-    end_step(tier)
-    wait_for(lambda: daemon.batches)
-    end_step(tier)
-    assert tier.lookup(b"a", ctx("r3")) is LookupResult.HIT
+    assert settle(tier, b"a", ctx("r3")) is LookupResult.HIT
     tier.on_request_finished(ctx("r3"))
 
 
@@ -402,8 +403,7 @@ def test_store_and_load_through_the_primary_view(tier: Any, daemon: FakeDaemon) 
     for k in (b"k2", b"k6", b"gone"):
         assert tier.lookup(k, ctx("r2")) is LookupResult.RETRY
     end_step(tier)
-    wait_for(lambda: daemon.batches)
-    end_step(tier)
+    answered(tier)
     assert tier.lookup(b"k2", ctx("r2")) is LookupResult.HIT
     assert tier.lookup(b"k6", ctx("r2")) is LookupResult.HIT
     del daemon.blocks[(tier.namespace, b"k6")]  # evicted between lookup and load
