@@ -35,7 +35,6 @@ This module imports neither vLLM nor the daemon: the parts that subclass vLLM li
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import math
@@ -90,10 +89,14 @@ TransportFactory = Callable[[str, bytes, int, float], TierTransport]
 """(socket path, namespace, block bytes, timeout) -> a connected transport."""
 
 
-def tier_client_factory(socket: str, namespace: bytes, block_bytes: int, timeout: float) -> Any:
-    """The real transport: the thin client's `TierClient` (imported when first needed)."""
-    mod = importlib.import_module("kvd_client.tiers")
-    return mod.TierClient(socket, namespace, block_bytes, timeout=timeout)
+def tier_client_factory(
+    socket: str, namespace: bytes, block_bytes: int, timeout: float
+) -> TierTransport:
+    """The real transport: the thin client's `TierClient`; `timeout` bounds every call
+    (lookups and the copies' round trips alike), so shutdown never waits longer."""
+    from kvd_client.tiers import TierClient
+
+    return TierClient(socket, namespace, block_bytes, timeout=timeout, io_timeout=timeout)
 
 
 # ---------------------------------------------------------------------------- config
