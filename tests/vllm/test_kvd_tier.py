@@ -184,38 +184,38 @@ def test_a_dead_daemon_is_misses_no_error_no_hang(
 def test_beside_kvd_connector_in_multiconnector(
     daemons: StartDaemon, model: str, engines: list[Engine]
 ) -> None:
-    """P/D plus offloading: P runs vLLM's MultiConnector with KvdConnector and the
-    OffloadingConnector (KvdTier), both on its node's one daemon. P's prefill goes to D
-    over kvd (D checks every byte) and into P's daemon tier; a second P engine on the same
-    node then serves the prompt from the tier (every loaded byte checked)."""
+    """P/D plus offloading: P and D each run vLLM's MultiConnector with KvdConnector and
+    the OffloadingConnector (KvdTier), both on their node's one daemon. P's prefill goes to
+    D over kvd (D checks every byte; D's tier lookup answers a miss meanwhile) and into
+    P's daemon tier; a second P engine on P's node then serves the prompt from the tier
+    (every loaded byte checked)."""
     pd = daemons("kvd-mp", TIERS)
-    dd = daemons("kvd-md")
+    dd = daemons("kvd-md", TIERS)
     p = make_engine("p", model, multi_extra(pd.socket), connector="MultiConnector")
-    engines.append(p)
-    d = make_instance("d", dd.socket, model)
+    d = make_engine("d", model, multi_extra(dd.socket), connector="MultiConnector")
+    engines += [p, d]
     tokens = prompt(5, 4 * BLOCK_SIZE + 7)
     key = secrets.token_hex(4)
     pid, did = f"cmpl-{key}-0-{secrets.token_hex(4)}", f"cmpl-{key}-0-{secrets.token_hex(4)}"
-    try:
-        p.add(pid, tokens, max_tokens=1, params={"do_remote_decode": True})
-        p.run(until=lambda: pid in p.finished)
-        params = p.finished[pid].kv_transfer_params
-        assert params is not None and params["remote_request_id"] == pid
-        d.add(did, tokens, max_tokens=3, params=params)
-        d.verify[did] = (p.salt, 0)
-        deadline = time.monotonic() + 30
-        while did not in d.finished or p.busy() or d.busy():
-            assert time.monotonic() < deadline, "P/D did not finish"
-            for e in (p, d):
-                if e.busy():
-                    e.step()
-            time.sleep(0.002)
-        assert did in d.received and did not in d.failed_recv and not d.errors, d.errors
-        assert matched(p, pid)[-1] == 0  # nothing in the tier yet: P computed it
-        assert tier_stats(p)["stored_blocks"] == 4
-        d.assert_idle()
-    finally:
-        d.close()
+    p.add(pid, tokens, max_tokens=1, params={"do_remote_decode": True})
+    p.run(until=lambda: pid in p.finished)
+    params = p.finished[pid].kv_transfer_params
+    assert params is not None and params["remote_request_id"] == pid
+    d.add(did, tokens, max_tokens=3, params=params)
+    d.verify[did] = p.salt
+    deadline = time.monotonic() + 30
+    while did not in d.finished or p.busy() or d.busy():
+        assert time.monotonic() < deadline, "P/D did not finish"
+        for e in (p, d):
+            if e.busy():
+                e.step()
+        time.sleep(0.002)
+    # D: None while its tier lookup was out, then KvdConnector's claim of the prompt
+    seen_d = matched(d, did)
+    assert seen_d[0] is None and seen_d[-1] == len(tokens), seen_d
+    assert d.loaded[did] == len(tokens) and not d.errors, d.errors
+    assert matched(p, pid)[-1] == 0  # nothing in the tier yet: P computed it
+    assert tier_stats(p)["stored_blocks"] == 4
     p2 = make_engine("p2", model, multi_extra(pd.socket), connector="MultiConnector")
     engines.append(p2)
     p2.verify["again"] = p.salt
@@ -224,8 +224,8 @@ def test_beside_kvd_connector_in_multiconnector(
     seen = matched(p2, "again")
     assert seen[0] is None and seen[-1] == 4 * BLOCK_SIZE, seen
     assert p2.loaded["again"] == 4 * BLOCK_SIZE and not p2.errors, p2.errors
-    p.assert_idle()
-    p2.assert_idle()
+    for e in (p, d, p2):
+        e.assert_idle()
 
 
 def test_blocks_evicted_after_the_lookup_fail_the_load_and_are_recomputed(

@@ -306,6 +306,15 @@ class Engine:
         assert self.held_blocks() == 0, f"{self.name}: {self.held_blocks()} blocks held"
         manager = offloading(self).connector_scheduler.manager
         assert not manager.has_pending_work(), f"{self.name}: offloading work left"
+        for sub in getattr(s.connector, "sub_connectors", []):
+            if type(sub).__name__ != "KvdConnector":
+                continue
+            side = sub.scheduler_side  # as vllm_harness.Instance.assert_idle checks it
+            deadline = time.monotonic() + 5
+            while side._d and time.monotonic() < deadline:
+                side.has_pending_push_work()
+                time.sleep(0.01)
+            assert not side._d and not side._p and not side._sending, self.name
         assert not self.errors, self.errors
 
     def close(self) -> None:
