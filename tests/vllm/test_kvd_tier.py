@@ -35,7 +35,7 @@ pytestmark = [
 ]
 
 if HAVE_VLLM:
-    from vllm_harness import BLOCK_SIZE, make_instance, write_model
+    from vllm_harness import BLOCK_SIZE, write_model
     from vllm_tier_harness import (
         Engine,
         make_engine,
