@@ -10,8 +10,11 @@ separate primary tiers (shared-memory regions), separate daemon sessions.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -121,6 +124,48 @@ def test_second_instance_is_served_from_the_daemon_tier(
     assert st["loaded_blocks"] == 4 and st["load_failures"] == 0
     assert st["lookup_batches"] == 1  # all the request's keys in one round trip
     a.assert_idle()
+    b.assert_idle()
+
+
+CHILD = """
+import json, sys
+sys.path.insert(0, {here!r})
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
+init_none_hash(sha256)
+from vllm_tier_harness import make_engine, offload_extra
+e = make_engine("first", {model!r}, offload_extra({socket!r}), salt="salt-first")
+e.add("r1", {tokens!r})
+e.run()
+[tier] = e.connector.connector_scheduler.manager.secondary_tiers
+stats = tier.stats()
+e.close()
+print(json.dumps(stats))
+"""
+
+
+def test_an_engine_process_that_exited_serves_the_next_one(
+    daemons: StartDaemon, model: str, engines: list[Engine]
+) -> None:
+    """The first engine runs in its own process and exits; the daemon keeps its blocks and
+    an engine started afterwards (this process) loads them."""
+    d = daemons("kvd-tp", TIERS)
+    tokens = prompt(7, 3 * BLOCK_SIZE + 9)
+    code = CHILD.format(
+        here=str(Path(__file__).parent), model=model, socket=d.socket, tokens=tokens
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["stored_blocks"] == 3
+    b = make_engine("b", model, offload_extra(d.socket))
+    engines.append(b)
+    b.verify["r1"] = "salt-first"
+    b.add("r1", tokens)
+    b.run()
+    assert matched(b, "r1")[-1] == 3 * BLOCK_SIZE
+    assert b.loaded["r1"] == 3 * BLOCK_SIZE and not b.errors, b.errors
     b.assert_idle()
 
 
