@@ -65,7 +65,11 @@ def engines() -> Iterator[list[Engine]]:
     for e in made:
         e.close()
     assert offload_segments() <= before, "a primary tier's shared memory was left behind"
-    left = [t.name for t in threading.enumerate() if t.name.startswith(("kvd_tier", "vllm_off"))]
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t.name.startswith(("kvd_tier", "kvd-tiers", "vllm_off"))
+    ]
     assert not left, f"threads left: {left}"
 
 
