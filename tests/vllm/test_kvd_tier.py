@@ -308,3 +308,31 @@ def test_blocks_evicted_after_the_lookup_fail_the_load_and_are_recomputed(
     assert seen[-1] == 0 and None in seen, seen
     a.assert_idle()
     b.assert_idle()
+
+
+def test_blocks_demoted_to_the_disk_tier_are_served_after_a_daemon_restart(
+    daemons: StartDaemon, model: str, engines: list[Engine], workdir: Path
+) -> None:
+    """A small host tier demotes the oldest blocks to the daemon's disk tier; the daemon
+    restarts (its disk index is rebuilt); a new engine still loads them, byte-exact."""
+    disk = workdir / "disk"
+    cfg = f'[tiers]\nenabled = true\nhost_bytes = 65536\ndisk_path = "{disk}"\n'
+    d = daemons("kvd-tk", cfg)
+    a = make_engine("a", model, offload_extra(d.socket))
+    engines.append(a)
+    tokens = prompt(8, 4 * BLOCK_SIZE + 1)
+    store_prompt(a, "r1", tokens)
+    for i in range(5):  # 20 newer blocks: r1's 4 leave the 16-block host tier for disk
+        store_prompt(a, f"x{i}", prompt(200 + i, 4 * BLOCK_SIZE))
+    a.close()
+    engines.remove(a)
+    assert d.stop() == 0
+    d2 = daemons("kvd-tk", cfg)  # same socket, same disk
+    b = make_engine("b", model, offload_extra(d2.socket))
+    engines.append(b)
+    b.verify["r1"] = a.salt
+    b.add("r1", tokens)
+    b.run()
+    assert matched(b, "r1")[-1] == 4 * BLOCK_SIZE, matched(b, "r1")
+    assert b.loaded["r1"] == 4 * BLOCK_SIZE and not b.errors, b.errors
+    b.assert_idle()
