@@ -15,7 +15,10 @@
 Layout: ``shared`` (one daemon session per process, shared by every connector of it:
 ``KvdConnector`` and ``KvdECConnector``), ``config`` (the
 ``kv_connector_extra_config`` keys), ``staging`` (KV tensors <-> host staging, torch only),
-``kv`` (the KV connector) and ``ec`` (the EC connector), which import vLLM. The connectors
+``kv`` (the KV connector) and ``ec`` (the EC connector), which import vLLM, and ``tiers``
+(``KvdTier``, a secondary tier of vLLM's own ``OffloadingConnector``: load it with
+``"secondary_tiers": [{"type": "KvdTier", "module_path": "kvd_client.vllm.tiers"}]``; its
+vLLM subclasses live in ``tier_vllm``). The connectors
 are resolved lazily, so the helpers import without vLLM; ``import kvd_client`` alone never
 imports vLLM or torch, and nothing here imports the daemon (``kvd``).
 """
