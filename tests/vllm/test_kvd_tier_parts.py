@@ -56,6 +56,7 @@ class FakeDaemon:
         self.gate.set()
         self.xfer_gate = threading.Event()
         self.xfer_gate.set()
+        self.entered = threading.Event()
         self.fail_load: set[bytes] = set()
         self.opened = 0
         self.closed = 0
@@ -83,6 +84,7 @@ class FakeTransport:
         return [(self.ns, k) in self.d.blocks for k in keys]
 
     def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
+        self.d.entered.set()
         assert self.d.xfer_gate.wait(10)
         self._check()
         for k, b in zip(keys, blocks, strict=True):
@@ -207,8 +209,10 @@ def test_runner_moves_bytes_reports_each_job_once_and_drains() -> None:
         with pytest.raises(ValueError, match="twice"):
             r.submit(RunnerJob(9, False, (b"k0",), (0,)))
         assert not r.drain(0.05) and r.pending() == 1
+        r.submit(RunnerJob(10, False, (b"k1",), (BB,)))
+        r.submit(RunnerJob(11, True, (b"k3",), (2 * BB,)))  # queued after 10, runs before
         d.xfer_gate.set()
-        assert r.drain(5) and [o.job_id for o in r.take_finished()] == [9]
+        assert r.drain(5) and [o.job_id for o in r.take_finished()] == [9, 11, 10]
         with pytest.raises(ValueError, match="outside"):
             r.submit(RunnerJob(3, True, (b"k3",), (8 * BB,)))
         d.dead = True
@@ -219,6 +223,26 @@ def test_runner_moves_bytes_reports_each_job_once_and_drains() -> None:
         assert r.stats()["store_failures"] == 1 and r.stats()["jobs_pending"] == 0
     finally:
         r.shutdown()
+    assert not tier_threads()
+
+
+def test_runner_shutdown_finishes_the_running_job_and_fails_the_queued() -> None:
+    d = FakeDaemon()
+    arr = np.full((4, BB), 9, dtype=np.uint8)
+    slot = TransportSlot(lambda: FakeTransport(d, b"n", BB, 1.0), 5.0, "t")
+    r = TransferRunner(memoryview(arr).cast("B"), BB, slot)
+    d.xfer_gate.clear()
+    r.submit(RunnerJob(1, False, (b"a",), (0,)))
+    wait_for(d.entered.is_set)  # job 1 is mid-call
+    r.submit(RunnerJob(2, False, (b"b",), (BB,)))
+    stopper = threading.Thread(target=r.shutdown)
+    stopper.start()
+    wait_for(lambda: r._stopping)
+    d.xfer_gate.set()
+    stopper.join(5)
+    assert not stopper.is_alive()
+    assert {o.job_id: o.done for o in r.take_finished()} == {1: (True,), 2: (False,)}
+    assert d.blocks == {(b"n", b"a"): arr[0].tobytes()} and d.closed == 1
     assert not tier_threads()
 
 

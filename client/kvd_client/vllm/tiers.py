@@ -35,6 +35,7 @@ This module imports neither vLLM nor the daemon: the parts that subclass vLLM li
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -115,7 +116,7 @@ class TierConfig:
     lookup_timeout: float = 1.0
     """Seconds a lookup batch may take; past it the batch is all misses."""
     transfer_timeout: float = 5.0
-    """Seconds one store or load job may take; past it the job fails."""
+    """Seconds each round trip of a store or load may take; past it the job fails."""
     retry_interval: float = 5.0
     """Seconds after a failure before the daemon is asked again (misses meanwhile)."""
     namespace_salt: str = ""
@@ -281,7 +282,8 @@ class _Counters:
 
 class TransferRunner:
     """One worker thread that moves chunks between a flat byte view of vLLM's primary
-    tier and the daemon (stores and loads in submission order).
+    tier and the daemon. Loads go first (a request waits for them; a store only fills the
+    tier), each kind in submission order.
 
     `submit` never blocks; `take_finished` returns each job's outcome exactly once;
     `drain` waits until every submitted job has an outcome; `shutdown` lets a running job
@@ -303,7 +305,10 @@ class TransferRunner:
         self._block_bytes = block_bytes
         self._slot = slot
         self._now = now
-        self._jobs: queue.SimpleQueue[RunnerJob | None] = queue.SimpleQueue()
+        # (priority, sequence, job): loads 0, stores 1, the shutdown sentinel 2 (after
+        # everything queued, which it fails).
+        self._jobs: queue.PriorityQueue[tuple[int, int, RunnerJob | None]] = queue.PriorityQueue()
+        self._seq = itertools.count()
         self._done: queue.SimpleQueue[TransferOutcome] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._c = _Counters()
@@ -328,7 +333,7 @@ class TransferRunner:
         if stopping:
             self._finish(job, (False,) * len(job.keys), 0.0)
         else:
-            self._jobs.put(job)
+            self._jobs.put((0 if job.is_load else 1, next(self._seq), job))
 
     def take_finished(self) -> list[TransferOutcome]:
         out = []
@@ -362,7 +367,7 @@ class TransferRunner:
     def shutdown(self) -> None:
         with self._cond:
             self._stopping = True
-        self._jobs.put(None)
+        self._jobs.put((2, next(self._seq), None))
         self._thread.join()
         self._slot.close()  # the thread is gone: this thread owns the transport now
         self._view.release()  # vLLM unmaps the primary tier only when nothing exports it
@@ -371,7 +376,7 @@ class TransferRunner:
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            _, _, job = self._jobs.get()
             if job is None:
                 return
             with self._cond:
