@@ -208,14 +208,18 @@ class Engine:
                     if o.finish_reason is not None:
                         self.finished[o.request_id] = o
 
-    def run(self, until: Callable[[], bool] | None = None, max_steps: int = 400) -> int:
-        """Step until idle (or `until()`), sleeping a little when a step did nothing."""
-        for n in range(max_steps):
-            if until() if until else not self.busy():
-                return n
+    def run(self, until: Callable[[], bool] | None = None, timeout: float = 30.0) -> int:
+        """Step until idle (or `until()`), pausing 2 ms between steps as an idle engine
+        loop would; returns the number of steps."""
+        deadline = time.monotonic() + timeout
+        n = 0
+        while not (until() if until else not self.busy()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: still busy after {timeout}s ({n} steps)")
             self.step()
+            n += 1
             time.sleep(0.002)
-        raise AssertionError(f"{self.name}: still busy after {max_steps} steps")
+        return n
 
     def _run_worker(self, so: Any) -> ModelRunnerOutput:
         w = self.worker
