@@ -21,7 +21,8 @@ from kvd_client.tiers import TierClient
 
 from kvd.actors.tiers import SUFFIX, TMP_SUFFIX, block_path
 from kvd.demo import start_daemon
-from tests.integration.conftest import StartDaemon, shm_segments
+
+from .conftest import StartDaemon, shm_segments
 
 NS = b"model-compat-hash-A"
 BB = 64 * 1024
@@ -286,7 +287,7 @@ def test_full_disk_fails_cleanly(workdir: Path) -> None:
 
 
 def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:
-    from tests.integration.test_metrics import _free_port, _get, _samples
+    from .test_metrics import _free_port, _get, _samples
 
     port = _free_port()
     root = workdir / "disk"
