@@ -364,7 +364,10 @@ def _nixl_lib_dirs() -> list[str]:
 
 def gather_nixl() -> tuple[list[str] | None, str]:
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from kvd.adapters.nixl_import import nixl_api
+
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
         logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout
         agent = nixl_agent(f"kvd-doctor-{os.getpid()}", nixl_agent_config(backends=[]))

@@ -273,7 +273,10 @@ def _counters(d: DaemonProc) -> dict[str, int]:
 
 
 def _rogue_agent(name: str) -> Any:
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvd.adapters.nixl_import import nixl_api
+
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})

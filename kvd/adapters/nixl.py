@@ -1,4 +1,5 @@
-"""The NIXL agent, owned by one dedicated thread (the only module that imports nixl).
+"""The NIXL agent, owned by one dedicated thread (the only module of the daemon that uses
+nixl; `kvd.adapters.nixl_import` imports it).
 
 Why a thread of our own:
 - NIXL's default progress thread busy-spins a whole core (pthrDelay=0), which ruins
@@ -38,6 +39,7 @@ import structlog
 from kvd_client import wire
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
+from kvd.adapters.nixl_import import nixl_api
 from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
 from kvd.core.trace import NO_TRACE, StageTrace
@@ -272,7 +274,8 @@ class NixlEngine:
             half = f"{max(1, int(self._settle / 2))}s"
             os.environ.setdefault("UCX_TCP_KEEPIDLE", half)
             os.environ.setdefault("UCX_TCP_KEEPINTVL", half)
-        from nixl._api import nixl_agent, nixl_agent_config
+        api = nixl_api()
+        nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
         conf = nixl_agent_config(
             enable_prog_thread=False,

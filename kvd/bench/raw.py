@@ -38,7 +38,10 @@ _HEADER: Final = struct.Struct("<I")
 
 def _make_agent(name: str) -> Any:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvd.adapters.nixl_import import nixl_api
+
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
     conf = nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
     agent = nixl_agent(name, conf)

@@ -15,7 +15,11 @@ import time
 from pathlib import Path
 
 import msgpack
-from nixl._api import nixl_agent, nixl_agent_config
+
+from kvd.adapters.nixl_import import nixl_api
+
+_api = nixl_api()
+nixl_agent, nixl_agent_config = _api.nixl_agent, _api.nixl_agent_config
 
 
 def main(plan_path: str) -> int:

@@ -49,11 +49,11 @@ from kvd_client.errors import (
     ProtocolError,
 )
 from kvd_client.shm import SharedRegion, unique_name
-from nixl._api import nixl_agent, nixl_agent_config
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd.actors.ecrouter import EC_XFER_CONTEXT
 from kvd.actors.registrar import handshake_mac
+from kvd.adapters.nixl_import import nixl_api
 from kvd.core.peerauth import message_mac
 from kvd.core.peersession import AuthRefusal, Keyring, Party, derive_session
 from kvd.demo import (
@@ -225,7 +225,8 @@ class _SideResponder:
 
 
 def new_agent(name: str) -> Any:
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    api = nixl_api()
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
     agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
     return agent
 
