@@ -44,7 +44,14 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["machine"]["cpus"] > 0
     sc = res["scenarios"]
-    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise"}
+    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers"}
+
+    tr = sc["tiers"]
+    assert set(tr) >= {"lookup", "index", "host", "disk"}
+    for side in ("store_gbps", "load_gbps", "memcpy_gbps", "store_vs_memcpy", "load_vs_memcpy"):
+        _positive(tr["host"][side], f"tiers host {side}")
+    for side in ("load_gbps", "buffered_read_gbps", "load_vs_buffered"):
+        _positive(tr["disk"][side], f"tiers disk {side}")
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4
