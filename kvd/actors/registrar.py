@@ -595,7 +595,10 @@ class Registrar:
             msg.resolve(self.peers[agent].info)
             return
         fut = self._pending.get(addr)
-        if fut is None:
+        if fut is None or msg.refresh:
+            # A refresh never joins a handshake already in flight: that one may have
+            # started before what made the caller's view stale (a region the peer
+            # registered since), and would answer with the same stale view.
             fut = asyncio.get_running_loop().create_future()
             self._pending[addr] = fut
             assert self._tg is not None
@@ -629,7 +632,8 @@ class Registrar:
             fut.set_exception(err)
             fut.exception()  # mark retrieved: waiters got it through callbacks
         finally:
-            self._pending.pop(addr, None)
+            if self._pending.get(addr) is fut:
+                del self._pending[addr]
 
     async def _side_request(self, host: str, port: int, msg: wire.Record) -> wire.Record:
         """One request/reply on a peer's side channel (fresh DEALER, bounded by the timeout)."""
