@@ -703,12 +703,7 @@ class NixlEngine:
         the old metadata would hide: sends into it look fine until it fails)."""
 
         def add(a: Any) -> str:
-            raw = a.add_remote_agent(md)
-            name = raw.decode() if isinstance(raw, bytes) else str(raw)
-            self._remove_later.discard(name)  # wanted again: the entry stays
-            if mend or name in self._mds:
-                self._mds.setdefault(name, []).append(md)
-            return name
+            return self._add_remote(md, mend=mend)
 
         return await self.call(add)
 
@@ -720,20 +715,33 @@ class NixlEngine:
         after it was reported failed."""
 
         def remove(a: Any) -> None:
-            self._mds.pop(name, None)
-            self._reloaded.pop(name, None)
-            self._broken.pop(name, None)
-            self._fresh.pop(name, None)
-            if name in self._unloaded:  # already gone from NIXL (a reload that failed)
-                self._unloaded.discard(name)
-                return
-            if self._busy(name):
-                self._remove_later.add(name)
-                self.stats.removals_deferred += 1
-                return
-            a.remove_remote_agent(name)
+            self._remove_remote(name)
 
         await self.call(remove)
+
+    def _add_remote(self, md: bytes, *, mend: bool) -> str:
+        """On the thread: `add_remote`."""
+        raw = self._agent.add_remote_agent(md)
+        name = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._remove_later.discard(name)  # wanted again: the entry stays
+        if mend or name in self._mds:
+            self._mds.setdefault(name, []).append(md)
+        return name
+
+    def _remove_remote(self, name: str) -> None:
+        """On the thread: `remove_remote`."""
+        self._mds.pop(name, None)
+        self._reloaded.pop(name, None)
+        self._broken.pop(name, None)
+        self._fresh.pop(name, None)
+        if name in self._unloaded:  # already gone from NIXL (a reload that failed)
+            self._unloaded.discard(name)
+            return
+        if self._busy(name):
+            self._remove_later.add(name)
+            self.stats.removals_deferred += 1
+            return
+        self._agent.remove_remote_agent(name)
 
     def _busy(self, peer: str) -> bool:
         return any(x.peer == peer for x in self._inflight)

@@ -1,0 +1,176 @@
+"""The NIXL adapter's handling of failed UCX endpoints, driven on its own thread's code
+with a fake agent (a failed endpoint needs a cut network link to happen for real: that
+is `tests/integration/test_two_hosts.py`, as root). What is checked: notifications to a
+peer whose endpoint failed are held in order and sent on a fresh endpoint; a fresh
+endpoint that fails too means the peer is gone (held ones fail at once); held ones fail
+after the hold bound; a peer we dialed is never mended; a peer is never removed from
+NIXL while a transfer to it is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from kvd.adapters.nixl import NixlEngine, PeerDisconnected, _Xfer
+
+
+class nixlRemoteDisconnectError(Exception):
+    pass
+
+
+class FakeAgent:
+    """The calls the adapter makes, with a switch for the endpoint's state."""
+
+    def __init__(self) -> None:
+        self.broken = False
+        self.stay_broken = False
+        self.connect_fails = False
+        self.loaded: dict[str, int] = {}
+        self.sent: list[tuple[str, bytes]] = []
+        self.calls: list[str] = []
+
+    def add_remote_agent(self, md: bytes) -> bytes:
+        if self.connect_fails:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        name = md.split(b"|")[0]
+        self.loaded[name.decode()] = self.loaded.get(name.decode(), 0) + 1
+        self.calls.append(f"add {name.decode()}")
+        self.broken = self.stay_broken
+        return name
+
+    def remove_remote_agent(self, name: str) -> None:
+        self.calls.append(f"remove {name}")
+        self.loaded.pop(name, None)
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        if self.broken:
+            raise nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+        self.sent.append((peer, msg))
+
+
+def engine(agent: FakeAgent, loop: asyncio.AbstractEventLoop, settle: float = 0.5) -> NixlEngine:
+    eng = NixlEngine("us", settle_timeout=settle)
+    eng._agent = agent
+    eng._loop = loop
+    return eng
+
+
+async def add(eng: NixlEngine, md: bytes, *, mend: bool) -> None:
+    eng._add_remote(md, mend=mend)  # what `add_remote` runs on the NIXL thread
+
+
+def post(eng: NixlEngine, peer: str, msg: bytes, out: list[Any]) -> None:
+    from kvd.adapters.nixl import _Notif
+
+    eng._send_or_hold(_Notif(peer, msg, out.append, True, time.monotonic()))
+
+
+async def settle_loop() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+@pytest.mark.asyncio
+async def test_held_in_order_then_sent_on_a_fresh_endpoint() -> None:
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop())
+    await add(eng, b"p|md", mend=True)
+    await add(eng, b"p|region", mend=False)  # a mended peer keeps every blob
+    out: list[Any] = []
+    agent.broken, agent.connect_fails = True, True  # the link is down
+    for i in range(3):
+        post(eng, "p", b"m%d" % i, out)
+    assert agent.sent == [] and len(eng._held["p"]) == 3
+    agent.connect_fails = False  # the link is back
+    eng._reloaded["p"] = -1e9  # (the reload pause has passed)
+    eng._tend_broken()
+    assert agent.sent == [("p", b"m0"), ("p", b"m1"), ("p", b"m2")]
+    assert agent.calls[-2:] == ["add p", "add p"]  # both blobs reloaded, in order
+    await settle_loop()
+    assert out == [None, None, None]
+    assert eng.stats.reconnects == 1 and "p" not in eng._held and "p" not in eng._broken
+
+
+@pytest.mark.asyncio
+async def test_a_fresh_endpoint_that_fails_too_means_the_peer_is_gone() -> None:
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop())
+    await add(eng, b"p|md", mend=True)
+    out: list[Any] = []
+    agent.broken, agent.stay_broken = True, True  # the peer died: its address refuses us
+    post(eng, "p", b"a", out)  # held; reloaded; the first send on the fresh one fails
+    await settle_loop()
+    assert eng.stats.reconnects == 1 and agent.sent == []
+    assert len(out) == 1 and isinstance(out[0], PeerDisconnected)
+    assert eng.stats.peers_given_up == 1 and "p" not in eng._held and "p" not in eng._broken
+
+
+@pytest.mark.asyncio
+async def test_a_fresh_endpoint_that_carried_something_is_mended_again_later() -> None:
+    """A fresh endpoint that sent once is a live peer's: a later failure (the link cut
+    again) holds and mends again, it does not give the peer up."""
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop())
+    await add(eng, b"p|md", mend=True)
+    out: list[Any] = []
+    agent.broken = True
+    post(eng, "p", b"a", out)  # held, mended, sent
+    agent.broken, agent.connect_fails = True, True
+    post(eng, "p", b"b", out)  # held again (the reload pause has not passed)
+    await settle_loop()
+    assert out == [None] and eng.stats.peers_given_up == 0 and len(eng._held["p"]) == 1
+    agent.connect_fails = False
+    eng._reloaded["p"] = -1e9
+    eng._tend_broken()
+    await settle_loop()
+    assert out == [None, None] and agent.sent == [("p", b"a"), ("p", b"b")]
+
+
+@pytest.mark.asyncio
+async def test_held_notifications_fail_after_the_hold_bound() -> None:
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop(), settle=0.05)  # bound: 2 x 0.05 + 1 s
+    await add(eng, b"p|md", mend=True)
+    out: list[Any] = []
+    agent.broken, agent.connect_fails = True, True
+    post(eng, "p", b"a", out)
+    eng._held["p"][0].since -= 2.0  # held longer than the bound
+    eng._tend_broken()
+    await settle_loop()
+    assert len(out) == 1 and isinstance(out[0], PeerDisconnected)
+    assert eng.stats.notifs_expired == 1 and "p" not in eng._held
+
+
+@pytest.mark.asyncio
+async def test_a_peer_we_dialed_is_not_mended() -> None:
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop())
+    await add(eng, b"p|md", mend=False)
+    out: list[Any] = []
+    agent.broken = True
+    post(eng, "p", b"a", out)
+    await settle_loop()
+    assert isinstance(out[0], PeerDisconnected)
+    assert eng.stats.reconnects == 0 and agent.calls == ["add p"]
+
+
+@pytest.mark.asyncio
+async def test_no_removal_while_a_transfer_to_the_peer_is_in_flight() -> None:
+    agent = FakeAgent()
+    loop = asyncio.get_running_loop()
+    eng = engine(agent, loop)
+    await add(eng, b"p|md", mend=True)
+    x = _Xfer(object(), loop.create_future(), time.monotonic() + 9, time.monotonic(), "", "p")
+    eng._inflight.append(x)
+    eng._remove_remote("p")  # what `remove_remote` runs on the NIXL thread
+    assert "remove p" not in agent.calls
+    # a failed endpoint is not mended while the transfer is in flight either
+    eng._mds["p"] = [b"p|md"]
+    eng._mend("p", time.monotonic())
+    assert "remove p" not in agent.calls
+    eng._inflight.clear()  # the transfer ended
+    eng._removals_due()
+    assert agent.calls.count("remove p") == 1
