@@ -412,18 +412,6 @@ class NixlEngine:
             self.stats.late -= 1
             if exc is None:
                 self.stats.late_landed += 1
-        if x.reported:  # answered Unsettled already: UCX has ended it now
-            self.stats.unsettled -= 1
-            try:
-                self._agent.release_xfer_handle(x.handle)
-            except Exception as rel_exc:
-                self._count_error(rel_exc)
-            if x.cleanup is not None:
-                try:
-                    x.cleanup()
-                except Exception as cl_exc:
-                    self._count_error(cl_exc)
-            return
         try:
             self._agent.release_xfer_handle(x.handle)
         except Exception as rel_exc:
@@ -433,6 +421,9 @@ class NixlEngine:
                 x.cleanup()
             except Exception as cl_exc:
                 self._count_error(cl_exc)
+        if x.reported:  # answered Unsettled already: UCX has ended it now
+            self.stats.unsettled -= 1
+            return
         loop = self._loop
         assert loop is not None
         if exc is None:
