@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +97,33 @@ def shared_secret(workdir: Path) -> str:
 
 def shm_segments(prefix: str = "kvd") -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
+@dataclass
+class Pair:
+    """A P daemon and a D daemon shared by a module's tests (`n` numbers their requests)."""
+
+    p: DaemonProc
+    d: DaemonProc
+    n: int = 0
+
+
+def daemon_pair(tag: str) -> Iterator[Pair]:
+    """Start a P and a D daemon named after `tag` for a module-scoped fixture (`yield
+    from`); at the end both must stop cleanly (exit 0), or the fixture fails with their
+    logs."""
+    work = Path(tempfile.mkdtemp(prefix=f"kvd{tag}-", dir="/tmp"))
+    started: list[DaemonProc] = []
+    try:
+        over = {"daemon": {"reap_leftover_segments": False}}
+        started.append(start_daemon(work, f"{tag}-p", overrides=over))
+        started.append(start_daemon(work, f"{tag}-d", overrides=over))
+        yield Pair(started[0], started[1])
+    finally:
+        problems = []
+        for d in reversed(started):
+            rc = d.stop()
+            if rc != 0:
+                problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+        shutil.rmtree(work, ignore_errors=True)
+        assert not problems, "\n".join(problems)

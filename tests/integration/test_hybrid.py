@@ -9,12 +9,9 @@ and every byte outside the request's blocks must keep their values.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +22,7 @@ from kvd_client.errors import ErrorCode
 from kvd_client.layout import KvSpec
 from kvd_client.shm import SharedRegion, staging_name
 
-from kvd.demo import DaemonProc, start_daemon
-
+from .conftest import Pair, daemon_pair
 from .kvref import Side, compat, expected, fill, rank_layout, request_kv
 
 HOST = "127.0.0.1"
@@ -77,30 +73,9 @@ def state_view(buf: np.ndarray, lay: wire.RegionLayout) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(buf, shape=shape, strides=strides)
 
 
-@dataclass
-class Pair:
-    p: DaemonProc
-    d: DaemonProc
-    n: int = 0
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
-    work = Path(tempfile.mkdtemp(prefix="kvdh-", dir="/tmp"))
-    started: list[DaemonProc] = []
-    try:
-        over = {"daemon": {"reap_leftover_segments": False}}
-        started.append(start_daemon(work, "hyb-p", overrides=over))
-        started.append(start_daemon(work, "hyb-d", overrides=over))
-        yield Pair(started[0], started[1])
-    finally:
-        problems = []
-        for d in reversed(started):
-            rc = d.stop()
-            if rc != 0:
-                problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
-        shutil.rmtree(work, ignore_errors=True)
-        assert not problems, "\n".join(problems)
+    yield from daemon_pair("hyb")
 
 
 @dataclass

@@ -11,12 +11,9 @@ own engines and closes them): a case never sees another's regions.
 from __future__ import annotations
 
 import dataclasses
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,37 +24,15 @@ from kvd_client.errors import ErrorCode, InvalidRequest
 from kvd_client.layout import KvSpec
 from kvd_client.shm import SharedRegion, staging_name
 
-from kvd.demo import DaemonProc, start_daemon
-
+from .conftest import Pair, daemon_pair
 from .kvref import Side, compat, expected, fill, heads_of, rank_layout, request_kv, spec_of
 
 HOST = "127.0.0.1"
 
 
-@dataclass
-class Pair:
-    p: DaemonProc
-    d: DaemonProc
-    n: int = 0
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
-    work = Path(tempfile.mkdtemp(prefix="kvdt-", dir="/tmp"))
-    started: list[DaemonProc] = []
-    try:
-        over = {"daemon": {"reap_leftover_segments": False}}
-        started.append(start_daemon(work, "topo-p", overrides=over))
-        started.append(start_daemon(work, "topo-d", overrides=over))
-        yield Pair(started[0], started[1])
-    finally:
-        problems = []
-        for d in reversed(started):
-            rc = d.stop()
-            if rc != 0:
-                problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
-        shutil.rmtree(work, ignore_errors=True)
-        assert not problems, "\n".join(problems)
+    yield from daemon_pair("topo")
 
 
 @dataclass
