@@ -117,6 +117,7 @@ class Daemon:
             rejects=self.rejects,
             reap_leftovers=cfg.daemon.reap_leftover_segments,
             trace=self.trace,
+            max_frame=cfg.daemon.max_frame_bytes,
         )
         self.sender = Sender(
             transport=self.engine,

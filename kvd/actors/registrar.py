@@ -57,6 +57,7 @@ from kvd_client.errors import (
 from kvd_client.shm import SHM_DIR
 
 from kvd.actors.base import Mailbox
+from kvd.actors.gateway import transport_cap
 from kvd.actors.messages import (
     AcceptHandshake,
     ClientRequest,
@@ -157,6 +158,7 @@ class Registrar:
         reap_leftovers: bool = True,
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
+        max_frame: int = 16 * 1024 * 1024,
     ) -> None:
         self.engine = engine
         self.mailbox = mailbox
@@ -165,6 +167,7 @@ class Registrar:
         self._side_port_ref = side_port_ref
         self.lease_duration = lease_duration
         self.handshake_timeout = handshake_timeout
+        self.max_frame = max_frame
         self.secret = secret
         self.keyring = keyring if secret is not None else None
         self._publish = publish
@@ -639,6 +642,7 @@ class Registrar:
         """One request/reply on a peer's side channel (fresh DEALER, bounded by the timeout)."""
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         try:
             sock.connect(f"tcp://{host}:{port}")
             corr = int.from_bytes(os.urandom(6), "little")
@@ -771,6 +775,7 @@ class Registrar:
         clock = self.trace.clock
         sock = self._zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         first: wire.TraceAnswer | None = None
         offsets: list[ClockOffset] = []
         try:

@@ -1852,6 +1852,65 @@ def test_frames_beyond_the_transport_cap_are_counted_on_every_socket(daemons: St
         cli.close()
 
 
+def test_an_oversized_reply_from_a_peer_side_channel_is_dropped_unread(
+    daemons: StartDaemon,
+) -> None:
+    """The daemon's own dials (handshakes, trace queries) cap what a peer may answer as
+    its listening sockets do: a rogue side channel answering a handshake with 96 MiB
+    makes the handshake fail; the daemon never holds the frame (its peak RSS stays far
+    below it) and keeps serving."""
+    x = daemons("kvdt-bigreply", overrides={"daemon": {"max_frame_bytes": FRAME_LIMIT}})
+    junk = b"\xc1" * (96 * 1024 * 1024)
+    stop = threading.Event()
+    answered: list[int] = []
+    ready = threading.Event()
+    port: list[int] = []
+
+    def rogue() -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port.append(sock.bind_to_random_port("tcp://127.0.0.1"))
+        ready.set()
+        try:
+            while not stop.is_set():
+                if not sock.poll(50):
+                    continue
+                ident, frame = sock.recv_multipart()
+                corr, _ = wire.decode(frame)
+                sock.send_multipart([ident, junk])
+                answered.append(corr)
+        finally:
+            sock.close(0)
+
+    thread = threading.Thread(target=rogue, name="rogue-side", daemon=True)
+    thread.start()
+    assert ready.wait(5)
+    try:
+        time.sleep(0.5)  # the daemon's start-up settles before the peak is reset
+        with open(f"/proc/{x.proc.pid}/clear_refs", "w") as f:
+            f.write("5")  # VmHWM starts again from the current RSS
+        base = _status_kib(x.proc.pid, "VmRSS")
+        with KvdClient(x.socket, role="cli", timeout=5.0, keepalive_interval=0) as c:
+            res = c.ping_peer("127.0.0.1", port[0], timeout=3.0)
+        assert res["ok"] is False and "agent" not in res, res
+        assert answered, "the rogue side channel was never asked"
+        eventually(lambda: counters(x).get("handshakes_failed", 0) >= 1, "the failed handshake")
+        peak = _status_kib(x.proc.pid, "VmHWM")
+        assert peak - base < 32 * 1024, f"peak RSS grew {(peak - base) // 1024} MiB"
+        assert status(x)["agent_name"] == x.name
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field}")
+
+
 # ------------------------------------------------------------------ and after all that
 
 
