@@ -17,8 +17,8 @@ Before a frame is sent it is classified offline with the daemon's own decoder
 (`kvd_client.wire.decode`, X's frame limit) and the surface's admission rule (below):
 the frames X must reject are sent, and the counters of rejection X keeps must grow by
 exactly what the classifier predicts; the few mutations that are valid messages a
-well-behaved party may send (a Hello with a known role, a KeepAlive, a Probe, an
-empty notification) are counted as such and withheld. The rules:
+well-behaved party may send (a Hello with a known role, a KeepAlive, an empty
+notification) are counted as such and withheld. The rules:
 
 - ipc: undecodable, a message before Hello, a Hello with an unknown role: `ipc_rejected`;
 - side: undecodable or not a side-channel request: `side_rejected`; a Handshake or a
@@ -208,9 +208,7 @@ def classify(surface: str, frame: bytes) -> tuple[str, ...]:
     assert surface == "notif"
     if msg is None:
         return ("notifs_malformed",)
-    if isinstance(msg, wire.Probe):
-        return (WITHHELD,)  # a liveness probe is echoed to whoever sends it
-    return ("notifs_rejected",)
+    return ("notifs_rejected",)  # a Probe too: only a peer that handshook is answered
 
 
 # ------------------------------------------------------------------ the run

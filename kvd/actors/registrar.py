@@ -867,6 +867,11 @@ class Registrar:
     # ---------------------------------------------------------------- ping
 
     async def _probe(self, msg: ProbeReceived) -> None:
+        if msg.agent not in self.peers:  # only a peer we handshook with is answered
+            self.rejects.reject(
+                "registrar", "notifs_rejected", "probe_rejected", "unknown_peer", peer=msg.agent
+            )
+            return
         if msg.probe.reply:
             fut = self._probes.pop(msg.probe.nonce, None)
             if fut is not None and not fut.done():

@@ -58,7 +58,7 @@ def test_classifier_follows_each_surfaces_rule() -> None:
     assert classify("ec", status) == ("ec_xfer_rejected",)
     req = wire.encode(wire.ECXferReq("h", "", "a", "127.0.0.1", 1, 1, 1, (0,)))
     assert classify("ec", req) == ("ec_auth_rejected",)
-    assert classify("notif", probe) == (WITHHELD,)
+    assert classify("notif", probe) == ("notifs_rejected",)
     assert classify("notif", b"") == (WITHHELD,)
     assert classify("notif", garbage) == ("notifs_malformed",)
     assert classify("notif", wire.encode(wire.Heartbeat(("x",)))) == ("notifs_rejected",)

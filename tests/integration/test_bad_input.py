@@ -1911,6 +1911,43 @@ def _status_kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field}")
 
 
+def test_a_probe_from_an_agent_that_never_handshook_is_refused_not_echoed(
+    workdir: Path,
+) -> None:
+    """Without a secret too: a NIXL agent that learned a daemon's metadata but never
+    handshook gets no answer to a Probe (it is counted as rejected); a peer that
+    handshook gets its echo."""
+    x = start_daemon(workdir, "kvdt-noauth-probe")
+    friend = FakePeer(f"kvdt-friend-{os.getpid()}", b"")
+    rogue = new_agent(f"kvdt-probe-rogue-{os.getpid()}")
+    try:
+        hs = friend.handshake_msg()
+        got = side_exchange(x.side_port, wire.encode(hs, 5))
+        assert got is not None and isinstance(got[1], wire.Handshake), got
+        friend.remote_md[x.name] = got[1].nixl_md
+        assert friend.agent.add_remote_agent(got[1].nixl_md) == x.name.encode()
+        assert rogue.add_remote_agent(got[1].nixl_md) == x.name.encode()
+        before = counters(x).get("notifs_rejected", 0)
+        rogue.send_notif(x.name, wire.encode(wire.Probe(41, False)))
+        seen: list[wire.Record] = []
+
+        def counted_yet() -> bool:  # the rogue's agent progresses only when it is polled
+            for msgs in rogue.get_new_notifs().values():
+                seen.extend(wire.decode(raw)[1] for raw in msgs)
+            return bool(counters(x).get("notifs_rejected", 0) == before + 1)
+
+        eventually(counted_yet, "the rogue probe counted")
+        friend.send_bare(x, wire.encode(wire.Probe(42, False)))
+        friend.wait_for(lambda m: isinstance(m, wire.Probe) and m.reply and m.nonce == 42, "echo")
+        for msgs in rogue.get_new_notifs().values():
+            seen.extend(wire.decode(raw)[1] for raw in msgs)
+        assert seen == [], seen  # the friend's echo came after any the rogue could get
+        assert any(r.get("event") == "probe_rejected" for r in log_records(x))
+    finally:
+        assert x.stop() == 0
+        friend.side.close()
+
+
 # ------------------------------------------------------------------ and after all that
 
 
