@@ -218,6 +218,7 @@ class Daemon:
         self.drain = Drain(
             sender=self.sender_box,
             receiver=self.receiver_box,
+            ecrouter=self.ec_box,
             clock=self.clock,
             spawn=self._spawn,
             exit_daemon=self._request_exit,
@@ -347,8 +348,11 @@ class Daemon:
     async def admin(self, msg: wire.Record) -> dict[str, Any]:
         """An operator's request from a CLI session (`kvd drain`, `kvd abort`)."""
         if isinstance(msg, wire.Drain):
-            self.drain.start(msg.timeout, msg.exit)
-            return await self.drain.status()
+            exit_now = self.drain.start(msg.timeout, msg.exit)
+            data = await self.drain.status()
+            if exit_now:  # after the answer is made; it is sent before the exit runs
+                self._request_exit()
+            return data
         if isinstance(msg, wire.AbortRequest):
             return await self._abort_request(msg.request_id)
         raise InvalidRequest(f"{type(msg).__name__} is not an operator request")

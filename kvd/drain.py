@@ -1,11 +1,13 @@
 """The daemon-wide drain (`kvd drain`): take the node out of service without losing requests.
 
-The drain is a state of the whole daemon that the sender and receiver actors know: once
-started it never ends (a drained daemon is restarted to serve again). Starting it posts
-`StartDrain` to both actors, whose protocol machines refuse new work from then on (P
-grants no lease, D takes no registration or pull; each refusal is a failure on both
-sides at once, so D recomputes) and say when nothing of theirs is left. This module only
-waits for both answers, bounded by the operator's timeout, keeps the state that
+The drain is a state of the whole daemon that the sender, receiver and EC router actors
+know: once started it never ends (a drained daemon is restarted to serve again). Starting
+it posts `StartDrain` to the three, which refuse new work from then on (P grants no
+lease, D takes no registration or pull; each refusal is a failure on both sides at once,
+so D recomputes; the encoder-cache producer serves no new consumer request and the
+consumer starts no new fetch, so engines encode locally) and say when nothing of theirs
+is left. This module only waits for the answers, bounded by the operator's timeout,
+keeps the state that
 `kvd status` shows, and asks the supervisor to exit when the drain was started with
 `exit` (at once when drained, or at the timeout with what was left logged).
 
@@ -38,12 +40,14 @@ class Drain:
         *,
         sender: Mailbox[Any],
         receiver: Mailbox[Any],
+        ecrouter: Mailbox[Any],
         clock: Clock,
         spawn: Callable[[Callable[[], Any]], None],
         exit_daemon: Callable[[], None],
     ) -> None:
         self.sender = sender
         self.receiver = receiver
+        self.ecrouter = ecrouter
         self.clock = clock
         self._spawn = spawn
         self._exit_daemon = exit_daemon
@@ -55,8 +59,10 @@ class Drain:
         self.exit = False
         self.ended: float | None = None
 
-    def start(self, timeout: float, exit_after: bool) -> None:
-        """Start the drain, or join the running one (see the module docstring)."""
+    def start(self, timeout: float, exit_after: bool) -> bool:
+        """Start the drain, or join the running one (see the module docstring). True when
+        the daemon is to exit now (drained already, `exit` just asked): the caller
+        answers the operator first, then exits (`exit_daemon`)."""
         now = self.clock.now()
         deadline = now + timeout if timeout > 0 else None
         if deadline is not None and (self.deadline is None or deadline < self.deadline):
@@ -73,16 +79,17 @@ class Drain:
             self.exit = self.exit or exit_after
             log.info("drain_requested", timeout_s=timeout or None, exit=self.exit)
             self._spawn(self._run)
-            return
+            return False
         if exit_after and not self.exit:
             self.exit = True
-            if self.state == "drained":  # over already: exit now
-                self._exit_daemon()
+            return self.state == "drained"  # over already: exit now
+        return False
 
     async def _run(self) -> None:
-        calls = [StartDrain(), StartDrain()]
+        calls = [StartDrain(), StartDrain(), StartDrain()]
         self.sender.post(calls[0])  # notices between actors: never refused
         self.receiver.post(calls[1])
+        self.ecrouter.post(calls[2])
         while not all(c.reply.done() for c in calls):
             if self.deadline is not None and self.clock.now() >= self.deadline:
                 break
@@ -99,6 +106,7 @@ class Drain:
                 seconds=round(self.ended - self.started, 3),
                 sending=left["sending"]["count"],
                 receiving=left["receiving"]["count"],
+                encoder_cache=left["encoder_cache"]["count"],
                 exit=self.exit,
             )
         if self.exit:
@@ -109,6 +117,7 @@ class Drain:
         return {
             "sending": await self.sender.call(Snapshot("drain")),
             "receiving": await self.receiver.call(Snapshot("drain")),
+            "encoder_cache": await self.ecrouter.call(Snapshot("drain")),
         }
 
     async def status(self) -> dict[str, Any]:

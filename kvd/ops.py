@@ -129,6 +129,7 @@ def drain_line(d: dict[str, Any]) -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(d["since"]))
     sending = d.get("sending", {}).get("count", 0)
     receiving = d.get("receiving", {}).get("count", 0)
+    ec = d.get("encoder_cache", {}).get("count", 0)
     deadline = d.get("deadline_in_s")
     left = ""
     if deadline is not None and d["state"] == "draining":
@@ -137,10 +138,14 @@ def drain_line(d: dict[str, Any]) -> str:
     return (
         f"[bold yellow]drain: {d['state']}[/bold yellow] since {since} ({d['for_s']:.1f}s"
         f"{left}{then}); in flight: {sending} sending, {receiving} receiving"
+        + (f", {ec} encoder-cache" if ec else "")
     )
 
 
 # ------------------------------------------------------------------ kvd drain
+
+
+_SIDES = ("sending", "receiving", "encoder_cache")
 
 
 def drain(socket: str | None, timeout: float, exit_after: bool, wait: bool, as_json: bool) -> int:
@@ -159,7 +164,7 @@ def drain(socket: str | None, timeout: float, exit_after: bool, wait: bool, as_j
             err.print(f"draining kvd at {_escape(path)} (new leases and transfers are refused)")
         shown = -1
         while wait and data["state"] == "draining":
-            n = data["sending"]["count"] + data["receiving"]["count"]
+            n = sum(data.get(k, {}).get("count", 0) for k in _SIDES)
             if n != shown and not as_json:
                 err.print(drain_line(data))
                 shown = n

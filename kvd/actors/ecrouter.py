@@ -83,6 +83,7 @@ from kvd_client.errors import (
     KvdError,
     NotFound,
     RemoteProtocolError,
+    ShuttingDown,
     Timeout,
     error_from_code,
 )
@@ -102,6 +103,7 @@ from kvd.actors.messages import (
     RegisterDaemonRegion,
     SessionClosed,
     Snapshot,
+    StartDrain,
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.zmq_monitor import watch_disconnects
@@ -261,6 +263,9 @@ class ECRouter:
         self.rejects = rejects
         self.serving = 0
         """Consumers' requests being served now (each a task): at most `mailbox.size`."""
+        self.draining = False
+        """`kvd drain`: no new transfer either way (local hits and local outputs go on)."""
+        self._drains: list[StartDrain] = []
         nblocks = region_bytes // block_bytes
         self.producing = role in ("producer", "both")
         self.consuming = role in ("consumer", "both")
@@ -404,9 +409,31 @@ class ECRouter:
                 f.waiters = [w for w in f.waiters if w != msg.session]
             msg.resolve(None)
         elif isinstance(msg, Snapshot):
-            msg.resolve(self.snapshot())
+            msg.resolve(self.in_flight() if msg.section == "drain" else self.snapshot())
+        elif isinstance(msg, StartDrain):
+            if not self.draining:
+                self.draining = True
+                log.info("ec_drain_started", serving=self.serving, fetching=len(self.fetches))
+            self._drains.append(msg)
+            self._check_drained()
         else:
             raise TypeError(f"ecrouter got {type(msg).__name__}")
+
+    def in_flight(self) -> dict[str, Any]:
+        """What a drain waits for: requests this producer serves, fetches this consumer
+        waits on (a fetch given up on and quarantined is not waited for: its waiters were
+        told, only the daemon's own blocks wait for the producer's answer)."""
+        return {
+            "count": self.serving + len(self.fetches),
+            "serving": self.serving,
+            "fetching": len(self.fetches),
+        }
+
+    def _check_drained(self) -> None:
+        if self._drains and self.serving == 0 and not self.fetches:
+            for call in self._drains:
+                call.resolve(None)
+            self._drains.clear()
 
     def _client(self, req: ClientRequest) -> None:
         m = req.msg
@@ -505,6 +532,14 @@ class ECRouter:
             if not self._same_compat(session, m, f.compat, "being fetched"):
                 return
             f.waiters.append(session)
+            return
+        if self.draining:  # joining a fetch in flight (above) is no new transfer
+            down = ShuttingDown("this kvd daemon is draining: it starts no new fetch")
+            self._count("ec_fetches_refused_draining")
+            self._count("ec_unavailable")
+            self.emit(
+                EventOut(session, "", wire.ECUnavailable(m.mm_hash, int(down.code), down.message))
+            )
             return
         if m.mm_hash in self.quarantined:
             busy = Busy(f"{m.mm_hash!r}: an earlier fetch of it is not settled yet")
@@ -620,6 +655,7 @@ class ECRouter:
             return
         del self.fetches[ack.mm_hash]
         self.deadlines.discard(ack.mm_hash)
+        self._check_drained()
         pool = self.cons_pool
         assert pool is not None
         if not ack.ok:
@@ -646,6 +682,7 @@ class ECRouter:
         if f is not None:
             self.deadlines.discard(mm_hash)
             self._fetch_failed_entry(f, exc)
+            self._check_drained()
 
     def _fetch_timed_out(self, mm_hash: str) -> None:
         """No answer in time: the waiters are told at once, but the blocks are
@@ -661,6 +698,7 @@ class ECRouter:
         self.deadlines.set(_QUARANTINE + mm_hash, self.clock.now() + self.quarantine_s)
         exc = Timeout(f"no answer from the producer in {self.xfer_timeout}s")
         self._fetch_failed_entry(f, exc, free=False)
+        self._check_drained()
 
     def _unquarantine(self, mm_hash: str, why: str) -> None:
         if self.quarantined.pop(mm_hash, None) is None:
@@ -778,6 +816,8 @@ class ECRouter:
                         if self.trace.on:
                             self.trace.mark(req.mm_hash, "ec.request_received")
                         refused = self._admit(req)
+                        if refused is None and self.draining:
+                            refused = self._refuse_draining(req)
                         if refused is None and self.serving >= self.mailbox.size:
                             refused = self._busy(req)
                         if refused is None:
@@ -814,6 +854,14 @@ class ECRouter:
             )
         else:
             self._xfer_failed(req.mm_hash, exc)
+        return wire.ECXferAck(req.mm_hash, False, int(exc.code), exc.message, 0)
+
+    def _refuse_draining(self, req: wire.ECXferReq) -> wire.ECXferAck:
+        """A consumer's request while this producer drains: refused at once (the consumer
+        encodes locally)."""
+        exc = ShuttingDown("the encoder-cache producer is draining (going out of service)")
+        self._count("ec_xfer_refused_draining")
+        self._xfer_failed(req.mm_hash, exc)
         return wire.ECXferAck(req.mm_hash, False, int(exc.code), exc.message, 0)
 
     def _busy(self, req: wire.ECXferReq) -> wire.ECXferAck:
@@ -885,6 +933,7 @@ class ECRouter:
             await self._serve(ident, req)
         finally:
             self.serving -= 1
+            self._check_drained()
 
     async def _serve(self, ident: bytes, req: wire.ECXferReq) -> None:
         mm_hash = req.mm_hash

@@ -372,3 +372,92 @@ def test_a_fetch_given_up_on_keeps_its_blocks_until_the_producer_answers(
             e.proc.send_signal(signal.SIGCONT)
         prod.close()
         cons.close()
+
+
+def test_a_drain_refuses_new_encoder_cache_transfers_and_waits_for_those_in_flight(
+    daemons: StartDaemon,
+) -> None:
+    """`kvd drain` covers the encoder cache: a draining consumer starts no new fetch
+    (refused at once: the engine encodes locally) but serves local hits and waits for a
+    fetch in flight (the producer frozen meanwhile) before it says drained; a draining
+    producer refuses a consumer's new request (SHUTTING_DOWN)."""
+    import signal
+
+    from kvd_client.client import KvdClient
+
+    e = daemons("kvd-ecdr-e", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-ecdr-c", ec_cfg("consumer", 16 * MiB))
+    c2 = daemons("kvd-ecdr-c2", ec_cfg("consumer", 16 * MiB))
+    prod, cons, cons2 = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer"), None
+
+    def drain(socket: str) -> dict[str, object]:
+        with KvdClient(socket, role="cli", timeout=5.0, keepalive_interval=0) as cli:
+            reply = cli.request(wire.Drain(30.0, False))
+            assert isinstance(reply, wire.StatusReply)
+            return reply.data
+
+    def drain_state(side: ECSide) -> object:
+        return side.client.status("drain")["state"]
+
+    try:
+        outputs = {}
+        for i, name in enumerate(("in-flight", "refused", "at-producer")):
+            data = output_bytes(10 + i, MiB + 4096 * i)
+            blocks = prod.client.ec_allocate(name, len(data))
+            prod.write(blocks.block_ids, data)
+            params = prod.client.ec_commit(
+                name, len(data), shape=(len(data),), dtype="uint8", compat="ec-dr"
+            )
+            outputs[name] = (data, params)
+        e.proc.send_signal(signal.SIGSTOP)
+        try:
+            cons.client.ec_ensure(outputs["in-flight"][1])
+            deadline = time.monotonic() + 5
+            while cons.client.status("ec")["consumer"]["pinned"] == 0:  # the fetch is out
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            started = drain(c.socket)
+            assert started["state"] == "draining", started
+            assert started["encoder_cache"] == {"count": 1, "serving": 0, "fetching": 1}
+            cons.client.ec_ensure(outputs["refused"][1])
+            (ev,) = cons.client.wait_events(5)
+            assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.SHUTTING_DOWN, ev
+            assert "draining" in ev.reason
+            time.sleep(0.3)
+            assert drain_state(cons) == "draining"  # the fetch in flight holds it
+        finally:
+            e.proc.send_signal(signal.SIGCONT)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady) and ev.mm_hash == "in-flight", ev
+        assert cons.matches(ev.block_ids, outputs["in-flight"][0])
+        deadline = time.monotonic() + 5
+        while drain_state(cons) != "drained":
+            assert time.monotonic() < deadline, cons.client.status("drain")
+            time.sleep(0.05)
+        # a local hit is no new transfer: still served while drained
+        cons.client.ec_release("in-flight")
+        cons.client.ec_ensure(outputs["in-flight"][1])
+        (ev,) = cons.client.wait_events(5)
+        assert isinstance(ev, wire.ECReady) and cons.matches(ev.block_ids, outputs["in-flight"][0])
+        cons.client.ec_release("in-flight")
+        counters = cons.client.status()["counters"]
+        assert counters["ec_fetches_refused_draining"] == 1
+        # the producer drains: a consumer's new request is refused there
+        assert drain(e.socket)["state"] in ("draining", "drained")
+        cons2 = ECSide(c2.socket, "consumer2")
+        cons2.client.ec_ensure(outputs["at-producer"][1])
+        (ev,) = cons2.client.wait_events(10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.SHUTTING_DOWN, ev
+        assert "producer is draining" in ev.reason
+        assert prod.client.status()["counters"]["ec_xfer_refused_draining"] == 1
+        deadline = time.monotonic() + 5
+        while drain_state(prod) != "drained":  # nothing was in flight: at its next check
+            assert time.monotonic() < deadline, prod.client.status("drain")
+            time.sleep(0.05)
+    finally:
+        if e.proc.poll() is None:
+            e.proc.send_signal(signal.SIGCONT)
+        prod.close()
+        cons.close()
+        if cons2 is not None:
+            cons2.close()
