@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -88,7 +89,7 @@ from kvd_client.errors import (
     error_from_code,
 )
 from kvd_client.layout import block_major
-from kvd_client.shm import SharedRegion
+from kvd_client.shm import SHM_DIR, SharedRegion, staging_name
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import transport_cap
@@ -106,6 +107,7 @@ from kvd.actors.messages import (
     StartDrain,
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
+from kvd.adapters.shm import pid_alive, staging_creator_here
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
@@ -131,6 +133,7 @@ EC_ENGINE: Final = "kvd-ec"
 
 
 EC_SEGMENT_PREFIX: Final = "kvd-ec-"
+EC_INDEX_SUFFIX: Final = ".idx"
 
 EC_XFER_CONTEXT: Final = b"ecxfer"
 """Domain separation of an `ECXferReq`'s MAC from the MACs of other peer messages."""
@@ -161,33 +164,43 @@ def ec_region_compat(block_bytes: int) -> str:
     return f"{EC_ENGINE}:block_bytes={block_bytes}"
 
 
-def reap_stale_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink EC segments left by daemons that died without cleanup (SIGKILL, power loss).
+def ec_segment_name() -> str:
+    """`kvd-ec-n<pid namespace>-p<pid>-<hex>`: a staging name (`kvd_client.shm.staging_name`),
+    so the leftover rule can judge it; its index is the same name plus `.idx`."""
+    return staging_name("ec")
 
-    A segment is named `kvd-ec-<pid>-<random>`; it is stale when no process <pid> exists
-    and it belongs to our user.
-    """
+
+def ec_segment_creator(name: str) -> int | None:
+    """The pid of the daemon that made an EC segment or its index, when it lived in our pid
+    namespace; None for any other name (the rule does not judge it)."""
+    if not name.startswith(EC_SEGMENT_PREFIX):
+        return None
+    return staging_creator_here(name.removesuffix(EC_INDEX_SUFFIX))
+
+
+def reap_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink EC segments (and indexes) that daemons which died without cleanup (SIGKILL,
+    power loss) left: named in our pid namespace by a process that is gone, ours, regular
+    files. Unlike a staging segment (a live client may register it again by name), a dead
+    daemon's region has no use under its name: a consumer engine that still maps it keeps
+    its mapping (unlinking removes only the name) and learns the new daemon's region when
+    it reconnects. Blocking IO: run it in a worker thread."""
     removed = []
+    uid = os.geteuid()
     for name in os.listdir(shm_dir):
-        if not name.startswith(EC_SEGMENT_PREFIX):
-            continue
-        pid_text = name[len(EC_SEGMENT_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
+        pid = ec_segment_creator(name)
+        if pid is None or pid_alive(pid):
             continue
         path = os.path.join(shm_dir, name)
         try:
-            if os.stat(path).st_uid != os.getuid():
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
                 continue
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                removed.append(name)
-                log.info("ec_stale_segment_removed", segment=name)
-            except OSError:
-                pass
-        except (PermissionError, FileNotFoundError):
-            continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone already (another daemon starting), or not ours to remove
+        removed.append(name)
+        log.info("ec_stale_segment_removed", segment=name, creator_pid=pid)
     return removed
 
 
@@ -318,12 +331,15 @@ class ECRouter:
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.enabled:
-            reap_stale_segments()
-            name = f"{EC_SEGMENT_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
+            try:
+                await anyio.to_thread.run_sync(reap_stale_segments)
+            except OSError as exc:
+                log.warning("ec_stale_segment_reap_failed", error=str(exc))
+            name = ec_segment_name()
             self.region = SharedRegion(name, self.region_bytes)
             if self.cons_pool is not None:
                 self.index = ECIndexWriter(
-                    f"{name}.idx",
+                    f"{name}{EC_INDEX_SUFFIX}",
                     index_slots(self.cons_pool.num_blocks),
                     name,
                     self.region_bytes,

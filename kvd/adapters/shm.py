@@ -157,7 +157,7 @@ def reap_segments(
             out.kept[name] = "not a regular file"
         elif st.st_uid != uid:
             out.kept[name] = f"owned by uid {st.st_uid}, not {uid}"
-        elif _alive(pid):
+        elif pid_alive(pid):
             out.kept[name] = f"its creator, pid {pid}, is alive"
         else:
             candidates[name] = (pid, st.st_dev, st.st_ino)
@@ -176,7 +176,7 @@ def reap_segments(
             continue
         try:
             st = os.lstat(path)
-            if (st.st_dev, st.st_ino) != (dev, ino) or _alive(pid):
+            if (st.st_dev, st.st_ino) != (dev, ino) or pid_alive(pid):
                 out.kept[name] = "it changed while it was judged"
                 continue
             os.unlink(path)
@@ -235,7 +235,7 @@ def segment_users(
     return found
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Is there a process `pid` here? Only ESRCH says no."""
     if pid <= 0:
         return True  # kill(0 or -n, 0) would ask about process groups

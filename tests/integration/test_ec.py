@@ -13,7 +13,7 @@ import zmq
 from kvd_client import wire
 from kvd_client.errors import ErrorCode, InvalidRequest
 
-from kvd.actors.ecrouter import EC_XFER_CONTEXT
+from kvd.actors.ecrouter import EC_XFER_CONTEXT, ec_segment_creator
 from kvd.core.peerauth import message_mac
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
@@ -53,12 +53,12 @@ def test_500_outputs_with_repeats_every_byte(daemons: StartDaemon) -> None:
     assert pc["ec_evicted"] > 0 and res.reencoded > 0
     assert pc["ec_served"] == cc["ec_fetched"]
     assert st["consumer"]["pinned"] == 0
-    assert any(n.startswith(f"kvd-ec-{e.proc.pid}-") for n in shm_segments("kvd-ec-"))
+    assert any(ec_segment_creator(n) == e.proc.pid for n in shm_segments("kvd-ec-"))
     for d in (e, c):
         assert d.stop() == 0
     # the daemons removed their EC regions (named after their pids)
     assert not {
-        n for n in shm_segments("kvd-ec-") for d in (e, c) if n.startswith(f"kvd-ec-{d.proc.pid}-")
+        n for n in shm_segments("kvd-ec-") for d in (e, c) if ec_segment_creator(n) == d.proc.pid
     }
 
 

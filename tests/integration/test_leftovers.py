@@ -26,6 +26,7 @@ import pytest
 from kvd_client.client import KvdClient
 from kvd_client.shm import SHM_DIR, pid_namespace, staging_creator, staging_name, unique_name
 
+from kvd.actors.ecrouter import ec_segment_creator, ec_segment_name, reap_stale_segments
 from kvd.adapters.shm import MappedRegion, reap_segments, staging_creator_here
 from kvd.demo import DaemonProc
 
@@ -256,6 +257,37 @@ def test_foreign_names_and_other_owners_are_kept(segments: list[str]) -> None:
     assert set(got.removed) == {ours} | ({not_ours} if not expected_kept else set())
     for name in (other_ns, unnamed, ec, link):
         assert os.path.lexists(os.path.join(SHM_DIR, name))
+
+
+def test_a_dead_daemons_ec_segments_are_removed_by_name_and_pid_namespace(
+    segments: list[str],
+) -> None:
+    """The daemon's EC region and its index carry its pid namespace and pid: at start a
+    daemon removes those whose creator is gone, even one still mapped (a consumer engine
+    reading a dead daemon's outputs keeps its mapping: only the name goes); names from
+    another pid namespace, of another form, or of a live creator stay."""
+    assert ec_segment_creator(ec_segment_name()) == os.getpid()
+    pid = dead_pid()
+    seg = make_file(segments, crafted("ec", pid))
+    idx = make_file(segments, seg + ".idx")
+    used = make_file(segments, crafted("ec", pid))
+    live = make_file(segments, crafted("ec", os.getpid()))
+    other_ns = make_file(segments, crafted("ec", pid, ns=pid_namespace() + 1))
+    old_form = make_file(segments, f"kvd-ec-{pid}-{os.urandom(4).hex()}")
+    assert ec_segment_creator(idx) == pid and ec_segment_creator(old_form) is None
+    mapping = MappedRegion(used, 4096)
+    try:
+        mapping.view()[:4] = b"kept"
+        removed = set(reap_stale_segments())
+        assert bytes(mapping.view()[:4]) == b"kept"  # the mapping outlives the name
+    finally:
+        mapping.close()
+    assert {seg, idx, used} <= removed
+    assert not ({live, other_ns, old_form} & removed)
+    for name in (seg, idx, used):
+        assert not exists(name)
+    for name in (live, other_ns, old_form):
+        assert exists(name)
 
 
 # ------------------------------------------------------------------ with real daemons
