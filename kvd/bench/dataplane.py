@@ -287,7 +287,23 @@ def _case(
         "bytes": total,
         "contenders": contenders,
         "ratios": ratios,
+        "coalescing_gain_kept": {
+            "push": gain_kept(contenders, "kvd push", "WRITE"),
+            "pull": gain_kept(contenders, "kvd pull", "READ"),
+        },
     }
+
+
+def gain_kept(contenders: dict[str, dict[str, Any]], kvd: str, op: str) -> float | None:
+    """How much of what coalescing gains raw NIXL over per-block descriptors kvd keeps:
+    (kvd - per-block) / (coalesced - per-block), in GB/s; 1.0 keeps all of it, 0 none
+    (kvd no faster than per-block). None when there is nothing to coalesce (the same
+    descriptors either way) or the gain is under 5 % (the ratio would be noise)."""
+    coal, blk = contenders[f"raw coalesced {op}"], contenders[f"raw per-block {op}"]
+    c, b, k = float(coal["gbps"]), float(blk["gbps"]), float(contenders[kvd]["gbps"])
+    if coal["descriptors"] >= blk["descriptors"] or c - b < 0.05 * c:
+        return None
+    return round((k - b) / (c - b), 3)
 
 
 def teardown(pairs: list[Pair]) -> None:

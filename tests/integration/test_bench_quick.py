@@ -68,6 +68,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         assert c["kvd pull"]["descriptors"] == c["raw coalesced READ"]["descriptors"]
         for key, value in case["ratios"].items():
             _positive(value, key)
+        for op, kept in case["coalescing_gain_kept"].items():  # None: nothing to coalesce
+            assert op in ("push", "pull") and (kept is None or isinstance(kept, float)), kept
 
     ctl = sc["control"]
     for mode in ("push", "pull"):
