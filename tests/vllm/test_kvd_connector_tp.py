@@ -125,6 +125,11 @@ def push_params(p: TPInstance) -> dict[str, Any]:
     }
 
 
+def expired(d: DaemonProc) -> int:
+    with KvdClient(d.socket, role="cli", keepalive_interval=0) as c:
+        return int(c.status()["counters"].get("leases_expired", 0))
+
+
 def assert_daemon_idle(d: DaemonProc) -> None:
     deadline = time.monotonic() + 5
     while True:
@@ -216,8 +221,12 @@ def test_block_sizes_and_layouts_differ(
     instances: list[TPInstance],
 ) -> None:
     pd, dd = pair
-    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, block_size=p_bs, layout=p_layout)
-    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, block_size=d_bs, layout=d_layout)
+    p = make_tp_instance(
+        "p", pd.socket, model, tp=p_tp, mode=mode, block_size=p_bs, layout=p_layout
+    )
+    d = make_tp_instance(
+        "d", dd.socket, model, tp=d_tp, mode=mode, block_size=d_bs, layout=d_layout
+    )
     instances += [p, d]
     want = {"LBNHC": "NHD", "LBHNC": "HND"}
     for inst, lay in ((p, p_layout), (d, d_layout)):
@@ -268,12 +277,16 @@ def test_hybrid_state_at_different_tp_is_refused_naming_both(
     p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True)
     d = make_tp_instance("d", dd.socket, model, tp=1, hybrid=True)
     instances += [p, d]
+    before = expired(pd)
     with caplog.at_level(logging.WARNING, logger="kvd_client.vllm"):
         reqs = transfer(p, d, "pull", [45], "s")
-    (pid, did, _), = reqs
+    ((pid, did, _),) = reqs
     assert did in d.failed_recv and did not in d.received
-    assert d.finished[did].finish_reason == "error"  # kv_load_failure_policy "fail"
-    assert "TP differs, P 2 ranks, D 1" in caplog.text, caplog.text
+    assert d.finished[did].finish_reason.name == "ERROR"  # kv_load_failure_policy "fail"
+    assert "INCOMPATIBLE" in caplog.text and "TP differs, P 2 ranks, D 1" in caplog.text, (
+        caplog.text
+    )
+    assert pid in p.sent and expired(pd) == before  # cancelled by D: freed, no lease expiry
     p.assert_idle()
     d.assert_idle()
     assert_daemon_idle(pd)
@@ -293,15 +306,45 @@ def test_a_different_kv_dtype_is_refused_naming_both(
     p = make_tp_instance("p", pd.socket, model, tp=2)
     d = make_tp_instance("d", dd.socket, model, tp=1, dtype="float16")
     instances += [p, d]
+    before = expired(pd)
     with caplog.at_level(logging.WARNING, logger="kvd_client.vllm"):
         reqs = transfer(p, d, "pull", [45], "x")
-    (pid, did, _), = reqs
+    ((pid, did, _),) = reqs
     assert did in d.failed_recv and did not in d.received
-    assert d.finished[did].finish_reason == "error"
+    assert d.finished[did].finish_reason.name == "ERROR"
     assert "INCOMPATIBLE" in caplog.text and "dtype P='bfloat16' D='float16'" in caplog.text, (
         caplog.text
     )
-    run_until(lambda: pid in p.sent, [p], timeout=5)  # cancelled by D: freed, no lease expiry
+    assert pid in p.sent and expired(pd) == before  # cancelled by D: freed, no lease expiry
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (1, 2, "push")])
+def test_hybrid_attention_groups_map_across_tp(
+    p_tp: int,
+    d_tp: int,
+    mode: str,
+    pair: tuple[DaemonProc, DaemonProc],
+    model: str,
+    instances: list[TPInstance],
+) -> None:
+    """Full attention + sliding window (no state) at different TP: each group maps its
+    heads across the ranks like a plain region; the window moves only its blocks."""
+    pd, dd = pair
+    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, hybrid=True, state=False)
+    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, hybrid=True, state=False)
+    instances += [p, d]
+    lengths = [20, 70]
+    reqs = transfer(p, d, mode, lengths, "w")
+    assert not p.errors and not d.errors, p.errors + d.errors
+    for pid, did, n in reqs:
+        assert did in d.received and did not in d.failed_recv, did
+        assert pid in p.sent
+        window = min(n, WINDOW - 1)
+        assert d.checked[did] == 2 * (n + window) * KV_HEADS, (d.checked[did], n)
     p.assert_idle()
     d.assert_idle()
     assert_daemon_idle(pd)

@@ -384,8 +384,10 @@ def make_tp_instance(
     layout: str = "LBNHC",
     dtype: str = "bfloat16",
     hybrid: bool = False,
+    state: bool = True,
     num_blocks: int = 96,
 ) -> TPInstance:
+    """One engine of `tp` ranks; `hybrid`: full + sliding window (+ Mamba state if `state`)."""
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024)
     sc = SchedulerConfig(
         max_num_seqs=16,
@@ -430,7 +432,7 @@ def make_tp_instance(
             page_size_padded=full.page_size_bytes,
         )
         specs = {"full": full, "window": swa, "state": mamba}
-        kinds = ["full", "window", "state"]
+        kinds = ["full", "window", "state"] if state else ["full", "window"]
         groups = [KVCacheGroupSpec(HYBRID_GROUPS[k], specs[k]) for k in kinds]
         budget = num_blocks * full.page_size_bytes * 2
     else:
