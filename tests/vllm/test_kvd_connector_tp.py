@@ -349,3 +349,77 @@ def test_hybrid_attention_groups_map_across_tp(
     d.assert_idle()
     assert_daemon_idle(pd)
     assert_daemon_idle(dd)
+
+
+@pytest.mark.parametrize(("shared", "loads"), [(32, True), (16, False)])
+def test_local_hit_with_larger_p_blocks_loads_only_from_a_p_block_boundary(
+    shared: int,
+    loads: bool,
+    pair: tuple[DaemonProc, DaemonProc],
+    model: str,
+    instances: list[TPInstance],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """P's blocks hold 32 tokens, D's 16. D's blocks take the tail of P's from a boundary of
+    the larger block: a local hit of 32 tokens loads the rest; one of 16 cannot pair (P's
+    block 0 holds tokens D has and tokens it needs), so D computes the request itself."""
+    pd, dd = pair
+    p = make_tp_instance("p", pd.socket, model, tp=2, block_size=32)
+    d = make_tp_instance("d", dd.socket, model, tp=1, block_size=16)
+    instances += [p, d]
+    tokens = prompt(50, shared) + prompt(51, 50)
+    d.add("cmpl-local-0-00000000", tokens[: shared + 1], max_tokens=1, params=None)
+    run_until(lambda: "cmpl-local-0-00000000" in d.finished, [d])
+    pid, did = ids("hit")
+    p.add(pid, tokens, max_tokens=1, params={"do_remote_decode": True})
+    run_until(lambda: pid in p.finished, [p, d])
+    params = p.finished[pid].kv_transfer_params
+    with caplog.at_level(logging.WARNING, logger="kvd_client.vllm"):
+        d.add(did, tokens, max_tokens=3, params=params)
+        d.verify[did] = (p, pid)
+        d.local_hit[did] = shared
+        run_until(lambda: did in d.finished and not p.busy() and not d.busy(), [p, d])
+    assert not p.errors and not d.errors, p.errors + d.errors
+    assert [t for o in d.outputs[did] for t in o.new_token_ids] == [TOKEN] * 3
+    assert pid in p.sent
+    if loads:
+        assert did in d.received and d.checked[did] == 2 * len(tokens) * KV_HEADS
+    else:
+        assert did not in d.waited_remote and did not in d.received
+        assert "does not end on a boundary of P's blocks (32 tokens, D's 16)" in caplog.text
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
+@pytest.fixture(scope="module")
+def model2(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_model(tmp_path_factory.mktemp("tiny-tp2"), kv_heads=2)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "mode"), [(4, 1, "pull"), (1, 4, "push"), (4, 2, "pull")])
+def test_replicated_kv_heads(
+    p_tp: int,
+    d_tp: int,
+    mode: str,
+    pair: tuple[DaemonProc, DaemonProc],
+    model2: str,
+    instances: list[TPInstance],
+) -> None:
+    """2 KV heads at TP 4: each head is on two ranks; D takes every head from one replica."""
+    pd, dd = pair
+    p = make_tp_instance("p", pd.socket, model2, tp=p_tp, mode=mode)
+    d = make_tp_instance("d", dd.socket, model2, tp=d_tp, mode=mode)
+    instances += [p, d]
+    reqs = transfer(p, d, mode, [20, 45], "rep")
+    assert not p.errors and not d.errors, p.errors + d.errors
+    for pid, did, n in reqs:
+        assert did in d.received and did not in d.failed_recv, did
+        assert pid in p.sent
+        # every D rank checked its heads (replicas included) at every position
+        assert d.checked[did] == 2 * n * sum(r.heads for r in d.ranks), d.checked[did]
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)

@@ -24,6 +24,7 @@ inside the window; a state layer's slot with P's same rank).
 from __future__ import annotations
 
 import secrets
+import time
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -173,6 +174,8 @@ class TPInstance:
     """P: request id -> its reference (taken when it finished)."""
     verify: dict[str, tuple[TPInstance, str]] = field(default_factory=dict)
     """D: request id -> (P, P's request id) whose reference D's bytes must equal."""
+    local_hit: dict[str, int] = field(default_factory=dict)
+    """D: request id -> tokens of a local prefix hit (those hold D's own bytes)."""
     checked: dict[str, int] = field(default_factory=dict)
     """D: request id -> (rank, layer, position, head) cells compared."""
     errors: list[str] = field(default_factory=list)
@@ -327,6 +330,8 @@ class TPInstance:
             self.errors.append(f"{self.name}: {rid} arrived before P's reference was taken")
             return
         loaded = ref.tokens  # every token P computed (D recomputes the prompt's last itself)
+        req_prompt = self.scheduler.requests[rid].prompt_token_ids
+        assert req_prompt is not None
         blocks = self._blocks(rid)
         bs = self.block_size
         cells = 0
@@ -343,9 +348,17 @@ class TPInstance:
                     continue
                 lo = 0 if self.kinds[g] == "full" else max(0, loaded - WINDOW + 1)
                 words = t.view(torch.int16).numpy()
+                hit = self.local_hit.get(rid, 0)
                 for pos in range(lo, loaded):
                     got = words[blocks[g][pos // bs], :, pos % bs, :]
-                    want = ref.kv[name][pos, r.head0 : r.head0 + r.heads]
+                    if pos < hit:  # D computed this prefix itself
+                        mine = head_pattern(
+                            self.salt, req_prompt, pos, name, self.total_heads, t.shape[3]
+                        )
+                        want = mine[r.head0 : r.head0 + r.heads].to(t.dtype).view(torch.int16)
+                        want = want.numpy()
+                    else:
+                        want = ref.kv[name][pos, r.head0 : r.head0 + r.heads]
                     if not np.array_equal(got, want):
                         self.errors.append(
                             f"{self.name}: {rid} rank {r.rank} {name} position {pos} heads "
@@ -364,6 +377,10 @@ class TPInstance:
         assert not s.requests, f"{self.name}: requests left {list(s.requests)}"
         assert self.held_blocks() == 0, f"{self.name}: {self.held_blocks()} blocks still held"
         side = self.connector.scheduler_side
+        deadline = time.monotonic() + 5  # an orphaned empty transfer ends when its event arrives
+        while side._d and time.monotonic() < deadline:
+            side.has_pending_push_work()
+            time.sleep(0.01)
         assert not side._d and not side._p and not side._sending, (side._d, side._p, side._sending)
         assert not self.errors, self.errors
 

@@ -42,8 +42,14 @@ move (sliding windows clipped to the window, state groups their running slot), D
 in only those; with a state group P stops one prompt token short and D computes it.
 Hybrid requests are staged whole in the step that completes the prompt (not by layer).
 
-Limits: no pipeline or decode-context parallelism; staged KV maps at equal TP and block
-size (its compat is an opaque hash of the staged format).
+Each rank stages its attention layers as a KV spec region (`staging.staged_format`: K and
+V apart, NHD or HND as its tensors lie; compat = model, KV dtype, KV heads, head size,
+layers), so the daemons map P and D across TP, block size and token layout and refuse,
+naming both sides, a pair that cannot map; P's kv_transfer_params carry its block size
+(`remote_block_size`) so D lines up P's blocks by tokens. MLA and unknown tensor shapes
+stage opaquely (equal TP, block size and shape only).
+
+Limits: no pipeline or decode-context parallelism.
 """
 
 from __future__ import annotations

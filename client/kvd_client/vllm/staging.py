@@ -5,9 +5,12 @@ vLLM hands `register_kv_caches` one tensor per attention layer. Nothing here ass
 their shape: each tensor's block axis is found from its shape and the engine's block
 count (the axis of size `num_blocks`, preferring the outermost; or an outermost axis
 holding a whole number of kernel blocks per block), and a block's bytes are those of the
-tensor's block slice in its *logical* order (shape, dtype), whatever the strides. Two
-engines whose per-block logical shapes agree therefore exchange blocks even when their
-physical layouts (LBNHC, LBHNC, BLNHC, ...) differ.
+tensor's block slice in its *logical* order (shape, dtype), whatever the strides (an
+opaque region: two engines exchange blocks when their per-block shapes agree), or, for
+vLLM's attention blocks ([heads, tokens, K|V]), per layer K then V as [token][head][elem]
+(NHD) or [head][token][elem] (HND), following the tensors' physical order (`kv_format`):
+a KV spec region the daemon maps across TP, block sizes and token layouts
+(`staged_format`).
 
 The staging region is block-major: block b holds every layer's bytes for b back to back,
 so a run of consecutive block ids is one contiguous range (one NIXL descriptor). With a
