@@ -423,3 +423,50 @@ def test_replicated_kv_heads(
     d.assert_idle()
     assert_daemon_idle(pd)
     assert_daemon_idle(dd)
+
+
+def counters(d: DaemonProc) -> dict[str, int]:
+    with KvdClient(d.socket, role="cli", keepalive_interval=0) as c:
+        got: dict[str, int] = c.status()["counters"]
+    return got
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_layerwise_push_across_tp(
+    p_tp: int,
+    d_tp: int,
+    pair: tuple[DaemonProc, DaemonProc],
+    model: str,
+    instances: list[TPInstance],
+) -> None:
+    """D registered before P prefills: every P rank announces its layers from
+    save_kv_layer and P's daemon streams them into D's ranks of another TP."""
+    pd, dd = pair
+    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode="push")
+    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode="push")
+    instances += [p, d]
+    before = counters(pd)
+    lengths = [37, 50]
+    reqs = []
+    for i, n in enumerate(lengths):
+        pid, did = ids(f"lw{i}")
+        d.add(did, prompt(i, n), max_tokens=3, params=push_params(p))
+        d.verify[did] = (p, pid)
+        reqs.append((pid, did, n))
+
+    def registered() -> bool:
+        with KvdClient(pd.socket, role="cli", keepalive_interval=0) as c:
+            return bool(c.status()["sender"]["pending_registrations"] == len(reqs))
+
+    run_until(registered, [d])  # D allocated and registered; P has not prefilled yet
+    for i, (pid, _, n) in enumerate(reqs):
+        p.add(pid, prompt(i, n), max_tokens=1, params={"do_remote_decode": True})
+    run_until(lambda: all(did in d.finished for _, did, _ in reqs) and not p.busy(), [p, d])
+    after = counters(pd)
+    assert after.get("sends_layered", 0) - before.get("sends_layered", 0) == len(reqs)
+    assert after.get("layer_notices", 0) > before.get("layer_notices", 0)
+    check_arrived(p, d, reqs)
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
