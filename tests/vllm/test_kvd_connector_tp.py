@@ -267,15 +267,28 @@ def test_hybrid_at_tp2_arrives_byte_exact(
     assert_daemon_idle(dd)
 
 
-def test_hybrid_state_at_different_tp_is_refused_naming_both(
+@pytest.mark.parametrize(
+    ("state", "d_tp", "d_bs", "says"),
+    [
+        (True, 1, 16, "state group 2: TP differs, P 2 ranks, D 1"),
+        (False, 2, 32, "sliding-window group 1: block sizes differ, P 16 tokens, D 32"),
+    ],
+)
+def test_hybrid_refusals_name_both_sides(
+    state: bool,
+    d_tp: int,
+    d_bs: int,
+    says: str,
     pair: tuple[DaemonProc, DaemonProc],
     model: str,
     instances: list[TPInstance],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Kept refusals (README): a state group at another TP, a window group at another
+    block size. D's load fails (vLLM's policy applies) and P frees at once."""
     pd, dd = pair
-    p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True)
-    d = make_tp_instance("d", dd.socket, model, tp=1, hybrid=True)
+    p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True, state=state)
+    d = make_tp_instance("d", dd.socket, model, tp=d_tp, block_size=d_bs, hybrid=True, state=state)
     instances += [p, d]
     before = expired(pd)
     with caplog.at_level(logging.WARNING, logger="kvd_client.vllm"):
@@ -283,9 +296,7 @@ def test_hybrid_state_at_different_tp_is_refused_naming_both(
     ((pid, did, _),) = reqs
     assert did in d.failed_recv and did not in d.received
     assert d.finished[did].finish_reason.name == "ERROR"  # kv_load_failure_policy "fail"
-    assert "INCOMPATIBLE" in caplog.text and "TP differs, P 2 ranks, D 1" in caplog.text, (
-        caplog.text
-    )
+    assert "INCOMPATIBLE" in caplog.text and says in caplog.text, caplog.text
     assert pid in p.sent and expired(pd) == before  # cancelled by D: freed, no lease expiry
     p.assert_idle()
     d.assert_idle()
