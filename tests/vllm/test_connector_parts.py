@@ -19,8 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from kvd_client import wire
+from kvd_client.layout import KvSpec, parse_kv_spec
 from kvd_client.vllm.config import ConnectorConfig
-from kvd_client.vllm.staging import HostStaging, blocks_view, describe
+from kvd_client.vllm.staging import (
+    HostStaging,
+    ModelKv,
+    blocks_view,
+    describe,
+    staged_format,
+)
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 CLIENT_ROOT = Path(wire.__file__).resolve().parents[1]
@@ -216,3 +223,62 @@ def test_uneven_layers_stage_as_one_chunk_per_block() -> None:
     assert lay.num_layers == 1 and lay.chunk_bytes == H * N * C * 2 + N * 2 * 4
     with pytest.raises(IndexError):
         HostStaging(layers, NB, memoryview(bytearray(NB * lay.chunk_bytes))).save([NB])
+
+
+MODEL_KV = ModelKv(model="m", cache_dtype="auto", total_heads=2 * H, rank_heads=H, head_size=C // 2)
+
+
+@pytest.mark.parametrize(("order", "want"), [((0, 2, 1, 3), "NHD"), ((0, 1, 2, 3), "HND")])
+def test_attention_layers_stage_as_a_kv_spec_in_their_physical_order(
+    order: tuple[int, ...], want: str
+) -> None:
+    """[blocks, heads, tokens, K|V] tensors stage per layer as K then V chunks of
+    [token][head][elem] (NHD, tensors laid out LBNHC) or [head][token][elem] (HND, LBHNC):
+    the chunks of the KV spec region the daemon maps; a load puts every value back."""
+    src = {f"l{i}": physical(order) for i in range(2)}
+    for i, t in enumerate(src.values()):
+        fill(t, 10 + i)
+    layers = describe(src, NB)
+    fmt = staged_format(MODEL_KV, layers, N)
+    assert fmt.kv_layout == want and fmt.dtype == "bfloat16"
+    assert parse_kv_spec(fmt.compat) == KvSpec("m", "bfloat16", 2 * H, C // 2, 2)
+    lay = HostStaging.region_layout(layers, NB, N, fmt.kv_layout, fmt.dtype)
+    assert (lay.num_layers, lay.kv_parts, lay.chunk_bytes, lay.kv_layout) == (
+        2,
+        2,
+        N * H * (C // 2) * 2,
+        want,
+    )
+    buf = bytearray(NB * lay.block_stride)
+    stage = HostStaging(layers, NB, memoryview(buf), fmt.kv_layout)
+    stage.save([3, 6])
+    for b in (3, 6):
+        for i, t in enumerate(src.values()):
+            kv = t[b].reshape(H, N, 2, C // 2)  # [head, token, K|V, elem]
+            for part in (0, 1):
+                x = kv[:, :, part, :]
+                chunk = x.transpose(0, 1) if want == "NHD" else x
+                at = b * lay.block_stride + i * lay.layer_stride + part * lay.kv_stride
+                got = bytes(buf[at : at + lay.chunk_bytes])
+                assert got == chunk.contiguous().view(torch.uint8).numpy().tobytes()
+    for t in src.values():
+        t.zero_()
+    stage.load([3, 6])
+    for i, t in enumerate(src.values()):
+        ref = physical(order)
+        fill(ref, 10 + i)
+        for b in range(NB):
+            same = torch.equal(t[b].view(torch.int16), ref[b].view(torch.int16))
+            assert same == (b in (3, 6)), b
+    stage.close()
+
+
+def test_mla_and_unknown_shapes_stage_opaquely() -> None:
+    layers = describe({"a": torch.zeros(NB, N, C, dtype=torch.bfloat16)}, NB)
+    fmt = staged_format(MODEL_KV, layers, N)  # not [heads, tokens, K|V]
+    assert fmt.kv_layout is None and parse_kv_spec(fmt.compat) is None
+    attn = describe({"a": physical((0, 2, 1, 3))}, NB)
+    mla = ModelKv("m", "auto", 1, 1, C, mla=True)
+    assert staged_format(mla, attn, N).kv_layout is None
+    fp8 = ModelKv("m", "fp8_e4m3", 2 * H, H, C // 2)  # a 1-byte dtype over 2-byte tensors
+    assert staged_format(fp8, attn, N).kv_layout is None

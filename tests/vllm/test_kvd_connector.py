@@ -150,6 +150,7 @@ def p_params(p: Instance, d_mode: str) -> dict[str, Any]:
         "remote_host": w.side_host,
         "remote_port": w.side_port,
         "tp_size": 1,
+        "remote_block_size": BLOCK_SIZE,
         "transfer_mode": d_mode,
     }
 

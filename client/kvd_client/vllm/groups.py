@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvd_client import layout as kvlayout
 from kvd_client import wire
-from kvd_client.vllm.staging import HostStaging, describe
+from kvd_client.vllm.staging import HostStaging, ModelKv, describe, staged_format
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -169,50 +169,41 @@ class HybridStaging:
     shared-memory region; ids are region ids (`KvGroups.base(g) + id`)."""
 
     def __init__(
-        self,
-        groups: KvGroups,
-        kv_caches: Mapping[str, torch.Tensor],
-        *,
-        model: str,
-        dtype: str,
-        num_kv_heads: int,
-        head_size: int,
+        self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor], model: ModelKv
     ) -> None:
         self.groups = groups
         self.parts: list[tuple[str, wire.RegionLayout, str, int]] = []
         self._layers = []
+        self._formats: list[str | None] = []
         for info in groups.groups:
             layers = describe({n: kv_caches[n] for n in info.layers}, groups.num_blocks)
-            lay = HostStaging.region_layout(layers, groups.num_blocks, info.block_size)
             if info.kind == "state":
+                lay = HostStaging.region_layout(layers, groups.num_blocks, info.block_size)
                 compat = kvlayout.state_spec(
-                    model=model,
+                    model=model.model,
                     dtype=lay.dtype,
                     slot_bytes=lay.kv_parts * lay.chunk_bytes,
                     num_layers=lay.num_layers,
                 )
-            else:
-                compat = kvlayout.compat_hash(
-                    model=model,
-                    dtype=dtype,
-                    num_kv_heads=num_kv_heads,
-                    head_size=head_size,
-                    num_layers=len(layers),
-                    tokens_per_block=info.block_size,
-                    kv_layout=f"staged:{HostStaging.signature(layers)}",
-                    transfer_mode="any",
+                fmt_layout: str | None = None
+            else:  # a KV spec when the layers are K/V attention blocks (maps across TP)
+                fmt = staged_format(model, layers, info.block_size)
+                lay = HostStaging.region_layout(
+                    layers, groups.num_blocks, info.block_size, fmt.kv_layout, fmt.dtype
                 )
+                compat, fmt_layout = fmt.compat, fmt.kv_layout
             self.parts.append((info.kind, lay, compat, info.window))
             self._layers.append(layers)
+            self._formats.append(fmt_layout)
         self.layout, self.kv_groups, self.nbytes = kvlayout.hybrid_region(self.parts)
         self._staging: list[HostStaging] = []
 
     def attach(self, buf: memoryview) -> None:
         """Start staging into the region's buffer (of `self.nbytes` bytes)."""
-        for g, layers in zip(self.kv_groups, self._layers, strict=True):
+        for g, layers, fmt in zip(self.kv_groups, self._layers, self._formats, strict=True):
             size = kvlayout.region_bytes(g.layout)
             self._staging.append(
-                HostStaging(layers, self.groups.num_blocks, buf[g.offset : g.offset + size])
+                HostStaging(layers, self.groups.num_blocks, buf[g.offset : g.offset + size], fmt)
             )
 
     def _split(self, ids: Sequence[int]) -> list[list[int]]:

@@ -42,8 +42,14 @@ move (sliding windows clipped to the window, state groups their running slot), D
 in only those; with a state group P stops one prompt token short and D computes it.
 Hybrid requests are staged whole in the step that completes the prompt (not by layer).
 
-Limits: no pipeline or decode-context parallelism; staged KV maps at equal TP and block
-size (its compat is an opaque hash of the staged format).
+Each rank stages its attention layers as a KV spec region (`staging.staged_format`: K and
+V apart, NHD or HND as its tensors lie; compat = model, KV dtype, KV heads, head size,
+layers), so the daemons map P and D across TP, block size and token layout and refuse,
+naming both sides, a pair that cannot map; P's kv_transfer_params carry its block size
+(`remote_block_size`) so D lines up P's blocks by tokens. MLA and unknown tensor shapes
+stage opaquely (equal TP, block size and shape only).
+
+Limits: no pipeline or decode-context parallelism.
 """
 
 from __future__ import annotations
@@ -68,12 +74,12 @@ from vllm.v1.request import RequestStatus
 from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, daemon_listening
-from kvd_client.errors import KvdError
+from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.shm import SharedRegion, staging_name
 from kvd_client.vllm.config import ConnectorConfig
 from kvd_client.vllm.groups import HybridStaging, KvGroups
 from kvd_client.vllm.shared import SharedClient, Subscription, shared_client
-from kvd_client.vllm.staging import HostStaging, describe
+from kvd_client.vllm.staging import HostStaging, ModelKv, describe, staged_format
 
 log = logging.getLogger("kvd_client.vllm")
 
@@ -140,6 +146,8 @@ class _Remote:
     """P's client session that finished the request: if it ended, P fails it at once."""
     group_ids: tuple[tuple[int, ...], ...] | None = None
     """Hybrid P: its region ids per KV cache group (remote_block_ids of several groups)."""
+    block_size: int = 0
+    """P's tokens per block (`remote_block_size`; 0: not given)."""
 
     def ids(self) -> dict[str, Any]:
         return {
@@ -215,7 +223,19 @@ def _parse_remote(rid: str, params: Mapping[str, Any]) -> _Remote | None:
         _incarnation(params.get("remote_incarnation")),
         str(params.get("remote_session") or ""),
         group_ids=groups,
+        block_size=_positive(params.get("remote_block_size")),
     )
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return str(code)
+
+
+def _positive(raw: Any) -> int:
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw > 0 else 0
 
 
 class _SchedulerSide:
@@ -320,11 +340,15 @@ class _SchedulerSide:
             st.computed = num_computed_tokens
         if count <= 0:
             return 0, False
+        if (
+            self.groups is None
+            and num_computed_tokens
+            and not self._aligned(request.request_id, st, num_computed_tokens)
+        ):
+            return 0, False
         if self.groups is None and st.mode == "pull" and st.remote.block_ids is not None:
-            need = (
-                _cdiv(request.num_prompt_tokens, self.block_size)
-                - num_computed_tokens // self.block_size
-            )
+            pb = st.remote.block_size or self.block_size
+            need = _cdiv(request.num_prompt_tokens, pb) - num_computed_tokens // pb
             if need > len(st.remote.block_ids):
                 log.warning(
                     "kvd: request %s needs %d remote blocks but P offers %d: computing it locally",
@@ -334,6 +358,23 @@ class _SchedulerSide:
                 )
                 return 0, False
         return count, True
+
+    def _aligned(self, rid: str, st: _DReq, hit: int) -> bool:
+        """D's blocks take the tail of P's, so a local prefix hit must end on a boundary of
+        the larger block size of P and D (the daemon pairs tokens from there). Unknown P
+        block size (push params without `remote_block_size`): only no hit is safe."""
+        pb = st.remote.block_size
+        if pb and hit % max(pb, self.block_size) == 0:
+            return True
+        log.warning(
+            "kvd: request %s: a local prefix hit of %d tokens does not end on a boundary of "
+            "P's blocks (%s tokens, D's %d): computing it locally",
+            rid,
+            hit,
+            pb or "unknown: no remote_block_size in kv_transfer_params",
+            self.block_size,
+        )
+        return False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -361,8 +402,11 @@ class _SchedulerSide:
         r = st.remote
         if st.mode == "pull":
             assert r.block_ids is not None
-            remote_ids = r.block_ids[hashed : hashed + count]
-            if len(local) == count and len(remote_ids) == count:
+            pb = r.block_size or self.block_size  # P's blocks holding tokens [hit, prompt)
+            hit = hashed * self.block_size
+            remote_ids = r.block_ids[hit // pb : _cdiv(request.num_prompt_tokens, pb)]
+            want = _cdiv(request.num_prompt_tokens, pb) - hit // pb
+            if len(local) == count and len(remote_ids) == want and hit % pb == 0:
                 self.shared.call(
                     c.pull, rid, local, r.host, r.port, remote_block_ids=remote_ids, **r.load_ids()
                 )
@@ -502,6 +546,7 @@ class _SchedulerSide:
             "remote_incarnation": f"{self.incarnation:016x}",
             "remote_session": self.shared.client.session,
             "tp_size": self.tp_size,
+            "remote_block_size": self.block_size,
             "transfer_mode": self.cfg.transfer_mode,
             "remote_num_tokens": n_prompt,
         }
@@ -527,6 +572,14 @@ class _SchedulerSide:
             if (kind != SEND_DONE and st is not None and st.phase == "loading") or (
                 kind == SEND_DONE and rid in self._sending
             ):
+                if isinstance(ev, wire.RecvFailed):  # vLLM's kv_load_failure_policy applies
+                    log.warning(
+                        "kvd: request %s: loading its KV from %s failed (%s): %s",
+                        rid,
+                        st.remote.engine_id if st is not None else "?",
+                        _code_name(ev.code),
+                        ev.reason,
+                    )
                 self._meta.outcomes.append((rid, kind))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
@@ -624,14 +677,7 @@ class _WorkerSide:
 
     def _register_hybrid(self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
-        hs = HybridStaging(
-            groups,
-            kv_caches,
-            model=str(mc.model),
-            dtype=str(self.vllm_config.cache_config.cache_dtype),
-            num_kv_heads=mc.get_total_num_kv_heads(),
-            head_size=mc.get_head_size(),
-        )
+        hs = HybridStaging(groups, kv_caches, model_kv(self.vllm_config))
         region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), hs.nbytes)
         try:
             hs.attach(region.buf)
@@ -664,21 +710,14 @@ class _WorkerSide:
             self._register_hybrid(self.groups, kv_caches)
             return
         layers = describe(kv_caches, self.num_blocks)
-        lay = HostStaging.region_layout(layers, self.num_blocks, self.block_size)
+        fmt = staged_format(model_kv(self.vllm_config), layers, self.block_size)
+        lay = HostStaging.region_layout(
+            layers, self.num_blocks, self.block_size, fmt.kv_layout, fmt.dtype
+        )
         region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), kvlayout.region_bytes(lay))
         try:
-            staging = HostStaging(layers, self.num_blocks, region.buf)
-            mc = self.vllm_config.model_config
-            compat = kvlayout.compat_hash(
-                model=str(mc.model),
-                dtype=str(self.vllm_config.cache_config.cache_dtype),
-                num_kv_heads=mc.get_total_num_kv_heads(),
-                head_size=mc.get_head_size(),
-                num_layers=len(layers),
-                tokens_per_block=self.block_size,
-                kv_layout=f"staged:{HostStaging.signature(layers)}",
-                transfer_mode="any",  # a kvd P serves push and pull alike
-            )
+            staging = HostStaging(layers, self.num_blocks, region.buf, fmt.kv_layout)
+            compat = fmt.compat
             c = self.shared.client
             self.region_id = self.shared.call(
                 c.register_region,
@@ -807,6 +846,19 @@ class _WorkerSide:
             self.region.close()
             self.region = None
         self.sub.close()
+
+
+def model_kv(vllm_config: Any) -> ModelKv:
+    """What decides the meaning of this engine's KV bytes (the compat a rank declares)."""
+    mc = vllm_config.model_config
+    return ModelKv(
+        model=str(mc.model),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        total_heads=int(mc.get_total_num_kv_heads()),
+        rank_heads=int(mc.get_num_kv_heads(vllm_config.parallel_config)),
+        head_size=int(mc.get_head_size()),
+        mla=bool(getattr(mc, "use_mla", False)),
+    )
 
 
 def _tp_rank(tp_size: int) -> int:

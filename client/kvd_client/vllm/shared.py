@@ -4,8 +4,10 @@ vLLM builds its connectors separately (the scheduler-side and worker-side KV con
 and later an encoder-cache connector), yet with TP=1 they all live in one process; they
 must share one daemon session, or the daemon would see one engine as several. So this
 module keeps a registry of `SharedClient`s, created lazily on first use, keyed by
-(daemon socket, engine id) and by the creating pid (a forked child never reuses its
-parent's ZMQ socket).
+(daemon socket, engine id, TP rank) and by the creating pid (a forked child never reuses
+its parent's ZMQ socket). The scheduler side counts as rank 0: it shares rank 0's session
+when both run in one process (TP=1); a process holding several ranks' workers (tests
+simulating TP > 1) gets one session per rank, as one process per rank would.
 
 Rules:
 - The underlying `KvdClient` is not thread-safe; every call goes through `SharedClient.call`
@@ -66,6 +68,7 @@ class SharedClient:
         )
         self.welcome: wire.Welcome = self.client.connect()
         self.pid = os.getpid()
+        self.rank_key = max(tp_rank, 0)
         self._subs: list[Subscription] = []
         self._closed = False
 
@@ -122,7 +125,7 @@ class SharedClient:
             self.client.close()
 
 
-_REGISTRY: dict[tuple[int, str, str], SharedClient] = {}
+_REGISTRY: dict[tuple[int, str, str, int], SharedClient] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 
@@ -134,7 +137,7 @@ def shared_client(
     `role` and `tp_rank` only matter to the call that creates it: a worker-role session
     also receives the events of requests its engine's scheduler announced elsewhere.
     """
-    key = (os.getpid(), socket_path, engine_id)
+    key = (os.getpid(), socket_path, engine_id, max(tp_rank, 0))
     with _REGISTRY_LOCK:
         got = _REGISTRY.get(key)
         if got is None:
@@ -145,7 +148,7 @@ def shared_client(
 
 def _release(sc: SharedClient) -> None:
     with _REGISTRY_LOCK:
-        key = (sc.pid, sc.socket_path, sc.engine_id)
+        key = (sc.pid, sc.socket_path, sc.engine_id, sc.rank_key)
         if _REGISTRY.get(key) is sc:
             del _REGISTRY[key]
     sc.close()
@@ -154,7 +157,7 @@ def _release(sc: SharedClient) -> None:
 @atexit.register
 def _close_all() -> None:
     with _REGISTRY_LOCK:
-        mine = [sc for (pid, _, _), sc in _REGISTRY.items() if pid == os.getpid()]
+        mine = [sc for (pid, _, _, _), sc in _REGISTRY.items() if pid == os.getpid()]
         _REGISTRY.clear()
     for sc in mine:
         with contextlib.suppress(Exception):  # interpreter shutdown: best effort
