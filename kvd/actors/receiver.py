@@ -464,27 +464,41 @@ class Receiver(TransferActor):
         """A receive step writing D's regions, in a worker thread (numpy copies release
         the GIL), with the regions held like a transfer holds them (a region being
         released is not touched: TransferError)."""
+        self._hold(regions)
+        try:
+            await anyio.to_thread.run_sync(fn, *args)
+        finally:
+            self._unhold(regions)
+
+    def _hold(self, regions: list[LocalRegion]) -> None:
+        """Count a receive step on D's regions like a transfer (a drain waits for it);
+        TransferError, holding nothing, if one is being released."""
         book = self.book
         for loc in regions:
             if loc.region_id in book.releasing:
                 raise TransferError(f"local region {loc.region_id} is being released")
         for loc in regions:
             book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
-        try:
-            await anyio.to_thread.run_sync(fn, *args)
-        finally:
-            for loc in regions:
-                book.local[loc.region_id] -= 1
-            book.wake()
+
+    def _unhold(self, regions: list[LocalRegion]) -> None:
+        book = self.book
+        for loc in regions:
+            book.local[loc.region_id] -= 1
+        book.wake()
 
     async def _staged_read(self, rid: str, agent: str, view: _View) -> bool:
         """READ the staged P ranks' blocks whole into a staging slot (and the other pairs
-        by their own plans, in the same transfer), then scatter them into D's blocks in
-        D's layout. False, having done nothing, when staging has no slot (or cannot be
-        registered): the caller moves the request by its direct plans. The slot is freed
-        once nothing can land in it any more: at once when the READ ended (done or
-        failed), else (answered Unsettled, or cancelled) quarantined until the transport
-        reports it ended."""
+        by their own plans, in the same transfer); then scatter them into D's blocks in
+        D's layout in a worker thread, while the machine acknowledges the READ with P:
+        the request's terminal event is held until the scatter ended (`_emit`), so D's
+        engine hears of it only once its bytes are in its layout (and a scatter that
+        fails turns a held RecvFinished into RecvFailed). False, having done nothing, when
+        staging has no slot (or cannot be registered): the caller moves the request by
+        its direct plans.
+
+        The slot ends exactly once: freed when nothing can land in it any more and the
+        scatter is over; quarantined instead when the READ may still land (answered
+        Unsettled, or cancelled), until the transport reports it ended."""
         staging, staged = self.staging, view.staged
         assert staging is not None and staged is not None
         try:
@@ -493,11 +507,11 @@ class Receiver(TransferActor):
             self._count("staging_unavailable")
             log.warning("staging_unavailable", request_id=rid, error=exc.message)
             return False
-        off = staging.pool.alloc(staged.nbytes)
+        pool = staging.pool
+        off = pool.alloc(staged.nbytes)
         if off is None:
             self._count("staging_exhausted")
             return False
-        pool = staging.pool
         ended = quarantined = False
 
         def settle() -> None:
@@ -507,6 +521,15 @@ class Receiver(TransferActor):
                 pool.release(off)
                 self._count("staging_released")
 
+        def done_with_slot() -> None:
+            nonlocal quarantined
+            if ended:
+                pool.free(off)
+            else:
+                quarantined = True
+                pool.quarantine(off)
+                self._count("staging_quarantined")
+
         view.permutes.clear()  # the staged alternative carries the permutes it keeps
         base = staging.addr + off
         idx = [*staged.direct, *(r.pair for r in staged.reads)]
@@ -515,20 +538,21 @@ class Receiver(TransferActor):
         plans = [view.plans[i] for i in staged.direct]
         plans += [shifted(r.plan, base) for r in staged.reads]
         notifs = [b""] * len(transfer_groups(locs, rems))
+        scatters = [(view.local[j.pair], j) for j in staged.scatters]
+        permutes = [(view.local[j.pair], j) for j in staged.permutes]
+        regions = [loc for loc, _ in scatters] + [loc for loc, _ in permutes]
         try:
             await self.book.run("READ", rid, agent, locs, rems, plans, notifs, settle)
-            slot = staging.buf[off : off + staged.nbytes]
-            scatters = [(view.local[j.pair], j) for j in staged.scatters]
-            permutes = [(view.local[j.pair], j) for j in staged.permutes]
-            regions = [loc for loc, _ in scatters] + [loc for loc, _ in permutes]
-            await self._in_thread(regions, _run_scatters, slot, scatters, permutes)
-        finally:
-            if ended:
-                pool.free(off)
-            else:
-                quarantined = True
-                pool.quarantine(off)
-                self._count("staging_quarantined")
+            self._hold(regions)
+        except BaseException:
+            done_with_slot()
+            raise
+        req = self.proto.reqs.get(rid)
+        blocks = req.blocks if req is not None else ()
+        running, held = self._permuting.get(rid, (0, []))
+        self._permuting[rid] = (running + 1, held)
+        slot = staging.buf[off : off + staged.nbytes]
+        self._spawn(self._scatter, rid, blocks, regions, done_with_slot, slot, scatters, permutes)
         self._count("staged_reads")
         self._count("staged_scatters", len(staged.scatters))
         # a scatter between token layouts is that pair's receive permute, in one pass
@@ -536,6 +560,35 @@ class Receiver(TransferActor):
         if converted:
             self._count("receive_permutes", converted)
         return True
+
+    async def _scatter(
+        self,
+        rid: str,
+        blocks: tuple[int, ...],
+        regions: list[LocalRegion],
+        done_with_slot: Callable[[], None],
+        *args: Any,
+    ) -> None:
+        """`_staged_read`'s scatter (regions already held), then the held events out."""
+        failed: KvdError | None = None
+        try:
+            await anyio.to_thread.run_sync(_run_scatters, *args)
+        except Exception as exc:  # a planner bug: fail closed, never report done
+            failed = TransferError(f"staged scatter failed: {exc!r}")
+            log.error("staged_scatter_failed", request_id=rid, error=repr(exc))
+        finally:
+            self._unhold(regions)
+            done_with_slot()
+            running, held = self._permuting.pop(rid)
+            if running > 1:
+                self._permuting[rid] = (running - 1, held)
+                held = []
+            for ev in held:
+                if failed is not None and isinstance(ev.record, wire.RecvFinished):
+                    self._count("staged_scatters_failed")
+                    record = wire.RecvFailed(rid, int(failed.code), failed.message, blocks)
+                    ev = EventOut(ev.session, ev.engine_id, record)
+                self.emit(ev)
 
     async def _permuted_push(
         self, agent: str, msg: wire.PushDone, jobs: list[tuple[LocalRegion, Permute]]

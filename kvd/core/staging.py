@@ -273,6 +273,25 @@ def _runs(blocks: Int64Array, per_run: int) -> list[tuple[int, int]]:
     return out
 
 
+def _folded(
+    inner: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...], item: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
+    """The inner dimensions of a copy with those contiguous on both sides folded into
+    the item: dimensions ordered by D's stride (largest first; the same permutation on
+    both sides leaves the copy unchanged), then folded from the innermost while each
+    steps by exactly the item on both sides. A head slice of whole runs then copies as a
+    few large items instead of many heads."""
+    dims = sorted(zip(inner, src, dst, strict=True), key=lambda d: -d[2])
+    while dims and dims[-1][1] == item and dims[-1][2] == item:
+        item *= dims.pop()[0]
+    return (
+        tuple(d[0] for d in dims),
+        tuple(d[1] for d in dims),
+        tuple(d[2] for d in dims),
+        item,
+    )
+
+
 def scatter(slot: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], job: Scatter) -> None:
     """Copy `job`'s heads from the staged blocks in `slot` into D's region, whose bytes
     `dst` holds (from its geometry's base address). numpy checks that every view lies
@@ -280,11 +299,17 @@ def scatter(slot: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], job: Scatte
     n = int(job.blocks.shape[0])
     if n == 0:
         return
-    item = np.dtype((np.void, job.head_bytes))  # a head's bytes as one item
-    inner = (job.layers, job.parts, job.tokens, job.heads)
     ss, ds = job.src_strides, job.dst_strides
+    inner, s_in, d_in, size = _folded(
+        (job.layers, job.parts, job.tokens, job.heads), ss[1:], ds[1:], job.head_bytes
+    )
+    item = np.dtype((np.void, size))
     src = np.ndarray(
-        (n, *inner), item, buffer=slot, offset=job.src_off + job.p_head * ss[4], strides=ss
+        (n, *inner),
+        item,
+        buffer=slot,
+        offset=job.src_off + job.p_head * ss[4],
+        strides=(ss[0], *s_in),
     )
     block_bytes = job.layers * job.parts * job.tokens * job.heads * job.head_bytes
     per_run = max(1, RUN_BYTES // block_bytes)
@@ -292,7 +317,11 @@ def scatter(slot: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], job: Scatte
     for lo, hi in _runs(job.blocks, per_run):
         first = int(job.blocks[lo])
         out = np.ndarray(
-            (hi - lo, *inner), item, buffer=dst, offset=first * ds[0] + head0, strides=ds
+            (hi - lo, *inner),
+            item,
+            buffer=dst,
+            offset=first * ds[0] + head0,
+            strides=(ds[0], *d_in),
         )
         out[...] = src[lo:hi]
 

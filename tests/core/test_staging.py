@@ -73,8 +73,10 @@ def test_staged_pull_matches_the_reference(
     if staged is None:
         # nothing to stage: every pair already moves whole chunks in D's layout, or the
         # block sizes differ (then every P rank keeps its direct plan)
-        assert not always or ps.tokens != ds.tokens or all(
-            pr.whole and ps.kv_layout == ds.kv_layout for pr in rp.pairs
+        assert (
+            not always
+            or ps.tokens != ds.tokens
+            or all(pr.whole and ps.kv_layout == ds.kv_layout for pr in rp.pairs)
         )
         return
     slot = np.zeros(staged.nbytes, dtype=np.uint8)
