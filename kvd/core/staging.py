@@ -345,6 +345,8 @@ class StagingPool:
         self.quarantined: dict[int, int] = {}
         self.exhausted = 0
         """Allocations refused for lack of a slot that fits."""
+        self.allocated = 0
+        """Slots handed out so far."""
 
     @property
     def used_bytes(self) -> int:
@@ -366,6 +368,7 @@ class StagingPool:
                 else:
                     self._free[i] = (off + want, length - want)
                 self.used[off] = want
+                self.allocated += 1
                 return off
         self.exhausted += 1
         return None
@@ -408,4 +411,5 @@ class StagingPool:
             "slots": len(self.used),
             "quarantined": self.quarantined_bytes,
             "exhausted": self.exhausted,
+            "allocated": self.allocated,
         }

@@ -171,5 +171,6 @@ def test_pool_hands_out_frees_and_quarantines_each_slot_once() -> None:
         "slots": 0,
         "quarantined": 0,
         "exhausted": 2,
+        "allocated": 4,
     }
     assert pool.alloc(10 * ALIGN) == 0  # the free ranges merged again

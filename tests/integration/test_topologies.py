@@ -108,10 +108,12 @@ def run_case(
     *,
     hits: int = 0,
     layerwise: bool = False,
+    staging: bool = True,
 ) -> None:
     """One request per (tokens, D prefix hit) scenario, P -> D in `mode`, bytes checked.
     `layerwise` (push): D registers first and P's workers announce each layer before P
-    finishes, so the request streams by layer (or goes whole where it cannot be cut)."""
+    finishes, so the request streams by layer (or goes whole where it cannot be cut).
+    `staging`: whether D's daemon has staging room for a request (else it goes direct)."""
     rng = np.random.default_rng(seed)
     pair.n += 1
     tag = f"{pair.n}{mode}"
@@ -205,7 +207,7 @@ def run_case(
         # a pull that slices heads or converts the layout, at equal block sizes, READs P's
         # blocks whole into D's staging and scatters them (kvd.core.staging): 3 requests
         sliced = len(heads_of(spec, ps.tp, 0)) != len(heads_of(spec, ds.tp, 0))
-        stages = mode == "pull" and ps.tokens == ds.tokens and (sliced or conversion)
+        stages = mode == "pull" and ps.tokens == ds.tokens and (sliced or conversion) and staging
         staged = d.client.status()["counters"].get("staged_reads", 0) - staged_before
         assert staged == (3 if stages else 0)
         if layerwise:
