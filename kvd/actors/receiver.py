@@ -17,6 +17,7 @@ import ctypes
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import anyio
@@ -56,7 +57,7 @@ from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
 from kvd.adapters.staging import StagingArea
 from kvd.core import receiver as proto
 from kvd.core.hybrid import is_hybrid, permutes_any, plan_any
-from kvd.core.planner import Permute, check_logical, permute_chunks
+from kvd.core.planner import Permute, RequestPlan, check_logical, permute_chunks
 from kvd.core.staging import Scatter, Staged, plan_staged, scatter, shifted
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
@@ -82,6 +83,9 @@ class _View:
     index: done before that transfer is reported to the machine; each taken once."""
     staged: Staged | None = None
     """A pull's staged alternative (`kvd.core.staging`), taken when a slot is free."""
+    replan: Callable[[], RequestPlan] | None = None
+    """A pull's direct plan, when `plans` was left empty (staged whole): built only if
+    staging has no slot for it."""
 
 
 class Receiver(TransferActor):
@@ -299,6 +303,7 @@ class Receiver(TransferActor):
             plans: tuple[Any, ...] = ()
             permutes: tuple[Permute, ...] = ()
             staged: Staged | None = None
+            replan: Callable[[], RequestPlan] | None = None
             # refuses a pair that cannot map, naming both sides' values
             pairs, permutes = permutes_any(remote, local, load.block_ids)
             if load.mode == "push":
@@ -318,14 +323,26 @@ class Receiver(TransferActor):
             else:
                 n = len(load.block_ids)
                 if n:
-                    rp = plan_any(
-                        remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
+                    replan = partial(
+                        plan_any,
+                        remote,
+                        load.remote_block_ids,
+                        local,
+                        load.block_ids,
+                        local_is_p=False,
                     )
-                    pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
                     if self.staging is not None and not is_hybrid(remote, local):
+                        # staged whole: the direct plan is built only if no slot is free
                         staged = plan_staged(
-                            remote, load.remote_block_ids, local, load.block_ids, rp
+                            remote, load.remote_block_ids, local, load.block_ids, pairs
                         )
+                    if staged is None or staged.direct:
+                        rp = replan()
+                        pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
+                        if staged is not None:
+                            staged = plan_staged(
+                                remote, load.remote_block_ids, local, load.block_ids, pairs, rp
+                            )
                 first = wire.PullDone(
                     load.remote_request_id,
                     load.request_id,
@@ -346,10 +363,10 @@ class Receiver(TransferActor):
         for job in permutes:
             by_group.setdefault(group_of[job.pair], []).append((locs[job.pair], job))
         transfers = len(groups)
-        if load.mode == "pull" and not plans:
+        if load.mode == "pull" and not load.block_ids:
             view = _View([], [], [], [])
         else:
-            view = _View(locs, rems, list(plans), [b""] * transfers, by_group, staged)
+            view = _View(locs, rems, list(plans), [b""] * transfers, by_group, staged, replan)
         return proto.PeerResolved(
             load.request_id,
             info.agent,
@@ -434,6 +451,8 @@ class Receiver(TransferActor):
         assert isinstance(view, _View)
         try:
             if view.staged is None or not await self._staged_read(eff.request_id, eff.agent, view):
+                if not view.plans and view.replan is not None:  # staged whole, but no slot
+                    view.plans.extend(view.replan().plans)  # (its permutes are in the view)
                 await self.book.run(
                     "READ",
                     eff.request_id,

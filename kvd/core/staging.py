@@ -44,7 +44,9 @@ from kvd.core.planner import (
     _rank_kv,
     align_tokens,
     check_logical,
+    permutes_on_receive,
 )
+from kvd.core.topology import Pair, RankKv
 
 ALIGN: Final = 4096
 """Slots start on a page."""
@@ -131,12 +133,16 @@ def plan_staged(
     p_logical: Sequence[int],
     d: Sequence[RankView],
     d_logical: Sequence[int],
-    direct: RequestPlan,
+    pairs: tuple[Pair, ...],
+    direct: RequestPlan | None = None,
     *,
     always: bool = False,
 ) -> Staged | None:
-    """The staged alternative to `direct` (`plan_request(..., local_is_p=False)`: D's
-    side of a pull), or None when no P rank's pairs are cheaper staged.
+    """The staged alternative to the direct plan of a pull (`plan_request(...,
+    local_is_p=False)`: D's side) of the rank pairs `pairs` (`map_ranks`), or None when
+    no P rank's pairs are cheaper staged. With `direct` (that plan) its descriptors are
+    counted; without, estimated (`estimate_descriptors`), so that a request staged whole
+    is never planned twice: then `Staged.direct` names the pairs that would need it.
 
     Per P rank whose pairs all have D's block size and D in host memory and do not already
     move whole chunks in D's layout: the cost of its pairs' direct plans (descriptors,
@@ -144,12 +150,19 @@ def plan_staged(
     whole (descriptors, all of its bytes) and scattering the heads D takes. `always`:
     stage every P rank that can be, whatever the costs (tests).
     """
-    pairs = direct.pairs
     if not pairs or pairs[0].heads == 0:
         return None  # opaque compat: equal TP, whole chunks already
     p_kv = [_rank_kv(r) for r in p]
     d_kv = [_rank_kv(r) for r in d]
-    permuted = {job.pair for job in direct.permutes}
+    permuted = (
+        {job.pair for job in direct.permutes}
+        if direct is not None
+        else {
+            i
+            for i, pair in enumerate(pairs)
+            if permutes_on_receive(p_kv[pair.p], d_kv[pair.d], pair, d[pair.d].mem_type)
+        }
+    )
     by_p: dict[int, list[int]] = {}
     blocked: set[int] = set()
     for i, pair in enumerate(pairs):
@@ -186,16 +199,15 @@ def plan_staged(
         descs = 0
         perm = 0
         for i in members:
-            used += (
-                units
-                * pg.num_layers
-                * pg.kv_parts
-                * pk.tokens_per_block
-                * (pairs[i].heads * pk.head_bytes)
-            )
-            descs += direct.plans[i].descriptors
+            pair_bytes = units * pg.num_layers * pg.kv_parts * pk.tokens_per_block
+            pair_bytes *= pairs[i].heads * pk.head_bytes
+            used += pair_bytes
+            if direct is not None:
+                descs += direct.plans[i].descriptors
+            else:
+                descs += estimate_descriptors(pk, d_kv[pairs[i].d], pairs[i], units, pg)
             if i in permuted:
-                perm += direct.plans[i].total_bytes
+                perm += pair_bytes
         whole = units * stage.block_bytes
         c_direct = descs * DESC_S + used / MOVE_BPS + perm / PERMUTE_BPS
         c_staged = read.descriptors * DESC_S + whole / MOVE_BPS + used / SCATTER_BPS
@@ -249,10 +261,27 @@ def plan_staged(
         direct=keep,
         reads=tuple(reads),
         scatters=tuple(scatters),
-        permutes=tuple(job for job in direct.permutes if job.pair not in staged_pairs),
+        permutes=tuple(
+            job for job in (direct.permutes if direct else ()) if job.pair not in staged_pairs
+        ),
         cost_direct_s=cost_direct,
         cost_staged_s=cost_staged,
     )
+
+
+def estimate_descriptors(pk: RankKv, dk: RankKv, pair: Pair, units: int, pg: Geometry) -> int:
+    """Descriptors of a pair's direct plan at equal block sizes (`plan_heads`), without
+    building it: whole chunks cost one per block (at most), a head slice one per (block,
+    layer, K/V part) in HND on both sides, one per token in NHD, and a slice between
+    layouts one per (token, head)."""
+    chunks = units * pg.num_layers * pg.kv_parts
+    if pair.whole:
+        return units
+    if pk.kv_layout == dk.kv_layout == "HND":
+        return chunks
+    if pk.kv_layout == dk.kv_layout:
+        return chunks * pk.tokens_per_block
+    return chunks * pk.tokens_per_block * pair.heads
 
 
 def shifted(plan: Plan, base: int) -> Plan:

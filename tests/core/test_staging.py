@@ -69,7 +69,7 @@ def test_staged_pull_matches_the_reference(
         buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
     before = [b.copy() for b in d_bufs]
     rp = plan_request(p_views, pb, d_views, db, local_is_p=False)
-    staged = plan_staged(p_views, pb, d_views, db, rp, always=always)
+    staged = plan_staged(p_views, pb, d_views, db, rp.pairs, rp, always=always)
     if staged is None:
         # nothing to stage: every pair already moves whole chunks in D's layout, or the
         # block sizes differ (then every P rank keeps its direct plan)
@@ -125,8 +125,11 @@ def test_the_rule_stages_head_slices_and_conversions_of_many_descriptors() -> No
         d_views, _ = regions(spec, ds, 1 << 32)
         blocks = list(np.random.default_rng(1).permutation(64)[:16].tolist())
         rp = plan_request(p_views, blocks, d_views, blocks, local_is_p=False)
-        staged = plan_staged(p_views, blocks, d_views, blocks, rp)
+        staged = plan_staged(p_views, blocks, d_views, blocks, rp.pairs, rp)
         assert staged is not None, (ps, ds)
+        # the estimate of the direct plan's descriptors (no direct plan built) agrees
+        guess = plan_staged(p_views, blocks, d_views, blocks, rp.pairs)
+        assert guess is not None and guess.direct == () and guess.nbytes == staged.nbytes
         assert staged.direct == ()
         assert len(staged.reads) == ps.tp
         # whole P blocks: one descriptor per block and P rank
@@ -136,13 +139,13 @@ def test_the_rule_stages_head_slices_and_conversions_of_many_descriptors() -> No
     p_views, _ = regions(spec, Side(4, 16, "HND"), 1 << 20)
     d_views, _ = regions(spec, Side(4, 16, "HND"), 1 << 32)
     rp = plan_request(p_views, [1, 2], d_views, [3, 4], local_is_p=False)
-    assert plan_staged(p_views, [1, 2], d_views, [3, 4], rp) is None
+    assert plan_staged(p_views, [1, 2], d_views, [3, 4], rp.pairs, rp) is None
     # D in GPU memory keeps the direct plans
     p_views, _ = regions(spec, Side(8, 16, "HND"), 1 << 20)
     d_views, _ = regions(spec, Side(4, 16, "HND"), 1 << 32)
     gpu = [type(v)(**{**v.__dict__, "mem_type": "VRAM"}) for v in d_views]
     rp = plan_request(p_views, [1, 2], gpu, [3, 4], local_is_p=False)
-    assert plan_staged(p_views, [1, 2], gpu, [3, 4], rp, always=True) is None
+    assert plan_staged(p_views, [1, 2], gpu, [3, 4], rp.pairs, rp, always=True) is None
 
 
 def test_pool_hands_out_frees_and_quarantines_each_slot_once() -> None:
