@@ -2,8 +2,10 @@
 
 Anonymous shared memory (`mmap`, no /dev/shm name, so nothing is left behind when the
 daemon dies), mapped read-write, registered with the daemon's NIXL agent the first time
-a transfer stages (so a daemon that never stages pays nothing) and pre-faulted then (a
-timed transfer does not fault its pages in). Slots are handed out by
+a transfer stages (so a daemon that never stages pays nothing). Pages are faulted in by
+the first transfers that use them and stay (slots are handed out first-fit from the
+start, so a daemon's resident staging is its high-water mark, not the whole buffer).
+Slots are handed out by
 `kvd.core.staging.StagingPool`; this module only owns the memory and its registration.
 """
 
@@ -44,8 +46,8 @@ class StagingArea:
         return self._reg is not None
 
     async def ensure(self) -> None:
-        """Map, fault in and register the buffer, once (raises what registration raises,
-        leaving nothing mapped)."""
+        """Map and register the buffer, once (raises what registration raises, leaving
+        nothing mapped)."""
         if self._reg is not None or self.pool.size == 0:
             return
         async with self._lock:
@@ -54,7 +56,6 @@ class StagingArea:
             m = mmap.mmap(-1, self.pool.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
             buf = np.frombuffer(m, dtype=np.uint8)
             addr = ctypes.addressof(ctypes.c_uint8.from_buffer(m))
-            await anyio.to_thread.run_sync(buf.fill, 0)  # fault every page in, off the loop
             try:
                 reg = await self._register(addr, self.pool.size)
             except BaseException:
