@@ -507,12 +507,8 @@ class Receiver(TransferActor):
 
     async def _staged_read(self, rid: str, agent: str, view: _View) -> bool:
         """READ the staged P ranks' blocks whole into a staging slot (and the other pairs
-        by their own plans, in the same transfer as the first piece); then scatter them
-        into D's blocks in D's layout in a worker thread: a large request in pieces
-        (`kvd.core.staging.PIECE_BYTES`), each scattered while the later ones are read
-        (a READ failing after earlier pieces were scattered fails the request, whose
-        blocks D's engine recomputes anyway), the last while the machine acknowledges
-        the READ with P:
+        by their own plans, in the same transfer); then scatter them into D's blocks in
+        D's layout in a worker thread, while the machine acknowledges the READ with P:
         the request's terminal event is held until the scatter ended (`_emit`), so D's
         engine hears of it only once its bytes are in its layout (and a scatter that
         fails turns a held RecvFinished into RecvFailed). False, having done nothing, when
@@ -555,87 +551,34 @@ class Receiver(TransferActor):
 
         view.permutes.clear()  # the staged alternative carries the permutes it keeps
         base = staging.addr + off
-        pieces = staged.pieces
-        left = pieces
-
-        def piece_settled() -> None:
-            nonlocal left
-            left -= 1
-            if left == 0:
-                settle()
-
-        slot = staging.buf[off : off + staged.nbytes]
+        idx = [*staged.direct, *(r.pair for r in staged.reads)]
+        locs = [view.local[i] for i in idx]
+        rems = [view.remote[i] for i in idx]
+        plans = [view.plans[i] for i in staged.direct]
+        plans += [shifted(r.plan, base) for r in staged.reads]
+        notifs = [b""] * len(transfer_groups(locs, rems))
         scatters = [(view.local[j.pair], j) for j in staged.scatters]
-        by_piece: list[list[tuple[LocalRegion, Scatter]]] = [[] for _ in range(pieces)]
-        for loc, job in scatters:
-            by_piece[job.piece].append((loc, job))
         permutes = [(view.local[j.pair], j) for j in staged.permutes]
         regions = [loc for loc, _ in scatters] + [loc for loc, _ in permutes]
         try:
+            await self.book.run("READ", rid, agent, locs, rems, plans, notifs, settle)
             self._hold(regions)
-        except KvdError:
-            pool.free(off)  # nothing was posted
-            raise
-        done = [anyio.Event() for _ in range(pieces)]
-        errors: list[KvdError] = []
-
-        async def read(k: int) -> None:
-            reads = [r for r in staged.reads if r.piece == k]
-            idx = [*(staged.direct if k == 0 else ()), *(r.pair for r in reads)]
-            locs = [view.local[i] for i in idx]
-            rems = [view.remote[i] for i in idx]
-            plans = [view.plans[i] for i in (staged.direct if k == 0 else ())]
-            plans += [shifted(r.plan, base) for r in reads]
-            notifs = [b""] * len(transfer_groups(locs, rems))
-            key = rid if k == 0 else f"{rid}#{k}"
-            try:
-                await self.book.run("READ", key, agent, locs, rems, plans, notifs, piece_settled)
-            except KvdError as exc:
-                errors.append(exc)
-            finally:
-                done[k].set()
-
-        try:
-            # every piece's READ posted at once; a piece is scattered once it is in, while
-            # the later ones are read (the last one while D acknowledges the READ)
-            async with anyio.create_task_group() as tg:
-                for k in range(pieces):
-                    tg.start_soon(read, k)
-                for k in range(pieces - 1):
-                    await done[k].wait()
-                    if errors:
-                        break
-                    await self._scatter_now(slot, by_piece[k])
-            if errors:
-                raise errors[0]
         except BaseException:
-            self._unhold(regions)
             done_with_slot()
             raise
         req = self.proto.reqs.get(rid)
         blocks = req.blocks if req is not None else ()
         running, held = self._permuting.get(rid, (0, []))
         self._permuting[rid] = (running + 1, held)
-        self._spawn(
-            self._scatter, rid, blocks, regions, done_with_slot, slot, by_piece[-1], permutes
-        )
+        slot = staging.buf[off : off + staged.nbytes]
+        self._spawn(self._scatter, rid, blocks, regions, done_with_slot, slot, scatters, permutes)
         self._count("staged_reads")
-        self._count("staged_pieces", pieces)
+        self._count("staged_scatters", len(staged.scatters))
         # a scatter between token layouts is that pair's receive permute, in one pass
-        converted = len({j.pair for j in staged.scatters if j.converts}) + len(staged.permutes)
+        converted = sum(1 for j in staged.scatters if j.converts) + len(staged.permutes)
         if converted:
             self._count("receive_permutes", converted)
         return True
-
-    async def _scatter_now(self, slot: np.ndarray, jobs: list[tuple[LocalRegion, Scatter]]) -> None:
-        """One piece's scatter in a worker thread (its regions are held); TransferError if
-        it fails (a planner bug: the request fails, never reported done)."""
-        try:
-            await anyio.to_thread.run_sync(_run_scatters, slot, jobs, [])
-        except Exception as exc:
-            log.error("staged_scatter_failed", error=repr(exc))
-            self._count("staged_scatters_failed")
-            raise TransferError(f"staged scatter failed: {exc!r}") from None
 
     async def _scatter(
         self,

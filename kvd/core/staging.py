@@ -23,10 +23,9 @@ Sans IO: plain functions of region views and block ids, and a plain allocator.
 
 from __future__ import annotations
 
-import itertools
 from bisect import insort
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Final
 
@@ -62,10 +61,6 @@ SCATTER_BPS: Final = 6.0e9
 slowest, ~1.7 memcpys of 11 GB/s here)."""
 PERMUTE_BPS: Final = 4.0e9
 """Bytes per second of the two-pass in-place permute (copy out, write back transposed)."""
-PIECE_BYTES: Final = 8 << 20
-"""A staged request larger than this moves in pieces of about this size (cut at block
-boundaries of the slot): each piece its own READ, all posted at once, and the scatter of
-a piece runs while the later pieces are read."""
 RUN_BYTES: Final = 256 << 10
 """The scatter copies at most this many bytes of D's blocks per numpy call: the source
 and destination of a transposing copy then stay in cache (measured ~1.4x faster than one
@@ -95,8 +90,6 @@ class Scatter:
     parts: int
     head_bytes: int
     converts: bool = False
-    piece: int = 0
-    """The piece of the slot its source lies in (`PIECE_BYTES`)."""
     """P's and D's token layouts differ (the scatter is also the receive permute)."""
 
     @property
@@ -114,8 +107,6 @@ class StagedRead:
     pair: int
     p: int
     plan: Plan
-    piece: int = 0
-    """The piece of the slot it fills (`PIECE_BYTES`)."""
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -132,10 +123,6 @@ class Staged:
     cost_direct_s: float
     cost_staged_s: float
 
-    @property
-    def pieces(self) -> int:
-        return 1 + max(r.piece for r in self.reads)
-
 
 def _staging_geometry(offset: int, units: int, like: Geometry) -> Geometry:
     return Geometry.block_major(offset, units, like.num_layers, like.kv_parts, like.chunk_bytes)
@@ -150,7 +137,6 @@ def plan_staged(
     direct: RequestPlan | None = None,
     *,
     always: bool = False,
-    piece_bytes: int = PIECE_BYTES,
 ) -> Staged | None:
     """The staged alternative to the direct plan of a pull (`plan_request(...,
     local_is_p=False)`: D's side) of the rank pairs `pairs` (`map_ranks`), or None when
@@ -208,24 +194,7 @@ def plan_staged(
         if units == 0:
             continue
         stage = _staging_geometry(offset, units, pg)
-        bb = stage.block_bytes
-        cuts: list[tuple[int, int, int]] = []  # (first block, end, piece)
-        lo = 0
-        while lo < units:
-            at = offset + lo * bb
-            room = (at // piece_bytes + 1) * piece_bytes - at
-            hi = min(units, lo + max(1, room // bb))
-            cuts.append((lo, hi, at // piece_bytes))
-            lo = hi
-        plans = [
-            _plan_checked(
-                _staging_geometry(offset + a * bb, b - a, pg),
-                np.arange(b - a, dtype=np.int64),
-                pg,
-                pb[a:b],
-            )
-            for a, b, _ in cuts
-        ]
+        read = _plan_checked(stage, np.arange(units, dtype=np.int64), pg, pb)
         used = 0
         descs = 0
         perm = 0
@@ -241,17 +210,14 @@ def plan_staged(
                 perm += pair_bytes
         whole = units * stage.block_bytes
         c_direct = descs * DESC_S + used / MOVE_BPS + perm / PERMUTE_BPS
-        c_staged = sum(x.descriptors for x in plans) * DESC_S + whole / MOVE_BPS
-        c_staged += used / SCATTER_BPS
+        c_staged = read.descriptors * DESC_S + whole / MOVE_BPS + used / SCATTER_BPS
         if c_staged >= c_direct and not always:
             continue
         cost_direct += c_direct
         cost_staged += c_staged
-        reads += [
-            StagedRead(members[0], rank, x, k) for x, (_, _, k) in zip(plans, cuts, strict=True)
-        ]
+        reads.append(StagedRead(members[0], rank, read))
         src_tok, src_head = pk.token_step, pk.head_step
-        for i, (a, b, k) in itertools.product(members, cuts):
+        for i in members:
             pair = pairs[i]
             dk = d_kv[pair.d]
             dg = d[pair.d].geometry
@@ -259,8 +225,8 @@ def plan_staged(
                 Scatter(
                     d=pair.d,
                     pair=i,
-                    blocks=d_phys[pair.d][a:b],
-                    src_off=offset + a * bb,
+                    blocks=d_phys[pair.d][:units],
+                    src_off=offset,
                     src_strides=(
                         stage.block_stride,
                         stage.layer_stride,
@@ -283,7 +249,6 @@ def plan_staged(
                     parts=pg.kv_parts,
                     head_bytes=pk.head_bytes,
                     converts=pk.kv_layout != dk.kv_layout,
-                    piece=k,
                 )
             )
             staged_pairs.add(i)
@@ -291,12 +256,11 @@ def plan_staged(
     if not reads:
         return None
     keep = tuple(i for i in range(len(pairs)) if i not in staged_pairs)
-    dense = {k: n for n, k in enumerate(sorted({r.piece for r in reads}))}  # 0, 1, ...
     return Staged(
         nbytes=offset,
         direct=keep,
-        reads=tuple(replace(r, piece=dense[r.piece]) for r in reads),
-        scatters=tuple(replace(j, piece=dense[j.piece]) for j in scatters),
+        reads=tuple(reads),
+        scatters=tuple(scatters),
         permutes=tuple(
             job for job in (direct.permutes if direct else ()) if job.pair not in staged_pairs
         ),

@@ -37,7 +37,6 @@ SIDES = st.builds(
     hit=st.integers(0, 2),
     seed=st.integers(0, 2**16),
     always=st.booleans(),
-    piece_bytes=st.sampled_from([1, 3000, 1 << 20]),
 )
 def test_staged_pull_matches_the_reference(
     heads: int,
@@ -48,7 +47,6 @@ def test_staged_pull_matches_the_reference(
     hit: int,
     seed: int,
     always: bool,
-    piece_bytes: int,
 ) -> None:
     spec = spec_of(1, mla=True, head_size=4) if mla else spec_of(heads, head_size=4)
     if not mla and heads >= 2 and any(heads % s.tp and s.tp % heads for s in (ps, ds)):
@@ -71,9 +69,7 @@ def test_staged_pull_matches_the_reference(
         buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
     before = [b.copy() for b in d_bufs]
     rp = plan_request(p_views, pb, d_views, db, local_is_p=False)
-    staged = plan_staged(
-        p_views, pb, d_views, db, rp.pairs, rp, always=always, piece_bytes=piece_bytes
-    )
+    staged = plan_staged(p_views, pb, d_views, db, rp.pairs, rp, always=always)
     if staged is None:
         # nothing to stage: every pair already moves whole chunks in D's layout, or the
         # block sizes differ (then every P rank keeps its direct plan)
@@ -95,14 +91,9 @@ def test_staged_pull_matches_the_reference(
             dv.geometry.base_addr,
             False,
         )
-    # every piece of the slot is read by some READ, and scattered from
-    assert {r.piece for r in staged.reads} == set(range(staged.pieces))
-    assert {j.piece for j in staged.scatters} == set(range(staged.pieces))
-    for piece in range(staged.pieces):
-        for read in staged.reads:
-            if read.piece == piece:
-                pv = p_views[read.p]
-                apply(read.plan, p_bufs[read.p], pv.geometry.base_addr, slot, 0, False)
+    for read in staged.reads:
+        pv = p_views[read.p]
+        apply(read.plan, p_bufs[read.p], pv.geometry.base_addr, slot, 0, False)
     # nothing of D's was written by the staged READs themselves
     touched = {rp.pairs[i].d for i in staged.direct}
     for r in range(ds.tp):
@@ -118,9 +109,8 @@ def test_staged_pull_matches_the_reference(
         assert lay is not None
         want = expected(before[r], lay, spec, ds.tp, r, db, hit_d * ds.tokens, kv)
         assert np.array_equal(d_bufs[r], want), f"D rank {r} differs"
-    # each staged P rank's blocks are read once, whatever the number of D ranks it feeds
-    seen = [a for r in staged.reads for a in r.plan.local_addrs.tolist()]
-    assert len(seen) == len(set(seen))
+    # each staged P rank is read once, whatever the number of D ranks it feeds
+    assert len({r.p for r in staged.reads}) == len(staged.reads)
 
 
 def test_the_rule_stages_head_slices_and_conversions_of_many_descriptors() -> None:
