@@ -471,6 +471,17 @@ class TransferConfig(_Section):
         ge=0,
         le=100_000_000,
     )
+    staging_bytes: int = _opt(
+        256 << 20,
+        "Bytes of D-side staging (daemon-owned memory, registered with NIXL on first use): a "
+        "pull that slices heads (P TP != D TP) or converts the token layout (NHD/HND) READs "
+        "whole chunks into a slot of it and scatters them into D's blocks, where that is "
+        "cheaper than direct descriptors. A request that finds no slot free moves by direct "
+        "descriptors instead. 0 = no staging.",
+        ge=0,
+        le=1 << 40,
+        fmt="bytes",
+    )
 
 
 @dataclass(frozen=True)

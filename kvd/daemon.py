@@ -41,6 +41,7 @@ from kvd.actors.sidechannel import SideChannel
 from kvd.actors.tiers import Tiers
 from kvd.adapters import systemd
 from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.staging import StagingArea
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
 from kvd.core.peersession import Keyring
 from kvd.core.trace import StageTrace
@@ -135,6 +136,11 @@ class Daemon:
             rejects=self.rejects,
             trace=self.trace,
         )
+        self.staging = (
+            StagingArea(cfg.transfer.staging_bytes, self.engine.register, self.engine.deregister)
+            if cfg.transfer.staging_bytes
+            else None
+        )
         self.receiver = Receiver(
             transport=self.engine,
             mailbox=self.receiver_box,
@@ -151,6 +157,7 @@ class Daemon:
             rejects=self.rejects,
             pending_bytes=cfg.limits.pending_bytes,
             trace=self.trace,
+            staging=self.staging,
         )
         self.ecrouter = ECRouter(
             engine=self.engine,
@@ -499,6 +506,11 @@ class Daemon:
         self.ecrouter.close()
         await self.tiers.cleanup()
         self.tiers.close()
+        if self.staging is not None:
+            try:
+                await self.staging.close()
+            except Exception as exc:
+                log.error("staging_cleanup_failed", error=repr(exc))
         await self.engine.close()
 
     async def _wait_for_stop(self) -> None:

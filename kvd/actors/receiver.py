@@ -17,6 +17,7 @@ import ctypes
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final
 
 import anyio
@@ -53,9 +54,11 @@ from kvd.actors.transfers import (
     transfer_groups,
 )
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
+from kvd.adapters.staging import StagingArea
 from kvd.core import receiver as proto
-from kvd.core.hybrid import permutes_any, plan_any
-from kvd.core.planner import Permute, check_logical, permute_chunks
+from kvd.core.hybrid import is_hybrid, permutes_any, plan_any
+from kvd.core.planner import Permute, RequestPlan, check_logical, permute_chunks
+from kvd.core.staging import Scatter, Staged, plan_staged, scatter, shifted
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -78,6 +81,11 @@ class _View:
     permutes: dict[int, list[tuple[LocalRegion, Permute]]] = field(default_factory=dict)
     """Receive permutes (`kvd.core.planner.permutes_on_receive`) by transfer (group)
     index: done before that transfer is reported to the machine; each taken once."""
+    staged: Staged | None = None
+    """A pull's staged alternative (`kvd.core.staging`), taken when a slot is free."""
+    replan: Callable[[], RequestPlan] | None = None
+    """A pull's direct plan, when `plans` was left empty (staged whole): built only if
+    staging has no slot for it."""
 
 
 class Receiver(TransferActor):
@@ -101,6 +109,7 @@ class Receiver(TransferActor):
         rejects: RejectLog | None = None,
         pending_bytes: int = 256 << 20,
         trace: StageTrace = NO_TRACE,
+        staging: StagingArea | None = None,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -113,6 +122,8 @@ class Receiver(TransferActor):
             trace=trace,
         )
         self.incarnation = incarnation
+        self.staging = staging
+        """Where pulls that slice heads or convert layouts READ whole chunks (None: off)."""
         self._permuting: dict[str, tuple[int, list[EventOut]]] = {}
         """Requests whose received bytes a permute is rewriting in place (how many permutes,
         and the events held back meanwhile): the engine hears the request ended, and may
@@ -291,6 +302,8 @@ class Receiver(TransferActor):
             first: wire.Record
             plans: tuple[Any, ...] = ()
             permutes: tuple[Permute, ...] = ()
+            staged: Staged | None = None
+            replan: Callable[[], RequestPlan] | None = None
             # refuses a pair that cannot map, naming both sides' values
             pairs, permutes = permutes_any(remote, local, load.block_ids)
             if load.mode == "push":
@@ -310,10 +323,26 @@ class Receiver(TransferActor):
             else:
                 n = len(load.block_ids)
                 if n:
-                    rp = plan_any(
-                        remote, load.remote_block_ids, local, load.block_ids, local_is_p=False
+                    replan = partial(
+                        plan_any,
+                        remote,
+                        load.remote_block_ids,
+                        local,
+                        load.block_ids,
+                        local_is_p=False,
                     )
-                    pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
+                    if self.staging is not None and not is_hybrid(remote, local):
+                        # staged whole: the direct plan is built only if no slot is free
+                        staged = plan_staged(
+                            remote, load.remote_block_ids, local, load.block_ids, pairs
+                        )
+                    if staged is None or staged.direct:
+                        rp = replan()
+                        pairs, plans, permutes = rp.pairs, rp.plans, rp.permutes
+                        if staged is not None:
+                            staged = plan_staged(
+                                remote, load.remote_block_ids, local, load.block_ids, pairs, rp
+                            )
                 first = wire.PullDone(
                     load.remote_request_id,
                     load.request_id,
@@ -334,10 +363,10 @@ class Receiver(TransferActor):
         for job in permutes:
             by_group.setdefault(group_of[job.pair], []).append((locs[job.pair], job))
         transfers = len(groups)
-        if load.mode == "pull" and not plans:
+        if load.mode == "pull" and not load.block_ids:
             view = _View([], [], [], [])
         else:
-            view = _View(locs, rems, list(plans), [b""] * transfers, by_group)
+            view = _View(locs, rems, list(plans), [b""] * transfers, by_group, staged, replan)
         return proto.PeerResolved(
             load.request_id,
             info.agent,
@@ -421,19 +450,22 @@ class Receiver(TransferActor):
         view = eff.view
         assert isinstance(view, _View)
         try:
-            await self.book.run(
-                "READ",
-                eff.request_id,
-                eff.agent,
-                view.local,
-                view.remote,
-                view.plans,
-                view.notifs,
-            )
-            jobs = [job for group in view.permutes.values() for job in group]
-            view.permutes.clear()
-            if jobs:
-                await self._permute(jobs)
+            if view.staged is None or not await self._staged_read(eff.request_id, eff.agent, view):
+                if not view.plans and view.replan is not None:  # staged whole, but no slot
+                    view.plans.extend(view.replan().plans)  # (its permutes are in the view)
+                await self.book.run(
+                    "READ",
+                    eff.request_id,
+                    eff.agent,
+                    view.local,
+                    view.remote,
+                    view.plans,
+                    view.notifs,
+                )
+                jobs = [job for group in view.permutes.values() for job in group]
+                view.permutes.clear()
+                if jobs:
+                    await self._permute(jobs)
         except KvdError as exc:
             # lost under a posted READ: fail; a stale view when posting: handshake again
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
@@ -441,22 +473,141 @@ class Receiver(TransferActor):
         self._outcome(proto.ReadDone(eff.request_id))
 
     async def _permute(self, jobs: list[tuple[LocalRegion, Permute]]) -> None:
-        """Permute received blocks into D's token layout, in a worker thread (numpy copies
-        release the GIL), with the regions held like a transfer holds them (a region
-        being released is not touched: TransferError)."""
+        """Permute received blocks into D's token layout (`_in_thread`)."""
+        await self._in_thread([loc for loc, _ in jobs], _run_permutes, jobs)
+        self._count("receive_permutes", len(jobs))
+
+    async def _in_thread(
+        self, regions: list[LocalRegion], fn: Callable[..., None], *args: Any
+    ) -> None:
+        """A receive step writing D's regions, in a worker thread (numpy copies release
+        the GIL), with the regions held like a transfer holds them (a region being
+        released is not touched: TransferError)."""
+        self._hold(regions)
+        try:
+            await anyio.to_thread.run_sync(fn, *args)
+        finally:
+            self._unhold(regions)
+
+    def _hold(self, regions: list[LocalRegion]) -> None:
+        """Count a receive step on D's regions like a transfer (a drain waits for it);
+        TransferError, holding nothing, if one is being released."""
         book = self.book
-        for loc, _ in jobs:
+        for loc in regions:
             if loc.region_id in book.releasing:
                 raise TransferError(f"local region {loc.region_id} is being released")
-        for loc, _ in jobs:
+        for loc in regions:
             book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
+
+    def _unhold(self, regions: list[LocalRegion]) -> None:
+        book = self.book
+        for loc in regions:
+            book.local[loc.region_id] -= 1
+        book.wake()
+
+    async def _staged_read(self, rid: str, agent: str, view: _View) -> bool:
+        """READ the staged P ranks' blocks whole into a staging slot (and the other pairs
+        by their own plans, in the same transfer); then scatter them into D's blocks in
+        D's layout in a worker thread, while the machine acknowledges the READ with P:
+        the request's terminal event is held until the scatter ended (`_emit`), so D's
+        engine hears of it only once its bytes are in its layout (and a scatter that
+        fails turns a held RecvFinished into RecvFailed). False, having done nothing, when
+        staging has no slot (or cannot be registered): the caller moves the request by
+        its direct plans.
+
+        The slot ends exactly once: freed when nothing can land in it any more and the
+        scatter is over; quarantined instead when the READ may still land (answered
+        Unsettled, or cancelled), until the transport reports it ended."""
+        staging, staged = self.staging, view.staged
+        assert staging is not None and staged is not None
         try:
-            await anyio.to_thread.run_sync(_run_permutes, jobs)
+            await staging.ensure()
+        except KvdError as exc:
+            self._count("staging_unavailable")
+            log.warning("staging_unavailable", request_id=rid, error=exc.message)
+            return False
+        pool = staging.pool
+        off = pool.alloc(staged.nbytes)
+        if off is None:
+            self._count("staging_exhausted")
+            return False
+        ended = quarantined = False
+
+        def settle() -> None:
+            nonlocal ended
+            ended = True
+            if quarantined:
+                pool.release(off)
+                self._count("staging_released")
+
+        def done_with_slot() -> None:
+            nonlocal quarantined
+            if ended:
+                pool.free(off)
+            else:
+                quarantined = True
+                pool.quarantine(off)
+                self._count("staging_quarantined")
+
+        view.permutes.clear()  # the staged alternative carries the permutes it keeps
+        base = staging.addr + off
+        idx = [*staged.direct, *(r.pair for r in staged.reads)]
+        locs = [view.local[i] for i in idx]
+        rems = [view.remote[i] for i in idx]
+        plans = [view.plans[i] for i in staged.direct]
+        plans += [shifted(r.plan, base) for r in staged.reads]
+        notifs = [b""] * len(transfer_groups(locs, rems))
+        scatters = [(view.local[j.pair], j) for j in staged.scatters]
+        permutes = [(view.local[j.pair], j) for j in staged.permutes]
+        regions = [loc for loc, _ in scatters] + [loc for loc, _ in permutes]
+        try:
+            await self.book.run("READ", rid, agent, locs, rems, plans, notifs, settle)
+            self._hold(regions)
+        except BaseException:
+            done_with_slot()
+            raise
+        req = self.proto.reqs.get(rid)
+        blocks = req.blocks if req is not None else ()
+        running, held = self._permuting.get(rid, (0, []))
+        self._permuting[rid] = (running + 1, held)
+        slot = staging.buf[off : off + staged.nbytes]
+        self._spawn(self._scatter, rid, blocks, regions, done_with_slot, slot, scatters, permutes)
+        self._count("staged_reads")
+        self._count("staged_scatters", len(staged.scatters))
+        # a scatter between token layouts is that pair's receive permute, in one pass
+        converted = sum(1 for j in staged.scatters if j.converts) + len(staged.permutes)
+        if converted:
+            self._count("receive_permutes", converted)
+        return True
+
+    async def _scatter(
+        self,
+        rid: str,
+        blocks: tuple[int, ...],
+        regions: list[LocalRegion],
+        done_with_slot: Callable[[], None],
+        *args: Any,
+    ) -> None:
+        """`_staged_read`'s scatter (regions already held), then the held events out."""
+        failed: KvdError | None = None
+        try:
+            await anyio.to_thread.run_sync(_run_scatters, *args)
+        except Exception as exc:  # a planner bug: fail closed, never report done
+            failed = TransferError(f"staged scatter failed: {exc!r}")
+            log.error("staged_scatter_failed", request_id=rid, error=repr(exc))
         finally:
-            for loc, _ in jobs:
-                book.local[loc.region_id] -= 1
-            book.wake()
-        self._count("receive_permutes", len(jobs))
+            self._unhold(regions)
+            done_with_slot()
+            running, held = self._permuting.pop(rid)
+            if running > 1:
+                self._permuting[rid] = (running - 1, held)
+                held = []
+            for ev in held:
+                if failed is not None and isinstance(ev.record, wire.RecvFinished):
+                    self._count("staged_scatters_failed")
+                    record = wire.RecvFailed(rid, int(failed.code), failed.message, blocks)
+                    ev = EventOut(ev.session, ev.engine_id, record)
+                self.emit(ev)
 
     async def _permuted_push(
         self, agent: str, msg: wire.PushDone, jobs: list[tuple[LocalRegion, Permute]]
@@ -570,6 +721,7 @@ class Receiver(TransferActor):
             "receiving": len(p.reqs) - states["tracked"],
             "states": states,
             "sending": len(self.book.in_flight),
+            "staging": self.staging.snapshot() if self.staging is not None else None,
             "heartbeat_peers": len(p.heartbeats.peers()),
             "limits": p.limits(),
             "failures": dict(self.failures),
@@ -581,6 +733,18 @@ def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:
         g = job.geometry or loc.geometry
         raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
         permute_chunks(np.ctypeslib.as_array(raw), g, job)
+
+
+def _run_scatters(
+    slot: np.ndarray,
+    scatters: list[tuple[LocalRegion, Scatter]],
+    permutes: list[tuple[LocalRegion, Permute]],
+) -> None:
+    for loc, job in scatters:
+        g = loc.geometry
+        raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
+        scatter(slot, np.ctypeslib.as_array(raw), job)
+    _run_permutes(permutes)
 
 
 def _ranks_of(info: PeerInfo, engine_id: str) -> list[RemoteRegion]:

@@ -102,12 +102,15 @@ class Transport(Protocol):
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
+        settled: Callable[[], None] | None = None,
     ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
         `notif` is delivered to the peer when it completes. Returns its post and transfer
         times (fed to the actor's histograms). Raises as `send_notif` does
         (PeerUnknown also when the peer's metadata lacks the remote memory named).
-        `trace_id` as above."""
+        `trace_id` as above. `settled`: called once on the loop when nothing more of the
+        transfer can land (it ended, or was never posted): before the answer, or after
+        it for a transfer answered Unsettled (still in flight in UCX)."""
 
 
 class Machine(Protocol):
@@ -427,18 +430,36 @@ class TransferBook:
         remote: Sequence[RemoteRegion],
         plans: Sequence[Plan],
         notifs: Sequence[bytes],
+        settled: Callable[[], None] | None = None,
     ) -> None:
         """Move `plans[i]` between `local[i]` and `remote[i]` for every rank pair i, as one
         NIXL transfer per group of pairs of the same memory types (`transfer_groups`:
         usually one for the whole request), posted concurrently; `notifs[g]` goes with
         group g. Waits for all; raises the first failure (a KvdError). A group with no
-        descriptors only sends its notification."""
-        for loc in local:
-            if loc.region_id in self.releasing:
-                raise TransferError(f"local region {loc.region_id} is being released")
+        descriptors only sends its notification. `settled`: called once (on the loop) when
+        nothing more of any of them can land (see `Transport.transfer`), possibly after
+        this returns or raises (a transfer answered Unsettled)."""
         groups = transfer_groups(local, remote)
-        if len(notifs) != len(groups):
-            raise KvdError(f"{len(notifs)} notifications for {len(groups)} transfers")
+        try:
+            for loc in local:
+                if loc.region_id in self.releasing:
+                    raise TransferError(f"local region {loc.region_id} is being released")
+            if len(notifs) != len(groups):
+                raise KvdError(f"{len(notifs)} notifications for {len(groups)} transfers")
+        except KvdError:
+            if settled is not None:
+                settled()
+            raise
+        ends: list[Callable[[], None] | None] = [None] * len(groups)
+        if settled is not None:
+            left = [len(groups)]
+
+            def one_ended() -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    settled()
+
+            ends = [one_ended] * len(groups)
         total = sum(p.total_bytes for p in plans)
         descs = sum(p.descriptors for p in plans)
         rec: dict[str, Any] = {
@@ -464,15 +485,16 @@ class TransferBook:
             self.trace.mark(tid, "transfer.handed")
         try:
             work = [
-                (_merged(plans, local, remote, group), notif)
-                for group, notif in zip(groups, notifs, strict=True)
+                (_merged(plans, local, remote, group), notif, end)
+                for group, notif, end in zip(groups, notifs, ends, strict=True)
             ]
             if len(work) == 1:  # one transfer: no task group (it costs a task per request)
-                await self._one(op, agent, *work[0][0], work[0][1], errors, tid)
+                merged, notif, end = work[0]
+                await self._one(op, agent, *merged, notif, errors, tid, end)
             else:
                 async with anyio.create_task_group() as tg:
-                    for merged, notif in work:
-                        tg.start_soon(self._one, op, agent, *merged, notif, errors, tid)
+                    for merged, notif, end in work:
+                        tg.start_soon(self._one, op, agent, *merged, notif, errors, tid, end)
         finally:
             if tid:
                 self.trace.mark(tid, "transfer.returned")
@@ -508,9 +530,13 @@ class TransferBook:
         notif: bytes,
         errors: list[KvdError],
         trace_id: str = "",
+        settled: Callable[[], None] | None = None,
     ) -> None:
+        posted = local.shape[0] > 0
+        # the transport reports a posted transfer's end itself (the port's contract)
+        extra: dict[str, Any] = {"settled": settled} if posted and settled is not None else {}
         try:
-            if local.shape[0]:
+            if posted:
                 timing = await self.transport.transfer(
                     op,
                     local,
@@ -522,12 +548,16 @@ class TransferBook:
                     local_mem=local_mem,
                     remote_mem=remote_mem,
                     trace_id=trace_id,
+                    **extra,
                 )
                 self.stats.observe(op, timing, nbytes, int(local.shape[0]))
             elif notif:
                 await self.transport.send_notif(agent, notif, trace_id)
         except KvdError as exc:
             errors.append(exc)
+        finally:
+            if settled is not None and not posted:
+                settled()  # nothing was posted
 
     # ---------------------------------------------------------------- drains
 

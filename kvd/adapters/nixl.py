@@ -141,6 +141,8 @@ class _Xfer:
     flight), its end awaited."""
     reported: bool = False
     """Its future was already answered (Unsettled); the handle is still polled."""
+    settled: Callable[[], None] | None = None
+    """Called on the event loop once UCX ended the transfer (nothing more of it can land)."""
 
 
 @dataclass(slots=True)
@@ -421,11 +423,13 @@ class NixlEngine:
                 x.cleanup()
             except Exception as cl_exc:
                 self._count_error(cl_exc)
+        loop = self._loop
+        assert loop is not None
+        if x.settled is not None:  # before the answer: the caller sees it first
+            loop.call_soon_threadsafe(x.settled)
         if x.reported:  # answered Unsettled already: UCX has ended it now
             self.stats.unsettled -= 1
             return
-        loop = self._loop
-        assert loop is not None
         if exc is None:
             self._fresh.pop(x.peer, None)
             self.stats.transfers_done += 1
@@ -488,6 +492,7 @@ class NixlEngine:
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
+        settled: Callable[[], None] | None = None,
     ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
 
@@ -496,12 +501,20 @@ class NixlEngine:
         is delivered to the peer by NIXL when the transfer completes. Raises TransferError
         (PeerDisconnected when the peer is gone, PeerUnknown when NIXL holds no metadata
         for it or for the remote memory named, Timeout past `timeout`). `trace_id`: the
-        request the stage trace records this transfer under.
+        request the stage trace records this transfer under. `settled`: called once on the
+        event loop when nothing more of the transfer can land (UCX ended it, or it was
+        never posted), before the answer; later than the answer for one answered
+        Unsettled.
         """
-        notif = self._seal(peer, notif) if notif else notif
         loop = self._loop
-        if loop is None or self._thread is None:
-            raise TransferError("NIXL engine is not running")
+        try:
+            notif = self._seal(peer, notif) if notif else notif
+            if loop is None or self._thread is None:
+                raise TransferError("NIXL engine is not running")
+        except BaseException:
+            if settled is not None:
+                settled()
+            raise
         fut: asyncio.Future[XferTiming] = loop.create_future()
 
         trace = self.trace
@@ -518,12 +531,15 @@ class NixlEngine:
             except BaseException as exc:
                 self.stats.transfers_failed += 1
                 self._count_error(exc)
+                if settled is not None:  # nothing was posted
+                    loop.call_soon_threadsafe(settled)
                 loop.call_soon_threadsafe(_set_exc, fut, translate(exc, posting=True))
                 self._maybe_reload(peer, exc)
                 return
             self.stats.transfers_posted += 1
             self.stats.bytes_moved += nbytes
             x = _Xfer(handle, fut, started + timeout, started, trace_id, peer)
+            x.settled = settled
             if trace.on and trace_id:
                 trace.mark(trace_id, "nixl.posted")
             try:

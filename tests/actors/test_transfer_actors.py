@@ -256,11 +256,16 @@ class FakePort:
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
         trace_id: str = "",
+        settled: Callable[[], None] | None = None,
     ) -> XferTiming:
         record = wire.decode(notif)[1] if notif else None
         xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
         self.transfers.add(xfer)
-        await xfer.wait()
+        try:
+            await xfer.wait()
+        finally:
+            if settled is not None:  # the fake's transfer ends with its answer
+                settled()
         return XferTiming(0.0, 0.001)
 
     def sent(self, kind: type[R]) -> list[tuple[str, R]]:

@@ -108,16 +108,19 @@ def run_case(
     *,
     hits: int = 0,
     layerwise: bool = False,
+    staging: bool = True,
 ) -> None:
     """One request per (tokens, D prefix hit) scenario, P -> D in `mode`, bytes checked.
     `layerwise` (push): D registers first and P's workers announce each layer before P
-    finishes, so the request streams by layer (or goes whole where it cannot be cut)."""
+    finishes, so the request streams by layer (or goes whole where it cannot be cut).
+    `staging`: whether D's daemon has staging room for a request (else it goes direct)."""
     rng = np.random.default_rng(seed)
     pair.n += 1
     tag = f"{pair.n}{mode}"
     p = engine(pair.p.socket, f"p{tag}", ps, spec, rng)
     d = engine(pair.d.socket, f"d{tag}", ds, spec, rng)
     permuted = d.client.status()["counters"].get("receive_permutes", 0)
+    staged_before = d.client.status()["counters"].get("staged_reads", 0)
     p_before = p.client.status()["counters"]
     try:
         free_p = list(rng.permutation(ps.num_blocks))
@@ -201,6 +204,12 @@ def run_case(
         conversion = (ps.tp, ps.tokens) == (ds.tp, ds.tokens) and ps.kv_layout != ds.kv_layout
         done = d.client.status()["counters"].get("receive_permutes", 0) - permuted
         assert done == (3 * ds.tp if conversion else 0)
+        # a pull that slices heads or converts the layout, at equal block sizes, READs P's
+        # blocks whole into D's staging and scatters them (kvd.core.staging): 3 requests
+        sliced = len(heads_of(spec, ps.tp, 0)) != len(heads_of(spec, ds.tp, 0))
+        stages = mode == "pull" and ps.tokens == ds.tokens and (sliced or conversion) and staging
+        staged = d.client.status()["counters"].get("staged_reads", 0) - staged_before
+        assert staged == (3 if stages else 0)
         if layerwise:
             pc = p.client.status()["counters"]
             grew = {
