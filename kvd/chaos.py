@@ -58,6 +58,7 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode, KvdError
 
+from kvd.actors.ecrouter import ec_segment_creator
 from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
 from kvd.ecdemo import output_bytes
 from kvd.traffic import NOT_OFFERED, Traffic
@@ -1015,6 +1016,10 @@ class Chaos:
             for what in ("tracked", "receiving", "sending", "heartbeat_peers"):
                 if receiver.get(what):
                     out.append(f"{node.name}: receiver {what} = {receiver[what]}")
+            staging = receiver.get("staging") or {}
+            for what in ("used", "quarantined"):
+                if staging.get(what):
+                    out.append(f"{node.name}: staging bytes {what} = {staging[what]}")
             if node.proc is not None and (leases := node.status("leases")):
                 out += [f"{node.name}: lease {x['request_id']}" for x in leases["leases"]]
                 out += [f"{node.name}: tracked {x['request_id']}" for x in leases["tracked"]]
@@ -1067,8 +1072,7 @@ class Chaos:
         left_victims = []
         for name in sorted(os.listdir("/dev/shm")):
             if name.startswith("kvd-ec-"):
-                pid = name[len("kvd-ec-") :].split("-", 1)[0]
-                if pid.isdigit() and int(pid) in pids:
+                if ec_segment_creator(name) in pids:
                     self.report.leaks.append(f"/dev/shm/{name} (EC region of a daemon of ours)")
             elif any(
                 f"-{tag}-" in name and name.startswith("kvd-demo-") for tag in self.victim_tags

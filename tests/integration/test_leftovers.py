@@ -145,7 +145,7 @@ def test_staging_names_say_who_made_them() -> None:
     assert staging_creator_here(name) == os.getpid()
     # names the rule must never judge
     assert staging_creator(unique_name("kvd-doomed")) is None
-    assert staging_creator(f"kvd-ec-{os.getpid()}-0123abcd") is None  # the daemon's EC region
+    assert staging_creator(f"kvd-ec-{os.getpid()}-0123abcd") is None  # EC names of old
     assert staging_creator(crafted("x", 42, ns=0)) is None  # pid namespace unknown
     assert staging_creator_here(crafted("x", 42, ns=pid_namespace() + 1)) is None
     with pytest.raises(ValueError):
