@@ -210,7 +210,8 @@ class NotifReceived:
     """Notifier -> owner: one decoded notification from a peer agent (an answer to our own
     transfer, a registration, a cancel): never refused. A registration or pull for the
     sender carries the bytes the notifier reserved for it (`kvd.core.limits`): the sender
-    hands it to its machine, or releases it if it drops the message."""
+    hands it to its machine, or releases it if it drops the message. A notice for the
+    receiver carries its `limits.notif_bytes` reservation, released once handled."""
 
     agent: str
     msg: wire.Record
@@ -220,10 +221,12 @@ class NotifReceived:
 @dataclass(frozen=True)
 class HeartbeatReceived(Outside):
     """Notifier -> sender: a peer's heartbeat (refused when the mailbox is full: the next
-    one comes)."""
+    one comes), with the bytes the notifier reserved for it (`limits.notif_bytes`),
+    released by the sender once it has handled it."""
 
     agent: str
     msg: wire.Heartbeat
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True)
