@@ -179,6 +179,7 @@ class Daemon:
             secret=secret,
             counters=self.counters,
             rejects=self.rejects,
+            mono_ns=self.trace.clock,
         )
         self.tiers = Tiers(
             engine=self.engine,

@@ -16,6 +16,7 @@ from kvd.actors.base import Call, Outside
 from kvd.core.hybrid import Group
 from kvd.core.limits import Reservation
 from kvd.core.planner import Geometry
+from kvd.core.timeline import ClockOffset
 
 # ------------------------------------------------------------------ shared views
 
@@ -142,6 +143,23 @@ class EnsurePeer(Call[PeerInfo]):
     host: str
     port: int
     refresh: bool = False
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """A peer's clock minus ours (`kvd.core.timeline`) and when ours (ns) read it."""
+
+    offset: ClockOffset
+    measured_ns: int
+
+
+@dataclass
+class PeerClock(Call[ClockReading]):
+    """The peer agent's clock offset, measured within `max_age_s` (measured now if not:
+    raises when it cannot be, or the agent is not a peer)."""
+
+    agent: str
+    max_age_s: float
 
 
 @dataclass
