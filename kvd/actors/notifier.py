@@ -31,7 +31,9 @@ actor once it has handled the message): heartbeats waiting for the sender (each 
 65,536 ids, so their mailbox's count bound alone is not one on memory), and P's answers
 waiting for the receiver (push completions, layer notices, pull acks, re-sync requests:
 notices it never refuses, so an authenticated but hostile or broken P could otherwise
-queue them without bound). One that does not fit is dropped and counted
+queue them without bound). One peer may hold at most half of each (`SharedBudget`), so
+one flooding peer does not crowd the others out. One that does not fit is dropped and
+counted
 (`limit_heartbeat_bytes_dropped`, `limit_notice_bytes_dropped`): a heartbeat's next one
 comes, and a D request whose answer was dropped still ends exactly once, failed by its
 watchdog (`transfer.transfer_timeout` / `transfer.push_registration_timeout`).
@@ -50,7 +52,7 @@ from kvd_client.errors import Busy, ErrorCode, KvdError, RemoteProtocolError
 from kvd.actors.base import SYSTEM_CLOCK, Clock, Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
 from kvd.actors.transfers import Transport
-from kvd.core.limits import PendingBudget, Reservation, message_cost, record_cost
+from kvd.core.limits import PendingBudget, Reservation, SharedBudget, message_cost, record_cost
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.ratelimit import RateLimiter
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -100,9 +102,9 @@ class Notifier:
         self.clock = clock
         self.budget = budget
         self.transport = transport
-        self.heartbeat_bytes = PendingBudget(notif_bytes, name="limits.notif_bytes")
+        self.heartbeat_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
         """Heartbeats decoded and waiting for the sender."""
-        self.notice_bytes = PendingBudget(notif_bytes, name="limits.notif_bytes")
+        self.notice_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
         """P's answers decoded and waiting for the receiver."""
         self.rate: RateLimiter[str] = RateLimiter(
             notifs_per_peer_per_s, notifs_per_peer_per_s, RATE_KEYS, _OTHER_PEERS
@@ -193,12 +195,13 @@ class Notifier:
             self.trace.mark(rid, "notifier.routed")
 
     def _hold(
-        self, agent: str, msg: wire.Record, budget: PendingBudget, what: str
+        self, agent: str, msg: wire.Record, budget: SharedBudget, what: str
     ) -> Reservation | None:
         """The bytes `msg` holds until its actor has handled it; None (dropped, counted,
-        logged at a bounded rate) when they do not fit under `limits.notif_bytes`."""
+        logged at a bounded rate) when they do not fit under `limits.notif_bytes`, or in
+        the half of it one peer may hold."""
         cost = message_cost(msg)
-        held = budget.reserve(cost)
+        held = budget.reserve_for(agent, cost)
         if held is None:
             self.rejects.reject(
                 "notifier",

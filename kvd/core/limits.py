@@ -79,8 +79,8 @@ class PendingBudget:
         (counted in `refused`, nothing changed) if it does not fit (`take`)."""
         return Reservation(self, cost) if self.take(cost, alone_fits=alone_fits) else None
 
-    def give(self, cost: int) -> None:
-        """Return what an entry was charged."""
+    def give(self, cost: int, key: str | None = None) -> None:
+        """Return what an entry (of `key`, for a `SharedBudget`) was charged."""
         self.used -= cost
         if self.used < 0:  # a bug in the caller; never let it widen the bound
             raise ValueError(f"pending budget returned more than it was charged ({self.used})")
@@ -92,6 +92,39 @@ class PendingBudget:
         )
 
 
+@dataclass
+class SharedBudget(PendingBudget):
+    """A `PendingBudget` shared by peers, none of which may hold more than `share` of it:
+    a peer flooding it fills its share and is refused there, and the rest stays for the
+    others (a peer holding nothing may always take what fits in the whole budget)."""
+
+    share: float = 0.5
+    by_key: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def reserve_for(self, key: str, cost: int) -> Reservation | None:
+        """Charge `cost` to `key` (see `reserve`); None (counted in `refused`) when it does
+        not fit in the budget, or in `key`'s share while `key` holds something already."""
+        held = self.by_key.get(key, 0)
+        if held and held + cost > self.limit * self.share:
+            self.refused += 1
+            return None
+        if not self.take(cost):
+            return None
+        self.by_key[key] = held + cost
+        return Reservation(self, cost, key)
+
+    def give(self, cost: int, key: str | None = None) -> None:
+        super().give(cost)
+        if key is not None:
+            left = self.by_key.get(key, 0) - cost
+            if left < 0:
+                raise ValueError(f"{key!r} returned more than it was charged ({left})")
+            if left:
+                self.by_key[key] = left
+            else:
+                del self.by_key[key]
+
+
 class Reservation:
     """Bytes of a `PendingBudget` charged for one message from its intake until it ends.
 
@@ -101,11 +134,12 @@ class Reservation:
     and an error for `adopt` (the caller would charge an entry twice).
     """
 
-    __slots__ = ("_held", "budget", "cost")
+    __slots__ = ("_held", "budget", "cost", "key")
 
-    def __init__(self, budget: PendingBudget, cost: int) -> None:
+    def __init__(self, budget: PendingBudget, cost: int, key: str | None = None) -> None:
         self.budget = budget
         self.cost = cost
+        self.key = key
         self._held = True
 
     @property
@@ -125,7 +159,7 @@ class Reservation:
         if not self._held:
             return False
         self._held = False
-        self.budget.give(self.cost)
+        self.budget.give(self.cost, self.key)
         return True
 
     def __repr__(self) -> str:

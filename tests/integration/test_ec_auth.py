@@ -104,8 +104,14 @@ class Pair:
     pattern: np.ndarray
 
     def request(self, *, sign_with: bytes | None = SECRET, **changes: Any) -> bytes:
-        """A fresh request (new nonce, current time), signed with `sign_with` if given."""
-        req = replace(self.template, timestamp=time.time(), nonce=os.urandom(16))
+        """A fresh request (new nonce, current time, a deadline 10 s away on the consumer's
+        monotonic clock: this host's), signed with `sign_with` if given."""
+        req = replace(
+            self.template,
+            timestamp=time.time(),
+            nonce=os.urandom(16),
+            serve_by_ns=time.monotonic_ns() + 10 * 10**9,
+        )
         req = replace(req, **changes)
         if sign_with is not None:
             req = replace(req, mac=message_mac(sign_with, req, EC_XFER_CONTEXT))
