@@ -535,9 +535,10 @@ class LimitsConfig(_Section):
         "Estimated bytes of peers' decoded NIXL notifications waiting for the actor that "
         "handles them, bounded apart for heartbeats (P: each may name 65,536 requests) and "
         "for P's answers to D (push completions, layer notices, pull acks, re-sync "
-        "requests), about 100 bytes per request id they name. Beyond it a notification is "
-        "dropped and counted: a heartbeat's next one comes, and a D request whose answer "
-        "was dropped ends failed at its watchdog (set it well above real traffic).",
+        "requests), about 100 bytes per request id they name; one peer may hold at most "
+        "half of each. Beyond it a notification is dropped and counted: a heartbeat's next "
+        "one comes, and a D request whose answer was dropped ends failed at its watchdog "
+        "(set it well above real traffic).",
         ge=64 * KiB,
         le=1024 * GiB,
         fmt="bytes",
