@@ -159,6 +159,8 @@ EC_ACK_CONTEXT: Final = b"ecack"
 CLOCK_MAX_AGE_S: Final = 300.0
 """A consumer's clock offset older than this is measured again before a request of its is
 judged (the drift allowed for it grows with its age: `kvd.core.timeline.DRIFT_PPM`)."""
+EC_CLOCKS_MAX: Final = 4096
+"""Consumers whose clock offset the EC router keeps at hand."""
 QUARANTINE_MARGIN_S: Final = 5.0
 """Room, past a producer's settle bound, for its answer to reach us."""
 _QUARANTINE: Final = "\0quarantine:"
@@ -269,6 +271,9 @@ class ECRouter:
         one its side channel stamps in the clock exchange)."""
         self.engine = engine
         self.mono_ns = mono_ns
+        self._clocks: dict[str, tuple[int, ClockReading]] = {}
+        """Consumers' clock offsets as the registrar measured them, by agent: (its
+        incarnation, the reading), so a cold fetch costs no registrar call."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.registrar = registrar
@@ -937,16 +942,29 @@ class ECRouter:
             f"{len(self.replays)} recent requests are held against replay; retry later"
         )
 
-    async def _consumer_clock(self, agent: str, req: wire.ECXferReq) -> ClockReading:
+    async def _consumer_clock(self, info: PeerInfo, req: wire.ECXferReq) -> ClockReading:
         """The consumer's clock offset, to judge `req`'s deadline by; refuses (counted in
         `ec_xfer_age_unknown`) a request without one, or a consumer whose offset cannot be
         measured (whether it is in time cannot be known: never serve it then)."""
         why = "it carries no deadline"
         if req.serve_by_ns:
+            known = self._clocks.get(info.agent)
+            max_age_ns = CLOCK_MAX_AGE_S * 1e9
+            if (
+                known is not None
+                and known[0] == info.incarnation
+                and self.mono_ns() - known[1].measured_ns <= max_age_ns
+            ):
+                return known[1]
             try:
-                return await self.registrar.call(PeerClock(agent, CLOCK_MAX_AGE_S))
+                reading = await self.registrar.call(PeerClock(info.agent, CLOCK_MAX_AGE_S))
             except KvdError as exc:
                 why = f"the consumer's clock offset cannot be measured: {exc.message}"
+            else:
+                if len(self._clocks) >= EC_CLOCKS_MAX:
+                    self._clocks.clear()  # forgotten ones are asked for again
+                self._clocks[info.agent] = (info.incarnation, reading)
+                return reading
         self._count("ec_xfer_age_unknown")
         raise Timeout(f"ECXferReq refused: whether it is in time cannot be judged ({why})")
 
@@ -1046,7 +1064,7 @@ class ECRouter:
             plan = plan_transfer(
                 self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids)
             )
-            reading = await self._consumer_clock(info.agent, req)
+            reading = await self._consumer_clock(info, req)
             self._check_age(req, reading)  # then post at once: nothing awaited in between
             await self.engine.transfer(
                 "WRITE",

@@ -33,10 +33,9 @@ waiting for the receiver (push completions, layer notices, pull acks, re-sync re
 notices it never refuses, so an authenticated but hostile or broken P could otherwise
 queue them without bound). One peer may hold at most half of each (`SharedBudget`), so
 one flooding peer does not crowd the others out. One that does not fit is dropped and
-counted
-(`limit_heartbeat_bytes_dropped`, `limit_notice_bytes_dropped`): a heartbeat's next one
-comes, and a D request whose answer was dropped still ends exactly once, failed by its
-watchdog (`transfer.transfer_timeout` / `transfer.push_registration_timeout`).
+counted (`limit_heartbeat_bytes_dropped`, `limit_notice_bytes_dropped`): a heartbeat's
+next one comes, and a D request whose answer was dropped still ends exactly once, failed
+by its watchdog (`transfer.transfer_timeout` / `transfer.push_registration_timeout`).
 With the stage trace on, it records for each message that names a request when the NIXL
 thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
