@@ -530,6 +530,30 @@ class LimitsConfig(_Section):
         le=1024 * GiB,
         fmt="bytes",
     )
+    notif_bytes: int = _opt(
+        64 * MiB,
+        "Estimated bytes of peers' decoded NIXL notifications waiting for the actor that "
+        "handles them, bounded apart for heartbeats (P: each may name 65,536 requests) and "
+        "for P's answers to D (push completions, layer notices, pull acks, re-sync "
+        "requests), about 100 bytes per request id they name; one peer may hold at most "
+        "half of each. Beyond it a notification is dropped and counted: a heartbeat's next "
+        "one comes, and a D request whose answer was dropped ends failed at its watchdog "
+        "(set it well above real traffic).",
+        ge=64 * KiB,
+        le=1024 * GiB,
+        fmt="bytes",
+    )
+    handshake_bytes: int = _opt(
+        64 * MiB,
+        "Bytes of side-channel requests (peers' handshakes and region-drop notices) being "
+        "served at once, each charged its frame's size twice (the frame and what it decodes "
+        "to). Beyond it a request is answered BUSY at once and counted; one request is "
+        "always admitted when none is in progress, so a handshake up to "
+        "`daemon.max_frame_bytes` still passes.",
+        ge=64 * KiB,
+        le=1024 * GiB,
+        fmt="bytes",
+    )
 
 
 @dataclass(frozen=True)

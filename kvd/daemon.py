@@ -102,6 +102,7 @@ class Daemon:
             secret=secret,
             trace=self.trace,
             keyring=self.keyring,
+            handshake_bytes=cfg.limits.handshake_bytes,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -178,6 +179,7 @@ class Daemon:
             secret=secret,
             counters=self.counters,
             rejects=self.rejects,
+            mono_ns=self.trace.clock,
         )
         self.tiers = Tiers(
             engine=self.engine,
@@ -199,6 +201,7 @@ class Daemon:
             keyring=self.keyring,
             budget=self.sender.proto.budget,
             transport=self.engine,
+            notif_bytes=cfg.limits.notif_bytes,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,
@@ -390,6 +393,8 @@ class Daemon:
             "notifs_per_peer_per_s": self.notifier.limits(),
             "pending_bytes_sender": sent["pending_bytes"],
             "pending_bytes_receiver": got["pending_bytes"],
+            **self.notifier.byte_limits(),
+            "handshake_bytes": self.side.limits(),
         }
 
     def _trace_section(self, section: str) -> dict[str, Any]:

@@ -1079,6 +1079,13 @@ class ECXferReq(Record):
     mac: Annotated[bytes, Len(0, 64)] = b""
     """HMAC-SHA256 over b"ecxfer" and the request with an empty mac, when a shared secret
     is configured (`kvd.core.peerauth.message_mac`)."""
+    serve_by_ns: U64 = 0
+    """The consumer's monotonic clock (ns, the clock its side channel stamps in the clock
+    exchange) after which the producer must not start the WRITE: its send time plus its
+    `ec.xfer_timeout` (it quarantines the blocks for the rest of the life of a WRITE
+    started before, no longer). The producer judges it through the clock offset it
+    measured with the consumer, and refuses (TIMEOUT) a request it cannot prove to be in
+    time (0 here, or no offset)."""
 
 
 @message(89)

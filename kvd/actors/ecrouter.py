@@ -21,7 +21,18 @@ Producer (role producer/both):
   once more, in case our view is stale, then refuse). The destination blocks must lie in
   that EC region (the planner refuses anything else). The output is pinned, WRITten into
   the consumer's blocks, acked (`ECXferAck`), then unpinned. Nothing is WRITten for a
-  refused request. At most `daemon.mailbox_size` requests are served at once (each
+  refused request. A request is also refused (TIMEOUT, counted in `ec_xfer_too_old`) once
+  the consumer's clock may have passed its `serve_by_ns` (its send time plus the
+  consumer's `ec.xfer_timeout`): the consumer quarantines its blocks only for the life of
+  a WRITE started before that, and a request may have waited in ZMQ behind a cut link
+  for longer. The producer judges it without synchronized clocks, right before it posts
+  the WRITE (nothing awaited in between): with the consumer's clock offset it measured
+  at the handshake (again when older than `CLOCK_MAX_AGE_S`), widened by the offset's
+  error bound and the drift the clocks may have had since
+  (`kvd.core.timeline.peer_now_latest_ns`). A request without a deadline, or from a
+  consumer whose offset cannot be measured, is refused too (`ec_xfer_age_unknown`): one
+  is served only when it is known to be in time.
+  At most `daemon.mailbox_size` requests are served at once (each
   waits on a handshake and a WRITE); one beyond is acked BUSY at once, counted in
   `ec_xfer_failed`, so a flood holds no task, pin or registrar call per request. With a
   secret, each ack carries a MAC over b"ecack", the request's nonce and the ack: a
@@ -35,7 +46,8 @@ Consumer (role consumer/both):
 - `ECEnsure` answers from the local cache when it can (a hit, counted), joins an
   in-flight fetch (both only under the compat the output was fetched with: another is
   refused), or allocates blocks (LRU eviction, never a pinned output) and sends
-  `ECXferReq` (with a fresh nonce and timestamp, and a MAC when a secret is set) through
+  `ECXferReq` (with a fresh nonce and timestamp, the deadline for the producer's WRITE to
+  start on its monotonic clock, and a MAC when a secret is set) through
   a lazily created DEALER per producer. The answer is an event:
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
@@ -95,10 +107,12 @@ from kvd.actors.base import Mailbox
 from kvd.actors.gateway import transport_cap
 from kvd.actors.messages import (
     ClientRequest,
+    ClockReading,
     EnsurePeer,
     EventOut,
     LocalRegion,
     LocalRegionsChanged,
+    PeerClock,
     PeerInfo,
     PeerLost,
     RegisterDaemonRegion,
@@ -120,6 +134,7 @@ from kvd.core.peerauth import (
     message_mac,
 )
 from kvd.core.planner import plan_transfer
+from kvd.core.timeline import peer_now_latest_ns
 from kvd.core.timers import TimerHeap
 from kvd.logs import RejectLog
 
@@ -141,6 +156,11 @@ EC_XFER_CONTEXT: Final = b"ecxfer"
 EC_ACK_CONTEXT: Final = b"ecack"
 """Domain separation of an `ECXferAck`'s MAC (followed by its request's nonce)."""
 
+CLOCK_MAX_AGE_S: Final = 300.0
+"""A consumer's clock offset older than this is measured again before a request of its is
+judged (the drift allowed for it grows with its age: `kvd.core.timeline.DRIFT_PPM`)."""
+EC_CLOCKS_MAX: Final = 4096
+"""Consumers whose clock offset the EC router keeps at hand."""
 QUARANTINE_MARGIN_S: Final = 5.0
 """Room, past a producer's settle bound, for its answer to reach us."""
 _QUARANTINE: Final = "\0quarantine:"
@@ -245,8 +265,15 @@ class ECRouter:
         counters: dict[str, int],
         rejects: RejectLog,
         wall_clock: Callable[[], float] = time.time,
+        mono_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
+        """`mono_ns`: the clock of a request's `serve_by_ns` (the daemon's trace clock, the
+        one its side channel stamps in the clock exchange)."""
         self.engine = engine
+        self.mono_ns = mono_ns
+        self._clocks: dict[str, tuple[int, ClockReading]] = {}
+        """Consumers' clock offsets as the registrar measured them, by agent: (its
+        incarnation, the reading), so a cold fetch costs no registrar call."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.registrar = registrar
@@ -259,9 +286,10 @@ class ECRouter:
         self.block_bytes = block_bytes
         self.xfer_timeout = xfer_timeout
         # What bounds a producer's WRITE we gave up on: its own deadline, then UCX's
-        # settle bound (kvd.adapters.nixl), with room for its answer. (A request still
-        # queued in ZMQ for a producer behind a cut link longer than this could be served
-        # after it: docs/late-writes.md, still open.)
+        # settle bound (kvd.adapters.nixl), with room for its answer. This covers a WRITE
+        # started within `xfer_timeout` of the request's send time: the request says so
+        # (`serve_by_ns`), and the producer refuses one it cannot prove younger (a
+        # request queued in ZMQ behind a cut link).
         self.quarantine_s = xfer_timeout + 2 * settle_timeout + 1.0 + QUARANTINE_MARGIN_S
         self.quarantined: dict[str, bytes] = {}
         """Fetches given up on whose blocks may still be written: hash -> request nonce."""
@@ -598,6 +626,7 @@ class ECRouter:
             dst_block_ids=tuple(b + self.cons_offset for b in alloc.blocks),
             timestamp=self.wall_clock(),
             nonce=os.urandom(NONCE_BYTES),
+            serve_by_ns=self.mono_ns() + int(self.xfer_timeout * 1e9),
         )
         f.nonce = req.nonce
         if self.secret is not None:
@@ -913,6 +942,44 @@ class ECRouter:
             f"{len(self.replays)} recent requests are held against replay; retry later"
         )
 
+    async def _consumer_clock(self, info: PeerInfo, req: wire.ECXferReq) -> ClockReading:
+        """The consumer's clock offset, to judge `req`'s deadline by; refuses (counted in
+        `ec_xfer_age_unknown`) a request without one, or a consumer whose offset cannot be
+        measured (whether it is in time cannot be known: never serve it then)."""
+        why = "it carries no deadline"
+        if req.serve_by_ns:
+            known = self._clocks.get(info.agent)
+            max_age_ns = CLOCK_MAX_AGE_S * 1e9
+            if (
+                known is not None
+                and known[0] == info.incarnation
+                and self.mono_ns() - known[1].measured_ns <= max_age_ns
+            ):
+                return known[1]
+            try:
+                reading = await self.registrar.call(PeerClock(info.agent, CLOCK_MAX_AGE_S))
+            except KvdError as exc:
+                why = f"the consumer's clock offset cannot be measured: {exc.message}"
+            else:
+                if len(self._clocks) >= EC_CLOCKS_MAX:
+                    self._clocks.clear()  # forgotten ones are asked for again
+                self._clocks[info.agent] = (info.incarnation, reading)
+                return reading
+        self._count("ec_xfer_age_unknown")
+        raise Timeout(f"ECXferReq refused: whether it is in time cannot be judged ({why})")
+
+    def _check_age(self, req: wire.ECXferReq, reading: ClockReading) -> None:
+        """Refuse (counted in `ec_xfer_too_old`) a request whose consumer's clock may have
+        passed its deadline (module docstring)."""
+        latest = peer_now_latest_ns(self.mono_ns(), reading.offset, reading.measured_ns)
+        if latest >= req.serve_by_ns:
+            self._count("ec_xfer_too_old")
+            raise Timeout(
+                "ECXferReq is too old: the consumer's clock may read up to "
+                f"{(latest - req.serve_by_ns) / 1e9:.3f}s past the request's deadline "
+                f"(clock offset error {reading.offset.error_ns / 1e6:.3f} ms)"
+            )
+
     def _xfer_failed(self, mm_hash: str, exc: KvdError) -> None:
         self.rejects.reject(
             "ecrouter",
@@ -997,6 +1064,8 @@ class ECRouter:
             plan = plan_transfer(
                 self.local.geometry, list(blocks), dst.geometry, list(req.dst_block_ids)
             )
+            reading = await self._consumer_clock(info, req)
+            self._check_age(req, reading)  # then post at once: nothing awaited in between
             await self.engine.transfer(
                 "WRITE",
                 plan.as_tuples_local(),

@@ -16,6 +16,7 @@ from kvd.actors.base import Call, Outside
 from kvd.core.hybrid import Group
 from kvd.core.limits import Reservation
 from kvd.core.planner import Geometry
+from kvd.core.timeline import ClockOffset
 
 # ------------------------------------------------------------------ shared views
 
@@ -144,6 +145,23 @@ class EnsurePeer(Call[PeerInfo]):
     refresh: bool = False
 
 
+@dataclass(frozen=True)
+class ClockReading:
+    """A peer's clock minus ours (`kvd.core.timeline`) and when ours (ns) read it."""
+
+    offset: ClockOffset
+    measured_ns: int
+
+
+@dataclass
+class PeerClock(Call[ClockReading]):
+    """The peer agent's clock offset, measured within `max_age_s` (measured now if not:
+    raises when it cannot be, or the agent is not a peer)."""
+
+    agent: str
+    max_age_s: float
+
+
 @dataclass
 class RegisterDaemonRegion(Call[LocalRegion]):
     """A region the daemon itself owns (the EC region), registered like a worker's."""
@@ -210,7 +228,8 @@ class NotifReceived:
     """Notifier -> owner: one decoded notification from a peer agent (an answer to our own
     transfer, a registration, a cancel): never refused. A registration or pull for the
     sender carries the bytes the notifier reserved for it (`kvd.core.limits`): the sender
-    hands it to its machine, or releases it if it drops the message."""
+    hands it to its machine, or releases it if it drops the message. A notice for the
+    receiver carries its `limits.notif_bytes` reservation, released once handled."""
 
     agent: str
     msg: wire.Record
@@ -220,10 +239,12 @@ class NotifReceived:
 @dataclass(frozen=True)
 class HeartbeatReceived(Outside):
     """Notifier -> sender: a peer's heartbeat (refused when the mailbox is full: the next
-    one comes)."""
+    one comes), with the bytes the notifier reserved for it (`limits.notif_bytes`),
+    released by the sender once it has handled it."""
 
     agent: str
     msg: wire.Heartbeat
+    reservation: Reservation | None = None
 
 
 @dataclass(frozen=True)

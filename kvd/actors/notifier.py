@@ -25,7 +25,17 @@ before it is posted, and one that does not fit is answered BUSY at once (a PushD
 PullAck, counted in `limit_pending_bytes_refused`) and never queued. The reservation goes
 with the message; the sender adopts it or releases it. So a flood waiting in the
 sender's mailbox (its notices are never refused) is bounded by the same bytes as what
-the sender keeps.
+the sender keeps. The rest of what waits is bounded in bytes too, each by its own budget
+of `limits.notif_bytes` (`kvd.core.limits.message_cost`, reserved here and released by the
+actor once it has handled the message): heartbeats waiting for the sender (each may name
+65,536 ids, so their mailbox's count bound alone is not one on memory), and P's answers
+waiting for the receiver (push completions, layer notices, pull acks, re-sync requests:
+notices it never refuses, so an authenticated but hostile or broken P could otherwise
+queue them without bound). One peer may hold at most half of each (`SharedBudget`), so
+one flooding peer does not crowd the others out. One that does not fit is dropped and
+counted (`limit_heartbeat_bytes_dropped`, `limit_notice_bytes_dropped`): a heartbeat's
+next one comes, and a D request whose answer was dropped still ends exactly once, failed
+by its watchdog (`transfer.transfer_timeout` / `transfer.push_registration_timeout`).
 With the stage trace on, it records for each message that names a request when the NIXL
 thread polled it (`nixl.notif_polled`) and when it was routed (`notifier.routed`).
 """
@@ -41,7 +51,7 @@ from kvd_client.errors import Busy, ErrorCode, KvdError, RemoteProtocolError
 from kvd.actors.base import SYSTEM_CLOCK, Clock, Mailbox
 from kvd.actors.messages import HeartbeatReceived, NotifReceived, ProbeReceived
 from kvd.actors.transfers import Transport
-from kvd.core.limits import PendingBudget, Reservation, record_cost
+from kvd.core.limits import PendingBudget, Reservation, SharedBudget, message_cost, record_cost
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.ratelimit import RateLimiter
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
@@ -72,10 +82,12 @@ class Notifier:
         keyring: Keyring | None = None,
         budget: PendingBudget | None = None,
         transport: Transport | None = None,
+        notif_bytes: int = 64 << 20,
     ) -> None:
         """`budget`: the sender machine's pending budget, charged here for registrations
         and pulls (None: the sender charges what it keeps, nothing bounds its mailbox);
-        `transport` answers those refused (required with a budget)."""
+        `transport` answers those refused (required with a budget); `notif_bytes`: the
+        bound of each of the heartbeat and receiver-notice budgets."""
         if (budget is None) != (transport is None):
             raise ValueError("a pending budget needs a transport to answer refusals")
         self.sender = sender
@@ -89,6 +101,10 @@ class Notifier:
         self.clock = clock
         self.budget = budget
         self.transport = transport
+        self.heartbeat_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
+        """Heartbeats decoded and waiting for the sender."""
+        self.notice_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
+        """P's answers decoded and waiting for the receiver."""
         self.rate: RateLimiter[str] = RateLimiter(
             notifs_per_peer_per_s, notifs_per_peer_per_s, RATE_KEYS, _OTHER_PEERS
         )
@@ -141,7 +157,14 @@ class Notifier:
             if isinstance(msg, wire.Probe):
                 self.registrar.post(ProbeReceived(agent, msg))
             elif isinstance(msg, wire.Heartbeat):
-                self.sender.post(HeartbeatReceived(agent, msg))
+                held = self._hold(agent, msg, self.heartbeat_bytes, "heartbeat")
+                if held is None:
+                    return
+                try:
+                    self.sender.post(HeartbeatReceived(agent, msg, held))
+                except Busy:
+                    held.release()
+                    raise
             elif isinstance(msg, _RESERVED) and self.budget is not None:
                 reservation = self._reserve(agent, msg, self.budget)
                 if reservation is None:
@@ -150,7 +173,10 @@ class Notifier:
             elif isinstance(msg, _TO_SENDER):
                 self.sender.post(NotifReceived(agent, msg))
             elif isinstance(msg, _TO_RECEIVER):
-                self.receiver.post(NotifReceived(agent, msg))
+                held = self._hold(agent, msg, self.notice_bytes, "notice")
+                if held is None:
+                    return
+                self.receiver.post(NotifReceived(agent, msg, held))
             else:
                 self.rejects.reject(
                     "notifier",
@@ -166,6 +192,26 @@ class Notifier:
         if self.trace.on and polled_ns and (rid := trace_key(msg)):
             self.trace.mark_at(rid, "nixl.notif_polled", polled_ns)
             self.trace.mark(rid, "notifier.routed")
+
+    def _hold(
+        self, agent: str, msg: wire.Record, budget: SharedBudget, what: str
+    ) -> Reservation | None:
+        """The bytes `msg` holds until its actor has handled it; None (dropped, counted,
+        logged at a bounded rate) when they do not fit under `limits.notif_bytes`, or in
+        the half of it one peer may hold."""
+        cost = message_cost(msg)
+        held = budget.reserve_for(agent, cost)
+        if held is None:
+            self.rejects.reject(
+                "notifier",
+                f"limit_{what}_bytes_dropped",
+                "notif_dropped",
+                "notif_bytes",
+                peer=agent,
+                type=type(msg).__name__,
+                error=budget.why(cost, f"a {type(msg).__name__}"),
+            )
+        return held
 
     def _reserve(
         self, agent: str, msg: wire.PushRegistration | wire.PullDone, budget: PendingBudget
@@ -220,4 +266,16 @@ class Notifier:
             "limit": self.rate.rate,
             "used": self.rate.busiest(self.clock.now()),
             "refused": self.counters.get("limit_notifs_dropped", 0),
+        }
+
+    def byte_limits(self) -> dict[str, dict[str, int]]:
+        """`limits.notif_bytes` of each budget: bound, use, peak and drops, for status."""
+        return {
+            f"notif_bytes_{name}": {
+                "limit": b.limit,
+                "used": b.used,
+                "peak": b.peak,
+                "refused": b.refused,
+            }
+            for name, b in (("heartbeats", self.heartbeat_bytes), ("notices", self.notice_bytes))
         }

@@ -143,7 +143,11 @@ class Receiver(TransferActor):
 
     def _own(self, msg: Any, now: float) -> bool:
         if isinstance(msg, NotifReceived):
-            self._notif(msg.agent, msg.msg, now)
+            try:
+                self._notif(msg.agent, msg.msg, now)
+            finally:  # handled: its bytes (limits.notif_bytes) no longer wait
+                if msg.reservation is not None:
+                    msg.reservation.release()
         elif isinstance(msg, LocalRegionsChanged):
             self.local = msg.regions
         elif isinstance(msg, PeerUpdated):

@@ -61,9 +61,11 @@ from kvd.actors.gateway import transport_cap
 from kvd.actors.messages import (
     AcceptHandshake,
     ClientRequest,
+    ClockReading,
     EnsurePeer,
     LocalRegion,
     LocalRegionsChanged,
+    PeerClock,
     PeerInfo,
     PeerLost,
     PeerRegionDropped,
@@ -136,6 +138,8 @@ class _Peer:
     """The peer's trace clock minus ours (None: not measured yet)."""
     clock_at: float = 0.0
     """When `clock` was measured (daemon time)."""
+    clock_at_ns: int = 0
+    """When `clock` was measured (our trace clock, the one it relates to the peer's)."""
 
 
 class Registrar:
@@ -182,6 +186,8 @@ class Registrar:
         self.peers: dict[str, _Peer] = {}  # by agent name
         self.peer_by_addr: dict[str, str] = {}  # "host:port" -> agent
         self._pending: dict[str, asyncio.Future[PeerInfo]] = {}
+        self._clock_syncs: dict[str, asyncio.Future[ClockReading]] = {}
+        """Clock measurements in flight, by agent (one at a time per peer)."""
         self._probes: dict[int, asyncio.Future[float]] = {}
         self.canary: AnonRegion | None = None
         self._canary_reg: Any = None
@@ -231,6 +237,8 @@ class Registrar:
             await self._client(msg)
         elif isinstance(msg, EnsurePeer):
             self._ensure_peer(msg)
+        elif isinstance(msg, PeerClock):
+            self._peer_clock(msg)
         elif isinstance(msg, RegisterDaemonRegion):
             try:
                 got = await self._register("daemon", msg.request)
@@ -742,19 +750,63 @@ class Registrar:
 
     # ---------------------------------------------------------------- clocks and traces
 
-    def _spawn_clock_sync(self, agent: str, host: str, port: int) -> None:
-        if self._tg is not None:
-            self._tg.start_soon(self._clock_sync, agent, host, port)
+    def _spawn_clock_sync(self, agent: str, host: str, port: int) -> asyncio.Future[ClockReading]:
+        """Measure the peer's clock offset (joining a measurement in flight)."""
+        fut = self._clock_syncs.get(agent)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(_retrieve)
+            self._clock_syncs[agent] = fut
+            if self._tg is not None:
+                self._tg.start_soon(self._clock_sync, agent, host, port, fut)
+            else:
+                fut.set_exception(Timeout("the registrar is not running"))
+        return fut
 
-    async def _clock_sync(self, agent: str, host: str, port: int) -> None:
-        """Measure a peer's clock offset after a handshake (best effort: a failure only
-        leaves it unmeasured, and is logged)."""
-        try:
-            _, offset = await self._exchange(host, port, ())
-        except Exception as exc:
-            log.info("peer_clock_unmeasured", peer=agent, addr=f"{host}:{port}", error=str(exc))
+    def _peer_clock(self, msg: PeerClock) -> None:
+        """The stored offset if fresh enough; else a measurement's, when it ends."""
+        p = self.peers.get(msg.agent)
+        if p is None:
+            msg.fail(NotFound(f"{msg.agent!r} is not a known peer"))
             return
-        self._store_clock(agent, offset)
+        now_ns = self.trace.clock()
+        if p.clock is not None and now_ns - p.clock_at_ns <= msg.max_age_s * 1e9:
+            msg.resolve(ClockReading(p.clock, p.clock_at_ns))
+            return
+        fut = self._spawn_clock_sync(msg.agent, p.info.host, p.info.port)
+
+        def answer(f: asyncio.Future[ClockReading]) -> None:
+            if f.cancelled():
+                msg.fail(Timeout("the clock measurement was cancelled"))
+            elif (exc := f.exception()) is not None:
+                msg.fail(exc)
+            else:
+                msg.resolve(f.result())
+
+        fut.add_done_callback(answer)
+
+    async def _clock_sync(
+        self, agent: str, host: str, port: int, fut: asyncio.Future[ClockReading]
+    ) -> None:
+        """Measure a peer's clock offset after a handshake, or when asked (best effort: a
+        failure only leaves it unmeasured, and is logged)."""
+        try:
+            try:
+                _, offset = await self._exchange(host, port, ())
+            except Exception as exc:
+                log.info("peer_clock_unmeasured", peer=agent, addr=f"{host}:{port}", error=str(exc))
+                err = exc if isinstance(exc, KvdError) else Timeout(str(exc))
+                if not fut.done():
+                    fut.set_exception(err)
+                return
+            at_ns = self._store_clock(agent, offset)
+            if not fut.done():
+                fut.set_result(ClockReading(offset, at_ns))
+        finally:
+            if self._clock_syncs.get(agent) is fut:
+                del self._clock_syncs[agent]
+            if not fut.done():
+                fut.set_exception(Timeout("the clock measurement was cancelled"))
         log.debug(
             "peer_clock_measured",
             peer=agent,
@@ -762,10 +814,13 @@ class Registrar:
             error_us=round(offset.error_ns / 1e3, 1),
         )
 
-    def _store_clock(self, agent: str, offset: ClockOffset) -> None:
+    def _store_clock(self, agent: str, offset: ClockOffset) -> int:
+        """Keep the peer's offset; when (our trace clock) it was measured."""
+        at_ns = self.trace.clock()
         p = self.peers.get(agent)
         if p is not None:
-            p.clock, p.clock_at = offset, self.clock.now()
+            p.clock, p.clock_at, p.clock_at_ns = offset, self.clock.now(), at_ns
+        return at_ns
 
     async def _exchange(
         self, host: str, port: int, request_ids: Sequence[str], samples: int = CLOCK_SAMPLES
@@ -977,6 +1032,12 @@ def _clock_fields(p: _Peer, now: float) -> dict[str, Any]:
         "clock_error_us": None if c is None else round(c.error_ns / 1e3, 1),
         "clock_age_s": None if c is None else round(now - p.clock_at, 3),
     }
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception retrieved (a clock measurement nobody waited for)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _settle(call: EnsurePeer, fut: asyncio.Future[PeerInfo]) -> None:

@@ -113,8 +113,12 @@ class Sender(TransferActor):
 
     def _own(self, msg: Any, now: float) -> bool:
         if isinstance(msg, HeartbeatReceived):
-            if self._known(msg.agent, msg.msg):
-                self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
+            try:
+                if self._known(msg.agent, msg.msg):
+                    self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)
+            finally:  # handled: its bytes no longer wait
+                if msg.reservation is not None:
+                    msg.reservation.release()
         elif isinstance(msg, NotifReceived):
             try:
                 self._notif(msg.agent, msg.msg, now, msg.reservation)

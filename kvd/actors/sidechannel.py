@@ -12,7 +12,12 @@ after a handshake) are answered here at once from the daemon's stage trace, stam
 with its clock when they arrived and when the answer leaves (`kvd.core.timeline`);
 with a shared secret, a query without a valid MAC is refused like a bad handshake
 (counted in `auth_rejected`). Replies are sent as they complete, so a slow handshake never
-blocks the socket.
+blocks the socket. What is being served at once is bounded in bytes: each frame is
+charged twice its size (the frame and what it decodes to) from `limits.handshake_bytes`
+before it is decoded, until it is answered (a handshake waits for the registrar, a
+region drop for the transfers into the region to drain); one that does not fit is
+answered BUSY at once and counted (`limit_handshake_bytes_refused`). One is always
+taken while none is held, so a handshake as large as `daemon.max_frame_bytes` passes.
 
 With a shared secret (a `Keyring`), only the handshake and the trace query (request and
 reply, each with its own MAC and nonce) travel bare: a region drop must come sealed under
@@ -35,12 +40,13 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import AuthError, ErrorCode, KvdError, RemoteProtocolError
+from kvd_client.errors import AuthError, Busy, ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
 from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.core.limits import PendingBudget, Reservation
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.timeline import check_query, make_answer
 from kvd.core.trace import NO_TRACE, StageTrace
@@ -64,8 +70,11 @@ class SideChannel:
         secret: bytes | None = None,
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
+        handshake_bytes: int = 64 << 20,
     ) -> None:
         self.host = host
+        self.budget = PendingBudget(handshake_bytes, name="limits.handshake_bytes")
+        """Bytes of the requests being served (see the module docstring)."""
         self.port = port
         self.registrar = registrar
         self.drain_remote = drain_remote
@@ -128,30 +137,53 @@ class SideChannel:
             sock.close(0)
 
     async def _receive(self, tg: anyio.abc.TaskGroup, ident: bytes, frame: bytes) -> None:
-        """Refuse a bad frame here (no task per bad frame); hand a request to its task."""
+        """Charge the frame's bytes until it is answered (or refuse it BUSY), then handle
+        it: a bad frame here (no task per bad frame), a request in its task (which
+        releases the charge when it ends)."""
+        cost = 2 * len(frame)
+        held = self.budget.reserve(cost, alone_fits=True)
+        if held is None:
+            self.rejects.reject(
+                "sidechannel", "limit_handshake_bytes_refused", "side_request_refused", "bytes"
+            )
+            busy = Busy(self.budget.why(cost, "a side-channel request"))
+            reply = wire.ErrorReply.of(busy.code, busy.message)
+            await self._send(ident, reply, salvage_corr(frame))
+            return
+        handed = False
+        try:
+            handed = await self._receive_held(tg, ident, frame, held)
+        finally:
+            if not handed:
+                held.release()
+
+    async def _receive_held(
+        self, tg: anyio.abc.TaskGroup, ident: bytes, frame: bytes, held: Reservation
+    ) -> bool:
+        """Whether the request was handed to a task (which then owns `held`)."""
         t1 = self.trace.clock()
         try:
             corr, msg = wire.decode(frame, self.max_frame)
         except RemoteProtocolError as exc:
             await self._refuse(ident, salvage_corr(frame), exc)
-            return
+            return False
         if isinstance(msg, wire.TraceQuery):  # request/reply with its own MAC and nonce
             await self._trace_query(ident, corr, msg, t1)
-            return
+            return False
         if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed)):
             why = f"{type(msg).__name__} is not a side-channel request"
             await self._refuse(ident, corr, RemoteProtocolError(why))
-            return
+            return False
         if self.keyring is not None and not isinstance(msg, wire.Handshake):
             opened = self._open(msg)
             if isinstance(opened, AuthRefusal):
                 await self._auth_refused(ident, corr, msg, opened)
-                return
+                return False
             try:
                 _, msg = wire.decode(opened[1], self.max_frame)  # authentic: now decode it
             except RemoteProtocolError as exc:
                 await self._refuse(ident, corr, exc)
-                return
+                return False
             refusal = None
             if isinstance(msg, (wire.Sealed, wire.Handshake)):
                 refusal = AuthRefusal.NESTED
@@ -159,14 +191,15 @@ class SideChannel:
                 refusal = AuthRefusal.WRONG_PEER  # a peer speaks for itself only
             if refusal is not None:
                 await self._auth_refused(ident, corr, msg, refusal)
-                return
+                return False
         if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
             why = f"{type(msg).__name__} is not a side-channel request"
             if isinstance(msg, wire.Sealed):
                 why = "a sealed message, but this daemon has no shared secret"
             await self._refuse(ident, corr, RemoteProtocolError(why))
-            return
-        tg.start_soon(self._handle, ident, corr, msg)
+            return False
+        tg.start_soon(self._handle, ident, corr, msg, held)
+        return True
 
     def _open(self, msg: wire.Record) -> tuple[str, bytes] | AuthRefusal:
         """(peer, body) of an authentic, fresh envelope, or why not."""
@@ -191,6 +224,14 @@ class SideChannel:
         await self._send(ident, wire.ErrorReply.of(err.code, err.message), corr)
 
     async def _handle(
+        self, ident: bytes, corr: int, msg: wire.Handshake | wire.RegionDropped, held: Reservation
+    ) -> None:
+        try:
+            await self._handle_held(ident, corr, msg)
+        finally:
+            held.release()
+
+    async def _handle_held(
         self, ident: bytes, corr: int, msg: wire.Handshake | wire.RegionDropped
     ) -> None:
         try:
@@ -235,6 +276,11 @@ class SideChannel:
         )
         code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.PROTOCOL
         await self._send(ident, wire.ErrorReply.of(code, exc.message), corr)
+
+    def limits(self) -> dict[str, int]:
+        """`limits.handshake_bytes`: bound, use, peak and refusals, for status."""
+        b = self.budget
+        return {"limit": b.limit, "used": b.used, "peak": b.peak, "refused": b.refused}
 
     async def _send(self, ident: bytes, reply: wire.Record, corr: int) -> None:
         assert self._sock is not None

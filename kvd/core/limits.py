@@ -34,6 +34,9 @@ ENTRY_BYTES: Final = 1024
 """Estimated bytes of one pending request's records, apart from its block ids and text."""
 BLOCK_ID_BYTES: Final = 40
 """Estimated bytes of one block id held in a tuple (a pointer and an int object)."""
+OBJECT_BYTES: Final = 64
+"""Estimated bytes of one str, bytes or record object apart from its characters (CPython's
+header, a pointer to it, allocator rounding)."""
 
 
 def entry_cost(blocks: int, text: int = 0) -> int:
@@ -49,29 +52,35 @@ class PendingBudget:
     used: int = 0
     peak: int = 0
     refused: int = 0
+    name: str = "limits.pending_bytes"
+    """The configuration key of the bound, named in refusals."""
 
     def __post_init__(self) -> None:
         if self.limit < 1:
             raise ValueError(f"limit must be >= 1 (got {self.limit!r})")
 
-    def take(self, cost: int, freed: int = 0) -> bool:
+    def take(self, cost: int, freed: int = 0, *, alone_fits: bool = False) -> bool:
         """Charge `cost` in place of `freed` (what an entry that grows was charged) if the
-        result fits under the limit; False (counted in `refused`, nothing changed) if not."""
+        result fits under the limit; False (counted in `refused`, nothing changed) if not.
+        `alone_fits`: an entry is taken whatever its cost while nothing else is held (one
+        bigger than the bound must still pass, one at a time)."""
         after = self.used - freed + cost
-        if after > self.limit and cost > freed:
+        if alone_fits and self.used == freed:
+            pass
+        elif after > self.limit and cost > freed:
             self.refused += 1
             return False
         self.used = after
         self.peak = max(self.peak, after)
         return True
 
-    def reserve(self, cost: int) -> Reservation | None:
+    def reserve(self, cost: int, *, alone_fits: bool = False) -> Reservation | None:
         """Charge `cost` for a message not yet kept (see the module docstring); None
-        (counted in `refused`, nothing changed) if it does not fit."""
-        return Reservation(self, cost) if self.take(cost) else None
+        (counted in `refused`, nothing changed) if it does not fit (`take`)."""
+        return Reservation(self, cost) if self.take(cost, alone_fits=alone_fits) else None
 
-    def give(self, cost: int) -> None:
-        """Return what an entry was charged."""
+    def give(self, cost: int, key: str | None = None) -> None:
+        """Return what an entry (of `key`, for a `SharedBudget`) was charged."""
         self.used -= cost
         if self.used < 0:  # a bug in the caller; never let it widen the bound
             raise ValueError(f"pending budget returned more than it was charged ({self.used})")
@@ -79,9 +88,41 @@ class PendingBudget:
     def why(self, cost: int, what: str) -> str:
         """The refusal's reason, naming the limit."""
         return (
-            f"limits.pending_bytes reached: {what} needs ~{cost} bytes, "
-            f"{self.used} of {self.limit} in use"
+            f"{self.name} reached: {what} needs ~{cost} bytes, {self.used} of {self.limit} in use"
         )
+
+
+@dataclass
+class SharedBudget(PendingBudget):
+    """A `PendingBudget` shared by peers, none of which may hold more than `share` of it:
+    a peer flooding it fills its share and is refused there, and the rest stays for the
+    others (a peer holding nothing may always take what fits in the whole budget)."""
+
+    share: float = 0.5
+    by_key: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def reserve_for(self, key: str, cost: int) -> Reservation | None:
+        """Charge `cost` to `key` (see `reserve`); None (counted in `refused`) when it does
+        not fit in the budget, or in `key`'s share while `key` holds something already."""
+        held = self.by_key.get(key, 0)
+        if held and held + cost > self.limit * self.share:
+            self.refused += 1
+            return None
+        if not self.take(cost):
+            return None
+        self.by_key[key] = held + cost
+        return Reservation(self, cost, key)
+
+    def give(self, cost: int, key: str | None = None) -> None:
+        super().give(cost)
+        if key is not None:
+            left = self.by_key.get(key, 0) - cost
+            if left < 0:
+                raise ValueError(f"{key!r} returned more than it was charged ({left})")
+            if left:
+                self.by_key[key] = left
+            else:
+                del self.by_key[key]
 
 
 class Reservation:
@@ -93,11 +134,12 @@ class Reservation:
     and an error for `adopt` (the caller would charge an entry twice).
     """
 
-    __slots__ = ("_held", "budget", "cost")
+    __slots__ = ("_held", "budget", "cost", "key")
 
-    def __init__(self, budget: PendingBudget, cost: int) -> None:
+    def __init__(self, budget: PendingBudget, cost: int, key: str | None = None) -> None:
         self.budget = budget
         self.cost = cost
+        self.key = key
         self._held = True
 
     @property
@@ -117,7 +159,7 @@ class Reservation:
         if not self._held:
             return False
         self._held = False
-        self.budget.give(self.cost)
+        self.budget.give(self.cost, self.key)
         return True
 
     def __repr__(self) -> str:
@@ -138,3 +180,26 @@ def record_cost(*records: object) -> int:
             elif isinstance(value, tuple):
                 items += len(value)
     return entry_cost(items, text)
+
+
+def message_cost(record: object) -> int:
+    """Estimated bytes a decoded message holds while it waits (a notification queued for
+    its actor, a handshake being served): `ENTRY_BYTES` for the message and its envelope,
+    and every text, tuple item and nested record it carries at its CPython size. Unlike
+    `record_cost` (block ids), this charges id lists by their characters too: a heartbeat
+    naming 65,536 request ids holds ~100 bytes per id, not 40."""
+    return ENTRY_BYTES + _value_cost(record)
+
+
+def _value_cost(value: object) -> int:
+    if isinstance(value, str | bytes):
+        return OBJECT_BYTES + len(value)
+    if isinstance(value, tuple | list):
+        return OBJECT_BYTES + sum(8 + _value_cost(v) for v in value)
+    if isinstance(value, dict):
+        return OBJECT_BYTES + sum(16 + _value_cost(k) + _value_cost(v) for k, v in value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return OBJECT_BYTES + sum(
+            8 + _value_cost(getattr(value, f.name)) for f in dataclasses.fields(value)
+        )
+    return BLOCK_ID_BYTES - 8  # an int, a float, a bool, None: a small object

@@ -64,6 +64,21 @@ def best(samples: Iterable[ClockOffset]) -> ClockOffset:
     return min(samples, key=lambda s: s.error_ns)
 
 
+DRIFT_PPM: Final = 1000
+"""How fast two hosts' monotonic clocks may drift apart, in parts per million: NTP slews
+each by at most 500 ppm, and a free-running crystal is within ~100 ppm."""
+
+
+def peer_now_latest_ns(now_ns: int, offset: ClockOffset, measured_ns: int) -> int:
+    """The latest the peer's clock may read when ours reads `now_ns`, with `offset`
+    measured when ours read `measured_ns`: our clock plus the offset, its error bound, and
+    the drift the two clocks may have had since the measurement (`DRIFT_PPM` of the time
+    between). Never too early, however far apart the clocks are: a deadline on the peer's
+    clock is taken as passed as soon as it may have passed."""
+    drift = abs(now_ns - measured_ns) * DRIFT_PPM // 1_000_000 + 1
+    return now_ns + offset.offset_ns + offset.error_ns + drift
+
+
 # ---------------------------------------------------------------- the exchange
 
 

@@ -493,3 +493,55 @@ def test_the_receiver_budget_is_returned_when_requests_end() -> None:
     assert r.budget.used == r.reqs["b"].cost
     r.handle(PeerUnresolved("b", TransferError("P is gone")), 2.0)
     assert r.reqs == {} and r.budget.used == 0
+
+
+# ---------------------------------------------------------------- notifications and handshakes
+
+
+def test_message_cost_charges_every_request_id_a_heartbeat_names_by_its_text() -> None:
+    from kvd.core.limits import OBJECT_BYTES, message_cost
+
+    few = message_cost(wire.Heartbeat(()))
+    ids = tuple(f"cmpl-{i:016x}-0" for i in range(1000))
+    many = message_cost(wire.Heartbeat(ids))
+    per_id = (many - few) / 1000
+    # a pointer in the tuple, a str object and its characters (CPython: ~49 + len bytes)
+    assert per_id >= 8 + 49 + len(ids[0])
+    assert per_id == 8 + OBJECT_BYTES + len(ids[0])
+    assert few > ENTRY_BYTES
+    # nested records (a LayersPushed's ranges) are charged too
+    ranges = tuple(wire.LayerRange(f"r{i}", 0, 2) for i in range(100))
+    assert message_cost(wire.LayersPushed(0, ranges)) > 100 * (OBJECT_BYTES + 2 * BLOCK_ID_BYTES)
+
+
+def test_shared_budget_keeps_a_flooding_peer_to_its_share() -> None:
+    from kvd.core.limits import SharedBudget
+
+    b = SharedBudget(1000, name="limits.notif_bytes")
+    flood = [r for _ in range(10) if (r := b.reserve_for("bad", 200)) is not None]
+    assert len(flood) == 2 and b.by_key == {"bad": 400}  # half of 1000 at most (2 x 200)
+    assert b.refused == 8
+    good = b.reserve_for("good", 500)
+    assert good is not None and b.used == 900  # the other half stayed free
+    assert b.reserve_for("good", 200) is None  # beyond the whole budget
+    assert b.refused == 9
+    good.release()
+    for r in flood:
+        r.release()
+        assert not r.release()  # once only
+    assert b.used == 0 and b.by_key == {}
+    alone = b.reserve_for("big", 900)  # a peer holding nothing may take what fits at all
+    assert alone is not None and b.reserve_for("big", 1) is None
+    alone.release()
+    assert "limits.notif_bytes reached" in b.why(10, "a heartbeat")
+
+
+def test_alone_fits_takes_one_entry_larger_than_the_bound_while_nothing_is_held() -> None:
+    b = PendingBudget(100, name="limits.handshake_bytes")
+    big = b.reserve(250, alone_fits=True)
+    assert big is not None and b.used == 250
+    assert b.reserve(1, alone_fits=True) is None and b.refused == 1  # one at a time
+    big.release()
+    assert b.reserve(250) is None  # without alone_fits, never
+    small = b.reserve(60, alone_fits=True)
+    assert small is not None and b.reserve(60, alone_fits=True) is None

@@ -53,6 +53,7 @@ def test_a_mac_covers_every_field_and_its_context() -> None:
         "dst_block_ids": (4, 5, 7),
         "timestamp": REQ.timestamp + 1,
         "nonce": bytes(16),
+        "serve_by_ns": REQ.serve_by_ns + 1,  # a deadline moved under its MAC is refused
     }
     assert set(changes) | {"mac"} == {f for f in REQ.__dataclass_fields__}
     for name, value in changes.items():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -122,3 +124,26 @@ def test_merge_moves_the_peer_onto_our_clock_and_orders_the_stages() -> None:
     assert [(r["delta_us"], r["step_us"]) for r in got] == [(0.0, 0.0), (2.5, 2.5), (3.0, 0.5)]
     assert merge("kvd-d", local, "kvd-p", peer, None) == steps[::2]  # no offset: ours only
     assert rows([]) == []
+
+
+def test_peer_now_latest_is_never_earlier_than_the_peer_clock() -> None:
+    """The latest a peer's clock may read: our clock plus the offset, its error and the
+    drift since it was measured. Whatever the true offset within the error bound, and
+    whatever the drift within DRIFT_PPM, the peer's clock is never later than that."""
+    from kvd.core.timeline import DRIFT_PPM, peer_now_latest_ns
+
+    rng = random.Random(3)
+    for _ in range(2000):
+        true_offset = rng.randint(-(10**15), 10**15)
+        error = rng.randint(0, 5 * 10**6)
+        measured = rng.randint(0, 10**15)
+        estimate_ = true_offset + rng.randint(-error, error)
+        off = ClockOffset(estimate_, error, 2 * error)
+        elapsed = rng.randint(0, 3600 * 10**9)
+        rate = 1 + rng.uniform(-1, 1) * DRIFT_PPM / 1e6  # peer ticks at rate x ours
+        now = measured + elapsed
+        peer_now = measured + true_offset + int(elapsed * rate)
+        assert peer_now_latest_ns(now, off, measured) >= peer_now
+    # tight when measured just now: within the error bound and a nanosecond
+    off = ClockOffset(1_000, 50, 100)
+    assert peer_now_latest_ns(10**9, off, 10**9) == 10**9 + 1_000 + 50 + 1

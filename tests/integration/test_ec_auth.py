@@ -104,8 +104,14 @@ class Pair:
     pattern: np.ndarray
 
     def request(self, *, sign_with: bytes | None = SECRET, **changes: Any) -> bytes:
-        """A fresh request (new nonce, current time), signed with `sign_with` if given."""
-        req = replace(self.template, timestamp=time.time(), nonce=os.urandom(16))
+        """A fresh request (new nonce, current time, a deadline 10 s away on the consumer's
+        monotonic clock: this host's), signed with `sign_with` if given."""
+        req = replace(
+            self.template,
+            timestamp=time.time(),
+            nonce=os.urandom(16),
+            serve_by_ns=time.monotonic_ns() + 10 * 10**9,
+        )
         req = replace(req, **changes)
         if sign_with is not None:
             req = replace(req, mac=message_mac(sign_with, req, EC_XFER_CONTEXT))
@@ -206,6 +212,38 @@ def test_requests_without_the_secret_are_refused_and_nothing_is_written(pair: Pa
         if r.get("event") == "ec_xfer_auth_rejected"
     }
     assert {"no_mac", "bad_mac", "short_nonce"} <= kinds, kinds
+
+
+def test_a_request_delivered_after_its_deadline_is_refused_and_nothing_is_written(
+    pair: Pair,
+) -> None:
+    """A genuine request that reaches the producer only after the consumer's deadline for
+    its WRITE (`serve_by_ns`: as one queued in ZMQ behind a cut link would, while the
+    consumer gave up, quarantined its blocks, and may have freed them) is refused TIMEOUT,
+    counted, nothing WRITten. The producer judges the deadline through the consumer's
+    clock offset it measured over the side channel, not by trusting that clocks agree; a
+    request whose deadline it cannot judge (none given) is refused as well. One in time is
+    served."""
+    p = pair
+    before = counters(p.prod)
+    sent = p.request(serve_by_ns=time.monotonic_ns() + 1_500_000_000)  # 1.5 s to start
+    time.sleep(2.0)  # held back, as a cut link would
+    refused(p, sent, ErrorCode.TIMEOUT, "ec_xfer_failed", "delivered past its deadline")
+    after = counters(p.prod)
+    assert after.get("ec_xfer_too_old", 0) - before.get("ec_xfer_too_old", 0) == 1
+    refused(p, p.request(serve_by_ns=0), ErrorCode.TIMEOUT, "ec_xfer_failed", "no deadline")
+    now = counters(p.prod)
+    assert now.get("ec_xfer_age_unknown", 0) - after.get("ec_xfer_age_unknown", 0) == 1
+    assert now.get("ec_xfer_too_old", 0) == after.get("ec_xfer_too_old", 0)
+    # the producer measured the consumer's clock (one host: an offset within its bound)
+    (consumer,) = p.prod.client.status("peers")["peers"]
+    assert consumer["clock_offset_us"] is not None, consumer
+    assert abs(consumer["clock_offset_us"]) <= consumer["clock_error_us"] + 1, consumer
+    p.fill()
+    ack = p.attacker.send(p.request())  # 10 s to start: in time
+    assert ack.ok, ack
+    assert p.output_at_blocks()
+    assert counters(p.prod)["ec_served"] == before.get("ec_served", 0) + 1
 
 
 def test_a_captured_request_is_served_once(pair: Pair) -> None:

@@ -410,6 +410,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             timestamp=1_795_000_000.5,
             nonce=bytes(range(100, 116)),
             mac=bytes(range(32, 0, -1)),
+            serve_by_ns=123_456_789_012_345,
         ),
     ),
     "ECXferAck": (
