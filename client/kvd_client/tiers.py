@@ -9,7 +9,9 @@ The daemon owns the host tier: a shared-memory pool cut into slots. The client m
 read-write and moves the bytes itself, so a block crosses memory once each way:
 - `batch_lookup`: one round trip for the whole batch.
 - `store`: the daemon reserves (and pins) a slot per key it does not hold yet; the
-  client copies each block into its slot; a commit makes them visible (two round trips).
+  client copies each block into its slot; a commit makes them visible (one round trip:
+  the commit is sent without waiting for its answer; the daemon handles a session's
+  messages in order, and a block is visible only once committed, so only whole).
 - `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
   the client copies each block out; an unpin releases them (one round trip: the unpin
   is sent without waiting for its answer).
@@ -106,6 +108,10 @@ class TierClient:
         self._ka_stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self._keepalive_s = 1.0
+        self._commits: set[int] = set()
+        """Correlation ids of one-way commits whose answers have not arrived yet."""
+        self.commits_refused = 0
+        """One-way commits the daemon refused (their blocks were not stored)."""
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
         self._closed = False
@@ -135,7 +141,9 @@ class TierClient:
             return out
 
     def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        """Per key: stored and committed (or already held). A block is `block_bytes`."""
+        """Per key: copied into its slot and committed (or already held). A block is
+        `block_bytes`. The commit is one-way (see the module docstring): one the daemon
+        refuses (the reservation dropped meanwhile) shows in `commits_refused`."""
         if len(keys) != len(blocks):
             raise InvalidRequest(f"{len(keys)} keys but {len(blocks)} blocks")
         views = [_flat(b, f"block {i}") for i, b in enumerate(blocks)]
@@ -164,13 +172,9 @@ class TierClient:
                     except BaseException:
                         self._release(slots.op, store=True)
                         raise
-                    flags = self._ask(
-                        wire.TierCommit(slots.op, bytes(ok)), wire.TierFlags, self.io_timeout
-                    ).flags
-                    if len(flags) != len(idx):
-                        raise ProtocolError("commit answer does not match the batch")
-                    for i, f in zip(idx, flags, strict=True):
-                        out[base + i] = bool(f)
+                    self._commit(slots.op, bytes(ok))
+                    for i, s, c in zip(idx, slots.slots, ok, strict=True):
+                        out[base + i] = bool(c) or s == wire.SLOT_HELD
             return out
 
     def load(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
@@ -359,6 +363,23 @@ class TierClient:
         self._open_session()
         return self._ask(msg, want, timeout)
 
+    def _commit(self, op: int, ok: bytes) -> None:
+        """Make a store's copied blocks visible, one-way: sent without waiting for the
+        answer (the daemon handles our messages in order, so our next request sees them
+        committed; until the commit is handled nobody sees them, and then only whole).
+        A refused commit (its reservation dropped meanwhile: pin timeout, session end)
+        is counted when its late answer arrives (`commits_refused`)."""
+        if self._sock is None:
+            raise ProtocolError("not connected")
+        corr = next(self._corr)
+        try:
+            self._sock.send(wire.encode(wire.TierCommit(op, ok), corr), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
+        self._commits.add(corr)
+        if len(self._commits) > 4096:  # answers lost with a session: keep the newest
+            self._commits.discard(min(self._commits))
+
     def _release(self, op: int, *, store: bool, wait: bool = True) -> None:
         """Drop an operation's pins, best effort (the session's end or the pin timeout
         drops them otherwise). `wait=False`: send and return (a load's unpin: its
@@ -393,7 +414,7 @@ class TierClient:
                 continue
             rcorr, reply = wire.decode(sock.recv())
             if rcorr != corr:
-                self._late(reply)
+                self._late(rcorr, reply)
                 continue
             if isinstance(reply, wire.ErrorReply):
                 raise error_from_code(reply.code, reply.message)
@@ -401,8 +422,14 @@ class TierClient:
                 raise ProtocolError(f"expected {want}, got {type(reply).__name__}")
             return reply
 
-    def _late(self, reply: wire.Record) -> None:
-        """A reply to a call that timed out: release what it pinned for us."""
+    def _late(self, corr: int, reply: wire.Record) -> None:
+        """A reply to a call that timed out (release what it pinned for us), or to a
+        one-way commit (count a refusal)."""
+        if corr in self._commits:
+            self._commits.discard(corr)
+            if isinstance(reply, wire.ErrorReply):
+                self.commits_refused += 1
+            return
         if isinstance(reply, wire.TierSlots) and self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 corr = next(self._corr)  # its answer is dropped as another late one

@@ -366,3 +366,33 @@ def test_keys_of_mixed_lengths_in_one_batch(daemons: StartDaemon) -> None:
         dests = [bytearray(BB) for _ in range(4)]
         assert c.load(keys, [memoryview(x) for x in dests]) == [True] * 4
         assert [bytes(x) for x in dests] == [block(i) for i in range(4)]
+
+
+def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemon) -> None:
+    """A store's commit is sent without waiting: the storing session's next request
+    already sees the blocks (the daemon handles a session's messages in order), a block
+    is never visible before its commit, and a commit the daemon refuses (its reservation
+    expired meanwhile) stores nothing and is counted by the client."""
+    from kvd_client import wire
+
+    d = daemons("t13", overrides=tiers_cfg(pin_timeout=0.5))
+    with TierClient(d.socket, NS, BB) as c, TierClient(d.socket, NS, BB) as other:
+        assert c.store([key(0)], [memoryview(block(0))]) == [True]
+        assert c.batch_lookup([key(0)]) == [True]  # the next request, right behind the commit
+        assert load_check(other, [0]) == [True]
+        # reserved and copied, not committed: invisible to everyone
+        got = c._ask(wire.TierReserve(NS, 36, key(1)), wire.TierSlots, 5.0)
+        (slot,) = got.slots
+        assert slot >= 0
+        pool = c._need_pool()
+        pool[slot * BB : (slot + 1) * BB] = block(1)
+        assert other.batch_lookup([key(1)]) == [False]
+        assert load_check(other, [1]) == [False]
+        # the reservation expires before the commit arrives: refused, nothing stored
+        _wait(lambda: other.stats()["counters"].get("pins_expired", 0) == 1, timeout=5)
+        c._commit(got.op, b"\x01")
+        assert c.batch_lookup([key(1)]) == [False]
+        assert c.commits_refused == 1
+        assert load_check(other, [1]) == [False]
+        assert c.commits_refused == 1 and c.store([key(2)], [memoryview(block(2))]) == [True]
+        assert load_check(other, [0, 2]) == [True, True]
