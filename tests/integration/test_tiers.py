@@ -175,7 +175,10 @@ def test_corrupt_and_truncated_files_are_misses(
 
 
 def test_killed_client_pins_released(daemons: StartDaemon) -> None:
-    d = daemons("t6", overrides={**tiers_cfg(), "daemon": {"client_timeout": 1.0}})
+    """SIGKILL a client holding pins: they are released when its connection is lost,
+    well inside a short bound, not after `client_timeout` or `pin_timeout` (both 60 s
+    here)."""
+    d = daemons("t6", overrides={**tiers_cfg(pin_timeout=60.0), "daemon": {"client_timeout": 60.0}})
     with TierClient(d.socket, NS, BB) as c:
         assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
     # a client that pins every block (a load's first step) and is killed before unpinning
@@ -203,7 +206,11 @@ def test_killed_client_pins_released(daemons: StartDaemon) -> None:
             assert c.store([key(99)], [memoryview(block(99))]) == [False]
             p.send_signal(signal.SIGKILL)
             p.wait()
+            t_kill = time.monotonic()
             _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert time.monotonic() - t_kill < 2.0
+            counters = c.stats()["counters"]
+            assert counters.get("pins_expired", 0) == 0
             assert c.store([key(99)], [memoryview(block(99))]) == [True]
             assert load_check(c, [99]) == [True]
     finally:
