@@ -121,10 +121,12 @@ def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir
         assert s["disk"]["blocks"] >= 20, s
         assert all(c.batch_lookup([key(i) for i in ids]))
         # more than the host tier holds: disk hits wait for the demoter to free slots
+        # (pinned in parts of 8, half the pool, pipelined: every part unpinned after)
         got = load_check(c, ids)
         assert got == [True] * 40
         s2 = c.stats()
         assert s2["disk"]["bytes_out"] > 0  # some came back from disk (promoted)
+        assert s2["ops_open"] == 0
     files = disk_files(root)
     assert files and not list(root.rglob(f"*{TMP_SUFFIX}"))
     d.stop()
