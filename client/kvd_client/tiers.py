@@ -18,7 +18,8 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
   parts' pins are sent before a part is copied out, so the daemon reads and checks
   disk-tier blocks while the client copies (one round trip for host-tier hits).
 A reservation or pin is held for the session only: if the client dies, its session ends
-(no keep-alive for `client_timeout`) and the daemon drops its pins; one left longer
+(its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
+daemon drops its pins; one left longer
 than the daemon's pin timeout is dropped too. Nothing stays pinned for a party that is
 gone.
 

@@ -9,13 +9,16 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
 - Store: `TierReserve` reserves and pins a slot per key not held yet (evicting the least
   recently used unpinned block when no slot is free), the client copies, `TierCommit`
   makes the blocks visible; a block is never visible before its bytes are in place.
+  Clients send the commit one-way; it is answered all the same (a refusal is counted
+  there), and a session's messages are handled in order.
 - Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
   slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
   its length and checksum checked (a bad or truncated file is a miss: removed and counted,
   never a crash); the client copies out and sends `TierUnpin`.
 A reservation or pin belongs to an operation of the client's session: it is dropped when
-the client ends it, when the session ends (goodbye, or no keep-alive for
-`daemon.client_timeout`: a killed client), or after `tiers.pin_timeout`.
+the client ends it, when the session ends (goodbye; a killed client's lost connection;
+no keep-alive for `daemon.client_timeout`: a frozen client), or after
+`tiers.pin_timeout`.
 
 Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
 namespace and the key, then a trailer (magic, length, checksum kind, and the checksum
