@@ -628,7 +628,7 @@ def tiers_table(tr: dict[str, Any]) -> Table:
         )
     parts = d["warm_load_parts_ms"]
     t.add_row(
-        "  warm load: ms in the daemon's NIXL reads / checksums (summed over parts)",
+        "  warm load: ms in the daemon's NIXL reads / checks (per load; overlapping)",
         f"{parts['nixl_read_sum']:.1f} / {parts['checksum_sum']:.1f}",
         f"{d['ms']['load_warm']:.1f} total",
         "",
