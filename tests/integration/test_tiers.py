@@ -384,7 +384,7 @@ def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemo
     expired meanwhile) stores nothing and is counted by the client."""
     from kvd_client import wire
 
-    d = daemons("t13", overrides=tiers_cfg(pin_timeout=0.5))
+    d = daemons("t13", overrides=tiers_cfg(pin_timeout=2.0))
     with TierClient(d.socket, NS, BB) as c, TierClient(d.socket, NS, BB) as other:
         assert c.store([key(0)], [memoryview(block(0))]) == [True]
         assert c.batch_lookup([key(0)]) == [True]  # the next request, right behind the commit
@@ -398,7 +398,7 @@ def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemo
         assert other.batch_lookup([key(1)]) == [False]
         assert load_check(other, [1]) == [False]
         # the reservation expires before the commit arrives: refused, nothing stored
-        _wait(lambda: other.stats()["counters"].get("pins_expired", 0) == 1, timeout=5)
+        _wait(lambda: other.stats()["counters"].get("pins_expired", 0) == 1, timeout=15)
         c._commit(got.op, b"\x01")
         assert c.batch_lookup([key(1)]) == [False]
         assert c.commits_refused == 1
