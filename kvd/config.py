@@ -277,7 +277,8 @@ class DaemonConfig(_Section):
     client_timeout: float = _opt(
         10.0,
         "Seconds without any message from a client (idle clients ping) before its "
-        "regions and requests are cleaned up.",
+        "regions and requests are cleaned up (a frozen client; one whose connection is "
+        "lost, e.g. killed, is cleaned up at once).",
         gt=0,
     )
     mailbox_size: int = _opt(

@@ -9,12 +9,17 @@ The daemon owns the host tier: a shared-memory pool cut into slots. The client m
 read-write and moves the bytes itself, so a block crosses memory once each way:
 - `batch_lookup`: one round trip for the whole batch.
 - `store`: the daemon reserves (and pins) a slot per key it does not hold yet; the
-  client copies each block into its slot; a commit makes them visible (two round trips).
+  client copies each block into its slot; a commit makes them visible (one round trip:
+  the commit is sent without waiting for its answer; the daemon handles a session's
+  messages in order, and a block is visible only once committed, so only whole).
 - `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
-  the client copies each block out; an unpin releases them (one round trip: the unpin
-  is sent without waiting for its answer).
+  the client copies each block out; an unpin releases them (sent without waiting for
+  its answer). With a disk tier, a load is pinned in parts of about `PART_BYTES`,
+  pipelined: the next parts' pins are sent before a part is copied out, so the daemon
+  reads and checks disk-tier blocks while the client copies.
 A reservation or pin is held for the session only: if the client dies, its session ends
-(no keep-alive for `client_timeout`) and the daemon drops its pins; one left longer
+(its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
+daemon drops its pins; one left longer
 than the daemon's pin timeout is dropped too. Nothing stays pinned for a party that is
 gone.
 
@@ -58,6 +63,8 @@ __all__ = ["TierClient"]
 ROLE: Final = "tiers"
 MAX_BATCH: Final = wire.MAX_TIER_KEYS
 """Keys per message; longer batches are split (one round trip per part)."""
+PART_BYTES: Final = 16 << 20
+"""A load is pinned in parts of about this many bytes, pipelined (see `_load`)."""
 
 
 def _flat(buf: memoryview, what: str) -> memoryview:
@@ -106,6 +113,14 @@ class TierClient:
         self._ka_stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self._keepalive_s = 1.0
+        self._expected: set[int] = set()
+        """Correlation ids of calls whose replies are awaited."""
+        self._replies: dict[int, wire.Record] = {}
+        """Replies that arrived while another call's reply was awaited."""
+        self._commits: set[int] = set()
+        """Correlation ids of one-way commits whose answers have not arrived yet."""
+        self.commits_refused = 0
+        """One-way commits the daemon refused (their blocks were not stored)."""
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
         self._closed = False
@@ -135,7 +150,9 @@ class TierClient:
             return out
 
     def store(self, keys: Sequence[bytes], blocks: Sequence[memoryview]) -> list[bool]:
-        """Per key: stored and committed (or already held). A block is `block_bytes`."""
+        """Per key: copied into its slot and committed (or already held). A block is
+        `block_bytes`. The commit is one-way (see the module docstring): one the daemon
+        refuses (the reservation dropped meanwhile) shows in `commits_refused`."""
         if len(keys) != len(blocks):
             raise InvalidRequest(f"{len(keys)} keys but {len(blocks)} blocks")
         views = [_flat(b, f"block {i}") for i, b in enumerate(blocks)]
@@ -164,13 +181,9 @@ class TierClient:
                     except BaseException:
                         self._release(slots.op, store=True)
                         raise
-                    flags = self._ask(
-                        wire.TierCommit(slots.op, bytes(ok)), wire.TierFlags, self.io_timeout
-                    ).flags
-                    if len(flags) != len(idx):
-                        raise ProtocolError("commit answer does not match the batch")
-                    for i, f in zip(idx, flags, strict=True):
-                        out[base + i] = bool(f)
+                    self._commit(slots.op, bytes(ok))
+                    for i, s, c in zip(idx, slots.slots, ok, strict=True):
+                        out[base + i] = bool(c) or s == wire.SLOT_HELD
             return out
 
     def load(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
@@ -185,29 +198,68 @@ class TierClient:
             if v.nbytes < self.block_bytes:
                 raise InvalidRequest(f"dest {i} has {v.nbytes} bytes, fewer than a block")
         with self._lock:
-            out = [False] * len(keys)
-            # a load pins all its blocks at once: at most half the pool per part, so
-            # that its disk hits find slots to be read into
-            per = max(1, min(MAX_BATCH, self._num_slots() // 2))
-            for base, part in _indexed_parts(keys, per):
-                for key_bytes, idx, blob in _by_length(part):
-                    pin = wire.TierPin(self.namespace, key_bytes, blob)
-                    slots = self._retrying(pin, wire.TierSlots, self.io_timeout)
-                    try:
-                        if len(slots.slots) != len(idx):
-                            raise ProtocolError("pin answer does not match the batch")
-                        pool = self._need_pool()
-                        sb = self._slot_bytes()
-                        bb = self.block_bytes
-                        _check_slots(slots.slots, self._num_slots())
-                        for i, s in zip(idx, slots.slots, strict=True):
-                            if s >= 0:
-                                off = s * sb
-                                views[base + i][:bb] = pool[off : off + bb]
-                                out[base + i] = True
-                    finally:
-                        self._release(slots.op, store=False, wait=False)
-            return out
+            if self._sock is None:
+                self._open_session()
+            try:
+                return self._load(keys, views)
+            except ProtocolError as exc:
+                if "Hello" not in exc.message and "closed" not in exc.message:
+                    raise
+            # the daemon forgot our session before any part was pinned: reopen, once
+            self.reopened += 1
+            self._open_session()
+            return self._load(keys, views)
+
+    def _load(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """Pipelined: the pins of the next parts are sent before this part is copied out,
+        so the daemon reads (and checks) disk-tier blocks while the client copies: at
+        most half the pool is pinned at once, so that disk hits find slots to be read
+        into. Host-tier hits pay one round trip (the first part's). Without a disk tier
+        a load is one part (up to half the pool)."""
+        out = [False] * len(keys)
+        num_slots = self._num_slots()
+        window = max(1, min(MAX_BATCH, num_slots // 2))
+        # parts only where the disk may be read: for host-tier hits the extra messages
+        # cost more than they hide (measured: ~13% slower for 64 MiB on 2 cores)
+        per = max(1, min(window, PART_BYTES // self.block_bytes)) if self._info().disk else window
+        todo: list[tuple[int, list[int], wire.TierPin]] = []  # (base, indices, pin)
+        for base, part in _indexed_parts(keys, per):
+            for key_bytes, idx, blob in _by_length(part):
+                todo.append((base, idx, wire.TierPin(self.namespace, key_bytes, blob)))
+        sent: list[tuple[int, int, list[int]]] = []  # (corr, base, indices), in order
+        pinned = 0
+        nxt = 0
+        try:
+            while nxt < len(todo) or sent:
+                while nxt < len(todo) and (not sent or pinned + len(todo[nxt][1]) <= window):
+                    base, idx, pin = todo[nxt]
+                    sent.append((self._send(pin), base, idx))
+                    pinned += len(idx)
+                    nxt += 1
+                corr, base, idx = sent[0]
+                slots = self._wait(corr, wire.TierSlots, self.io_timeout)
+                sent.pop(0)
+                pinned -= len(idx)
+                try:
+                    if len(slots.slots) != len(idx):
+                        raise ProtocolError("pin answer does not match the batch")
+                    pool = self._need_pool()
+                    sb = self._slot_bytes()
+                    bb = self.block_bytes
+                    _check_slots(slots.slots, num_slots)
+                    for i, s in zip(idx, slots.slots, strict=True):
+                        if s >= 0:
+                            off = s * sb
+                            views[base + i][:bb] = pool[off : off + bb]
+                            out[base + i] = True
+                finally:
+                    self._release(slots.op, store=False, wait=False)
+        finally:
+            for corr, _, _ in sent:  # parts left after a failure: unpinned as they answer
+                self._expected.discard(corr)
+                if corr in self._replies:
+                    self._late(corr, self._replies.pop(corr))
+        return out
 
     def stats(self) -> dict[str, Any]:
         """The daemon's tier statistics (as `kvd tiers --json` shows them)."""
@@ -359,6 +411,23 @@ class TierClient:
         self._open_session()
         return self._ask(msg, want, timeout)
 
+    def _commit(self, op: int, ok: bytes) -> None:
+        """Make a store's copied blocks visible, one-way: sent without waiting for the
+        answer (the daemon handles our messages in order, so our next request sees them
+        committed; until the commit is handled nobody sees them, and then only whole).
+        A refused commit (its reservation dropped meanwhile: pin timeout, session end)
+        is counted when its late answer arrives (`commits_refused`)."""
+        if self._sock is None:
+            raise ProtocolError("not connected")
+        corr = next(self._corr)
+        try:
+            self._sock.send(wire.encode(wire.TierCommit(op, ok), corr), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
+        self._commits.add(corr)
+        if len(self._commits) > 4096:  # answers lost with a session: keep the newest
+            self._commits.discard(min(self._commits))
+
     def _release(self, op: int, *, store: bool, wait: bool = True) -> None:
         """Drop an operation's pins, best effort (the session's end or the pin timeout
         drops them otherwise). `wait=False`: send and return (a load's unpin: its
@@ -376,6 +445,10 @@ class TierClient:
 
     def _ask(self, msg: wire.Record, want: Any, timeout: float) -> Any:
         """Send `msg`, wait for its reply (of type `want`); raise the daemon's error."""
+        return self._wait(self._send(msg), want, timeout)
+
+    def _send(self, msg: wire.Record) -> int:
+        """Send `msg` (its reply is awaited with `_wait`); its correlation id."""
         sock = self._sock
         if sock is None:
             raise ProtocolError("not connected")
@@ -384,25 +457,45 @@ class TierClient:
             sock.send(wire.encode(msg, corr), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(max(1, int(left * 1000))):
-                if time.monotonic() >= deadline:
-                    raise Timeout(f"no reply from kvd at {self.socket_path} within {timeout}s")
-                continue
-            rcorr, reply = wire.decode(sock.recv())
-            if rcorr != corr:
-                self._late(reply)
-                continue
-            if isinstance(reply, wire.ErrorReply):
-                raise error_from_code(reply.code, reply.message)
-            if not isinstance(reply, want):
-                raise ProtocolError(f"expected {want}, got {type(reply).__name__}")
-            return reply
+        self._expected.add(corr)
+        return corr
 
-    def _late(self, reply: wire.Record) -> None:
-        """A reply to a call that timed out: release what it pinned for us."""
+    def _wait(self, corr: int, want: Any, timeout: float) -> Any:
+        """The reply to `corr` (of type `want`); replies to other calls still awaited are
+        kept for their `_wait`, any other is late. Raises the daemon's error."""
+        sock = self._sock
+        if sock is None:
+            raise ProtocolError("not connected")
+        deadline = time.monotonic() + timeout
+        try:
+            while corr not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(max(1, int(left * 1000))):
+                    if time.monotonic() >= deadline:
+                        raise Timeout(f"no reply from kvd at {self.socket_path} within {timeout}s")
+                    continue
+                rcorr, got = wire.decode(sock.recv())
+                if rcorr in self._expected:
+                    self._replies[rcorr] = got
+                else:
+                    self._late(rcorr, got)
+            reply = self._replies.pop(corr)
+        finally:
+            self._expected.discard(corr)
+        if isinstance(reply, wire.ErrorReply):
+            raise error_from_code(reply.code, reply.message)
+        if not isinstance(reply, want):
+            raise ProtocolError(f"expected {want}, got {type(reply).__name__}")
+        return reply
+
+    def _late(self, corr: int, reply: wire.Record) -> None:
+        """A reply to a call that timed out (release what it pinned for us), or to a
+        one-way commit (count a refusal)."""
+        if corr in self._commits:
+            self._commits.discard(corr)
+            if isinstance(reply, wire.ErrorReply):
+                self.commits_refused += 1
+            return
         if isinstance(reply, wire.TierSlots) and self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):
                 corr = next(self._corr)  # its answer is dropped as another late one

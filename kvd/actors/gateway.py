@@ -21,10 +21,13 @@ Rules:
   a BUSY reply. Replies are sent when the actor resolves the request's future. A
   worker's `LayersSaved` is one-way: never answered, dropped and counted when busy.
 - Events go to the session that announced the request and to the engine's workers.
-- A session that neither sends nor pings for `client_timeout` (daemon time: a stall of
-  the daemon itself does not count) is closed: its regions, leases and requests are
-  released by their owners. A session that ends without Goodbye (timed out, replaced)
-  tells the registrar its client may be gone, so the staging segments its regions left
+- A session lives on the connection its requests arrive on (ZMQ_SRCFD): when libzmq
+  reports that connection lost (the client was killed, or closed its socket without
+  Goodbye), the session is closed at once. A session that neither sends nor pings for
+  `client_timeout` (daemon time: a stall of the daemon itself does not count; a frozen
+  client) is closed too. Either way its regions, leases, pins and requests are
+  released by their owners. A session that ends without Goodbye (lost, timed out,
+  replaced) tells the registrar its client may be gone, so the staging segments its regions left
   may be removed (by the leftover rule, `kvd.adapters.shm`); after Goodbye, never.
 - Closing a session has two phases: it stops taking requests at once, then every owner
   ends what the session announced (a transfer in flight from or into its blocks finishes
@@ -77,7 +80,7 @@ from kvd.actors.messages import (
     SessionClosed,
     TraceCmd,
 )
-from kvd.adapters.zmq_monitor import watch_disconnects
+from kvd.adapters.zmq_monitor import DisconnectWatch
 from kvd.core.addresses import peer_address_problem
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
@@ -103,6 +106,8 @@ class _Session:
     requests: int = 0
     closing: str = ""
     """Why it is closing ("" while open)."""
+    fd: int = -1
+    """The file descriptor of the connection its requests arrive on (ZMQ_SRCFD)."""
 
 
 class Gateway:
@@ -155,6 +160,7 @@ class Gateway:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
         self._sock: zmq.asyncio.Socket | None = None
+        self._watch: DisconnectWatch | None = None
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
             wire.DeregisterRegion: registrar,
@@ -214,18 +220,23 @@ class Gateway:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._send_events)
             tg.start_soon(self._sweep)
-            tg.start_soon(watch_disconnects, self._sock, self._disconnected)
+            self._watch = DisconnectWatch(self._sock, self._disconnected)
+            tg.start_soon(self._watch.run)
             self._tg = tg
             task_status.started()
             sock = self._sock
             while True:
-                frames = await sock.recv_multipart(copy=True)
+                frames = await sock.recv_multipart(copy=False)
                 if len(frames) != 2:
                     self._reject(
-                        frames[0], "ipc_malformed", "multipart", f"{len(frames) - 1} frames, not 1"
+                        frames[0].bytes,
+                        "ipc_malformed",
+                        "multipart",
+                        f"{len(frames) - 1} frames, not 1",
                     )
                 else:
-                    self._handle(frames[0], frames[1])
+                    body = frames[1]
+                    self._handle(frames[0].bytes, body.bytes, body.get(zmq.SRCFD))
                 # A ready frame is received without suspending: without this, clients
                 # that keep the socket busy would starve every other task (replies,
                 # events, status calls).
@@ -257,18 +268,41 @@ class Gateway:
         self._reject(ident, counter, kind, exc.message)
         self._error(ident, corr, exc)
 
-    def _disconnected(self) -> None:
+    def _disconnected(self, fd: int) -> None:
         # Clients closing, and connections libzmq dropped for a frame above the
         # transport cap: libzmq reports both alike (see kvd.adapters.zmq_monitor).
         self.rejects.reject(
             "gateway", "ipc_disconnects", "ipc_connection_lost", "disconnected", level="info"
         )
+        # the sessions whose requests came on that connection: their client is gone
+        # (killed, or closed its socket without Goodbye); nothing waits for a timeout
+        for s in [s for s in self.sessions.values() if s.fd == fd]:
+            log.log(_session_level(s.role), "session_disconnected", session=s.session, pid=s.pid)
+            self._count("sessions_disconnected")
+            self._close(s, "disconnected", client_gone=True)
+
+    def _drain_losses(self) -> None:
+        if self._watch is not None:
+            self._watch.drain()
+
+    def _tag(self, s: _Session, fd: int) -> bool:
+        """Note the connection `s`'s requests arrive on; False if `s` turned out closed.
+        A descriptor new to the session may be one libzmq reused after a connection
+        was lost: every loss reported so far is handled first, so that a loss is never
+        blamed on the connection that took its number."""
+        if s.fd == fd:
+            return True
+        self._drain_losses()
+        if self.sessions.get(s.session) is not s:
+            return False
+        s.fd = fd
+        return True
 
     def _error(self, ident: bytes, corr: int, exc: KvdError) -> None:
         code = exc.code if isinstance(exc.code, ErrorCode) else ErrorCode.INTERNAL
         self._send(ident, wire.ErrorReply.of(code, exc.message), corr)
 
-    def _handle(self, ident: bytes, frame: bytes) -> None:
+    def _handle(self, ident: bytes, frame: bytes, fd: int = -1) -> None:
         self._count("ipc_frames")
         try:
             corr, msg = wire.decode(frame, self.max_frame)
@@ -288,10 +322,12 @@ class Gateway:
                 self._error(ident, corr, NotFound(f"unknown session {msg.session!r}"))
             return
         if isinstance(msg, wire.Hello):
-            self._hello(ident, corr, msg, now)
+            self._hello(ident, corr, msg, now, fd)
             return
         sid = self.by_ident.get(ident)
         s = self.sessions.get(sid) if sid is not None else None
+        if s is not None and not self._tag(s, fd):
+            s = None
         if s is None:
             why = (
                 f"session {sid!r} is closed"
@@ -366,11 +402,12 @@ class Gateway:
             log.error("request_crashed", error=repr(exc))
             self._error(ident, corr, KvdError(f"internal error: {type(exc).__name__}"))
 
-    def _hello(self, ident: bytes, corr: int, msg: wire.Hello, now: float) -> None:
+    def _hello(self, ident: bytes, corr: int, msg: wire.Hello, now: float, fd: int = -1) -> None:
         if msg.role not in ROLES:
             why = f"unknown role {msg.role!r}"
             self._refuse(ident, corr, "ipc_rejected", "unknown_role", RemoteProtocolError(why))
             return
+        self._drain_losses()  # (see `_tag`)
         if msg.session in self.closing or msg.session in self.closed:
             self._count("ipc_rejected")
             self._error(ident, corr, NotFound(f"session {msg.session!r} was closed"))
@@ -400,6 +437,7 @@ class Gateway:
             self._refuse(ident, corr, "limit_clients_refused", "max_clients", Busy(full))
             return
         s = _Session(msg.session, ident, msg.role, msg.engine_id, msg.tp_rank, msg.pid, now)
+        s.fd = fd
         self.sessions[msg.session] = s
         self.by_ident[ident] = msg.session
         if old is None:

@@ -9,13 +9,16 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
 - Store: `TierReserve` reserves and pins a slot per key not held yet (evicting the least
   recently used unpinned block when no slot is free), the client copies, `TierCommit`
   makes the blocks visible; a block is never visible before its bytes are in place.
+  Clients send the commit one-way; it is answered all the same (a refusal is counted
+  there), and a session's messages are handled in order.
 - Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
   slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
   its length and checksum checked (a bad or truncated file is a miss: removed and counted,
   never a crash); the client copies out and sends `TierUnpin`.
 A reservation or pin belongs to an operation of the client's session: it is dropped when
-the client ends it, when the session ends (goodbye, or no keep-alive for
-`daemon.client_timeout`: a killed client), or after `tiers.pin_timeout`.
+the client ends it, when the session ends (goodbye; a killed client's lost connection;
+no keep-alive for `daemon.client_timeout`: a frozen client), or after
+`tiers.pin_timeout`.
 
 Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
 namespace and the key, then a trailer (magic, length, checksum kind, and the checksum
@@ -40,6 +43,7 @@ import math
 import os
 import secrets
 import struct
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,6 +62,7 @@ from kvd.actors.base import Mailbox
 from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
 from kvd.adapters.nixl import NixlEngine, Unsettled
 from kvd.config import TiersConfig
+from kvd.core.stats import XferTiming
 from kvd.core.tiers import DiskIndex, Evicted, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
 from kvd.logs import RejectLog
 
@@ -615,72 +620,98 @@ class Tiers:
 
     async def _read_disk(self, op: Op, reads: list[tuple[TierKey, int]]) -> None:
         results: list[tuple[TierKey, int, bool, str]] = []
-        fds: list[tuple[TierKey, int, int, tuple[int, int]]] = []  # key, slot, fd, checksum
+        fds: list[tuple[TierKey, int, int]] = []  # key, slot, fd
         try:
-            for k, slot in reads:
-                why, fd, crc = self._open_block(k)
-                if fd < 0:
-                    results.append((k, slot, False, why))
-                else:
-                    fds.append((k, slot, fd, crc))
+            # off the event loop: opening files and reading their trailers may wait for
+            # the disk (a cold page cache); a trailer is read after the data, so that
+            # the data's read comes first and the trailer then is usually read ahead
+            fds, bad = await anyio.to_thread.run_sync(self._open_blocks, reads)
+            results.extend(bad)
             if fds:
                 pieces = [
-                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd)
-                    for _, s, fd, _ in fds
+                    (self.pool_addr + s * self.slot_bytes, self.slot_bytes, fd) for _, s, fd in fds
                 ]
                 try:
-                    await self._file_io("READ", pieces)
-                    checks = await anyio.to_thread.run_sync(self._check_sums, fds)
+                    timing = await self._file_io("READ", pieces)
+                    checks, check_s = await anyio.to_thread.run_sync(self._check_blocks, fds)
+                    # where a disk load's time goes (`kvd bench`): NIXL's read (from its
+                    # start on the NIXL thread: no queueing), the checks
+                    self._count("tiers_disk_read_us", round(timing.xfer_s * 1e6))
+                    self._count("tiers_disk_check_us", round(check_s * 1e6))
                     results.extend(checks)
                 except Unsettled:
                     # NIXL may still write into these slots and read these fds: both are
                     # kept (the slots never reused, the fds never closed: counted)
-                    results.extend((k, s, False, UNSETTLED) for k, s, _, _ in fds)
+                    results.extend((k, s, False, UNSETTLED) for k, s, _ in fds)
                     fds = []
                 except KvdError as exc:
-                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _, _ in fds)
+                    results.extend((k, s, False, f"io: {exc.message}") for k, s, _ in fds)
         finally:
-            for _, _, fd, _ in fds:
+            for _, _, fd in fds:
                 os.close(fd)
             self.mailbox.post(_DiskDone(op, True, results))
 
-    async def _file_io(self, op: str, pieces: list[tuple[int, int, int]]) -> None:
+    async def _file_io(self, op: str, pieces: list[tuple[int, int, int]]) -> XferTiming:
         """A NIXL file transfer into or out of the pool, shielded from cancellation: at
         shutdown the pool is deregistered and unmapped only after the NIXL thread is done
         with it (bounded: the thread fails a transfer after DISK_IO_TIMEOUT)."""
         with anyio.CancelScope(shield=True):
-            await self.engine.file_transfer(op, pieces, DISK_IO_TIMEOUT)
+            timing = await self.engine.file_transfer(op, pieces, DISK_IO_TIMEOUT)
+        return timing
 
-    def _open_block(self, k: TierKey) -> tuple[str, int, tuple[int, int]]:
-        """(why not, fd or -1, its checksum): a block file checked by its trailer."""
-        path = block_path(self.disk_root, k)
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            return f"open: {exc.strerror}", -1, (0, 0)
-        try:
-            got = read_trailer(fd, os.fstat(fd).st_size)
-        except OSError as exc:
-            got = f"read: {exc.strerror}"
-        if isinstance(got, str) or got[0] != k or got[1] != self.slot_bytes:
-            os.close(fd)
-            return (got if isinstance(got, str) else "names another block"), -1, (0, 0)
-        return "", fd, got[2]
+    def _open_blocks(
+        self, reads: list[tuple[TierKey, int]]
+    ) -> tuple[list[tuple[TierKey, int, int]], list[tuple[TierKey, int, bool, str]]]:
+        """(key, slot, fd) of the block files of the right size; (key, slot, False, why)
+        of the others (missing, or the wrong length: never read)."""
+        good: list[tuple[TierKey, int, int]] = []
+        bad: list[tuple[TierKey, int, bool, str]] = []
+        for k, slot in reads:
+            path = block_path(self.disk_root, k)
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                bad.append((k, slot, False, f"open: {exc.strerror}"))
+                continue
+            try:
+                size = os.fstat(fd).st_size
+            except OSError as exc:
+                os.close(fd)
+                bad.append((k, slot, False, f"stat: {exc.strerror}"))
+                continue
+            if size != self.slot_bytes + len(k[0]) + len(k[1]) + TRAILER.size:
+                os.close(fd)
+                bad.append((k, slot, False, "wrong length"))
+                continue
+            good.append((k, slot, fd))
+        return good, bad
 
-    def _check_sums(
-        self, fds: list[tuple[TierKey, int, int, tuple[int, int]]]
-    ) -> list[tuple[TierKey, int, bool, str]]:
-        """Each block's checksum, as its file's trailer recorded it (off: length only)."""
+    def _check_blocks(
+        self, fds: list[tuple[TierKey, int, int]]
+    ) -> tuple[list[tuple[TierKey, int, bool, str]], float]:
+        """Each block read into its slot checked against its file's trailer: the key, the
+        length, and the checksum it recorded (`tiers.disk_checksum = "none"`: not the
+        checksum); and the seconds that took."""
         assert self.pool is not None
-        out = []
-        for k, slot, _, (kind, want) in fds:
+        started = time.perf_counter()
+        out: list[tuple[TierKey, int, bool, str]] = []
+        for k, slot, fd in fds:
+            size = self.slot_bytes + len(k[0]) + len(k[1]) + TRAILER.size
+            try:
+                got = read_trailer(fd, size)
+            except OSError as exc:
+                got = f"read: {exc.strerror}"
+            if isinstance(got, str) or got[0] != k or got[1] != self.slot_bytes:
+                out.append((k, slot, False, got if isinstance(got, str) else "names another block"))
+                continue
+            kind, want = got[2]
             if kind == CHECKSUMS["none"] or self.cfg.disk_checksum == "none":
                 out.append((k, slot, True, ""))
                 continue
             off = slot * self.slot_bytes
-            got = block_checksum(kind, self.pool.buf[off : off + self.slot_bytes], k)
-            out.append((k, slot, got == want, "" if got == want else "checksum mismatch"))
-        return out
+            sum_ = block_checksum(kind, self.pool.buf[off : off + self.slot_bytes], k)
+            out.append((k, slot, sum_ == want, "" if sum_ == want else "checksum mismatch"))
+        return out, time.perf_counter() - started
 
     def _read_done(self, msg: _DiskDone) -> None:
         host, disk = self.host, self.disk

@@ -75,7 +75,10 @@ looks the same from here as one behind a cut link (its endpoint failed; re-addin
 metadata yields another endpoint that fails): after this its notifications fail, so the
 callers see it gone (D forgets it and fails what waits on it within seconds)."""
 FILE_BACKEND: Final = "POSIX"
-"""NIXL's backend for files (`file_transfer`)."""
+"""NIXL's backend for files (`file_transfer`) to and from host memory."""
+GDS_BACKEND: Final = "GDS"
+"""NIXL's GPUDirect Storage backend: files to and from VRAM without a host copy (created
+beside POSIX where a GPU is visible and the plugin loads; untested here: no GPU)."""
 
 _PR_SET_TIMERSLACK: Final = 29
 _PR_SET_NAME: Final = 15
@@ -204,6 +207,9 @@ class NixlEngine:
         self.name: Final = name
         self.file_backend = file_backend
         """Also create NIXL's POSIX backend (files: the KV tiers' disk tier)."""
+        self.gds = False
+        """NIXL's GDS backend was created too (with `file_backend`, where a GPU is
+        visible): `file_transfer` moves VRAM straight to and from files."""
         self._backend = backend
         self._err_mode = error_handling_mode
         self._num_threads = num_threads
@@ -289,6 +295,12 @@ class NixlEngine:
         agent.create_backend(self._backend, {"ucx_error_handling_mode": self._err_mode})
         if self.file_backend:
             agent.create_backend(FILE_BACKEND, {})
+            if _gpu_visible() and GDS_BACKEND in agent.get_plugin_list():
+                try:
+                    agent.create_backend(GDS_BACKEND, {})
+                    self.gds = True
+                except Exception as exc:  # no cuFile, no driver: host memory only
+                    log.info("nixl_gds_unavailable", error=str(translate(exc).message))
         return agent
 
     # ---------------------------------------------------------------- the thread
@@ -562,17 +574,28 @@ class NixlEngine:
         op: str,
         pieces: list[tuple[int, int, int]],
         timeout: float,  # noqa: ASYNC109 - enforced by the NIXL thread, which owns the handle
+        mem: str = "DRAM",
+        dev: int = 0,
     ) -> XferTiming:
-        """Move bytes between registered host memory and files with the POSIX backend:
-        `op` "WRITE" (memory -> file) or "READ" (file -> memory); each piece is (host
-        address, length, fd), the file side at offset 0 of its fd. The files are
-        registered for this transfer only. Raises TransferError (a short read or write,
-        e.g. a full disk or a truncated file, is one)."""
+        """Move bytes between registered memory and files: `op` "WRITE" (memory -> file)
+        or "READ" (file -> memory); each piece is (address, length, fd), the file side at
+        offset 0 of its fd. `mem` "DRAM" (host memory: the POSIX backend) or "VRAM"
+        (GPU `dev`'s memory, registered as VRAM: the GDS backend, straight between the
+        GPU and the file; untested here). The files are registered for this transfer
+        only. Raises TransferError (a short read or write, e.g. a full disk or a
+        truncated file, is one; VRAM without the GDS backend is one)."""
         loop = self._loop
         if loop is None or self._thread is None:
             raise TransferError("NIXL engine is not running")
         if not self.file_backend:
             raise TransferError("NIXL engine has no file backend")
+        if mem not in ("DRAM", "VRAM"):
+            raise TransferError(f"file transfers move DRAM or VRAM, not {mem!r}")
+        if mem == "VRAM" and not self.gds:
+            raise TransferError(
+                "VRAM <-> file needs NIXL's GDS backend (a visible GPU and the GDS plugin)"
+            )
+        backend = GDS_BACKEND if mem == "VRAM" else FILE_BACKEND
         fut: asyncio.Future[XferTiming] = loop.create_future()
         nbytes = sum(n for _, n, _ in pieces)
 
@@ -582,13 +605,11 @@ class NixlEngine:
             reg: Any = None
             try:
                 reg = agent.register_memory(
-                    [(0, n, fd, "") for _, n, fd in pieces], "FILE", backends=[FILE_BACKEND]
+                    [(0, n, fd, "") for _, n, fd in pieces], "FILE", backends=[backend]
                 )
-                mem = agent.get_xfer_descs([(a, n, 0) for a, n, _ in pieces], "DRAM")
+                local = agent.get_xfer_descs([(a, n, dev) for a, n, _ in pieces], mem)
                 files = agent.get_xfer_descs([(0, n, fd) for _, n, fd in pieces], "FILE")
-                handle = agent.initialize_xfer(
-                    op, mem, files, self.name, b"", backends=[FILE_BACKEND]
-                )
+                handle = agent.initialize_xfer(op, local, files, self.name, b"", backends=[backend])
             except BaseException as exc:
                 if reg is not None:
                     _quietly(agent.deregister_memory, reg)
@@ -924,3 +945,11 @@ def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
 def _set_exc(fut: asyncio.Future[Any], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+
+
+def _gpu_visible() -> bool:
+    """An NVIDIA GPU device node exists (cheap: NIXL's GDS plugin is not even tried
+    without one, so CPU-only hosts log nothing about it)."""
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*"))

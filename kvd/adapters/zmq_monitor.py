@@ -14,26 +14,58 @@ lost connection, and the oversized frames are among them.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
+
+
+class DisconnectWatch:
+    """The connections a socket loses, each reported with its file descriptor (the value
+    libzmq gives EVENT_DISCONNECTED), to `on_disconnect`: as they come (`run`), and on
+    demand (`drain`, synchronous). libzmq reuses a closed connection's descriptor at
+    once for the next one, so a caller that maps messages to connections by descriptor
+    (ZMQ_SRCFD) drains before it trusts a descriptor it has not seen for a client: every
+    loss reported so far is then handled first (libzmq reports a loss before it closes
+    the descriptor, so before a new connection can be accepted on the same number)."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, on_disconnect: Callable[[int], None]) -> None:
+        self._sock = sock
+        self._mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._on = on_disconnect
+
+    def drain(self) -> None:
+        """Report every loss queued so far, without waiting."""
+        while True:
+            # a future that is done at once (NOBLOCK): the frames, or zmq.Again
+            fut = cast("asyncio.Future[list[bytes]]", self._mon.recv_multipart(zmq.NOBLOCK))
+            if not fut.done():
+                fut.cancel()
+                return
+            if fut.exception() is not None:  # zmq.Again: nothing more
+                return
+            event = parse_monitor_message(fut.result())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._on(int(event["value"]))
+
+    async def run(self) -> NoReturn:
+        """Report losses as they come, until cancelled; then stop monitoring."""
+        try:
+            while True:
+                await self._mon.poll()
+                self.drain()
+        finally:
+            with contextlib.suppress(zmq.ZMQError):  # the socket may be closed already
+                self._sock.disable_monitor()
+            self._mon.close(0)
 
 
 async def watch_disconnects(
     sock: zmq.asyncio.Socket, on_disconnect: Callable[[], None]
 ) -> NoReturn:
     """Call `on_disconnect` for every connection `sock` loses, until cancelled."""
-    mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-    try:
-        while True:
-            event = await recv_monitor_message(mon)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                on_disconnect()
-    finally:
-        with contextlib.suppress(zmq.ZMQError):  # the socket may be closed already
-            sock.disable_monitor()
-        mon.close(0)
+    await DisconnectWatch(sock, lambda fd: on_disconnect()).run()

@@ -50,8 +50,13 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert set(tr) >= {"lookup", "index", "host", "disk"}
     for side in ("store_gbps", "load_gbps", "memcpy_gbps", "store_vs_memcpy", "load_vs_memcpy"):
         _positive(tr["host"][side], f"tiers host {side}")
-    for side in ("load_gbps", "buffered_read_gbps", "load_vs_buffered"):
-        _positive(tr["disk"][side], f"tiers disk {side}")
+    for state in ("warm", "cold"):
+        for side in ("load_gbps", "read_dest_gbps", "nixl_posix_gbps", "load_vs_read_dest"):
+            _positive(tr["disk"][f"{side}_{state}"], f"tiers disk {side} {state}")
+    # each measure saw the page-cache state it names (cold: evicted; warm: all cached)
+    cache = tr["disk"]["page_cache"]
+    assert all(v == 1.0 for k, v in cache.items() if k.endswith("_warm")), cache
+    assert all(v < 0.5 for k, v in cache.items() if k.endswith("_cold")), cache
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4

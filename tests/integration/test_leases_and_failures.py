@@ -696,8 +696,11 @@ time.sleep(120)
 """
 
 
-def test_dead_client_region_released_after_client_timeout(daemons: StartDaemon) -> None:
-    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 1.0}})
+def test_dead_client_region_released_when_its_connection_is_lost(daemons: StartDaemon) -> None:
+    """A killed client's session ends when the daemon sees its connection lost, not
+    `client_timeout` later (30 s here; a frozen client, still connected, is
+    test_p_engine_frozen_past_its_client_timeout)."""
+    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 30.0}})
     cli = KvdClient(dd.socket, role="cli", keepalive_interval=0.2)
     cli.connect()
     proc = subprocess.Popen([sys.executable, "-c", _DOOMED, dd.socket], stdout=subprocess.PIPE)
@@ -711,9 +714,9 @@ def test_dead_client_region_released_after_client_timeout(daemons: StartDaemon) 
             return [r["name"] for r in cli.status()["regions"]]
 
         assert listed() == [name]
-        # alive and pinging: kept well past client_timeout
+        # alive (and its connection kept): kept
         t_alive = time.monotonic()
-        while time.monotonic() - t_alive < 1.6:
+        while time.monotonic() - t_alive < 0.6:
             assert listed() == [name]
             time.sleep(0.1)
         proc.kill()
@@ -721,9 +724,10 @@ def test_dead_client_region_released_after_client_timeout(daemons: StartDaemon) 
         t_kill = time.monotonic()
         wait_until(lambda: listed() == [], 4.0, "region released")
         took = time.monotonic() - t_kill
-        assert 0.7 <= took <= 1.0 + 1.0, took
+        assert took <= 2.0, took
         st = cli.status()
         assert st["counters"]["regions_dropped"] == 1
+        assert st["counters"]["sessions_disconnected"] == 1
         assert [s["role"] for s in st["sessions"]] == ["cli"]
     finally:
         if proc.poll() is None:

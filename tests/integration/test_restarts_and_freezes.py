@@ -440,8 +440,8 @@ time.sleep(120)
 def test_engine_restarted_while_its_daemon_lives_registers_at_once(daemons: StartDaemon) -> None:
     """An engine process dies (SIGKILL) and is restarted at once with the same engine id
     and rank, well inside client_timeout: its registration must succeed now (the old
-    session's process is gone, so that session is closed first), not be refused with
-    "already has region" until the old session times out."""
+    session's connection was lost, or its process is gone: that session is closed
+    first), not be refused with "already has region" until the old session times out."""
     dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 30.0}})
     proc = subprocess.Popen([sys.executable, "-c", _W_ENGINE, dd.socket], stdout=subprocess.PIPE)
     try:
@@ -456,7 +456,10 @@ def test_engine_restarted_while_its_daemon_lives_registers_at_once(daemons: Star
         st = eng.client.status()
         mine = [r for r in st["regions"] if r["engine_id"] == "decode"]
         assert [r["session"] for r in mine] == [eng.client.session]
-        assert st["counters"]["sessions_replaced"] == 1
+        # the old session ended when its connection was lost or, if the new Hello came
+        # first, was replaced (its process is gone)
+        c = st["counters"]
+        assert c.get("sessions_replaced", 0) + c.get("sessions_disconnected", 0) >= 1, c
     finally:
         eng.close()
 

@@ -121,10 +121,12 @@ def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir
         assert s["disk"]["blocks"] >= 20, s
         assert all(c.batch_lookup([key(i) for i in ids]))
         # more than the host tier holds: disk hits wait for the demoter to free slots
+        # (pinned in parts of 8, half the pool, pipelined: every part unpinned after)
         got = load_check(c, ids)
         assert got == [True] * 40
         s2 = c.stats()
         assert s2["disk"]["bytes_out"] > 0  # some came back from disk (promoted)
+        assert s2["ops_open"] == 0
     files = disk_files(root)
     assert files and not list(root.rglob(f"*{TMP_SUFFIX}"))
     d.stop()
@@ -175,7 +177,10 @@ def test_corrupt_and_truncated_files_are_misses(
 
 
 def test_killed_client_pins_released(daemons: StartDaemon) -> None:
-    d = daemons("t6", overrides={**tiers_cfg(), "daemon": {"client_timeout": 1.0}})
+    """SIGKILL a client holding pins: they are released when its connection is lost,
+    well inside a short bound, not after `client_timeout` or `pin_timeout` (both 60 s
+    here)."""
+    d = daemons("t6", overrides={**tiers_cfg(pin_timeout=60.0), "daemon": {"client_timeout": 60.0}})
     with TierClient(d.socket, NS, BB) as c:
         assert all(c.store([key(i) for i in range(16)], [memoryview(block(i)) for i in range(16)]))
     # a client that pins every block (a load's first step) and is killed before unpinning
@@ -203,7 +208,11 @@ def test_killed_client_pins_released(daemons: StartDaemon) -> None:
             assert c.store([key(99)], [memoryview(block(99))]) == [False]
             p.send_signal(signal.SIGKILL)
             p.wait()
+            t_kill = time.monotonic()
             _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert time.monotonic() - t_kill < 2.0
+            counters = c.stats()["counters"]
+            assert counters.get("pins_expired", 0) == 0
             assert c.store([key(99)], [memoryview(block(99))]) == [True]
             assert load_check(c, [99]) == [True]
     finally:
@@ -366,3 +375,33 @@ def test_keys_of_mixed_lengths_in_one_batch(daemons: StartDaemon) -> None:
         dests = [bytearray(BB) for _ in range(4)]
         assert c.load(keys, [memoryview(x) for x in dests]) == [True] * 4
         assert [bytes(x) for x in dests] == [block(i) for i in range(4)]
+
+
+def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemon) -> None:
+    """A store's commit is sent without waiting: the storing session's next request
+    already sees the blocks (the daemon handles a session's messages in order), a block
+    is never visible before its commit, and a commit the daemon refuses (its reservation
+    expired meanwhile) stores nothing and is counted by the client."""
+    from kvd_client import wire
+
+    d = daemons("t13", overrides=tiers_cfg(pin_timeout=2.0))
+    with TierClient(d.socket, NS, BB) as c, TierClient(d.socket, NS, BB) as other:
+        assert c.store([key(0)], [memoryview(block(0))]) == [True]
+        assert c.batch_lookup([key(0)]) == [True]  # the next request, right behind the commit
+        assert load_check(other, [0]) == [True]
+        # reserved and copied, not committed: invisible to everyone
+        got = c._ask(wire.TierReserve(NS, 36, key(1)), wire.TierSlots, 5.0)
+        (slot,) = got.slots
+        assert slot >= 0
+        pool = c._need_pool()
+        pool[slot * BB : (slot + 1) * BB] = block(1)
+        assert other.batch_lookup([key(1)]) == [False]
+        assert load_check(other, [1]) == [False]
+        # the reservation expires before the commit arrives: refused, nothing stored
+        _wait(lambda: other.stats()["counters"].get("pins_expired", 0) == 1, timeout=15)
+        c._commit(got.op, b"\x01")
+        assert c.batch_lookup([key(1)]) == [False]
+        assert c.commits_refused == 1
+        assert load_check(other, [1]) == [False]
+        assert c.commits_refused == 1 and c.store([key(2)], [memoryview(block(2))]) == [True]
+        assert load_check(other, [0, 2]) == [True, True]
