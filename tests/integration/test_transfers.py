@@ -70,7 +70,13 @@ def test_coalescing_contiguous_blocks_one_descriptor(daemons: StartDaemon) -> No
         assert [type(e).__name__ for e in evs] == ["RecvFinished"]
         for i, b in enumerate(range(30, 46)):
             assert (d.block(0, b) == 10 + i).all()
-        recent = p.client.status("transfers")["recent"]
+        # P books its transfer when its WRITE's outcome reaches its sender, which can be
+        # after D's client has the event
+        deadline = time.monotonic() + 10
+        while not (recent := p.client.status("transfers")["recent"]):
+            assert time.monotonic() < deadline, "P never recorded the transfer"
+            time.sleep(0.02)
+        assert len(recent) == 1
         assert recent[-1]["descriptors"] == 1
         assert recent[-1]["bytes"] == 16 * 4 * 2 * 4096
     finally:
