@@ -102,6 +102,7 @@ class Daemon:
             secret=secret,
             trace=self.trace,
             keyring=self.keyring,
+            tiers=self.tiers_box,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -185,6 +186,11 @@ class Daemon:
             cfg=cfg.tiers,
             counters=self.counters,
             rejects=self.rejects,
+            registrar=self.registrar_box,
+            keyring=self.keyring,
+            max_frame=cfg.daemon.max_frame_bytes,
+            agent_name=self.agent_name,
+            incarnation=self.registrar.incarnation,
         )
         self.notifier = Notifier(
             sender=self.sender_box,
@@ -245,11 +251,13 @@ class Daemon:
 
     def _publish(self, msg: Any) -> None:
         """Registrar views: local regions to the sender (it checks finished blocks), the
-        receiver and the EC router; peer views to the sender and the receiver. Notices
+        receiver and the EC router; peer views to the sender, the receiver and the tiers. Notices
         between actors: never refused."""
         boxes: tuple[Mailbox[Any], ...] = (self.sender_box, self.receiver_box)
         if isinstance(msg, LocalRegionsChanged):
             boxes += (self.ec_box,)
+        else:  # peer views: the tiers ask peers' tiers, and drop what a gone peer held
+            boxes += (self.tiers_box,)
         for box in boxes:
             box.post(msg)
 

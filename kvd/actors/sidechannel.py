@@ -14,18 +14,22 @@ with a shared secret, a query without a valid MAC is refused like a bad handshak
 (counted in `auth_rejected`). Replies are sent as they complete, so a slow handshake never
 blocks the socket.
 
+Peers' tier requests (`PeerTierLookup`, `PeerTierPin`, `PeerTierUnpin`: a daemon asking
+this one's KV tiers) go to the tiers actor (BUSY when its mailbox is full); their
+answers travel back sealed under our session key with the asker when a secret is set.
+
 With a shared secret (a `Keyring`), only the handshake and the trace query (request and
-reply, each with its own MAC and nonce) travel bare: a region drop must come sealed under
-the session key its handshake derived (`kvd.core.peersession`), fresh, and naming the
-peer that key belongs to; anything else is refused AUTH and counted (`side_auth_rejected`,
-and `auth_rejected_<reason>`).
+reply, each with its own MAC and nonce) travel bare: a region drop or a tier request must
+come sealed under the session key its handshake derived (`kvd.core.peersession`), fresh,
+and naming the peer that key belongs to; anything else is refused AUTH and counted
+(`side_auth_rejected`, and `auth_rejected_<reason>`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -35,11 +39,11 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import AuthError, ErrorCode, KvdError, RemoteProtocolError
+from kvd_client.errors import AuthError, Busy, ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
-from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
+from kvd.actors.messages import AcceptHandshake, PeerRegionDropped, PeerTierRequest
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.timeline import check_query, make_answer
@@ -47,6 +51,9 @@ from kvd.core.trace import NO_TRACE, StageTrace
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sidechannel", actor="sidechannel")
+
+PEER_TIER: Final = (wire.PeerTierLookup, wire.PeerTierPin, wire.PeerTierUnpin)
+"""A peer daemon's requests to this daemon's KV tiers."""
 
 
 class SideChannel:
@@ -64,6 +71,7 @@ class SideChannel:
         secret: bytes | None = None,
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
+        tiers: Mailbox[Any] | None = None,
     ) -> None:
         self.host = host
         self.port = port
@@ -76,6 +84,7 @@ class SideChannel:
         self.secret = secret
         self.trace = trace
         self.keyring = keyring
+        self.tiers = tiers
         self._sock: zmq.asyncio.Socket | None = None
 
     def _disconnected(self) -> None:
@@ -138,10 +147,11 @@ class SideChannel:
         if isinstance(msg, wire.TraceQuery):  # request/reply with its own MAC and nonce
             await self._trace_query(ident, corr, msg, t1)
             return
-        if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed)):
+        if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed, *PEER_TIER)):
             why = f"{type(msg).__name__} is not a side-channel request"
             await self._refuse(ident, corr, RemoteProtocolError(why))
             return
+        peer = msg.agent_name if isinstance(msg, PEER_TIER) else ""
         if self.keyring is not None and not isinstance(msg, wire.Handshake):
             opened = self._open(msg)
             if isinstance(opened, AuthRefusal):
@@ -155,11 +165,15 @@ class SideChannel:
             refusal = None
             if isinstance(msg, (wire.Sealed, wire.Handshake)):
                 refusal = AuthRefusal.NESTED
-            elif isinstance(msg, wire.RegionDropped) and msg.agent_name != opened[0]:
+            elif isinstance(msg, (wire.RegionDropped, *PEER_TIER)) and msg.agent_name != opened[0]:
                 refusal = AuthRefusal.WRONG_PEER  # a peer speaks for itself only
             if refusal is not None:
                 await self._auth_refused(ident, corr, msg, refusal)
                 return
+            peer = opened[0]
+        if isinstance(msg, PEER_TIER):
+            await self._tier_request(tg, ident, corr, peer, msg)
+            return
         if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
             why = f"{type(msg).__name__} is not a side-channel request"
             if isinstance(msg, wire.Sealed):
@@ -167,6 +181,40 @@ class SideChannel:
             await self._refuse(ident, corr, RemoteProtocolError(why))
             return
         tg.start_soon(self._handle, ident, corr, msg)
+
+    async def _tier_request(
+        self,
+        tg: anyio.abc.TaskGroup,
+        ident: bytes,
+        corr: int,
+        peer: str,
+        msg: wire.PeerTierLookup | wire.PeerTierPin | wire.PeerTierUnpin,
+    ) -> None:
+        if self.tiers is None:
+            await self._refuse(ident, corr, RemoteProtocolError("this daemon keeps no KV tiers"))
+            return
+        req = PeerTierRequest(peer, msg)
+        try:
+            self.tiers.post(req)
+        except Busy as exc:
+            await self._refuse(ident, corr, exc)
+            return
+        tg.start_soon(self._tier_answer, ident, corr, req)
+
+    async def _tier_answer(self, ident: bytes, corr: int, req: PeerTierRequest) -> None:
+        try:
+            reply = await req.reply
+        except KvdError as exc:
+            await self._refuse(ident, corr, exc)
+            return
+        if self.keyring is not None:
+            env = self.keyring.seal(req.agent, wire.encode(reply), time.monotonic())
+            if env is None:  # its key went meanwhile (the peer was forgotten)
+                err = AuthError(f"no session key with {req.agent} any more")
+                await self._send(ident, wire.ErrorReply.of(err.code, err.message), corr)
+                return
+            reply = env
+        await self._send(ident, reply, corr)
 
     def _open(self, msg: wire.Record) -> tuple[str, bytes] | AuthRefusal:
         """(peer, body) of an authentic, fresh envelope, or why not."""
