@@ -487,7 +487,7 @@ def pinned_problem(
         return f"unknown checksum kind {ans.checksum_kind}"
     if any(s != wire.SLOT_HELD for s in ans.slots) and ans.slot_bytes != slot_bytes:
         return f"slots of {ans.slot_bytes} bytes, not {slot_bytes}"
-    if ans.pool_addr + ans.pool_bytes >= 1 << 64:
+    if ans.pool_addr + ans.pool_bytes >= 1 << 63:
         return "a pool past the end of the address space"
     num_slots = ans.pool_bytes // slot_bytes
     for s in ans.slots:

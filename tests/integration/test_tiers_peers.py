@@ -267,7 +267,9 @@ def test_forged_answers_rejected_and_counted(
             elif mode == "slot":
                 assert after["peer_bad_answers"] > before.get("peer_bad_answers", 0)
             else:
-                assert after["peer_checksum_mismatch"] == before.get("peer_checksum_mismatch", 0) + 2
+                assert (
+                    after["peer_checksum_mismatch"] == before.get("peer_checksum_mismatch", 0) + 2
+                )
         proxy.mode = ""
         assert load_check(c, [4, 5]) == [True, True]
     assert proxy.tampered >= 3
