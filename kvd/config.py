@@ -736,8 +736,8 @@ class TiersConfig(_Section):
     )
     promote_on_hit: bool = _opt(
         True,
-        "A disk-tier block that is loaded stays in the host tier afterwards (off: it is "
-        "read into a slot for that load only).",
+        "A disk-tier or peer-tier block that is loaded stays in the host tier afterwards "
+        "(off: it is read into a slot for that load only).",
     )
     demote_on_evict: bool = _opt(
         True,
@@ -783,9 +783,10 @@ class TiersConfig(_Section):
         le=60,
     )
     peer_read_timeout: float = _opt(
-        5.0,
-        "Seconds a load allows a peer to pin its hits and the NIXL READ of them to end; "
-        "past it the keys are misses (the vLLM side recomputes them).",
+        2.0,
+        "Seconds a load allows a peer to pin its hits, and then the NIXL READ of them; "
+        "past either the keys are misses (the vLLM side recomputes them). Keep twice it "
+        "below the clients' load timeout (`transfer_timeout` of the vLLM tier, 5 s).",
         gt=0,
     )
     peer_pin_timeout: float = _opt(
