@@ -613,7 +613,7 @@ def tiers_table(tr: dict[str, Any]) -> Table:
     pr = tr.get("peer")
     if pr:
         t.add_row(
-            f"peer load {pr['request_bytes'] >> 20} MiB (lookup + pin + READ + copy): GB/s "
+            f"peer load {pr['request_bytes'] >> 20} MiB (pin + READ + checks + copy): GB/s "
             "(vs memcpy)",
             f"{pr['load_gbps']:.2f}",
             f"{pr['memcpy_gbps']:.2f}",
