@@ -75,9 +75,12 @@ def store(d: DaemonProc, ids: list[int], ns: bytes = NS) -> None:
 
 
 def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -> None:
+    from .test_metrics import _free_port, _get, _samples
+
     b = daemons("pb", overrides=tiers_cfg())
     store(b, list(range(8)))
-    a = daemons("pa", overrides=asker_cfg(b))
+    port = _free_port()
+    a = daemons("pa", overrides={**asker_cfg(b), "metrics": {"port": port}})
     wait_asked(a, 1)
     with TierClient(a.socket, NS, BB) as c:
         assert c.batch_lookup([key(i) for i in range(10)]) == [True] * 8 + [False] * 2
@@ -102,6 +105,19 @@ def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -
     assert sb["peer"]["bytes_out"] == 4 * BB
     wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)  # unpinned after the READ
     assert tiers_json(b)["ops_open"] == 0
+    m = _samples(port)
+    assert _get(m, "kvd_tiers_hits_total", agent="pa", tier="peer") == 8
+    # 2 of the first lookup, and model B's 8 (asked of the peer, under its namespace)
+    assert _get(m, "kvd_tiers_misses_total", agent="pa", tier="peer") == 10
+    assert _get(m, "kvd_tiers_bytes_in_total", agent="pa", tier="peer") == 4 * BB
+    table = subprocess.run(
+        [sys.executable, "-m", "kvd", "tiers", "--socket", a.socket],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    assert "peer" in table and "peers asked pb" in table and "blocks loaded 4" in table
 
 
 def test_local_hit_wins_and_peers_picked_deterministically(daemons: StartDaemon) -> None:
