@@ -339,6 +339,8 @@ class Tiers:
         """Peers whose pins we hold -> the incarnation that took them."""
         self.hints = PeerHints(PEER_HINTS)
         self.peer_reading = 0
+        self._side_ready: anyio.Event | None = None
+        """Set once the daemon's side channel listens (`side_channel_listening`)."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.cfg = cfg
@@ -370,7 +372,14 @@ class Tiers:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def side_channel_listening(self) -> None:
+        """The daemon's side channel listens: configured peers are dialed from now on
+        (our handshake names its port)."""
+        if self._side_ready is not None:
+            self._side_ready.set()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._side_ready = anyio.Event()
         if self.enabled:
             await self._start()
         async with anyio.create_task_group() as tg:
@@ -1010,6 +1019,8 @@ class Tiers:
     async def _dial_peers(self) -> None:
         """Handshake (through the registrar) with configured peers not known yet."""
         assert self.registrar is not None
+        assert self._side_ready is not None
+        await self._side_ready.wait()
         while True:
             for host, port in self.cfg.peer_addrs:
                 addr = f"{host}:{port}"

@@ -346,3 +346,34 @@ def test_pins_of_a_killed_asker_are_released(daemons: StartDaemon, workdir: Path
         assert c.batch_lookup([key(i) for i in range(4)]) == [True] * 4
         assert load_check(c, [2, 3]) == [True, True]
     wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)
+
+
+def test_known_peers_are_asked_and_disk_hits_served(daemons: StartDaemon, workdir: Path) -> None:
+    """`ask_known_peers`: A asks the peer that handshaked with it (B dialed A for its own
+    `tiers.peers`); B serves a block from its disk tier (read into its pool, then READ)."""
+    a = daemons("pa", overrides=tiers_cfg(ask_known_peers=True))
+    root = workdir / "bdisk"
+    b = daemons(
+        "pb",
+        overrides=asker_cfg(a, disk_path=str(root), disk_bytes=64 * BB, low_water=0.25),
+    )
+    wait_asked(b, 1)
+    ids = list(range(20))  # more than B's 16 slots: the oldest go to its disk
+    with TierClient(b.socket, NS, BB) as c:
+        for i in ids:
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+        wait_for(lambda: c.stats()["host"]["demoting"] == 0)
+        assert c.stats()["disk"]["blocks"] >= 4
+    store(a, [30])
+    wait_asked(a, 1)
+    assert tiers_json(a)["peer"]["configured"] == []
+    with TierClient(a.socket, NS, BB) as c:
+        assert c.batch_lookup([key(i) for i in [*ids, 30, 31]]) == [True] * 21 + [False]
+        assert load_check(c, [0, 1, 19, 30, 31]) == [True, True, True, True, False]
+        assert c.stats()["peer"]["blocks_loaded"] == 3
+    assert tiers_json(b)["disk"]["bytes_out"] >= 2 * BB  # 0 and 1: read from B's disk
+    # B asked A too (its configured peer): a miss there for a key only B holds
+    with TierClient(b.socket, NS, BB) as c:
+        assert c.batch_lookup([key(30), key(32)]) == [True, False]
+        assert load_check(c, [30]) == [True]
+    wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)
