@@ -29,7 +29,12 @@ from .test_tiers import BB, NS, block, key, load_check, tiers_cfg
 AUTH = os.environ.get("KVD_TEST_AUTH") == "1"
 
 
-def tiers_json(d: DaemonProc) -> dict[str, Any]:
+def tiers_json(d: DaemonProc, cli: bool = False) -> dict[str, Any]:
+    """What `kvd tiers --json` shows (`cli`: from the CLI itself, else the same
+    answer through a client session: quicker where a test waits on it)."""
+    if not cli:
+        with TierClient(d.socket, NS, BB) as c:
+            return c.stats()
     out = subprocess.run(
         [sys.executable, "-m", "kvd", "tiers", "--json", "--socket", d.socket],
         capture_output=True,
@@ -101,7 +106,7 @@ def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -
         # another model never sees the peer's blocks
         with TierClient(a.socket, b"model-B", BB) as other:
             assert other.batch_lookup([key(i) for i in range(8)]) == [False] * 8
-    sb = tiers_json(b)
+    sb = tiers_json(b, cli=True)
     assert sb["peer"]["bytes_out"] == 4 * BB
     wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)  # unpinned after the READ
     assert tiers_json(b)["ops_open"] == 0
@@ -309,7 +314,7 @@ def _raw_pin(port: int, agent: str, incarnation: int, ids: list[int]) -> wire.Re
 def test_peer_pins_dropped_when_the_reader_is_gone(daemons: StartDaemon) -> None:
     """A reader that pinned and went away (no unpin): its pins go after the peer pin
     timeout, or at once when the same reader shows up as a new incarnation."""
-    b = daemons("pb", overrides=tiers_cfg(peer_pin_timeout=6.0, peer_read_timeout=0.5))
+    b = daemons("pb", overrides=tiers_cfg(peer_pin_timeout=8.0, peer_read_timeout=0.5))
     store(b, [0, 1, 2])
     got = _raw_pin(b.side_port, "ghost", 1, [0, 1, 5])
     if AUTH:  # an unsealed request from nobody we handshaked with: refused, nothing pinned
