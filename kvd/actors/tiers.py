@@ -164,6 +164,7 @@ class _PeerLoaded:
     """Notice from a peer READ task: per key (index in the op, key, local slot, ok, why)."""
 
     op: Op
+    agent: str
     results: list[tuple[int, TierKey, int, bool, str]]
 
 
@@ -934,11 +935,11 @@ class Tiers:
             assert pinned is not None
             results = await self._peer_read(info, reads, pinned)
         finally:
-            if pinned is not None:
+            if pinned is not None and pinned.op:  # (op 0: nothing was opened there)
                 self.link.tell(
                     info.agent, info.host, info.port, wire.PeerTierUnpin(self.agent_name, pinned.op)
                 )
-            self.mailbox.post(_PeerLoaded(op, results))
+            self.mailbox.post(_PeerLoaded(op, info.agent, results))
 
     async def _peer_read(
         self, info: PeerInfo, reads: list[tuple[int, TierKey, int]], ans: wire.PeerTierPinned
@@ -1005,7 +1006,9 @@ class Tiers:
             op.slots[i] = wire.SLOT_HELD
             if why == "checksum mismatch":
                 self._count("tiers_peer_checksum_mismatch")
-                self._bad_answer("", f"block {k[1].hex()[:16]}: the READ bytes fail its checksum")
+                self._bad_answer(
+                    msg.agent, f"block {k[1].hex()[:16]}: the bytes READ fail its checksum"
+                )
             self._count("tiers_peer_load_failed")
         self._count("tiers_peer_bytes_in", good * self.slot_bytes)
         self._count("tiers_peer_blocks_loaded", good)
@@ -1037,7 +1040,7 @@ class Tiers:
 
     def _late_answer(self, agent: str, reply: wire.Record) -> None:
         """A pin answer after its load gave up: release what it pinned for us."""
-        if isinstance(reply, wire.PeerTierPinned):
+        if isinstance(reply, wire.PeerTierPinned) and reply.op:
             info = self.peer_view.get(agent)
             if info is not None:
                 self.link.tell(

@@ -99,6 +99,8 @@ def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -
         # locally never asks the peers
         assert s["host"]["blocks"] == 4
         asked = p["lookups"]
+        assert asked == 1  # one batch to the one peer for the 10 keys, not one per key
+        assert s["counters"].get("peer_served_keys", 0) == 0  # (B counts what it serves)
         assert c.batch_lookup([key(i) for i in (0, 1, 3, 7)]) == [True] * 4
         assert c.stats()["peer"]["lookups"] == asked
         assert load_check(c, [0, 1, 3, 7]) == [True] * 4
@@ -108,6 +110,9 @@ def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -
             assert other.batch_lookup([key(i) for i in range(8)]) == [False] * 8
     sb = tiers_json(b, cli=True)
     assert sb["peer"]["bytes_out"] == 4 * BB
+    # B: one lookup batch of A's 10 keys, and model B's batch of 8
+    assert sb["counters"]["peer_served_lookups"] == 2
+    assert sb["counters"]["peer_served_keys"] == 18
     wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)  # unpinned after the READ
     assert tiers_json(b)["ops_open"] == 0
     m = _samples(port)
