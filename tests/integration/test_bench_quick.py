@@ -47,11 +47,13 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers"}
 
     tr = sc["tiers"]
-    assert set(tr) >= {"lookup", "index", "host", "disk"}
+    assert set(tr) >= {"lookup", "index", "host", "disk", "peer"}
     for side in ("store_gbps", "load_gbps", "memcpy_gbps", "store_vs_memcpy", "load_vs_memcpy"):
         _positive(tr["host"][side], f"tiers host {side}")
     for side in ("load_gbps", "buffered_read_gbps", "load_vs_buffered"):
         _positive(tr["disk"][side], f"tiers disk {side}")
+    for side in ("load_gbps", "memcpy_gbps", "load_vs_memcpy", "lookup_ms"):
+        _positive(tr["peer"][side], f"tiers peer {side}")
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4
