@@ -338,23 +338,46 @@ def test_peer_pins_dropped_when_the_reader_is_gone(daemons: StartDaemon) -> None
     assert s["counters"]["peer_pins_released_gone"] == 1 and s["peer"]["pins_held"] == 1
 
 
-def test_pins_of_a_killed_asker_are_released(daemons: StartDaemon, workdir: Path) -> None:
-    """The asking daemon dies (SIGKILL) after its loads: nothing stays pinned on the
-    peer, which keeps serving another asker."""
-    b = daemons("pb", overrides=tiers_cfg(peer_pin_timeout=1.5, peer_read_timeout=0.5))
+def test_pins_of_an_asker_killed_mid_load_are_released(daemons: StartDaemon) -> None:
+    """A real asker dies (SIGKILL) holding pins on the peer (its load pinned there, and
+    it never unpinned): the peer drops them within its peer pin timeout, and keeps
+    serving another asker. To hold the pins for certain, the peer is frozen while the
+    asker's pin request waits, the asker is frozen, then the peer answers."""
+    b = daemons("pb", overrides=tiers_cfg(peer_pin_timeout=6.0, peer_read_timeout=5.0))
     store(b, [0, 1, 2, 3])
-    a = daemons("pa", overrides=asker_cfg(b))
+    a = daemons("pa", overrides=asker_cfg(b, peer_read_timeout=5.0, peer_pin_timeout=6.0))
     wait_asked(a, 1)
-    with TierClient(a.socket, NS, BB) as c:
+    outcome: list[object] = []
+    with TierClient(a.socket, NS, BB, timeout=10.0, io_timeout=10.0) as c:
         assert c.batch_lookup([key(i) for i in range(4)]) == [True] * 4
-        assert load_check(c, [0, 1]) == [True, True]
-    kill(a)
-    wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)
+
+        def load() -> None:
+            try:
+                outcome.append(load_check(c, [0, 1]))
+            except Exception as exc:  # the asker dies under it
+                outcome.append(exc)
+
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=load, daemon=True)
+            t.start()
+            time.sleep(1.5)  # the asker sent its pin request to the frozen peer
+            os.kill(a.proc.pid, signal.SIGSTOP)
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        # the peer answers the pin: held for a reader that cannot unpin
+        wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 1)
+        kill(a)
+        t.join(30)
+    assert outcome and isinstance(outcome[0], Exception)
+    wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0, timeout=20.0)
+    s = tiers_json(b)
+    assert s["counters"]["peer_pins_expired"] == 1 and s["ops_open"] == 0
     a2 = daemons("pa2", overrides=asker_cfg(b))
     wait_asked(a2, 1)
     with TierClient(a2.socket, NS, BB) as c:
         assert c.batch_lookup([key(i) for i in range(4)]) == [True] * 4
-        assert load_check(c, [2, 3]) == [True, True]
+        assert load_check(c, [0, 1, 2, 3]) == [True] * 4
     wait_for(lambda: tiers_json(b)["peer"]["pins_held"] == 0)
 
 
