@@ -211,7 +211,8 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
 
 @app.command()
 def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
-    """KV tiers: per tier capacity, use, blocks, hits, misses, evictions, bytes in and out."""
+    """KV tiers: per tier capacity, use, blocks, hits, misses, evictions, bytes in and out
+    (and peers' tiers: lookups, hits, misses, timeouts, bytes READ and served)."""
     data = _fetch(socket, "tiers", as_json)
     if as_json:
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -224,11 +225,23 @@ def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         f"pending lookups {data['pending_lookups']}  operations open {data['ops_open']}"
     )
     rows = [{"tier": name, **data[name]} for name in ("host", "disk") if data.get(name)]
+    peer = data.get("peer") or {}
+    if peer.get("asked") or peer.get("configured") or peer.get("bytes_out"):
+        keys = ("hits", "misses", "bytes_in", "bytes_out")
+        rows.append({"tier": "peer", **{k: peer[k] for k in keys}})
     for row in rows:
         total = row["hits"] + row["misses"]
         row["hit_rate"] = f"{row['hits'] / total:.1%}" if total else "-"
     cols = ["tier", "capacity", "used", "blocks", "hits", "misses", "hit_rate", "evictions"]
     console.print(_table("tiers", rows, [*cols, "bytes_in", "bytes_out"]))
+    if peer:
+        console.print(
+            f"peers asked {', '.join(peer['asked']) or '-'}  "
+            f"(configured {', '.join(peer['configured']) or '-'}; known peers "
+            f"{'too' if peer['ask_known_peers'] else 'not'})  lookups {peer['lookups']}  "
+            f"timeouts {peer['timeouts']}  bad answers {peer['bad_answers']}  "
+            f"blocks loaded {peer['blocks_loaded']}  pins held for peers {peer['pins_held']}"
+        )
     counters = [{"counter": k, "value": v} for k, v in data.get("counters", {}).items()]
     console.print(_table("counters", counters, ["counter", "value"]))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal, NoReturn, get_type_hints
 
-from kvd.core.addresses import host_problem
+from kvd.core.addresses import host_problem, parse_peer_list
 
 KiB: Final = 1024
 MiB: Final = 1024 * KiB
@@ -761,8 +761,8 @@ class TiersConfig(_Section):
     )
     promote_on_hit: bool = _opt(
         True,
-        "A disk-tier block that is loaded stays in the host tier afterwards (off: it is "
-        "read into a slot for that load only).",
+        "A disk-tier or peer-tier block that is loaded stays in the host tier afterwards "
+        "(off: it is read into a slot for that load only).",
     )
     demote_on_evict: bool = _opt(
         True,
@@ -788,6 +788,53 @@ class TiersConfig(_Section):
         "answer counts as all-miss).",
         gt=0,
     )
+    peers: str = _opt(
+        "",
+        "Peer daemons whose tiers a local miss is looked up in: their side channels as "
+        "`host:port`, separated by commas (handshaked at start and retried while they do "
+        "not answer). Empty: none (see `ask_known_peers`).",
+        check=lambda v: p if isinstance(p := parse_peer_list(v), str) else None,
+    )
+    ask_known_peers: bool = _opt(
+        False,
+        "Also look local misses up in the tiers of every peer daemon this one has "
+        "handshaked with (P/D peers, EC peers), besides `peers`.",
+    )
+    peer_lookup_timeout: float = _opt(
+        0.2,
+        "Seconds a lookup waits for the peers' answers (only when some key missed "
+        "locally); a peer that has not answered by then is a miss for that batch.",
+        gt=0,
+        le=60,
+    )
+    peer_read_timeout: float = _opt(
+        2.0,
+        "Seconds a load allows a peer to pin its hits, and then the NIXL READ of them; "
+        "past either the keys are misses (the vLLM side recomputes them). Keep twice it "
+        "below the clients' load timeout (`transfer_timeout` of the vLLM tier, 5 s).",
+        gt=0,
+    )
+    peer_pin_timeout: float = _opt(
+        10.0,
+        "Seconds this daemon holds the pins a peer's load took on its blocks, unless the "
+        "peer releases them first (or is known to be gone or restarted). Must exceed "
+        "`peer_read_timeout`.",
+        gt=0,
+    )
+
+    def _check_together(self) -> None:
+        if self.peer_pin_timeout <= self.peer_read_timeout:
+            self._fail(
+                "peer_pin_timeout",
+                f"must exceed tiers.peer_read_timeout ({self.peer_read_timeout}) "
+                f"(got {self.peer_pin_timeout})",
+            )
+
+    @property
+    def peer_addrs(self) -> list[tuple[str, int]]:
+        got = parse_peer_list(self.peers)
+        assert not isinstance(got, str)  # checked at creation
+        return got
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ class Daemon:
             trace=self.trace,
             keyring=self.keyring,
             handshake_bytes=cfg.limits.handshake_bytes,
+            tiers=self.tiers_box,
         )
         self.registrar = Registrar(
             engine=self.engine,
@@ -187,6 +188,11 @@ class Daemon:
             cfg=cfg.tiers,
             counters=self.counters,
             rejects=self.rejects,
+            registrar=self.registrar_box,
+            keyring=self.keyring,
+            max_frame=cfg.daemon.max_frame_bytes,
+            agent_name=self.agent_name,
+            incarnation=self.registrar.incarnation,
         )
         self.notifier = Notifier(
             sender=self.sender_box,
@@ -248,11 +254,13 @@ class Daemon:
 
     def _publish(self, msg: Any) -> None:
         """Registrar views: local regions to the sender (it checks finished blocks), the
-        receiver and the EC router; peer views to the sender and the receiver. Notices
+        receiver and the EC router; peer views to the sender, the receiver and the tiers. Notices
         between actors: never refused."""
         boxes: tuple[Mailbox[Any], ...] = (self.sender_box, self.receiver_box)
         if isinstance(msg, LocalRegionsChanged):
             boxes += (self.ec_box,)
+        else:  # peer views: the tiers ask peers' tiers, and drop what a gone peer held
+            boxes += (self.tiers_box,)
         for box in boxes:
             box.post(msg)
 
@@ -427,13 +435,16 @@ class Daemon:
                 tg.start_soon(self.rejects.run)
                 await self.engine.start(self.notifier.sink)
                 await tg.start(self.registrar.run)
+                # the tiers' pool is registered before any peer can handshake: the NIXL
+                # metadata a handshake carries must include it (peers READ out of it)
+                await tg.start(self.tiers.run)
                 self.side.bind()
                 await tg.start(self.side.run)
+                self.tiers.side_channel_listening()
                 await tg.start(self.sender.run)
                 await tg.start(self.receiver.run)
                 self.ecrouter.bind()
                 await tg.start(self.ecrouter.run)
-                await tg.start(self.tiers.run)
                 self.gateway.bind()
                 await tg.start(self.gateway.run)
                 tg.start_soon(self._watchdog)

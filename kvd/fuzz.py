@@ -22,8 +22,9 @@ notification) are counted as such and withheld. The rules:
 
 - ipc: undecodable, a message before Hello, a Hello with an unknown role: `ipc_rejected`;
 - side: undecodable or not a side-channel request: `side_rejected`; a Handshake or a
-  TraceQuery fails authentication (`auth_rejected`); a RegionDropped or a Sealed
-  envelope is not an authentic envelope of a peer that handshook (`side_auth_rejected`);
+  TraceQuery fails authentication (`auth_rejected`); a RegionDropped, a peer's tier
+  request or a Sealed envelope is not an authentic envelope of a peer that handshook
+  (`side_auth_rejected`);
 - ec: undecodable or not an ECXferReq: `ec_xfer_rejected`; an ECXferReq fails
   authentication (`ec_auth_rejected`);
 - notif: undecodable: `notifs_malformed`; any message from an agent that never
@@ -198,7 +199,16 @@ def classify(surface: str, frame: bytes) -> tuple[str, ...]:
     if surface == "side":
         if isinstance(msg, (wire.Handshake, wire.TraceQuery)):
             return ("auth_rejected",)
-        if isinstance(msg, (wire.RegionDropped, wire.Sealed)):
+        if isinstance(
+            msg,
+            (
+                wire.RegionDropped,
+                wire.Sealed,
+                wire.PeerTierLookup,
+                wire.PeerTierPin,
+                wire.PeerTierUnpin,
+            ),
+        ):
             return ("side_auth_rejected",)  # not an authentic envelope of a known peer
         return ("side_rejected",)
     if surface == "ec":

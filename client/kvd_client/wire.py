@@ -1158,12 +1158,15 @@ class TierLookup(Record):
 TIER_MISS: Final = 0
 TIER_HOST: Final = 1
 TIER_DISK: Final = 2
+TIER_PEER: Final = 3
+"""Held by a peer daemon's tiers (only in answers to a client: a peer never forwards)."""
 
 
 @message(103)
 @dataclasses.dataclass(frozen=True)
 class TierFound(Record):
-    """Per key of the lookup: TIER_MISS, TIER_HOST or TIER_DISK."""
+    """Per key of the lookup: TIER_MISS, TIER_HOST, TIER_DISK or (to a client) TIER_PEER.
+    Also the answer to a peer's `PeerTierLookup` (never TIER_PEER there)."""
 
     found: Flags
 
@@ -1229,4 +1232,65 @@ class TierPin(Record):
 class TierUnpin(Record):
     """Load, step 2: the client copied the blocks out; drop the operation's pins."""
 
+    op: U64
+
+
+# ------------------------------------------------------------------ tiers across nodes
+# A daemon asks its peers' tiers on their side channel (sealed under the session key
+# when a shared secret is set) and READs the hits out of their host pools over NIXL.
+
+
+@message(120)
+@dataclasses.dataclass(frozen=True)
+class PeerTierLookup(Record):
+    """Which of these keys does your own tier hold (host or disk)? Answered by
+    `TierFound` (TIER_MISS, TIER_HOST or TIER_DISK per key). `block_bytes`: the
+    asker's block size (a tier holding another size answers all misses)."""
+
+    agent_name: Id
+    namespace: Namespace
+    block_bytes: Annotated[int, Range(1, 1 << 34)]
+    key_bytes: KeyBytes
+    keys: TierKeys
+
+
+@message(121)
+@dataclasses.dataclass(frozen=True)
+class PeerTierPin(Record):
+    """Pin these keys' blocks in your host pool for `agent_name` to READ (a disk hit is
+    read into a slot first). Answered by `PeerTierPinned`; the pins are held until
+    `PeerTierUnpin`, the peer's `tiers.peer_pin_timeout`, or until the peer learns that
+    the asker (this incarnation of it) is gone."""
+
+    agent_name: Id
+    incarnation: U64
+    namespace: Namespace
+    block_bytes: Annotated[int, Range(1, 1 << 34)]
+    key_bytes: KeyBytes
+    keys: TierKeys
+
+
+@message(122)
+@dataclasses.dataclass(frozen=True)
+class PeerTierPinned(Record):
+    """Per key: its slot in the pool at `pool_addr` (`pool_bytes` long, slots of
+    `slot_bytes`), or SLOT_HELD (a miss); and 8 bytes per key (little-endian) of its
+    block's checksum of kind `checksum_kind` (`kvd.actors.tiers.CHECKSUMS`), which the
+    reader checks after its READ."""
+
+    op: U64
+    pool_addr: U64
+    pool_bytes: U64
+    slot_bytes: U64
+    slots: BlockIds
+    checksum_kind: U16
+    checksums: Annotated[bytes, Len(0, 8 * MAX_TIER_KEYS)]
+
+
+@message(123)
+@dataclasses.dataclass(frozen=True)
+class PeerTierUnpin(Record):
+    """The reader is done with operation `op` (its READ ended, or it gave up)."""
+
+    agent_name: Id
     op: U64

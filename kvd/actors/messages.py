@@ -94,6 +94,15 @@ class ClientRequest(Outside, Call[wire.Record]):
     msg: wire.Record
 
 
+@dataclass
+class PeerTierRequest(Outside, Call[wire.Record]):
+    """Side channel -> tiers: a peer daemon's tier request (authenticated when a shared
+    secret is set: `agent` is then the peer its session key belongs to)."""
+
+    agent: str
+    msg: wire.PeerTierLookup | wire.PeerTierPin | wire.PeerTierUnpin
+
+
 @dataclass(frozen=True)
 class LayersAnnounced(Outside):
     """Gateway -> sender: a worker's one-way `LayersSaved` (never answered; refused and

@@ -19,18 +19,22 @@ region drop for the transfers into the region to drain); one that does not fit i
 answered BUSY at once and counted (`limit_handshake_bytes_refused`). One is always
 taken while none is held, so a handshake as large as `daemon.max_frame_bytes` passes.
 
+Peers' tier requests (`PeerTierLookup`, `PeerTierPin`, `PeerTierUnpin`: a daemon asking
+this one's KV tiers) go to the tiers actor (BUSY when its mailbox is full); their
+answers travel back sealed under our session key with the asker when a secret is set.
+
 With a shared secret (a `Keyring`), only the handshake and the trace query (request and
-reply, each with its own MAC and nonce) travel bare: a region drop must come sealed under
-the session key its handshake derived (`kvd.core.peersession`), fresh, and naming the
-peer that key belongs to; anything else is refused AUTH and counted (`side_auth_rejected`,
-and `auth_rejected_<reason>`).
+reply, each with its own MAC and nonce) travel bare: a region drop or a tier request must
+come sealed under the session key its handshake derived (`kvd.core.peersession`), fresh,
+and naming the peer that key belongs to; anything else is refused AUTH and counted
+(`side_auth_rejected`, and `auth_rejected_<reason>`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -44,7 +48,7 @@ from kvd_client.errors import AuthError, Busy, ErrorCode, KvdError, RemoteProtoc
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import salvage_corr, transport_cap
-from kvd.actors.messages import AcceptHandshake, PeerRegionDropped
+from kvd.actors.messages import AcceptHandshake, PeerRegionDropped, PeerTierRequest
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.limits import PendingBudget, Reservation
 from kvd.core.peersession import AuthRefusal, Keyring
@@ -53,6 +57,9 @@ from kvd.core.trace import NO_TRACE, StageTrace
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.sidechannel", actor="sidechannel")
+
+PEER_TIER: Final = (wire.PeerTierLookup, wire.PeerTierPin, wire.PeerTierUnpin)
+"""A peer daemon's requests to this daemon's KV tiers."""
 
 
 class SideChannel:
@@ -71,6 +78,7 @@ class SideChannel:
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
         handshake_bytes: int = 64 << 20,
+        tiers: Mailbox[Any] | None = None,
     ) -> None:
         self.host = host
         self.budget = PendingBudget(handshake_bytes, name="limits.handshake_bytes")
@@ -85,6 +93,7 @@ class SideChannel:
         self.secret = secret
         self.trace = trace
         self.keyring = keyring
+        self.tiers = tiers
         self._sock: zmq.asyncio.Socket | None = None
 
     def _disconnected(self) -> None:
@@ -170,10 +179,11 @@ class SideChannel:
         if isinstance(msg, wire.TraceQuery):  # request/reply with its own MAC and nonce
             await self._trace_query(ident, corr, msg, t1)
             return False
-        if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed)):
+        if not isinstance(msg, (wire.Handshake, wire.RegionDropped, wire.Sealed, *PEER_TIER)):
             why = f"{type(msg).__name__} is not a side-channel request"
             await self._refuse(ident, corr, RemoteProtocolError(why))
             return False
+        peer = msg.agent_name if isinstance(msg, PEER_TIER) else ""
         if self.keyring is not None and not isinstance(msg, wire.Handshake):
             opened = self._open(msg)
             if isinstance(opened, AuthRefusal):
@@ -187,11 +197,17 @@ class SideChannel:
             refusal = None
             if isinstance(msg, (wire.Sealed, wire.Handshake)):
                 refusal = AuthRefusal.NESTED
-            elif isinstance(msg, wire.RegionDropped) and msg.agent_name != opened[0]:
+            elif isinstance(msg, (wire.RegionDropped, *PEER_TIER)) and msg.agent_name != opened[0]:
                 refusal = AuthRefusal.WRONG_PEER  # a peer speaks for itself only
             if refusal is not None:
                 await self._auth_refused(ident, corr, msg, refusal)
                 return False
+            peer = opened[0]
+        if isinstance(msg, PEER_TIER):
+            # a small request, answered from the tiers actor's bounded mailbox: its frame's
+            # bytes are given back once it is posted
+            await self._tier_request(tg, ident, corr, peer, msg)
+            return False
         if not isinstance(msg, (wire.Handshake, wire.RegionDropped)):
             why = f"{type(msg).__name__} is not a side-channel request"
             if isinstance(msg, wire.Sealed):
@@ -200,6 +216,40 @@ class SideChannel:
             return False
         tg.start_soon(self._handle, ident, corr, msg, held)
         return True
+
+    async def _tier_request(
+        self,
+        tg: anyio.abc.TaskGroup,
+        ident: bytes,
+        corr: int,
+        peer: str,
+        msg: wire.PeerTierLookup | wire.PeerTierPin | wire.PeerTierUnpin,
+    ) -> None:
+        if self.tiers is None:
+            await self._refuse(ident, corr, RemoteProtocolError("this daemon keeps no KV tiers"))
+            return
+        req = PeerTierRequest(peer, msg)
+        try:
+            self.tiers.post(req)
+        except Busy as exc:
+            await self._refuse(ident, corr, exc)
+            return
+        tg.start_soon(self._tier_answer, ident, corr, req)
+
+    async def _tier_answer(self, ident: bytes, corr: int, req: PeerTierRequest) -> None:
+        try:
+            reply = await req.reply
+        except KvdError as exc:
+            await self._refuse(ident, corr, exc)
+            return
+        if self.keyring is not None:
+            env = self.keyring.seal(req.agent, wire.encode(reply), time.monotonic())
+            if env is None:  # its key went meanwhile (the peer was forgotten)
+                err = AuthError(f"no session key with {req.agent} any more")
+                await self._send(ident, wire.ErrorReply.of(err.code, err.message), corr)
+                return
+            reply = env
+        await self._send(ident, reply, corr)
 
     def _open(self, msg: wire.Record) -> tuple[str, bytes] | AuthRefusal:
         """(peer, body) of an authentic, fresh envelope, or why not."""

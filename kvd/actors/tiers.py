@@ -20,6 +20,24 @@ the client ends it, when the session ends (goodbye; a killed client's lost conne
 no keep-alive for `daemon.client_timeout`: a frozen client), or after
 `tiers.pin_timeout`.
 
+Across nodes (`tiers.peers`, `tiers.ask_known_peers`). A lookup whose keys all hit locally
+is answered at once. Otherwise the keys that missed go, one `PeerTierLookup` per peer, to
+every peer asked (configured peers are handshaked through the registrar at start, and
+again while they do not answer); the answers that came within `tiers.peer_lookup_timeout`
+are validated (a wrong one is dropped and counted) and merged: a local hit wins, and among
+peers a host hit before a disk hit, then the least agent name (`pick_peers`). A peer that
+does not answer in time (dead, frozen, unreachable) is a miss for that batch, counted. A
+peer hit answers TIER_PEER and is remembered (`PeerHints`). A load (`TierPin`) of such a
+key reserves a local host slot, asks that peer to pin the block (`PeerTierPin`, one per
+peer per load), READs it over NIXL straight into the slot, checks its checksum against
+the one the peer computed over the block it pinned (a mismatch is a miss, counted), and
+unpins it on the peer (`PeerTierUnpin`). The block is then promoted: kept in the local
+host tier like a stored one (`promote_on_hit`; off: freed after that load). Serving
+peers: a peer's lookup is answered from the local tiers only (never forwarded); a peer's
+pins are an operation of the session `\0peer:<agent>`, dropped by its unpin, after
+`tiers.peer_pin_timeout`, and at once when the registrar forgets that peer or sees it
+restarted (a new incarnation): nothing stays pinned for a reader that is gone.
+
 Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
 namespace and the key, then a trailer (magic, length, checksum kind, and the checksum
 of all before it: `tiers.disk_checksum`).
@@ -50,20 +68,53 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import numpy as np
 import structlog
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound, TransferError
+from kvd_client.errors import (
+    Incompatible,
+    InvalidRequest,
+    KvdError,
+    NotFound,
+    Timeout,
+    TransferError,
+)
 from kvd_client.shm import SharedRegion
 
 from kvd.actors.base import Mailbox
-from kvd.actors.messages import ClientRequest, SessionClosed, Snapshot
-from kvd.adapters.nixl import NixlEngine, Unsettled
+from kvd.actors.gateway import transport_cap
+from kvd.actors.messages import (
+    ClientRequest,
+    EnsurePeer,
+    PeerInfo,
+    PeerLost,
+    PeerTierRequest,
+    PeerUpdated,
+    SessionClosed,
+    Snapshot,
+)
+from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
+from kvd.adapters.peerlink import PeerLink
 from kvd.config import TiersConfig
+from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
-from kvd.core.tiers import DiskIndex, Evicted, HostIndex, Op, OpBook, OpKind, Reserve, TierKey
+from kvd.core.tiers import (
+    DiskIndex,
+    Evicted,
+    HostIndex,
+    Op,
+    OpBook,
+    OpKind,
+    PeerHints,
+    Reserve,
+    TierKey,
+    found_problem,
+    pick_peers,
+    pinned_problem,
+)
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.tiers", actor="tiers")
@@ -83,6 +134,14 @@ DEMOTE_BATCH: Final = 64
 DISK_IO_TIMEOUT: Final = 60.0
 UNSETTLED: Final = "unsettled"
 """Why a disk transfer failed when NIXL still had it in flight (`Unsettled`)."""
+PEER_SESSION: Final = "\0peer:"
+"""Prefix of the session a peer's pins belong to (no client's session starts so)."""
+PEER_HINTS: Final = 1 << 16
+"""Keys remembered with the peer a lookup found them on."""
+PEER_DIAL_INTERVAL: Final = 1.0
+"""Seconds between handshake attempts with configured peers that are not known yet."""
+PEER_CHECKSUMS: Final = {CHECKSUMS["sum64"], CHECKSUMS["crc32"]}
+"""Checksum kinds a peer's pin answer may carry (the reader always checks one)."""
 
 
 @dataclass
@@ -92,6 +151,34 @@ class _DiskDone:
     op: Op | None
     read: bool
     results: list[tuple[TierKey, int, bool, str]]
+
+
+@dataclass
+class _PeersAnswered:
+    """Notice from a lookup's peer task: the (validated) answers that came in time."""
+
+    req: ClientRequest
+    keys: list[TierKey]
+    found: bytes
+    miss: list[int]
+    answers: dict[str, bytes]
+
+
+@dataclass
+class _PeerLoaded:
+    """Notice from a peer READ task: per key (index in the op, key, local slot, ok, why)."""
+
+    op: Op
+    agent: str
+    results: list[tuple[int, TierKey, int, bool, str]]
+
+
+@dataclass
+class _PeerDialed:
+    """Notice from the dialer: a configured peer's address answered as this agent."""
+
+    addr: str
+    info: PeerInfo
 
 
 @dataclass
@@ -232,8 +319,34 @@ class Tiers:
         cfg: TiersConfig,
         counters: dict[str, int],
         rejects: RejectLog,
+        registrar: Mailbox[Any] | None = None,
+        keyring: Keyring | None = None,
+        max_frame: int = 16 << 20,
+        agent_name: str = "",
+        incarnation: int = 0,
     ) -> None:
         self.engine = engine
+        self.registrar = registrar
+        self.agent_name = agent_name or engine.name
+        self.incarnation = incarnation
+        self.link = PeerLink(
+            keyring=keyring,
+            max_frame=max_frame,
+            frame_cap=transport_cap(max_frame),
+            on_late=self._late_answer,
+            counters=counters,
+            rejects=rejects,
+        )
+        self.peer_view: dict[str, PeerInfo] = {}
+        """Peers the registrar knows (its `PeerUpdated` notices), by agent."""
+        self.configured: dict[str, str] = {}
+        """`tiers.peers` "host:port" -> the agent that answered there."""
+        self.peer_sessions: dict[str, int] = {}
+        """Peers whose pins we hold -> the incarnation that took them."""
+        self.hints = PeerHints(PEER_HINTS)
+        self.peer_reading = 0
+        self._side_ready: anyio.Event | None = None
+        """Set once the daemon's side channel listens (`side_channel_listening`)."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.cfg = cfg
@@ -265,17 +378,30 @@ class Tiers:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def side_channel_listening(self) -> None:
+        """The daemon's side channel listens: configured peers are dialed from now on
+        (our handshake names its port)."""
+        if self._side_ready is not None:
+            self._side_ready.set()
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        self._side_ready = anyio.Event()
         if self.enabled:
             await self._start()
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            await tg.start(self.link.run)
+            if self.enabled and self.cfg.peer_addrs and self.registrar is not None:
+                tg.start_soon(self._dial_peers)
             task_status.started()
             while True:
                 msg: Any = await self.mailbox.receive_before(self.ops.next_deadline())
                 if msg is not None:
                     self._dispatch(msg)
                 for op in self.ops.expired(self.clock.now()):
+                    got = self.ops.get(op)
+                    if got is not None and got.session.startswith(PEER_SESSION):
+                        self._count("tiers_peer_pins_expired")
                     self._count("tiers_pins_expired")
                     self._release(op)
 
@@ -343,6 +469,29 @@ class Tiers:
                     error=exc.message,
                 )
                 msg.fail(exc)
+        elif isinstance(msg, PeerTierRequest):
+            try:
+                self._peer_request(msg)
+            except KvdError as exc:
+                self.rejects.reject(
+                    "tiers",
+                    "tiers_peer_requests_rejected",
+                    "tiers_peer_request_rejected",
+                    type(exc).__name__,
+                    peer=msg.agent,
+                    error=exc.message,
+                )
+                msg.fail(exc)
+        elif isinstance(msg, _PeersAnswered):
+            self._peers_answered(msg)
+        elif isinstance(msg, _PeerLoaded):
+            self._peer_loaded(msg)
+        elif isinstance(msg, PeerUpdated):
+            self._peer_updated(msg)
+        elif isinstance(msg, _PeerDialed):
+            self.configured[msg.addr] = msg.info.agent
+            info = self.peer_view.setdefault(msg.info.agent, msg.info)
+            self.link.prepare(info.agent, info.host, info.port)
         elif isinstance(msg, _DiskDone):
             if msg.read:
                 self._read_done(msg)
@@ -380,7 +529,7 @@ class Tiers:
         kb, blob, ns = m.key_bytes, m.keys, m.namespace
         keys = [(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)]
         if isinstance(m, wire.TierLookup):
-            req.resolve(wire.TierFound(self._lookup(keys)))
+            self._lookup_with_peers(req, m, keys, self._lookup(keys))
         elif isinstance(m, wire.TierReserve):
             self._reserve(req, keys)
         else:
@@ -482,13 +631,17 @@ class Tiers:
         self._keep_free()
         return wire.TierFlags(bytes(flags))
 
-    def _pin(self, req: ClientRequest, keys: list[TierKey]) -> None:
+    def _pin(self, req: ClientRequest, keys: list[TierKey], *, peer: str = "") -> None:
+        """A load's pins (module docstring); `peer`: for that peer daemon's READ (never
+        passed on to our own peers)."""
         host, disk = self.host, self.disk
         assert host is not None
-        op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + self.cfg.pin_timeout)
+        hold = self.cfg.peer_pin_timeout if peer else self.cfg.pin_timeout
+        op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + hold)
         op.keys = keys
         op.slots = [wire.SLOT_HELD] * len(keys)
         n_host = 0
+        from_peers: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             slot = host.pin(k)
             if slot is not None:
@@ -496,9 +649,14 @@ class Tiers:
                 n_host += 1
             elif disk is not None and disk.ready(k):
                 op.waiting.append(i)
-        self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
-        self._count("tiers_blocks_loaded", n_host)
+            elif not peer and (agent := self.hints.get(k)) is not None:
+                from_peers.setdefault(agent, []).append(i)
+        if not peer:  # (a peer's: counted when answered, disk hits included)
+            self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
+            self._count("tiers_blocks_loaded", n_host)
         self.op_reqs[op.op] = req
+        for agent, idxs in sorted(from_peers.items()):
+            self._start_peer_load(op, agent, idxs)
         self._place(op)
 
     def _place(self, op: Op) -> None:
@@ -615,6 +773,391 @@ class Tiers:
         self._answer(op)
         self._keep_free()
         self._retry_waiters()
+
+    # ---------------------------------------------------------------- peers: asking
+
+    def _asked_peers(self) -> list[PeerInfo]:
+        """The peers a local miss is looked up in, by agent name."""
+        agents = set(self.configured.values())
+        if self.cfg.ask_known_peers:
+            agents |= set(self.peer_view)
+        return [self.peer_view[a] for a in sorted(agents) if a in self.peer_view]
+
+    def _lookup_with_peers(
+        self, req: ClientRequest, m: wire.TierLookup, keys: list[TierKey], found: bytes
+    ) -> None:
+        """Answer now when every key hit locally or no peer is asked; else ask the peers
+        for the misses (one batch each) in a task, and answer from its notice."""
+        miss = [i for i, f in enumerate(found) if f == wire.TIER_MISS]
+        peers = self._asked_peers() if miss else []
+        if not peers:
+            req.resolve(wire.TierFound(found))
+            return
+        q = wire.PeerTierLookup(
+            self.agent_name,
+            m.namespace,
+            self.slot_bytes,
+            m.key_bytes,
+            b"".join(keys[i][1] for i in miss),
+        )
+        assert self._tg is not None
+        self._tg.start_soon(self._ask_peers, req, keys, found, miss, peers, q)
+
+    async def _ask_peers(
+        self,
+        req: ClientRequest,
+        keys: list[TierKey],
+        found: bytes,
+        miss: list[int],
+        peers: list[PeerInfo],
+        q: wire.PeerTierLookup,
+    ) -> None:
+        answers: dict[str, bytes] = {}
+
+        async def one(info: PeerInfo) -> None:
+            self._count("tiers_peer_lookups")
+            try:
+                reply = await self.link.ask(
+                    info.agent, info.host, info.port, q, self.cfg.peer_lookup_timeout
+                )
+            except KvdError as exc:
+                kind = "timeouts" if isinstance(exc, Timeout) else "unreachable"
+                self._count(f"tiers_peer_{kind}")
+                log.debug("tiers_peer_lookup_failed", peer=info.agent, error=exc.message)
+                return
+            why = (
+                found_problem(reply.found, len(miss))
+                if isinstance(reply, wire.TierFound)
+                else f"a {type(reply).__name__}, not TierFound"
+            )
+            if why is not None:
+                self._bad_answer(info.agent, why)
+                return
+            assert isinstance(reply, wire.TierFound)
+            answers[info.agent] = reply.found
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for info in peers:
+                    tg.start_soon(one, info)
+        finally:
+            self.mailbox.post(_PeersAnswered(req, keys, found, miss, answers))
+
+    def _bad_answer(self, agent: str, why: str) -> None:
+        self.rejects.reject(
+            "tiers",
+            "tiers_peer_bad_answers",
+            "tiers_peer_answer_rejected",
+            "invalid",
+            level="warning",
+            peer=agent,
+            error=why,
+        )
+
+    def _peers_answered(self, msg: _PeersAnswered) -> None:
+        picks = pick_peers(len(msg.miss), msg.answers)
+        out = bytearray(msg.found)
+        hits = 0
+        for i, agent in zip(msg.miss, picks, strict=True):
+            if agent is not None:
+                out[i] = wire.TIER_PEER
+                self.hints.note(msg.keys[i], agent)
+                hits += 1
+        self._count("tiers_peer_hits", hits)
+        self._count("tiers_peer_misses", len(msg.miss) - hits)
+        msg.req.resolve(wire.TierFound(bytes(out)))
+
+    def _start_peer_load(self, op: Op, agent: str, idxs: list[int]) -> None:
+        """Reserve local slots for keys a peer holds and READ them in a task (pending)."""
+        host = self.host
+        info = self.peer_view.get(agent)
+        assert host is not None
+        if info is None:
+            self._count("tiers_peer_load_failed", len(idxs))
+            return
+        reads: list[tuple[int, TierKey, int]] = []
+        for i in idxs:
+            k = op.keys[i]
+            got = host.reserve(
+                k, transient=not self.cfg.promote_on_hit, evict_dirty=not self._demoting_on
+            )
+            if got is Reserve.HELD:  # stored or being loaded meanwhile
+                slot = host.pin(k)
+                if slot is not None:
+                    op.slots[i] = slot
+                continue
+            if got is Reserve.FULL:
+                self._count("tiers_peer_no_room")
+                continue
+            assert not isinstance(got, Reserve)
+            slot, victim = got
+            self._evicted(victim)
+            op.slots[i] = slot
+            op.pending.add((k, slot))
+            reads.append((i, k, slot))
+        if reads:
+            self.peer_reading += len(reads)
+            assert self._tg is not None
+            self._tg.start_soon(self._peer_load, op, info, reads)
+
+    async def _peer_load(
+        self, op: Op, info: PeerInfo, reads: list[tuple[int, TierKey, int]]
+    ) -> None:
+        """Pin on the peer, READ into our slots, check, unpin (always posts its notice)."""
+        results: list[tuple[int, TierKey, int, bool, str]] = []
+        pinned: wire.PeerTierPinned | None = None
+        try:
+            ns, kb = reads[0][1][0], len(reads[0][1][1])
+            q = wire.PeerTierPin(
+                self.agent_name,
+                self.incarnation,
+                ns,
+                self.slot_bytes,
+                kb,
+                b"".join(k[1] for _, k, _ in reads),
+            )
+            try:
+                ans = await self.link.ask(
+                    info.agent, info.host, info.port, q, self.cfg.peer_read_timeout
+                )
+            except KvdError as exc:
+                self._count(
+                    "tiers_peer_timeouts" if isinstance(exc, Timeout) else "tiers_peer_unreachable"
+                )
+                results = [(i, k, s, False, f"pin: {exc.message}") for i, k, s in reads]
+                return
+            why = (
+                pinned_problem(ans, len(reads), self.slot_bytes, PEER_CHECKSUMS)
+                if isinstance(ans, wire.PeerTierPinned)
+                else f"a {type(ans).__name__}, not PeerTierPinned"
+            )
+            if isinstance(ans, wire.PeerTierPinned):
+                pinned = ans
+            if why is not None:
+                self._bad_answer(info.agent, why)
+                results = [(i, k, s, False, why) for i, k, s in reads]
+                return
+            assert pinned is not None
+            results = await self._peer_read(info, reads, pinned)
+        finally:
+            if pinned is not None and pinned.op:  # (op 0: nothing was opened there)
+                self.link.tell(
+                    info.agent, info.host, info.port, wire.PeerTierUnpin(self.agent_name, pinned.op)
+                )
+            self.mailbox.post(_PeerLoaded(op, info.agent, results))
+
+    async def _peer_read(
+        self, info: PeerInfo, reads: list[tuple[int, TierKey, int]], ans: wire.PeerTierPinned
+    ) -> list[tuple[int, TierKey, int, bool, str]]:
+        sb = self.slot_bytes
+        hits = [(j, r) for j, r in enumerate(reads) if ans.slots[j] >= 0]
+        out = [
+            (i, k, s, False, "a miss on the peer")
+            for j, (i, k, s) in enumerate(reads)
+            if ans.slots[j] < 0
+        ]
+        if not hits:
+            return out
+        local = np.array(
+            [[self.pool_addr + s * sb, sb, 0] for _, (_, _, s) in hits], dtype=np.int64
+        )
+        remote = np.array(
+            [[ans.pool_addr + ans.slots[j] * sb, sb, 0] for j, _ in hits], dtype=np.int64
+        )
+        try:
+            await self.engine.transfer(
+                "READ", local, remote, info.agent, b"", self.cfg.peer_read_timeout, len(hits) * sb
+            )
+        except Unsettled:
+            return out + [(i, k, s, False, UNSETTLED) for _, (i, k, s) in hits]
+        except KvdError as exc:
+            if isinstance(exc, PeerDisconnected) and self.registrar is not None:
+                self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
+            return out + [(i, k, s, False, f"read: {exc.message}") for _, (i, k, s) in hits]
+        checked = await anyio.to_thread.run_sync(self._check_peer_sums, hits, ans)
+        return out + checked
+
+    def _check_peer_sums(
+        self, hits: list[tuple[int, tuple[int, TierKey, int]]], ans: wire.PeerTierPinned
+    ) -> list[tuple[int, TierKey, int, bool, str]]:
+        assert self.pool is not None
+        sb = self.slot_bytes
+        out = []
+        for j, (i, k, s) in hits:
+            want = int.from_bytes(ans.checksums[8 * j : 8 * j + 8], "little")
+            got = block_checksum(ans.checksum_kind, self.pool.buf[s * sb : (s + 1) * sb], k)
+            out.append((i, k, s, got == want, "" if got == want else "checksum mismatch"))
+        return out
+
+    def _peer_loaded(self, msg: _PeerLoaded) -> None:
+        host = self.host
+        op = msg.op
+        assert host is not None
+        self.peer_reading -= len(msg.results)
+        good = 0
+        for i, k, slot, ok, why in msg.results:
+            op.pending.discard((k, slot))
+            if why == UNSETTLED:  # the slot stays reserved for good: NIXL may write it
+                self._count("tiers_slots_unsettled")
+                op.slots[i] = wire.SLOT_HELD
+                continue
+            if ok:
+                host.commit(k, keep_pin=True)
+                good += 1
+                if op.released:
+                    host.unpin(k)
+                continue
+            host.abort(k)
+            op.slots[i] = wire.SLOT_HELD
+            if why == "checksum mismatch":
+                self._count("tiers_peer_checksum_mismatch")
+                self._bad_answer(
+                    msg.agent, f"block {k[1].hex()[:16]}: the bytes READ fail its checksum"
+                )
+            self._count("tiers_peer_load_failed")
+        self._count("tiers_peer_bytes_in", good * self.slot_bytes)
+        self._count("tiers_peer_blocks_loaded", good)
+        self._count("tiers_blocks_loaded", good)
+        if self.cfg.promote_on_hit:
+            self._count("tiers_peer_blocks_promoted", good)
+        self._answer(op)
+        self._keep_free()
+        self._retry_waiters()
+
+    async def _dial_peers(self) -> None:
+        """Handshake (through the registrar) with configured peers not known yet."""
+        assert self.registrar is not None
+        assert self._side_ready is not None
+        await self._side_ready.wait()
+        while True:
+            for host, port in self.cfg.peer_addrs:
+                addr = f"{host}:{port}"
+                if self.configured.get(addr) in self.peer_view:
+                    continue
+                try:
+                    info = await self.registrar.call(EnsurePeer(host, port))
+                except KvdError as exc:
+                    self._count("tiers_peer_dial_failed")
+                    log.debug("tiers_peer_dial_failed", addr=addr, error=exc.message)
+                    continue
+                self.mailbox.post(_PeerDialed(addr, info))
+            await anyio.sleep(PEER_DIAL_INTERVAL)
+
+    def _late_answer(self, agent: str, reply: wire.Record) -> None:
+        """A pin answer after its load gave up: release what it pinned for us."""
+        if isinstance(reply, wire.PeerTierPinned) and reply.op:
+            info = self.peer_view.get(agent)
+            if info is not None:
+                self.link.tell(
+                    agent, info.host, info.port, wire.PeerTierUnpin(self.agent_name, reply.op)
+                )
+
+    def _peer_updated(self, msg: PeerUpdated) -> None:
+        """A peer's view changed: forgotten (gone) or a new incarnation drops its pins."""
+        held = self.peer_sessions.get(msg.agent)
+        if msg.info is None:
+            self.peer_view.pop(msg.agent, None)
+            self.hints.forget_peer(msg.agent)
+            for addr in [a for a, g in self.configured.items() if g == msg.agent]:
+                del self.configured[addr]
+        else:
+            self.peer_view[msg.agent] = msg.info
+            if self.cfg.ask_known_peers or msg.agent in self.configured.values():
+                self.link.prepare(msg.agent, msg.info.host, msg.info.port)
+        if held is not None and (msg.info is None or msg.info.incarnation != held):
+            self._release_peer(msg.agent)
+
+    def _release_peer(self, agent: str) -> None:
+        self.peer_sessions.pop(agent, None)
+        ops = self.ops.of_session(PEER_SESSION + agent)
+        if ops:
+            self._count("tiers_peer_pins_released_gone", len(ops))
+            log.info("tiers_peer_pins_released", peer=agent, ops=len(ops))
+        for op in ops:
+            self._release(op)
+
+    # ---------------------------------------------------------------- peers: serving
+
+    def _peer_request(self, req: PeerTierRequest) -> None:
+        m = req.msg
+        if isinstance(m, wire.PeerTierUnpin):
+            op = self.ops.get(m.op)
+            if op is None or op.session != PEER_SESSION + req.agent:
+                raise NotFound(f"no tier operation {m.op} of {req.agent}")
+            self._release(m.op)
+            req.resolve(wire.Ok())
+            return
+        if len(m.keys) % m.key_bytes:
+            raise InvalidRequest(f"keys are not a multiple of key_bytes ({m.key_bytes})")
+        n = len(m.keys) // m.key_bytes
+        if n > wire.MAX_TIER_KEYS:
+            raise InvalidRequest(f"{n} keys in one batch (at most {wire.MAX_TIER_KEYS})")
+        kb, blob, ns = m.key_bytes, m.keys, m.namespace
+        keys = [(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)]
+        host, disk = self.host, self.disk
+        serving = (
+            self.enabled
+            and self.pool is not None
+            and host is not None
+            and m.block_bytes == self.slot_bytes
+        )
+        if isinstance(m, wire.PeerTierLookup):
+            out = bytearray(n)
+            if serving:
+                assert host is not None
+                for i, k in enumerate(keys):
+                    if host.ready(k):
+                        out[i] = wire.TIER_HOST
+                    elif disk is not None and disk.ready(k) and disk.nbytes(k) == self.slot_bytes:
+                        out[i] = wire.TIER_DISK
+            self._count("tiers_peer_served_lookups")
+            self._count("tiers_peer_served_keys", n)
+            self._count("tiers_peer_served_hits", n - out.count(0))
+            req.resolve(wire.TierFound(bytes(out)))
+            return
+        self._count("tiers_peer_served_pins")
+        if not serving:
+            req.resolve(self._pinned(0, (wire.SLOT_HELD,) * n, b"\0" * (8 * n)))
+            return
+        held = self.peer_sessions.get(req.agent)
+        if held is not None and held != m.incarnation:  # it restarted: its old pins go
+            self._release_peer(req.agent)
+        self.peer_sessions[req.agent] = m.incarnation
+        inner = ClientRequest(PEER_SESSION + req.agent, wire.TierPin(ns, kb, blob))
+        self._pin(inner, keys, peer=req.agent)
+        assert self._tg is not None
+        self._tg.start_soon(self._answer_peer_pin, req, inner, keys)
+
+    def _pinned(self, op: int, slots: tuple[int, ...], sums: bytes) -> wire.PeerTierPinned:
+        kind = CHECKSUMS["crc32" if self.cfg.disk_checksum == "crc32" else "sum64"]
+        return wire.PeerTierPinned(
+            op, self.pool_addr, self.cfg.host_bytes, self.slot_bytes, slots, kind, sums
+        )
+
+    async def _answer_peer_pin(
+        self, req: PeerTierRequest, inner: ClientRequest, keys: list[TierKey]
+    ) -> None:
+        """The pins' answer, with each pinned block's checksum (computed off the loop:
+        the blocks cannot change while pinned)."""
+        try:
+            got = await inner.reply
+        except KvdError as exc:
+            req.fail(exc)
+            return
+        assert isinstance(got, wire.TierSlots)
+        probe = self._pinned(0, (), b"")
+        sums = await anyio.to_thread.run_sync(self._peer_sums, probe.checksum_kind, got.slots, keys)
+        self._count("tiers_peer_bytes_out", sum(s >= 0 for s in got.slots) * self.slot_bytes)
+        req.resolve(self._pinned(got.op, got.slots, sums))
+
+    def _peer_sums(self, kind: int, slots: tuple[int, ...], keys: list[TierKey]) -> bytes:
+        assert self.pool is not None
+        sb = self.slot_bytes
+        out = bytearray()
+        for s, k in zip(slots, keys, strict=True):
+            c = block_checksum(kind, self.pool.buf[s * sb : (s + 1) * sb], k) if s >= 0 else 0
+            out += c.to_bytes(8, "little")
+        return bytes(out)
 
     # ---------------------------------------------------------------- disk: loads
 
@@ -931,6 +1474,25 @@ class Tiers:
                 "bytes_out": c.get("tiers_disk_bytes_out", 0),
                 "reading": self.reading,
             }
+        peer_ops = sum(
+            len(self.ops.of_session(PEER_SESSION + a)) for a in sorted(self.peer_sessions)
+        )
+        out["peer"] = {
+            "configured": [f"{h}:{p}" for h, p in self.cfg.peer_addrs],
+            "ask_known_peers": self.cfg.ask_known_peers,
+            "asked": [p.agent for p in self._asked_peers()],
+            "lookups": c.get("tiers_peer_lookups", 0),
+            "hits": c.get("tiers_peer_hits", 0),
+            "misses": c.get("tiers_peer_misses", 0),
+            "timeouts": c.get("tiers_peer_timeouts", 0),
+            "bad_answers": c.get("tiers_peer_bad_answers", 0),
+            "blocks_loaded": c.get("tiers_peer_blocks_loaded", 0),
+            "bytes_in": c.get("tiers_peer_bytes_in", 0),
+            "bytes_out": c.get("tiers_peer_bytes_out", 0),
+            "reading": self.peer_reading,
+            "pins_held": peer_ops,
+            "hints": len(self.hints),
+        }
         return out
 
     def gauges(self) -> dict[str, float]:
@@ -945,6 +1507,8 @@ class Tiers:
             out["disk_capacity_bytes"] = float(self.disk.capacity)
             out["disk_used_bytes"] = float(self.disk.used)
             out["disk_blocks"] = float(len(self.disk))
+        if self.enabled:
+            out["peer_asked"] = float(len(self._asked_peers()))
         return out
 
 

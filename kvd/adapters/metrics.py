@@ -42,8 +42,8 @@ TIER_COUNTERS: Final = {
     "hits": "KV tiers: keys looked up and found in the tier",
     "misses": "KV tiers: keys looked up and not found in the tier",
     "evictions": "KV tiers: blocks evicted from the tier",
-    "bytes_in": "KV tiers: bytes stored into the tier",
-    "bytes_out": "KV tiers: bytes loaded out of the tier",
+    "bytes_in": "KV tiers: bytes stored into the tier (peer: READ from peers' tiers)",
+    "bytes_out": "KV tiers: bytes loaded out of the tier (peer: pinned for peers to READ)",
 }
 TIER_GAUGES: Final = {
     "capacity_bytes": "KV tiers: the tier's capacity in bytes",
@@ -200,9 +200,10 @@ class DaemonCollector(Collector):
             return
         gauges = dict(self.src.tiers())
         tiers = [t for t in ("host", "disk") if f"{t}_capacity_bytes" in gauges]
+        counted = tiers + (["peer"] if "peer_asked" in gauges else [])  # peers' tiers
         for key, doc in TIER_COUNTERS.items():
             c = CounterMetricFamily(f"kvd_tiers_{key}", doc, labels=["agent", "tier"])
-            for t in tiers:
+            for t in counted:
                 c.add_metric([self.agent, t], float(counters.get(f"tiers_{t}_{key}", 0)))
             yield c
         for key, doc in TIER_GAUGES.items():

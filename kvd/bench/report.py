@@ -633,7 +633,26 @@ def tiers_table(tr: dict[str, Any]) -> Table:
         f"{d['ms']['load_warm']:.1f} total",
         "",
     )
+    pr = tr.get("peer")
+    if pr:
+        t.add_row(
+            f"peer load {pr['request_bytes'] >> 20} MiB (pin + READ + checks + copy): GB/s "
+            "(vs memcpy)",
+            f"{pr['load_gbps']:.2f}",
+            f"{pr['memcpy_gbps']:.2f}",
+            f"{pr['load_vs_memcpy']:.2f}x",
+        )
+        t.add_row(
+            f"peer lookup of {n_blocks(pr)} keys (a local miss): ms",
+            f"{pr['lookup_ms']:.3f}",
+            "",
+            "",
+        )
     return t
+
+
+def n_blocks(pr: dict[str, Any]) -> int:
+    return int(pr["request_bytes"] // pr["block_bytes"])
 
 
 def targets_table(rows: list[dict[str, Any]]) -> Table:

@@ -16,6 +16,12 @@
   the daemon's read). Each is measured with the page cache warm and cold (the files
   evicted with POSIX_FADV_DONTNEED before each); the fraction of the files' bytes in
   the page cache is checked (RWF_NOWAIT reads) before each and reported.
+- Peer tier: the request's blocks held by a second daemon only; the first daemon (with
+  `tiers.peers` naming it, `promote_on_hit` off so that every load asks the peer) is
+  asked by its client: a lookup (a miss locally, a batch to the peer), then a load (a
+  pin on the peer, a NIXL READ into the local pool, the checksums checked, an unpin,
+  and the client's copy out), against a memcpy of the same bytes. Both daemons on one
+  host: the READ is UCX's same-host copy, not a network.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ class TiersBenchConfig:
 
 
 def steps(cfg: TiersBenchConfig) -> int:
-    return 4
+    return 5
 
 
 def _key(i: int) -> bytes:
@@ -80,6 +86,8 @@ def run(env: Env, cfg: TiersBenchConfig, seed: int, progress: Progress) -> dict[
     progress("tiers: host tier store and load")
     out["disk"] = _disk(env, cfg)
     progress("tiers: disk tier load")
+    out["peer"] = _peer(env, cfg)
+    progress("tiers: peer tier load")
     return out
 
 
@@ -399,3 +407,66 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
         )
     out["load_vs_buffered"] = out["load_vs_read_dest_warm"]
     return out
+
+
+def _peer(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
+    keys, blocks = _blocks(cfg)
+    n, bb = len(keys), cfg.block_bytes
+    src_all = blocks[0].obj
+    b = _daemon(env, "kvdb-tpb", {"host_bytes": 2 * cfg.request_bytes})
+    a: DaemonProc | None = None
+    dst = bytearray(cfg.request_bytes)
+    dview = memoryview(dst)
+    dests = [dview[i * bb : (i + 1) * bb] for i in range(n)]
+    lookup_t, load_t, copy_t = [], [], []
+    try:
+        with TierClient(b.socket, NS, bb, timeout=10.0) as c:
+            if not all(c.store(keys, blocks)):
+                raise RuntimeError("a store was refused")
+        a = _daemon(
+            env,
+            "kvdb-tpa",
+            {
+                "host_bytes": 2 * cfg.request_bytes,
+                "peers": f"127.0.0.1:{b.side_port}",
+                "promote_on_hit": False,
+                "peer_lookup_timeout": 5.0,
+            },
+        )
+        with TierClient(a.socket, NS, bb, timeout=10.0, io_timeout=60.0) as c:
+            deadline = time.monotonic() + 30
+            while not c.stats()["peer"]["asked"]:  # the handshake with the peer
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the peer daemon was never handshaked")
+                time.sleep(0.05)
+            for _ in range(cfg.reps):
+                t0 = time.perf_counter()
+                found = c.batch_lookup(keys)
+                lookup_t.append(time.perf_counter() - t0)
+                if not all(found):
+                    raise RuntimeError("a block the peer holds was not found")
+                dview[:] = bytes(len(dview))
+                t0 = time.perf_counter()
+                got = c.load(keys, dests)
+                load_t.append(time.perf_counter() - t0)
+                if not all(got) or dst != src_all:
+                    raise RuntimeError("a peer load returned wrong bytes")
+                t0 = time.perf_counter()
+                dview[:] = memoryview(src_all)
+                copy_t.append(time.perf_counter() - t0)
+            if c.stats()["peer"]["blocks_loaded"] != cfg.reps * n:
+                raise RuntimeError("a load was served without asking the peer")
+    finally:
+        if a is not None:
+            a.stop()
+        b.stop()
+    mc, ld = median(copy_t), median(load_t)
+    gb = cfg.request_bytes / 1e9
+    return {
+        "request_bytes": cfg.request_bytes,
+        "block_bytes": bb,
+        "lookup_ms": round(median(lookup_t) * 1e3, 3),
+        "memcpy_gbps": round(gb / mc, 2),
+        "load_gbps": round(gb / ld, 2),
+        "load_vs_memcpy": round(mc / ld, 3),
+    }

@@ -76,6 +76,27 @@ def address_problem(host: str, port: int, host_field: str, port_field: str) -> s
     return None
 
 
+def parse_peer_list(text: str) -> list[tuple[str, int]] | str:
+    """`host:port` entries separated by commas (`[v6]:port` for IPv6; spaces around an
+    entry are ignored; empty: none), in order without repeats, or the first problem."""
+    out: list[tuple[str, int]] = []
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            continue
+        host, sep, port_text = entry.rpartition(":")
+        if not sep or not port_text.isdigit():
+            return f"{_shown(entry)} is not host:port"
+        if (why := host_problem(host)) is not None:
+            return f"{_shown(entry)}: the host {why}"
+        if (why := port_problem(int(port_text))) is not None:
+            return f"{_shown(entry)}: {why}"
+        item = (host, int(port_text))
+        if item not in out:
+            out.append(item)
+    return out
+
+
 _PEER_FIELDS: Final[dict[type[wire.Record], tuple[str, str]]] = {
     wire.Track: ("peer_host", "peer_port"),
     wire.RegisterPush: ("peer_host", "peer_port"),

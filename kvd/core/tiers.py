@@ -20,6 +20,11 @@ and making room for a new file evicts from its old end (the actor deletes those 
 a load's pins), each with a deadline: the actor drops an operation's pins when its
 client ends it, when its session ends, or when it expires.
 
+Across nodes (a daemon asking its peers' tiers): `found_problem` and `pinned_problem`
+validate a peer's answers, `pick_peers` merges the answers of a lookup batch (the same
+choice whatever order they came in), and `PeerHints` remembers, bounded, which peer a
+lookup found each key on, for the load that follows.
+
 Every operation is O(1) (dicts and OrderedDicts; no scan), so 100k blocks cost what 1k
 do. Time is only ever a parameter.
 """
@@ -31,6 +36,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
+
+from kvd_client import wire
 
 from kvd.core.timers import TimerHeap
 
@@ -432,3 +439,90 @@ class OpBook:
     def expired(self, now: float) -> list[int]:
         """Operations whose deadline passed (still open: the caller closes them)."""
         return [op for op, _ in self._deadlines.pop_due(now) if op in self._ops]
+
+
+# ------------------------------------------------------------------ across nodes
+
+_PEER_RANK: Final = {wire.TIER_HOST: 0, wire.TIER_DISK: 1}
+"""A peer's host hit is preferred to another's disk hit (no disk read on its side)."""
+
+
+def found_problem(found: bytes, n: int) -> str | None:
+    """What is wrong with a peer's `TierFound` for a batch of `n` keys, or None."""
+    if len(found) != n:
+        return f"{len(found)} answers for {n} keys"
+    if any(f not in (wire.TIER_MISS, wire.TIER_HOST, wire.TIER_DISK) for f in found):
+        return "an answer that is not miss, host or disk"
+    return None
+
+
+def pick_peers(n: int, answers: dict[str, bytes]) -> list[str | None]:
+    """Per key of a batch of `n`: the peer to load it from (None: no peer holds it).
+    Among the peers that hold a key: a host hit before a disk hit, then the least agent
+    name: deterministic, whatever order the (validated) answers arrived in."""
+    out: list[str | None] = [None] * n
+    best: list[tuple[int, str] | None] = [None] * n
+    for agent, found in answers.items():
+        for i, f in enumerate(found):
+            if f == wire.TIER_MISS:
+                continue
+            cand = (_PEER_RANK[f], agent)
+            b = best[i]
+            if b is None or cand < b:
+                best[i] = cand
+                out[i] = agent
+    return out
+
+
+def pinned_problem(
+    ans: wire.PeerTierPinned, n: int, slot_bytes: int, kinds: set[int]
+) -> str | None:
+    """What is wrong with a peer's `PeerTierPinned` for `n` keys of `slot_bytes` each (so
+    that no descriptor is built from it), or None."""
+    if len(ans.slots) != n:
+        return f"{len(ans.slots)} slots for {n} keys"
+    if len(ans.checksums) != 8 * n:
+        return f"{len(ans.checksums)} checksum bytes for {n} keys"
+    if ans.checksum_kind not in kinds:
+        return f"unknown checksum kind {ans.checksum_kind}"
+    if any(s != wire.SLOT_HELD for s in ans.slots) and ans.slot_bytes != slot_bytes:
+        return f"slots of {ans.slot_bytes} bytes, not {slot_bytes}"
+    if ans.pool_addr + ans.pool_bytes >= 1 << 63:
+        return "a pool past the end of the address space"
+    num_slots = ans.pool_bytes // slot_bytes
+    for s in ans.slots:
+        if s != wire.SLOT_HELD and not 0 <= s < num_slots:
+            return f"slot {s} outside the pool's {num_slots} slots"
+    return None
+
+
+class PeerHints:
+    """Which peer a lookup found each key on (the last `capacity` keys): the load that
+    follows asks that peer. A stale hint costs a miss, never a wrong block."""
+
+    __slots__ = ("_hints", "capacity")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity: Final = capacity
+        self._hints: OrderedDict[TierKey, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+    def note(self, key: TierKey, agent: str) -> None:
+        self._hints[key] = agent
+        self._hints.move_to_end(key)
+        while len(self._hints) > self.capacity:
+            self._hints.popitem(last=False)
+
+    def get(self, key: TierKey) -> str | None:
+        return self._hints.get(key)
+
+    def forget_peer(self, agent: str) -> int:
+        """Drop every hint naming `agent` (it is gone); how many."""
+        gone = [k for k, a in self._hints.items() if a == agent]
+        for k in gone:
+            del self._hints[k]
+        return len(gone)

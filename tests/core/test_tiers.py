@@ -9,8 +9,20 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from kvd_client import wire as w
 
-from kvd.core.tiers import DiskIndex, HostIndex, OpBook, OpKind, Reserve, TierKey
+from kvd.core.tiers import (
+    DiskIndex,
+    HostIndex,
+    OpBook,
+    OpKind,
+    PeerHints,
+    Reserve,
+    TierKey,
+    found_problem,
+    pick_peers,
+    pinned_problem,
+)
 
 
 def k(i: int, ns: bytes = b"m") -> TierKey:
@@ -395,3 +407,64 @@ class DiskMachine(RuleBasedStateMachine):
 
 DiskMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 TestDiskMachine = DiskMachine.TestCase
+
+
+# ------------------------------------------------------------------ across nodes
+
+
+def test_pick_peers_prefers_host_then_least_name_in_any_order() -> None:
+    h, d, m = w.TIER_HOST, w.TIER_DISK, w.TIER_MISS
+    answers = {"pc": bytes([h, h, m, d]), "pb": bytes([d, h, m, d]), "pa": bytes([m, m, m, m])}
+    want = ["pc", "pb", None, "pb"]
+    assert pick_peers(4, answers) == want
+    assert pick_peers(4, dict(reversed(list(answers.items())))) == want
+    assert pick_peers(2, {}) == [None, None]
+
+
+def test_found_problem_rejects_wrong_length_and_values() -> None:
+    assert found_problem(bytes([0, 1, 2]), 3) is None
+    assert found_problem(bytes([0, 1]), 3) == "2 answers for 3 keys"
+    assert found_problem(bytes([0, 3, 1]), 3) is not None  # TIER_PEER: never from a peer
+    assert found_problem(bytes([9]), 1) is not None
+
+
+def test_pinned_problem_keeps_every_descriptor_inside_the_peer_pool() -> None:
+    def ans(**kw: object) -> w.PeerTierPinned:
+        base: dict[str, object] = {
+            "op": 1,
+            "pool_addr": 1 << 30,
+            "pool_bytes": 4 * 4096,
+            "slot_bytes": 4096,
+            "slots": (0, -1, 3),
+            "checksum_kind": 1,
+            "checksums": bytes(24),
+        }
+        base.update(kw)
+        return w.PeerTierPinned(**base)  # type: ignore[arg-type]
+
+    kinds = {1, 2}
+    assert pinned_problem(ans(), 3, 4096, kinds) is None
+    assert (
+        pinned_problem(ans(slots=(0, 4, 1)), 3, 4096, kinds) == "slot 4 outside the pool's 4 slots"
+    )
+    assert pinned_problem(ans(slots=(0, -2, 1)), 3, 4096, kinds) is not None
+    assert pinned_problem(ans(slots=(0, 1)), 3, 4096, kinds) == "2 slots for 3 keys"
+    assert pinned_problem(ans(checksums=bytes(16)), 3, 4096, kinds) is not None
+    assert pinned_problem(ans(checksum_kind=0), 3, 4096, kinds) == "unknown checksum kind 0"
+    assert pinned_problem(ans(slot_bytes=8192), 3, 4096, kinds) is not None
+    assert pinned_problem(ans(pool_addr=(1 << 63) - 100), 3, 4096, kinds) is not None
+    # all misses: nothing is read, the sizes do not matter
+    assert pinned_problem(ans(slots=(-1, -1, -1), slot_bytes=1), 3, 4096, kinds) is None
+
+
+def test_peer_hints_bounded_and_forgotten_with_their_peer() -> None:
+    h = PeerHints(3)
+    for i in range(5):
+        h.note((b"ns", bytes([i])), "pb" if i % 2 else "pc")
+    assert len(h) == 3 and h.get((b"ns", bytes([0]))) is None
+    assert h.get((b"ns", bytes([4]))) == "pc"
+    h.note((b"ns", bytes([2])), "pb")  # most recent again
+    h.note((b"ns", bytes([9])), "pc")
+    assert h.get((b"ns", bytes([2]))) == "pb" and h.get((b"ns", bytes([3]))) is None
+    assert h.forget_peer("pb") == 1
+    assert h.get((b"ns", bytes([2]))) is None and len(h) == 2

@@ -47,7 +47,7 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers"}
 
     tr = sc["tiers"]
-    assert set(tr) >= {"lookup", "index", "host", "disk"}
+    assert set(tr) >= {"lookup", "index", "host", "disk", "peer"}
     for side in ("store_gbps", "load_gbps", "memcpy_gbps", "store_vs_memcpy", "load_vs_memcpy"):
         _positive(tr["host"][side], f"tiers host {side}")
     for state in ("warm", "cold"):
@@ -57,6 +57,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     cache = tr["disk"]["page_cache"]
     assert all(v == 1.0 for k, v in cache.items() if k.endswith("_warm")), cache
     assert all(v < 0.5 for k, v in cache.items() if k.endswith("_cold")), cache
+    for side in ("load_gbps", "memcpy_gbps", "load_vs_memcpy", "lookup_ms"):
+        _positive(tr["peer"][side], f"tiers peer {side}")
 
     dp = sc["dataplane"]
     assert len(dp["cases"]) == 4

@@ -457,6 +457,40 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "TierFlags": (63, wire.TierFlags(flags=bytes([1, 1, 0]))),
     "TierPin": (64, wire.TierPin(namespace=b"compat-A", key_bytes=3, keys=b"abc")),
     "TierUnpin": (65, wire.TierUnpin(op=(1 << 64) - 1)),
+    "PeerTierLookup": (
+        66,
+        wire.PeerTierLookup(
+            agent_name="kvd-node-β",
+            namespace=b"compat-A",
+            block_bytes=65536,
+            key_bytes=4,
+            keys=b"\x00\x01\x02\x03abcd",
+        ),
+    ),
+    "PeerTierPin": (
+        67,
+        wire.PeerTierPin(
+            agent_name="kvd-node-β",
+            incarnation=(1 << 64) - 1,
+            namespace=b"compat-A",
+            block_bytes=65536,
+            key_bytes=2,
+            keys=b"k1k2",
+        ),
+    ),
+    "PeerTierPinned": (
+        67,
+        wire.PeerTierPinned(
+            op=9,
+            pool_addr=0x7F00_0000_0000,
+            pool_bytes=1 << 30,
+            slot_bytes=65536,
+            slots=(3, -1),
+            checksum_kind=1,
+            checksums=(1 << 63).to_bytes(8, "little") + bytes(8),
+        ),
+    ),
+    "PeerTierUnpin": (68, wire.PeerTierUnpin(agent_name="kvd-node-β", op=9)),
 }
 """Type name -> (corr, instance); corr is 0 for events and notifications."""
 

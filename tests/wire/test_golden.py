@@ -76,6 +76,10 @@ TYPE_IDS = {
     "TierFlags": 107,
     "TierPin": 108,
     "TierUnpin": 109,
+    "PeerTierLookup": 120,
+    "PeerTierPin": 121,
+    "PeerTierPinned": 122,
+    "PeerTierUnpin": 123,
 }
 
 ERROR_CODES = {

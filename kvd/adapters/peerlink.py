@@ -1,0 +1,211 @@
+"""Peer link: request/reply to peer daemons' side channels, for the tiers actor.
+
+One ZMQ DEALER per peer address, kept open (ZMQ reconnects by itself when the peer
+restarts), with ZMQ_IMMEDIATE: a message is queued only on a completed connection, so a
+request to a peer that is down fails at once (`PeerUnreachable`) instead of waiting in a
+queue for its timeout. A reader task per socket matches replies to requests by their
+correlation id; a reply nobody waits for any more (its request timed out) goes to
+`on_late` (the tiers actor unpins what a late pin answer pinned for it).
+
+With a shared secret (a `Keyring`), every request goes sealed under the session key of
+the peer's handshake (no key yet: `PeerUnreachable`, the caller handshakes first), and
+a reply is taken only sealed under that peer's key (`Keyring.open` with the peer the
+socket belongs to) or as a bare `ErrorReply` (a refusal: it only ends the wait early).
+Anything else is dropped and counted (`tiers_peer_auth_rejected`); its request then
+times out, as a forged answer must not be taken for a real one. Malformed replies are
+dropped and counted too (`tiers_peer_bad_answers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.abc
+import structlog
+import zmq
+import zmq.asyncio
+from anyio.abc import TaskStatus
+from kvd_client import wire
+from kvd_client.errors import RemoteProtocolError, Timeout, TransferError
+
+from kvd.core.peersession import AuthRefusal, Keyring
+from kvd.logs import RejectLog
+
+log = structlog.get_logger("kvd.peerlink", actor="tiers")
+
+
+class PeerUnreachable(TransferError):
+    """No connection to the peer (or no session key with it yet): nothing was sent."""
+
+
+class PeerLink:
+    def __init__(
+        self,
+        *,
+        keyring: Keyring | None,
+        max_frame: int,
+        frame_cap: int,
+        on_late: Callable[[str, wire.Record], None],
+        counters: dict[str, int],
+        rejects: RejectLog,
+    ) -> None:
+        self.keyring = keyring
+        self.max_frame = max_frame
+        self.frame_cap = frame_cap
+        """ZMQ_MAXMSGSIZE: libzmq drops a connection that sends a bigger frame."""
+        self.on_late = on_late
+        self.counters = counters
+        self.rejects = rejects
+        self._socks: dict[str, zmq.asyncio.Socket] = {}
+        """By "host:port"."""
+        self._waiting: dict[int, tuple[str, asyncio.Future[wire.Record]]] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+        for _, fut in self._waiting.values():
+            if not fut.done():
+                fut.cancel()
+        self._waiting.clear()
+
+    def prepare(self, agent: str, host: str, port: int) -> None:
+        """Connect ahead of the first request (ZMQ_IMMEDIATE refuses sends until the
+        connection is up)."""
+        self._sock(agent, host, port)
+
+    def _sock(self, agent: str, host: str, port: int) -> zmq.asyncio.Socket:
+        addr = f"{host}:{port}"
+        sock = self._socks.get(addr)
+        if sock is None:
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.frame_cap)
+            sock.setsockopt(zmq.SNDHWM, 1024)
+            sock.connect(f"tcp://{addr}")
+            self._socks[addr] = sock
+            assert self._tg is not None
+            self._tg.start_soon(self._read, agent, addr, sock)
+        return sock
+
+    def _frame(self, agent: str, msg: wire.Record, corr: int) -> bytes:
+        if self.keyring is None:
+            return wire.encode(msg, corr)
+        env = self.keyring.seal(agent, wire.encode(msg), time.monotonic())
+        if env is None:
+            raise PeerUnreachable(f"no session key with {agent} (no handshake yet)")
+        return wire.encode(env, corr)
+
+    def _send(self, agent: str, host: str, port: int, msg: wire.Record, corr: int) -> None:
+        frame = self._frame(agent, msg, corr)
+        sock = self._sock(agent, host, port)
+        try:
+            # NOBLOCK on an asyncio socket: queued now or zmq.Again (no connection)
+            sent: Any = sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise PeerUnreachable(f"{agent} at {host}:{port}: {exc}") from None
+        failed = sent.exception() if sent.done() else None
+        if failed is not None:
+            raise PeerUnreachable(f"{agent} at {host}:{port}: {failed}")
+
+    async def ask(
+        self,
+        agent: str,
+        host: str,
+        port: int,
+        msg: wire.Record,
+        timeout: float,  # noqa: ASYNC109 - the wait for the reply, not a cancel scope
+    ) -> wire.Record:
+        """Send `msg` to `agent`'s side channel and wait up to `timeout` for its reply.
+        Raises PeerUnreachable, Timeout, or the peer's error (an `ErrorReply`)."""
+        corr = int.from_bytes(os.urandom(6), "little") | 1
+        fut: asyncio.Future[wire.Record] = asyncio.get_running_loop().create_future()
+        self._waiting[corr] = (agent, fut)
+        try:
+            self._send(agent, host, port, msg, corr)
+            with anyio.fail_after(timeout):
+                reply = await fut
+        except TimeoutError:
+            raise Timeout(f"no answer from {agent} within {timeout}s") from None
+        finally:
+            self._waiting.pop(corr, None)
+        if isinstance(reply, wire.ErrorReply):
+            raise TransferError(f"{agent} refused: {reply.message}")
+        return reply
+
+    def tell(self, agent: str, host: str, port: int, msg: wire.Record) -> bool:
+        """Send without waiting (its reply is dropped as a late one); False if unsent."""
+        try:
+            self._send(agent, host, port, msg, int.from_bytes(os.urandom(6), "little") | 1)
+        except TransferError:
+            return False
+        return True
+
+    async def _read(self, agent: str, addr: str, sock: zmq.asyncio.Socket) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            while True:
+                frame = await sock.recv()
+                got = self._decode(agent, frame)
+                if got is None:
+                    continue
+                corr, reply = got
+                waiting = self._waiting.get(corr)
+                if waiting is not None and waiting[0] == agent:
+                    if not waiting[1].done():
+                        waiting[1].set_result(reply)
+                    continue
+                self._count("tiers_peer_late_answers")
+                self.on_late(agent, reply)
+
+    def _decode(self, agent: str, frame: bytes) -> tuple[int, wire.Record] | None:
+        try:
+            corr, msg = wire.decode(frame, self.max_frame)
+            if self.keyring is not None and not isinstance(msg, wire.ErrorReply):
+                opened: tuple[str, bytes] | AuthRefusal = (
+                    self.keyring.open(msg, time.monotonic(), agent)
+                    if isinstance(msg, wire.Sealed)
+                    else AuthRefusal.UNSEALED
+                )
+                if isinstance(opened, AuthRefusal):
+                    self.rejects.reject(
+                        "tiers",
+                        "tiers_peer_auth_rejected",
+                        "tiers_peer_answer_auth_rejected",
+                        opened.value,
+                        peer=agent,
+                    )
+                    return None
+                _, msg = wire.decode(opened[1], self.max_frame)
+                if isinstance(msg, wire.Sealed):
+                    raise RemoteProtocolError("a sealed message inside a sealed one")
+        except RemoteProtocolError as exc:
+            self.rejects.reject(
+                "tiers",
+                "tiers_peer_bad_answers",
+                "tiers_peer_answer_rejected",
+                "malformed",
+                peer=agent,
+                error=exc.message,
+            )
+            return None
+        return corr, msg
