@@ -508,7 +508,9 @@ def test_push_write_in_flight_past_ds_watchdog_lands_nothing_after_the_terminal_
         landed = type(ev).__name__ == "RecvFinished"
         if landed:  # the WRITE ended well: every byte is there
             assert arrived(key, blocks)
-            assert type(p_ev).__name__ == "SendFinished", p_ev
+            # P's engine: done, or failed when the WRITE outlived the settle bound first
+            # (answered Unsettled, then held until UCX ended it: which way is not told)
+            assert type(p_ev).__name__ == "SendFinished" or "in flight" in p_ev.reason, p_ev
         else:
             assert list(ev.block_ids) == blocks, ev
         # the blocks are the engine's again: nothing of the WRITE may land in them now
