@@ -438,8 +438,9 @@ class TransferConfig(_Section):
     )
     push_registration_timeout: float = _opt(
         480.0,
-        "Seconds D keeps a push registration that never completes; then it drops it and "
-        "fails the request.",
+        "Seconds D keeps a push registration that never completes; then it withdraws it at "
+        "P and fails the request once P confirms no WRITE into its blocks can still land "
+        "(or P is gone, or P's settle bound passed: docs/late-writes.md).",
         gt=0,
     )
     peer_probe_interval: float = _opt(

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Final
@@ -48,12 +49,13 @@ from kvd.actors.messages import (
 )
 from kvd.actors.transfers import (
     DRAIN_LISTED,
+    SettleWatch,
     TransferActor,
     Transport,
     local_ranks,
     transfer_groups,
 )
-from kvd.adapters.nixl import PeerDisconnected, PeerUnknown
+from kvd.adapters.nixl import PeerDisconnected, PeerUnknown, Unsettled
 from kvd.adapters.staging import StagingArea
 from kvd.core import receiver as proto
 from kvd.core.hybrid import is_hybrid, permutes_any, plan_any
@@ -124,6 +126,8 @@ class Receiver(TransferActor):
         self.incarnation = incarnation
         self.staging = staging
         """Where pulls that slice heads or convert layouts READ whole chunks (None: off)."""
+        self.side_listening: Callable[[str, int, float], Awaitable[bool | None]] = side_listening
+        """How `CheckGone` asks whether P's side channel still listens (a test swaps it)."""
         self._permuting: dict[str, tuple[int, list[EventOut]]] = {}
         """Requests whose received bytes a permute is rewriting in place (how many permutes,
         and the events held back meanwhile): the engine hears the request ended, and may
@@ -256,6 +260,8 @@ class Receiver(TransferActor):
             self._spawn(self._reach, eff.peer, wire.Probe(0, True), 0)
         elif isinstance(eff, proto.CancelAt):
             self._spawn(self._cancel_at, eff)
+        elif isinstance(eff, proto.CheckGone):
+            self._spawn(self._check_gone, eff)
         else:
             raise TypeError(f"receiver cannot carry out {type(eff).__name__}")
 
@@ -379,6 +385,7 @@ class Receiver(TransferActor):
             first,
             view,
             layers=local[0].geometry.num_layers,
+            incarnation=info.incarnation,
         )
 
     async def _peer_ranks(
@@ -453,10 +460,13 @@ class Receiver(TransferActor):
     async def _read(self, eff: proto.PostRead) -> None:
         view = eff.view
         assert isinstance(view, _View)
+        direct = False
+        watch = SettleWatch()
         try:
             if view.staged is None or not await self._staged_read(eff.request_id, eff.agent, view):
                 if not view.plans and view.replan is not None:  # staged whole, but no slot
                     view.plans.extend(view.replan().plans)  # (its permutes are in the view)
+                direct = True  # straight into D's blocks
                 await self.book.run(
                     "READ",
                     eff.request_id,
@@ -465,11 +475,22 @@ class Receiver(TransferActor):
                     view.remote,
                     view.plans,
                     view.notifs,
+                    watch,
                 )
+                direct = False
                 jobs = [job for group in view.permutes.values() for job in group]
                 view.permutes.clear()
                 if jobs:
                     await self._permute(jobs)
+        except Unsettled as exc:
+            if not direct:  # into a staging slot (quarantined by the staging area)
+                self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
+                return
+            # still in flight in UCX: it may write into our blocks, which stay held
+            self._outcome(proto.ReadDone(eff.request_id, exc, unsettled=True))
+            await watch.wait()
+            self._outcome(proto.ReadSettled(eff.request_id))
+            return
         except KvdError as exc:
             # lost under a posted READ: fail; a stale view when posting: handshake again
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
@@ -678,6 +699,37 @@ class Receiver(TransferActor):
                 "cancel_not_delivered", request_id=eff.hb_id, peer=eff.peer, error=exc.message
             )
 
+    async def _check_gone(self, eff: proto.CheckGone) -> None:
+        """Whether the P daemon a held push waits on is provably gone: nothing listens at
+        its side channel any more (the connection is refused: its process is gone, and
+        with it its NIXL agent), or another daemon (agent or incarnation) answers there.
+        If it answers as itself, it is told the cancel again through the fresh view.
+        Unreachable (a cut link, a frozen process): no proof, the request stays held."""
+        host, _, port_s = eff.peer.rpartition(":")
+        port = int(port_s)
+        listening = await self.side_listening(host, port, min(self.book.transfer_timeout, 5.0))
+        if listening is False:
+            self._outcome(proto.PeerGone(eff.agent, f"{eff.peer} refused the connection"))
+            return
+        if listening is None:
+            return
+        try:
+            info = await self._peer(host, port, refresh=True)
+        except KvdError:
+            return
+        if info.agent != eff.agent or (eff.incarnation and info.incarnation != eff.incarnation):
+            why = f"{eff.peer} answers as {info.agent} incarnation {info.incarnation:016x}"
+            self._outcome(proto.PeerGone(eff.agent, why))
+            return
+        for hb_id in eff.hb_ids:
+            try:
+                await self.transport.send_notif(
+                    info.agent, wire.encode(wire.CancelRegistration(hb_id))
+                )
+            except KvdError as exc:
+                log.info("cancel_not_delivered", request_id=hb_id, peer=eff.peer, error=exc.message)
+                return
+
     # ---------------------------------------------------------------- status
 
     def snapshot(self, section: str, now: float) -> dict[str, Any]:
@@ -724,12 +776,30 @@ class Receiver(TransferActor):
             "tracked": len(p.reqs),
             "receiving": len(p.reqs) - states["tracked"],
             "states": states,
+            "holding": states["holding"],
             "sending": len(self.book.in_flight),
             "staging": self.staging.snapshot() if self.staging is not None else None,
             "heartbeat_peers": len(p.heartbeats.peers()),
             "limits": p.limits(),
             "failures": dict(self.failures),
         } | self.book.totals()
+
+
+async def side_listening(host: str, port: int, timeout: float) -> bool | None:  # noqa: ASYNC109
+    """Whether a TCP connection to host:port is accepted (True), refused (False: nothing
+    listens there) or neither within `timeout` (None: unreachable, e.g. a cut link)."""
+    return await anyio.to_thread.run_sync(_connects, host, port, timeout)
+
+
+def _connects(host: str, port: int, timeout: float) -> bool | None:
+    # a plain connect: anyio's happy-eyeballs connect folds a refusal into a generic error
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # a timeout, no route, the link down
+        return None
 
 
 def _run_permutes(jobs: list[tuple[LocalRegion, Permute]]) -> None:

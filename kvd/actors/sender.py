@@ -18,10 +18,12 @@ their descriptors, carrying one `LayersPushed` that names each request's layers.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Final
 
+import anyio
 import structlog
 from kvd_client import wire
 from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound
@@ -42,11 +44,13 @@ from kvd.actors.messages import (
 )
 from kvd.actors.transfers import (
     DRAIN_LISTED,
+    SettleWatch,
     TransferActor,
     Transport,
     local_ranks,
     transfer_groups,
 )
+from kvd.adapters.nixl import Unsettled
 from kvd.core import sender as proto
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
@@ -100,7 +104,11 @@ class Sender(TransferActor):
             max_pending_per_peer=max_pending_per_peer,
             pending_bytes=pending_bytes,
             counters=counters,
+            unsettled_hold=2 * transfer_timeout + 1.0,
         )
+        self.post_fence = transfer_timeout
+        """Seconds (raw monotonic: a stall counts) within which a WRITE the machine decided
+        must be posted, or it is not posted at all (`Transport.transfer`'s `post_by`)."""
         self._stall_seen = self.clock.stall_count
         self._layer_posts: list[proto.PostLayers] = []
 
@@ -255,7 +263,7 @@ class Sender(TransferActor):
         elif isinstance(eff, proto.PostWrite):
             if self.trace.on:
                 self._mark(eff.key, "claimed")
-            self._spawn(self._write, eff)
+            self._spawn(self._write, eff, time.monotonic() + self.post_fence)
         elif isinstance(eff, proto.PostLayers):
             self._layer_posts.append(eff)  # posted, coalesced, at the end of the turn
         else:
@@ -301,8 +309,9 @@ class Sender(TransferActor):
         """D's regions as its registration names them, if the view we hold fits."""
         return _fits(self.peers.get(agent), msg)
 
-    async def _write(self, eff: proto.PostWrite) -> None:
+    async def _write(self, eff: proto.PostWrite, post_by: float) -> None:
         reg = eff.registration
+        watch = SettleWatch()
         try:
             local = self._local_ranks(eff.engine_id)
             remote: list[RemoteRegion] = eff.view  # type: ignore[assignment]
@@ -317,7 +326,17 @@ class Sender(TransferActor):
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
-            await self.book.run("WRITE", eff.key, eff.agent, locs, rems, rp.plans, notifs)
+            await self.book.run(
+                "WRITE", eff.key, eff.agent, locs, rems, rp.plans, notifs, watch, post_by=post_by
+            )
+        except Unsettled as exc:
+            # still in flight in UCX: no word to D until it ends (D holds its blocks). The
+            # adapter does not say whether it landed then: it is failed (if it landed, D
+            # had its PushDone(ok) with the bytes, and this answer comes late)
+            self._outcome(proto.WriteDone(eff.key, exc, unsettled=True))
+            await watch.wait()
+            self._outcome(proto.WriteSettled(eff.key, exc))
+            return
         except KvdError as exc:
             self._outcome(proto.WriteDone(eff.key, exc))
             return
@@ -333,11 +352,12 @@ class Sender(TransferActor):
             d = tuple((r.region_id, r.generation) for r in view)
             groups.setdefault((eff.agent, eff.engine_id, d), []).append(eff)
         self._layer_posts = []
+        post_by = time.monotonic() + self.post_fence
         for effs in groups.values():
             for i in range(0, len(effs), MAX_COALESCED):
-                self._spawn(self._write_layers, effs[i : i + MAX_COALESCED])
+                self._spawn(self._write_layers, effs[i : i + MAX_COALESCED], post_by)
 
-    async def _write_layers(self, effs: list[proto.PostLayers]) -> None:
+    async def _write_layers(self, effs: list[proto.PostLayers], post_by: float) -> None:
         """One WRITE of several requests' layers into the same D regions (agent, and each
         region's generation): every rank pair of every request, as one NIXL transfer per
         group of pairs (`transfer_groups`), each carrying the LayersPushed that names all
@@ -393,9 +413,18 @@ class Sender(TransferActor):
             for g in range(groups)
         ]
         error: KvdError | None = None
+        watch = SettleWatch()
         try:
             rid = f"{head.key}/l{head.first}-{head.end}"
-            await self.book.run("WRITE", rid, head.agent, locs, rems, plans, notifs)
+            await self.book.run(
+                "WRITE", rid, head.agent, locs, rems, plans, notifs, watch, post_by=post_by
+            )
+        except Unsettled as exc:
+            # still in flight in UCX: the stream must not tell D it ended (D would free
+            # its blocks) until the WRITE ends, at most the machine's unsettled bound
+            error = exc
+            with anyio.move_on_after(self.proto.unsettled_hold):
+                await watch.wait()
         except KvdError as exc:
             error = exc
         for eff in going:

@@ -103,6 +103,8 @@ class Transport(Protocol):
         remote_mem: str = "DRAM",
         trace_id: str = "",
         settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
     ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it;
         `notif` is delivered to the peer when it completes. Returns its post and transfer
@@ -110,7 +112,10 @@ class Transport(Protocol):
         (PeerUnknown also when the peer's metadata lacks the remote memory named).
         `trace_id` as above. `settled`: called once on the loop when nothing more of the
         transfer can land (it ended, or was never posted): before the answer, or after
-        it for a transfer answered Unsettled (still in flight in UCX)."""
+        it for a transfer answered Unsettled (still in flight in UCX). `post_by` (raw
+        `time.monotonic()`, 0 = none): the freshness fence: not posted at all
+        (TransferError, nothing moved) once it has passed, e.g. after a stall between the
+        decision to write and the post."""
 
 
 class Machine(Protocol):
@@ -431,6 +436,8 @@ class TransferBook:
         plans: Sequence[Plan],
         notifs: Sequence[bytes],
         settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
     ) -> None:
         """Move `plans[i]` between `local[i]` and `remote[i]` for every rank pair i, as one
         NIXL transfer per group of pairs of the same memory types (`transfer_groups`:
@@ -490,11 +497,13 @@ class TransferBook:
             ]
             if len(work) == 1:  # one transfer: no task group (it costs a task per request)
                 merged, notif, end = work[0]
-                await self._one(op, agent, *merged, notif, errors, tid, end)
+                await self._one(op, agent, *merged, notif, errors, tid, end, post_by)
             else:
                 async with anyio.create_task_group() as tg:
                     for merged, notif, end in work:
-                        tg.start_soon(self._one, op, agent, *merged, notif, errors, tid, end)
+                        tg.start_soon(
+                            self._one, op, agent, *merged, notif, errors, tid, end, post_by
+                        )
         finally:
             if tid:
                 self.trace.mark(tid, "transfer.returned")
@@ -531,6 +540,7 @@ class TransferBook:
         errors: list[KvdError],
         trace_id: str = "",
         settled: Callable[[], None] | None = None,
+        post_by: float = 0.0,
     ) -> None:
         posted = local.shape[0] > 0
         # the transport reports a posted transfer's end itself (the port's contract)
@@ -548,6 +558,7 @@ class TransferBook:
                     local_mem=local_mem,
                     remote_mem=remote_mem,
                     trace_id=trace_id,
+                    post_by=post_by,
                     **extra,
                 )
                 self.stats.observe(op, timing, nbytes, int(local.shape[0]))
@@ -664,3 +675,24 @@ def local_ranks(local: dict[tuple[str, int], LocalRegion], engine_id: str) -> li
     if len(regs) != tp or [r.tp_rank for r in regs] != list(range(tp)):
         raise InvalidRequest(f"engine {engine_id!r} registered {len(regs)} of {tp} ranks")
     return regs
+
+
+class SettleWatch:
+    """A transfer's `settled` callback that can be awaited (`Transport.transfer`): for a
+    transfer answered Unsettled, its caller waits here until UCX ended it."""
+
+    __slots__ = ("_event", "done")
+
+    def __init__(self) -> None:
+        self.done = False
+        self._event: anyio.Event | None = None
+
+    def __call__(self) -> None:
+        self.done = True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if not self.done:
+            self._event = self._event or anyio.Event()
+            await self._event.wait()

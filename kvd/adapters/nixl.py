@@ -173,6 +173,8 @@ class NixlStats:
     """Transfers that UCX completed after their deadline (their bytes did land)."""
     unsettled: int = 0
     """Transfers reported Unsettled (still held, polled until UCX ends them)."""
+    transfers_fenced: int = 0
+    """Transfers not posted: their post fence had passed (the daemon stalled)."""
     reconnects: int = 0
     """Peers whose failed endpoint was replaced by a fresh one (their metadata reloaded)."""
     reconnect_failures: int = 0
@@ -505,6 +507,8 @@ class NixlEngine:
         remote_mem: str = "DRAM",
         trace_id: str = "",
         settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
     ) -> XferTiming:
         """Post a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays and wait for it.
 
@@ -516,7 +520,8 @@ class NixlEngine:
         request the stage trace records this transfer under. `settled`: called once on the
         event loop when nothing more of the transfer can land (UCX ended it, or it was
         never posted), before the answer; later than the answer for one answered
-        Unsettled.
+        Unsettled. `post_by`: the freshness fence (`Transport.transfer`), checked on the
+        NIXL thread right before posting.
         """
         loop = self._loop
         try:
@@ -536,6 +541,13 @@ class NixlEngine:
             started = time.monotonic()
             if trace.on and trace_id:
                 trace.mark(trace_id, "nixl.picked")
+            if post_by and started > post_by:
+                self.stats.transfers_fenced += 1
+                late = f"{started - post_by:.3f}s past its post fence (a stall): not posted"
+                if settled is not None:  # nothing was posted
+                    loop.call_soon_threadsafe(settled)
+                loop.call_soon_threadsafe(_set_exc, fut, TransferError(f"{op} {late}"))
+                return
             try:
                 ldesc = agent.get_xfer_descs(local, local_mem)
                 rdesc = agent.get_xfer_descs(remote, remote_mem)

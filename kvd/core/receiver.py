@@ -18,6 +18,12 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
     READING      pull: our READ of P's blocks is in flight
     ACKING       pull: PullDone sent; P acknowledges only if its lease still held
     CANCELLING   aborted while registered: P was told; waiting for its last word
+    HOLDING      given up (P lost, the registration watchdog, no answer to the cancel, an
+                 Unsettled READ) while something may still write into D's blocks: the
+                 terminal event is held (the engine keeps the blocks untouched) until P's
+                 word (a push answer: P sends it only once its WRITE ended or was never
+                 posted), P proven gone (`PeerGone`), the READ settled (`ReadSettled`), or
+                 `hold_bound` passed
     FINISHED     every byte arrived (RecvFinished)
     FAILED       RecvFailed, with the blocks to recompute
     DROPPED      only tracked, then abandoned (no terminal event: none was announced)
@@ -32,6 +38,16 @@ Rules it keeps:
   (bounded), and an abort while handshaking cancels at P once P is known.
 - P is told (a cancel) whenever a request ends before P heard its fate, so P frees the
   blocks at once instead of after a whole lease without heartbeats.
+- No byte after the terminal event (docs/late-writes.md §4 C): giving up on a push whose
+  WRITE may be in flight (P lost, the registration watchdog, P silent after a cancel)
+  re-sends the cancel, asks whether P is provably gone (`CheckGone`, again every
+  `probe_interval` while anything is held at P: P answering as itself is told the
+  cancel again, so a link that comes back lets it through), stops heartbeating
+  (P's lease lapses), and HOLDs the terminal event until P's word, P proven gone, or
+  `hold_bound` (P's lease + its post fence + its transfer bound + its settle bound: past
+  it no WRITE P could have posted can still land). A READ the adapter reports Unsettled
+  holds the same way until it settles (`ReadSettled`), at most `hold_bound` more; past
+  either bound the request fails anyway (counted `holds_expired`, logged as an error).
 - A peer that refuses our handshake, or has not answered for a whole lease, is no
   longer heartbeated or probed (nothing is retried forever).
 - A closing session is answered (`SessionEnded`) once none of its requests is left.
@@ -88,6 +104,7 @@ class RecvState(enum.Enum):
     READING = "reading"
     ACKING = "acking"
     CANCELLING = "cancelling"
+    HOLDING = "holding"
     FINISHED = "finished"
     FAILED = "failed"
     DROPPED = "dropped"
@@ -100,11 +117,22 @@ TRANSITIONS: Final[Mapping[RecvState, frozenset[RecvState]]] = {
     R.HANDSHAKING: frozenset({R.REGISTERING, R.READING, R.ACKING, R.FAILED}),
     # P's answer may overtake our own word that the registration went out
     R.REGISTERING: frozenset({R.REGISTERED, R.HANDSHAKING, R.FINISHED, R.FAILED}),
-    R.REGISTERED: frozenset({R.CANCELLING, R.FINISHED, R.FAILED}),
-    R.READING: frozenset({R.HANDSHAKING, R.ACKING, R.FAILED}),
+    R.REGISTERED: frozenset({R.CANCELLING, R.HOLDING, R.FINISHED, R.FAILED}),
+    R.READING: frozenset({R.HANDSHAKING, R.ACKING, R.HOLDING, R.FAILED}),
     R.ACKING: frozenset({R.FINISHED, R.FAILED}),
-    R.CANCELLING: frozenset({R.FINISHED, R.FAILED}),
+    R.CANCELLING: frozenset({R.HOLDING, R.FINISHED, R.FAILED}),
+    # P's word may be that its WRITE did land (every rank done): the bytes are there
+    R.HOLDING: frozenset({R.FINISHED, R.FAILED}),
 }
+
+
+def push_hold_bound(lease: float, transfer_timeout: float, settle: float) -> float:
+    """How long D holds a given-up push's terminal event when P never answers: P claims
+    no lease after it lapsed (`lease` after our last heartbeat: held requests are not
+    heartbeated), posts a claimed WRITE within its post fence (`transfer_timeout`, else
+    it fails unposted), and its adapter ends or reports it within `transfer_timeout + 2 x
+    settle + 1 s` (the Unsettled bound); 1 s margin. P's settings are taken to be ours."""
+    return lease + 2 * transfer_timeout + 2 * settle + 2.0
 
 
 # ------------------------------------------------------------------ events
@@ -193,6 +221,8 @@ class PeerResolved:
     view: object = None
     layers: int = 0
     """Layers of our regions (what a layer-wise push must cover per rank)."""
+    incarnation: int = 0
+    """P daemon's incarnation (a `CheckGone` that meets another one proves it gone)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +260,26 @@ class ReadDone:
     request_id: str
     error: KvdError | None = None
     stale: bool = False
+    unsettled: bool = False
+    """The READ is still in flight in UCX past its bound (`Unsettled`): it may still write
+    into D's blocks, so the request is held until `ReadSettled`."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSettled:
+    """A READ answered Unsettled (`ReadDone.unsettled`) has ended in UCX at last: nothing
+    more of it can land in D's blocks."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class PeerGone:
+    """The P daemon `agent` named is provably gone (its side channel refused the
+    connection, or another incarnation answers there): nothing of it can write any more."""
+
+    agent: str
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,6 +352,8 @@ Event = (
     | Sent
     | SendFailed
     | ReadDone
+    | ReadSettled
+    | PeerGone
     | PushDoneArrived
     | LayersPushedArrived
     | PullAckArrived
@@ -367,6 +419,19 @@ class CancelAt:
     hb_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class CheckGone:
+    """Find out whether the P daemon `agent` (at `peer`) is provably gone (answer with
+    `PeerGone`, or nothing) and, if it answers as itself, tell it the cancel again."""
+
+    peer: str
+    agent: str
+    hb_ids: tuple[str, ...]
+    """The held requests' ids at P (told the cancel again if P answers as itself)."""
+    incarnation: int = 0
+    """The incarnation of P the requests were registered with (0: unknown)."""
+
+
 Effect = (
     Emit
     | Notify
@@ -379,6 +444,7 @@ Effect = (
     | Beat
     | ProbePeer
     | CancelAt
+    | CheckGone
     | Drained
 )
 
@@ -410,6 +476,9 @@ class RecvRequest:
     abort_reason: str = "aborted by the client"
     cost: int = 0
     """Estimated bytes charged to the pending budget while it is live."""
+    held: KvdError | None = None
+    """HOLDING: the failure its terminal event will carry."""
+    incarnation: int = 0
 
     @property
     def mode(self) -> str:
@@ -433,8 +502,14 @@ class Receiver:
     pending_bytes: int = 256 << 20
     """Bound of the estimated bytes of live requests (`kvd.core.limits`)."""
     counters: dict[str, int] = field(default_factory=dict)
+    hold_bound: float = 0.0
+    """HOLDING at most this long (0: `push_hold_bound` of our lease and transfer timeout,
+    the settle bound taken equal to the transfer timeout, as the daemon sets it)."""
 
     def __post_init__(self) -> None:
+        if self.hold_bound <= 0:
+            t = self.transfer_timeout
+            self.hold_bound = push_hold_bound(self.lease_duration, t, t)
         self.budget = PendingBudget(self.pending_bytes)
         self.reqs: dict[str, RecvRequest] = {}
         self._states: Counter[RecvState] = Counter()
@@ -443,6 +518,12 @@ class Receiver:
         """Peer (host:port) -> heartbeat period learned from its lease."""
         self.probes: TimerHeap[str] = TimerHeap()
         self.watchdogs: TimerHeap[str] = TimerHeap()
+        self.rechecks: TimerHeap[str] = TimerHeap()
+        """Peers (host:port) with held pushes: `CheckGone` again every probe interval (a
+        cut link that comes back lets the cancel through; P's answer releases them)."""
+        self._held_by_hb: dict[tuple[str, str], str] = {}
+        """(P's agent, id at P) -> our id, of held pushes: P may answer a cancel for a
+        request it no longer knows by the id the cancel named."""
         self.failing_since: dict[str, float] = {}
         self.ended: OrderedDict[str, None] = OrderedDict()
         self.closing: set[str] = set()
@@ -478,6 +559,8 @@ class Receiver:
             if self.heartbeats.requests_of(peer):
                 self._out.append(ProbePeer(peer))
                 self.probes.set(peer, now + self.probe_interval)
+        for peer, _ in self.rechecks.pop_due(now):
+            self._recheck(peer, now)
         out, self._out = self._out, []
         return out
 
@@ -488,6 +571,7 @@ class Receiver:
                 self.watchdogs.next_time(),
                 self.heartbeats.next_deadline(),
                 self.probes.next_time(),
+                self.rechecks.next_time(),
             )
             if t is not None
         ]
@@ -537,10 +621,18 @@ class Receiver:
         self.heartbeats.untrack(req.request_id)
         self._forget_if_idle(req.peer)
         self.watchdogs.discard(req.request_id)
-        if state is not R.DROPPED:
-            self.ended[req.request_id] = None
-            while len(self.ended) > ENDED:
-                self.ended.popitem(last=False)
+        if self._held_by_hb.get((req.agent, req.hb_id)) == req.request_id:
+            del self._held_by_hb[(req.agent, req.hb_id)]
+            if not any(
+                r.state is R.HOLDING and r.mode == "push" and r.peer == req.peer
+                for r in self.reqs.values()
+            ):
+                self.rechecks.discard(req.peer)
+        # (a dropped track too, and by P's id: P may answer a cancel by the id it named)
+        self.ended[req.request_id] = None
+        self.ended[req.hb_id] = None
+        while len(self.ended) > ENDED:
+            self.ended.popitem(last=False)
         if req.session in self.closing:
             self._maybe_session_ended(req.session)
         if self.draining_since is not None and not self.reqs:
@@ -719,6 +811,9 @@ class Receiver:
         if handler is not None:
             handler(self, req, now)
 
+    def _abort_held(self, req: RecvRequest, now: float) -> None:
+        req.held = _aborted(req.abort_reason)  # it still waits for its blocks to be safe
+
     def _drop_tracked(self, req: RecvRequest, now: float) -> None:
         """Only tracked: stop heartbeating, and tell P it can free the blocks now."""
         self._count("tracks_cancelled")
@@ -735,6 +830,48 @@ class Receiver:
         )
         self.watchdogs.set(req.request_id, due)
 
+    def _hold(self, req: RecvRequest, exc: KvdError, now: float) -> None:
+        """Give up on the request while something may still write into D's blocks: the
+        terminal event (with `exc`) waits for P's word, P proven gone, the READ settled, or
+        `hold_bound`. P is told (again) and no longer heartbeated, so its lease lapses."""
+        self._goto(req, R.HOLDING)
+        req.held = exc
+        self._count("holds")
+        self.heartbeats.untrack(req.request_id)
+        self._forget_if_idle(req.peer)
+        self.watchdogs.set(req.request_id, now + self.hold_bound)
+        self._log(
+            "warning",
+            "recv_held",
+            request_id=req.request_id,
+            peer=req.agent,
+            mode=req.mode,
+            error=exc.message,
+            bound_s=round(self.hold_bound, 3),
+        )
+        self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
+        if req.mode == "push":
+            self._out.append(CheckGone(req.peer, req.agent, (req.hb_id,), req.incarnation))
+            self._held_by_hb[(req.agent, req.hb_id)] = req.request_id
+            if req.peer not in self.rechecks:  # asked again until P answers or is gone
+                self.rechecks.set(req.peer, now + self.probe_interval)
+
+    def _recheck(self, peer: str, now: float) -> None:
+        groups: dict[tuple[str, int], list[str]] = {}
+        for r in self.reqs.values():
+            if r.state is R.HOLDING and r.mode == "push" and r.peer == peer:
+                groups.setdefault((r.agent, r.incarnation), []).append(r.hb_id)
+        for (agent, inc), ids in groups.items():
+            self._out.append(CheckGone(peer, agent, tuple(ids), inc))
+        if groups:
+            self.rechecks.set(peer, now + self.probe_interval)
+
+    def _release(self, req: RecvRequest, why: str, now: float) -> None:
+        """HOLDING ends: nothing can write into D's blocks any more (or the bound passed)."""
+        assert req.held is not None
+        self._count(why)
+        self._fail(req, req.held, now)
+
     def _on_end_session(self, ev: EndSession, now: float) -> None:
         self.closing.add(ev.session)
         for req in [r for r in self.reqs.values() if r.session == ev.session]:
@@ -748,7 +885,7 @@ class Receiver:
         if req is None or req.state is not R.HANDSHAKING:
             return
         req.agent, req.since, req.ranks, req.layers = ev.agent, ev.since, ev.ranks, ev.layers
-        req.first, req.view = ev.first, ev.view
+        req.first, req.view, req.incarnation = ev.first, ev.view, ev.incarnation
         if req.mode == "push":
             if req.aborted:
                 self._fail(
@@ -793,8 +930,8 @@ class Receiver:
             return
         if req.state is R.REGISTERING and ev.stale and not req.refreshed and not req.aborted:
             self._rehandshake(req, ev.error, now)
-        elif req.state is R.CANCELLING:
-            self._fail(
+        elif req.state is R.CANCELLING:  # P may be alive all the same (a cut link)
+            self._hold(
                 req, _aborted(f"{req.abort_reason}; cancel not delivered: {ev.error.message}"), now
             )
         elif req.state is R.REGISTERING:
@@ -825,16 +962,27 @@ class Receiver:
             raise LocalProtocolError(f"ReadDone for {ev.request_id!r}, which is not reading")
         if ev.error is None:
             self._ack(req, now)
+        elif ev.unsettled:
+            self._hold(req, _aborted(req.abort_reason) if req.aborted else ev.error, now)
         elif ev.stale and not req.refreshed and not req.aborted:
             self._rehandshake(req, ev.error, now)
         else:
             self._fail(req, _aborted(req.abort_reason) if req.aborted else ev.error, now)
+
+    def _on_read_settled(self, ev: ReadSettled, now: float) -> None:
+        req = self.reqs.get(ev.request_id)
+        if req is not None and req.state is R.HOLDING and req.mode == "pull":
+            self._release(req, "holds_released_settled", now)
 
     # ---------------------------------------------------------------- P's answers
 
     def _on_push_done(self, ev: PushDoneArrived, now: float) -> None:
         msg = ev.msg
         req = self.reqs.get(msg.request_id)
+        if req is None or req.agent != ev.agent:
+            held = self._held_by_hb.get((ev.agent, msg.request_id))
+            if held is not None and not msg.ok:  # P's answer to a cancel, by P's id
+                req = self.reqs[held]
         if req is None or req.agent != ev.agent or req.mode != "push":
             self._unknown_answer(ev.agent, msg.request_id, "push completion")
             return
@@ -847,6 +995,9 @@ class Receiver:
     def _pushed(self, req: RecvRequest, ev: PushDoneArrived, now: float) -> None:
         msg = ev.msg
         if not msg.ok:
+            if req.state is R.HOLDING:
+                self._release(req, "holds_released_by_p", now)  # P's WRITE ended (or none)
+                return
             exc = (
                 _aborted(req.abort_reason) if req.aborted else error_from_code(msg.code, msg.reason)
             )
@@ -886,6 +1037,8 @@ class Receiver:
     def _rank_done(self, req: RecvRequest, rank: int, now: float) -> None:
         req.done_ranks.add(rank)
         if len(req.done_ranks) == req.ranks:
+            if req.state is R.HOLDING:
+                self._count("holds_released_by_p")  # its WRITEs did land: the bytes are there
             self._finish(req, now)
 
     def _on_pull_ack(self, ev: PullAckArrived, now: float) -> None:
@@ -918,16 +1071,30 @@ class Receiver:
     # ---------------------------------------------------------------- peers
 
     def _on_peer_lost(self, ev: PeerLost, now: float) -> None:
-        """Fail what waits on `agent` as seen through views up to `since`. A READ in flight
-        ends by itself (it writes into D's blocks: it must return first)."""
+        """Give up on what waits on `agent` as seen through views up to `since`. A READ in
+        flight ends by itself (it writes into D's blocks: it must return first); a push
+        registered at P is held (P's WRITE may still be in flight: losing P is not proof
+        that it is gone)."""
         exc = TransferError(f"peer {ev.agent} lost: {ev.reason}")
         for req in list(self.reqs.values()):
-            if (
-                req.agent == ev.agent
-                and req.state in (R.REGISTERED, R.ACKING, R.CANCELLING)
-                and req.since <= ev.since
-            ):
+            if req.agent != ev.agent or req.since > ev.since:
+                continue
+            if req.state in (R.REGISTERED, R.CANCELLING):
+                self._hold(req, _aborted(req.abort_reason) if req.aborted else exc, now)
+            elif req.state is R.ACKING:
                 self._fail(req, exc, now)
+
+    def _on_peer_gone(self, ev: PeerGone, now: float) -> None:
+        """The P daemon is provably gone: nothing of it can WRITE any more. What waits on it
+        ends at once (held pushes included)."""
+        exc = TransferError(f"peer {ev.agent} gone: {ev.reason}")
+        for req in list(self.reqs.values()):
+            if req.agent != ev.agent:
+                continue
+            if req.state is R.HOLDING and req.mode == "push":
+                self._release(req, "holds_released_gone", now)
+            elif req.state in (R.REGISTERED, R.CANCELLING, R.ACKING):
+                self._fail(req, _aborted(req.abort_reason) if req.aborted else exc, now)
 
     def _on_peer_known(self, ev: PeerKnown, now: float) -> None:
         interval = max(ev.lease_duration / 6.0, 0.01)
@@ -976,13 +1143,23 @@ class Receiver:
                 "warning", "push_registration_timed_out", request_id=req.request_id, peer=req.agent
             )
             # P must not WRITE into these blocks later: withdraw the registration there
-            self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
+            # (by `_hold`), and hold them until P's word: its WRITE may be in flight
             why = f"no push completion within {self.push_registration_timeout}s"
-            self._fail(req, Timeout(why), now)
+            self._hold(req, _aborted(req.abort_reason) if req.aborted else Timeout(why), now)
         elif req.state is R.ACKING:
             self._fail(req, Timeout("P did not acknowledge the pull in time"), now)
         elif req.state is R.CANCELLING:
-            self._fail(req, _aborted(f"{req.abort_reason}; P did not answer the cancel"), now)
+            self._hold(req, _aborted(f"{req.abort_reason}; P did not answer the cancel"), now)
+        elif req.state is R.HOLDING:
+            self._log(
+                "error",
+                "recv_hold_expired",
+                request_id=req.request_id,
+                peer=req.agent,
+                mode=req.mode,
+                bound_s=round(self.hold_bound, 3),
+            )
+            self._release(req, "holds_expired", now)
 
     # ---------------------------------------------------------------- views
 
@@ -1010,6 +1187,8 @@ _HANDLERS: Final[dict[type, Callable[[Receiver, Any, float], None]]] = {
     Sent: Receiver._on_sent,
     SendFailed: Receiver._on_send_failed,
     ReadDone: Receiver._on_read_done,
+    ReadSettled: Receiver._on_read_settled,
+    PeerGone: Receiver._on_peer_gone,
     PushDoneArrived: Receiver._on_push_done,
     LayersPushedArrived: Receiver._on_layers_pushed,
     PullAckArrived: Receiver._on_pull_ack,
@@ -1024,12 +1203,15 @@ _ON: Final[dict[tuple[RecvState, type], Callable[[Receiver, RecvRequest, Any, fl
     (R.REGISTERING, PushDoneArrived): Receiver._pushed,
     (R.REGISTERED, PushDoneArrived): Receiver._pushed,
     (R.CANCELLING, PushDoneArrived): Receiver._pushed,
+    (R.HOLDING, PushDoneArrived): Receiver._pushed,
 }
 
 _ON_ABORT: Final[dict[RecvState, Callable[[Receiver, RecvRequest, float], None]]] = {
     R.TRACKED: Receiver._drop_tracked,
     R.REGISTERED: Receiver._cancel_registered,
+    R.HOLDING: Receiver._abort_held,
     # HANDSHAKING: ended (with a cancel at P) once P is resolved; REGISTERING: cancelled
     # once P has the registration (or ended if it never gets it); READING: once the READ
-    # returns (it writes into our blocks); ACKING: once P answers; CANCELLING: already.
+    # returns (it writes into our blocks); ACKING: once P answers; CANCELLING: already;
+    # HOLDING: ends failed once nothing can write into its blocks.
 }

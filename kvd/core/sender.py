@@ -59,6 +59,12 @@ Rules it keeps:
   `handle` releases it, whatever the answer was. A finish beyond the bytes ends
   failed at once (SendFailed to P's engine, and D answered if it registered), with a
   tombstone so that D's later registration or pull is answered at once too.
+- D hears P's word on a push (PushDone) only once no WRITE for it is or will be in flight:
+  a WRITE the adapter reports Unsettled (UCX did not end it within its bound) keeps the
+  request WRITING (P's blocks are still read, D's still written) until it settles
+  (`WriteSettled`: landed = delivered, else failed and D told); past `unsettled_hold`
+  P's engine gets SendFailed (its blocks back, counted `writes_unsettled_released`) but
+  D is never told the WRITE ended: D holds its blocks until its own bound.
 - A streaming request ends only once none of its layer WRITEs is in flight: D hears of a
   failure (PushDone ok=False) only when nothing more can land in its blocks, and never
   after it received every layer (it reported done by then).
@@ -196,6 +202,17 @@ class WriteDone:
 
     key: str
     error: KvdError | None = None
+    unsettled: bool = False
+    """The WRITE is still in flight in UCX past its bound (`Unsettled`): it may still
+    read our blocks and land in D's; `WriteSettled` follows when it ends."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteSettled:
+    """A WRITE answered Unsettled has ended in UCX at last (`error` None: it landed)."""
+
+    key: str
+    error: KvdError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +272,7 @@ Event = (
     | CancelArrived
     | ViewResolved
     | WriteDone
+    | WriteSettled
     | LayersSaved
     | LayersWritten
     | ResyncAcked
@@ -328,6 +346,14 @@ class Tombstone:
     request). An outcome that only matters to the exact request (it was delivered, its
     WRITE failed) is found by its exact id only, so a new request whose id happens to
     share the base is never answered with an old one's fate."""
+    d_request_id: str = ""
+    agent: str = ""
+    """The D registration it ended with (its id at D, and D's agent): a cancel D sends
+    again later (D holds its blocks until P's word) is answered with a PushDone, since no
+    WRITE for it is or will be in flight any more. Empty when that is not known (its
+    WRITE was released unsettled) or there was no registration."""
+    settled: bool = True
+    """No WRITE of it can still be in flight (False: released while Unsettled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +410,8 @@ class SendRequest:
     cost: int = 0
     """Estimated bytes charged to the pending budget while it is live."""
     stream: Stream | None = None
+    unsettled: KvdError | None = None
+    """WRITING: its WRITE was answered Unsettled with this error (it may still run)."""
 
 
 _RESYNC: Final = "\0resync:"
@@ -404,6 +432,9 @@ class Sender:
     pending_bytes: int = 256 << 20
     """Bound of the estimated bytes of live requests (`kvd.core.limits`)."""
     counters: dict[str, int] = field(default_factory=dict)
+    unsettled_hold: float = 60.0
+    """How long a WRITE answered Unsettled keeps its request (and P's blocks) before P's
+    engine is answered anyway."""
     nonce: Callable[[int], int] = field(default_factory=lambda: random.SystemRandom().getrandbits)
     """Random bits for re-sync nonces (a test passes a deterministic source)."""
 
@@ -465,6 +496,8 @@ class Sender:
                 self._wait_timed_out(req, now)
             elif req is not None and req.state is S.STREAMING:
                 self._stream_timed_out(req, now)
+            elif req is not None and req.state is S.WRITING and req.unsettled is not None:
+                self._unsettled_timed_out(req, now)
         out, self._out = self._out, []
         return out
 
@@ -546,6 +579,10 @@ class Sender:
         old = self.tombstones.pop(request_id, None)
         if old is not None and old.refuses_finish and not tomb.refuses_finish:
             tomb = replace(tomb, refuses_finish=True)  # a cancel is never forgotten
+        if old is not None and not old.settled:
+            tomb = replace(tomb, settled=False)  # nor a WRITE that may still run
+        if old is not None and old.d_request_id and not tomb.d_request_id:
+            tomb = replace(tomb, d_request_id=old.d_request_id, agent=old.agent)
         self.tombstones[request_id] = tomb
         if tomb.by_base:
             self._tomb_base[base_request_id(request_id)] = request_id
@@ -555,11 +592,19 @@ class Sender:
             if self._tomb_base.get(base) == gone:
                 del self._tomb_base[base]
 
-    def _end(self, req: SendRequest, state: SendState, tomb: Tombstone | None) -> None:
-        """Move to a terminal state and forget the request (its tombstone stays)."""
+    def _end(
+        self, req: SendRequest, state: SendState, tomb: Tombstone | None, *, settled: bool = True
+    ) -> None:
+        """Move to a terminal state and forget the request (its tombstone stays; `settled`:
+        no WRITE of it can still be in flight, so a later cancel from D is answered)."""
         self._goto(req, state)
         self._drop(req)
         if tomb is not None:
+            reg = req.registration
+            if not settled:
+                tomb = replace(tomb, settled=False)
+            elif reg is not None and req.agent:
+                tomb = replace(tomb, d_request_id=reg.request_id, agent=req.agent)
             self._bury(req.key, tomb)
         if req.session in self.closing:
             self._maybe_session_ended(req.session)
@@ -934,6 +979,21 @@ class Sender:
         self._count("cancels_received")
         req = self._find(ev.request_id)
         if req is None:
+            tomb = self._tomb(ev.request_id)
+            if tomb is not None and tomb.agent and tomb.agent != ev.agent:
+                self._count("foreign_requests_refused")
+                self._reject(
+                    ev.agent, f"cancel for request {ev.request_id!r}, bound to another peer"
+                )
+                return
+            if tomb is not None and tomb.settled:
+                # D may hold its blocks until P's word: nothing of this request is or will
+                # be in flight (it ended settled), so it is answered, by D's id when known,
+                # else by the id the cancel named
+                self._count("cancels_answered_after_end")
+                rid = tomb.d_request_id or ev.request_id
+                done = wire.PushDone(rid, 0, False, tomb.code, tomb.reason)
+                self._out.append(Notify(ev.agent, done))
             self._bury(ev.request_id, _CANCELLED)
             return
         if self._foreign(req, ev.agent, "cancel"):
@@ -1006,8 +1066,41 @@ class Sender:
             self._count("sends_ok")
             self._emit(req, wire.SendFinished(req.key))
             self._end(req, S.DELIVERED, _DONE)
+        elif ev.unsettled:
+            # no word to D yet: its blocks may still be written; ours are still read
+            self._count("writes_unsettled")
+            self._log("warning", "write_unsettled", request_id=req.key, peer=req.agent)
+            req.unsettled = ev.error
+            self._timers.set(req.key, now + self.unsettled_hold)
         else:
             self._fail_send(req, int(ev.error.code), ev.error.message)
+
+    def _on_write_settled(self, ev: WriteSettled, now: float) -> None:
+        req = self.reqs.get(ev.key)
+        if req is None or req.state is not S.WRITING or req.unsettled is None:
+            if ev.error is None:
+                self._count("writes_landed_after_release")  # D saw its PushDone(ok)
+            return  # released at the hold bound already
+        self._timers.discard(req.key)
+        self._count("writes_settled")
+        if ev.error is None:  # it landed after all: D got its PushDone with the bytes
+            self._count("sends_ok")
+            self._emit(req, wire.SendFinished(req.key))
+            self._end(req, S.DELIVERED, _DONE)
+        else:
+            self._fail_send(req, int(ev.error.code), ev.error.message)
+
+    def _unsettled_timed_out(self, req: SendRequest, now: float) -> None:
+        """Held past `unsettled_hold`: P's engine gets its blocks back (a late read of them
+        can only reach D's blocks, which D holds until its own bound), D gets no word."""
+        err = req.unsettled
+        assert err is not None
+        self._count("writes_unsettled_released")
+        self._count("sends_failed")
+        self._log("error", "write_unsettled_released", request_id=req.key, peer=req.agent)
+        self._emit(req, wire.SendFailed(req.key, int(err.code), err.message[:1000]))
+        tomb = Tombstone(int(err.code), err.message[:1000], by_base=False)
+        self._end(req, S.FAILED, tomb, settled=False)
 
     def _fail_send(self, req: SendRequest, code: int, reason: str) -> None:
         self._count("push_failed")
@@ -1362,6 +1455,7 @@ _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     CancelArrived: Sender._on_cancel,
     ViewResolved: Sender._on_view,
     WriteDone: Sender._on_write_done,
+    WriteSettled: Sender._on_write_settled,
     LayersSaved: Sender._on_layers,
     LayersWritten: Sender._on_layers_written,
     ResyncAcked: Sender._on_resync_acked,

@@ -13,8 +13,9 @@ import time
 from typing import Any
 
 import pytest
+from kvd_client.errors import TransferError
 
-from kvd.adapters.nixl import NixlEngine, PeerDisconnected, _Xfer
+from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled, _Xfer
 
 
 class nixlRemoteDisconnectError(Exception):
@@ -174,3 +175,76 @@ async def test_no_removal_while_a_transfer_to_the_peer_is_in_flight() -> None:
     eng._inflight.clear()  # the transfer ended
     eng._removals_due()
     assert agent.calls.count("remove p") == 1
+
+
+class XferAgent(FakeAgent):
+    """A fake agent whose transfers stay in flight until `state` says otherwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = "PROC"
+        self.released: list[object] = []
+
+    def check_xfer_state(self, handle: object) -> str:
+        return self.state
+
+    def release_xfer_handle(self, handle: object) -> None:
+        self.released.append(handle)
+
+    def get_xfer_descs(self, descs: object, mem: str) -> object:
+        self.calls.append("descs")  # the post has begun: stop it here
+        raise RuntimeError("no descriptors in this fake")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["DONE", "ERR"])
+async def test_an_unsettled_transfer_reports_its_end_when_ucx_ends_it(end: str) -> None:
+    """Past its deadline and the settle bound the caller hears Unsettled (its memory must
+    stay untouched); `settled` is called once UCX ends the transfer, and not before."""
+    agent = XferAgent()
+    loop = asyncio.get_running_loop()
+    eng = engine(agent, loop, settle=0.5)  # bound: deadline + 2 x 0.5 + 1 s
+    now = time.monotonic()
+    handle = object()
+    ended: list[bool] = []
+    x = _Xfer(handle, loop.create_future(), now - 2.5, now - 3.0, "", "p")
+    x.settled = lambda: ended.append(True)
+    eng._inflight.append(x)
+    eng._poll_xfers()
+    await settle_loop()
+    with pytest.raises(Unsettled):
+        x.future.result()
+    assert ended == [] and agent.released == []  # never released while UCX works on it
+    eng._poll_xfers()  # still in flight: nothing new
+    await settle_loop()
+    assert ended == [] and eng.stats.unsettled == 1
+    agent.state = end
+    eng._poll_xfers()
+    await settle_loop()
+    assert ended == [True]
+    assert agent.released == [handle] and eng.stats.unsettled == 0
+
+
+@pytest.mark.asyncio
+async def test_a_transfer_past_its_post_fence_is_never_posted() -> None:
+    """The daemon stalled between deciding a WRITE and posting it: nothing is posted."""
+    import numpy as np
+
+    agent = XferAgent()
+    loop = asyncio.get_running_loop()
+    eng = engine(agent, loop)
+    eng._thread = object()  # type: ignore[assignment]  # the NIXL thread: run by hand here
+    empty = np.zeros((0, 3), dtype=np.uint64)
+    for post_by, posted in ((time.monotonic() - 0.01, False), (time.monotonic() + 60, True)):
+        agent.calls.clear()
+        post = eng.transfer("WRITE", empty, empty, "p", b"", 1.0, 0, post_by=post_by)
+        task = asyncio.ensure_future(post)
+        await settle_loop()
+        run = eng._cmds.get_nowait()
+        assert run is not None
+        run()
+        with pytest.raises(TransferError) as info:
+            await task
+        assert ("descs" in agent.calls) is posted
+        assert ("post fence" in info.value.message) is not posted
+    assert eng.stats.transfers_fenced == 1

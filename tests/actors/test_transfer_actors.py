@@ -257,6 +257,8 @@ class FakePort:
         remote_mem: str = "DRAM",
         trace_id: str = "",
         settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
     ) -> XferTiming:
         record = wire.decode(notif)[1] if notif else None
         xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
@@ -340,7 +342,7 @@ def make_sender(
 def make_receiver(
     clock: Clock, port: FakePort, registrar: StubActor, emit: Callable[[EventOut], None]
 ) -> Receiver:
-    return Receiver(
+    rx = Receiver(
         transport=port,
         mailbox=Mailbox("receiver", SIZE, clock),
         registrar=registrar.box,
@@ -354,6 +356,12 @@ def make_receiver(
         side_host=D_HOST,
         side_port_ref=lambda: D_PORT,
     )
+
+    async def listening(host: str, port: int, timeout: float) -> bool | None:  # noqa: ASYNC109
+        return True  # P's side channel accepts (a test that needs P gone swaps this)
+
+    rx.side_listening = listening
+    return rx
 
 
 @dataclass
@@ -677,16 +685,25 @@ async def test_d_registration_times_out_once_and_a_late_write_is_ignored() -> No
         await w.advance(REG_TIMEOUT - 1.0)
         assert w.events.items == []
         await w.advance(2.0)
+        # P must not WRITE into the blocks later: the registration is withdrawn, and
+        # once more through a fresh view when P answers as itself (not provably gone)
+        sent = await w.d_port.wait_sent(wire.CancelRegistration, 2)
+        assert sent == [(P_AGENT, wire.CancelRegistration("p-req"))] * 2
+        # its WRITE may be in flight: the engine hears nothing yet
+        await w.advance(LEASE)
+        await settle()
+        assert w.events.items == []
+        assert w.receiver.snapshot("", 0.0)["holding"] == 1
+
+        # P's answer to the cancel (sent once its WRITE ended) ends the request
+        box = w.receiver.mailbox
+        box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, False, 4, "cancelled")))
+        await settle()
         assert len(w.events.items) == 1
         ev = w.events.items[0].record
         assert isinstance(ev, wire.RecvFailed)
         assert (ev.request_id, ev.code, ev.block_ids) == ("d-req", ErrorCode.TIMEOUT, (5, 6))
-        # P must not WRITE into the blocks later: the registration is withdrawn
-        [(peer, cancel)] = await w.d_port.wait_sent(wire.CancelRegistration)
-        assert peer == P_AGENT and cancel == wire.CancelRegistration("p-req")
-
-        # P's WRITE landed anyway (it crossed the cancel): the request stays failed
-        box = w.receiver.mailbox
+        # a later answer is counted, never reported
         box.post(NotifReceived(P_AGENT, wire.PushDone("d-req", 0, True, 0, "")))
         await w.advance(2 * LEASE)
         await settle()
@@ -694,11 +711,28 @@ async def test_d_registration_times_out_once_and_a_late_write_is_ignored() -> No
         assert w.receiver.counters["late_answers"] == 1
 
 
+async def refused(host: str, port: int, timeout: float) -> bool | None:  # noqa: ASYNC109
+    """P's side channel refuses connections: its daemon is gone (`side_listening`)."""
+    return False
+
+
+async def test_d_held_push_ends_at_once_when_ps_side_channel_refuses() -> None:
+    async with world() as w:
+        w.receiver.side_listening = refused
+        await registered(w)
+        await w.advance(REG_TIMEOUT + 1.0)
+        await settle()
+        (item,) = w.events.items
+        assert isinstance(item.record, wire.RecvFailed)
+        assert w.receiver.counters["holds_released_gone"] == 1
+
+
 async def test_d_request_ending_during_a_receive_permute_is_told_only_after_it() -> None:
     """D's bytes are being permuted in place into D's layout when D's watchdog ends the
     request: the engine must not hear of the end (and reuse the blocks) while the permute
     can still write into them."""
     async with world() as w:
+        w.receiver.side_listening = refused  # P proven gone: the request ends at the watchdog
         await registered(w)  # at t=100: the registration times out at 120
         gate, started = anyio.Event(), anyio.Event()
 
@@ -780,7 +814,10 @@ async def test_d_session_close_withdraws_the_registration_and_waits_for_p() -> N
         # P may be writing into the session's blocks right now: not closed yet
         assert not close.reply.done() and w.events.items == []
 
-        await w.advance(2.0)  # P never answered: given up on after min(transfer timeout, 10 s)
+        await w.advance(2.0)  # P never answered the cancel: held (its WRITE may still run)
+        await settle()
+        assert not close.reply.done() and w.events.items == []
+        await w.advance(w.receiver.proto.hold_bound)  # P never answered at all: the bound
         with anyio.fail_after(WAIT):
             await close.reply
         [ev] = w.events_of("d-req")
@@ -802,6 +839,7 @@ async def test_peer_lost_in_a_heartbeat_task_reaches_full_mailboxes() -> None:
     gone while heartbeating just as both mailboxes it posts into, the registrar's and its
     own, are full of outside input."""
     async with world() as w:
+        w.receiver.side_listening = refused  # the loss is proven: the request ends at once
         await registered(w)
         fillers: list[Any] = []
 

@@ -22,6 +22,7 @@ from kvd_client.errors import (
     Incompatible,
     InvalidRequest,
     LocalProtocolError,
+    Timeout,
     TransferError,
 )
 
@@ -35,11 +36,13 @@ from kvd.core.receiver import (
     AbortRecv,
     Beat,
     CancelAt,
+    CheckGone,
     Effect,
     EndSession,
     Event,
     LayersPushedArrived,
     Load,
+    PeerGone,
     PeerKnown,
     PeerLost,
     PeerReached,
@@ -51,6 +54,7 @@ from kvd.core.receiver import (
     PullAckArrived,
     PushDoneArrived,
     ReadDone,
+    ReadSettled,
     Receiver,
     RecvRequest,
     RecvState,
@@ -60,6 +64,7 @@ from kvd.core.receiver import (
     SendFor,
     Sent,
     Track,
+    push_hold_bound,
 )
 
 S = RecvState
@@ -226,6 +231,7 @@ def assert_empty(rx: Receiver) -> None:
     assert len(rx.heartbeats) == 0
     assert len(rx.watchdogs) == 0
     assert len(rx.probes) == 0
+    assert rx._held_by_hb == {}
     assert rx.next_deadline() is None
 
 
@@ -470,13 +476,25 @@ def test_peer_lost_fails_what_waits_on_it_and_spares_reads_in_flight() -> None:
     registered(rx, load("other", peer=P2), 0.0)
     out = quiet(rx.handle(PeerLost(AGENTS[P1], "disconnected"), 1.0))
     failed = {r.request_id: r for r in records(out)}
-    assert set(failed) == {"reg", "ack"}
+    assert set(failed) == {"ack"}
     assert all(isinstance(r, wire.RecvFailed) for r in failed.values())
-    assert "lost" in failed["reg"].reason  # type: ignore[attr-defined]
-    # P is gone: nothing to cancel there; the READ and our own send answer by themselves
-    assert not any(isinstance(e, (Notify, SendFor, CancelAt)) for e in out)
+    # the push is held, not failed: losing P is no proof that its WRITE cannot land;
+    # the cancel goes again, and whether P is provably gone is asked
+    assert [e for e in out if isinstance(e, (Notify, SendFor, CancelAt, CheckGone))] == [
+        Notify(AGENTS[P1], cancel("p-reg")),
+        CheckGone(P1, AGENTS[P1], ("p-reg",)),
+    ]
     states = {rid: r.state for rid, r in rx.reqs.items()}
-    assert states == {"read": S.READING, "registering": S.REGISTERING, "other": S.REGISTERED}
+    assert states == {
+        "reg": S.HOLDING,
+        "read": S.READING,
+        "registering": S.REGISTERING,
+        "other": S.REGISTERED,
+    }
+    # P's word (its answer to the cancel, sent once its WRITE ended) ends it
+    out = quiet(rx.handle(push_done("reg", ok=False, code=TRANSFER), 2.0))
+    assert "lost" in one_failure(out, "reg").reason
+    assert rx.counters["holds_released_by_p"] == 1
 
 
 def test_peer_lost_about_an_older_view_spares_requests_on_the_newer() -> None:
@@ -488,7 +506,8 @@ def test_peer_lost_about_an_older_view_spares_requests_on_the_newer() -> None:
     rx.handle(resolved(ld, since=5.0), 5.0)
     rx.handle(Sent("new"), 5.0)
     out = rx.handle(PeerLost(AGENTS[P1], "restarted", since=1.0), 6.0)
-    assert [r.request_id for r in records(out)] == ["old"]
+    assert records(out) == []
+    assert rx.reqs["old"].state is S.HOLDING
     assert rx.reqs["new"].state is S.REGISTERED
 
 
@@ -499,14 +518,113 @@ def test_registration_watchdog_withdraws_the_registration() -> None:
     assert rx.watchdogs.get("r1") == due
     assert not records(rx.handle_timer(due - 0.01))
     out = quiet(rx.handle_timer(due))
-    assert out[0] == Notify(AGENTS[P1], cancel("p-1"))  # P must not WRITE later
-    rec = one_failure(out, "r1")
-    assert rec.code == TIMEOUT and "push completion" in rec.reason
-    assert [e for e in out if isinstance(e, Notify)] == [Notify(AGENTS[P1], cancel("p-1"))]
+    # P must not WRITE later, and its WRITE may be in flight: the event is held
+    assert out == [Notify(AGENTS[P1], cancel("p-1")), CheckGone(P1, AGENTS[P1], ("p-1",))]
+    assert rx.reqs["r1"].state is S.HOLDING
+    assert rx.watchdogs.get("r1") == due + rx.hold_bound
+    assert len(rx.heartbeats) == 0  # P's lease lapses
+    # P's WRITE did land after all (its PushDone rides it): the bytes are there
+    assert rx.handle_timer(due + 1.0) == []
+    assert quiet(rx.handle(push_done("r1"), due + 1.0)) == [finished("r1")]
+    assert rx.counters["holds_released_by_p"] == 1
     assert_empty(rx)
-    # P's answer after the watchdog: counted, never reported
-    assert rx.handle(push_done("r1"), due + 1) == []
+    # another answer after the end: counted, never reported
+    assert rx.handle(push_done("r1"), due + 2) == []
     assert rx.counters["late_answers"] == 1
+
+
+def test_a_held_push_asks_again_until_p_answers_by_its_own_id() -> None:
+    """A cut link: the first check proves nothing. P is asked again every probe interval
+    (the cancel goes once more when it answers as itself); P, which no longer knows the
+    request's registration, answers by the id the cancel named: that releases it."""
+    rx = make()
+    registered(rx, load("r1", p_id="p-1"), 0.0)
+    registered(rx, load("r2", p_id="p-2"), 0.0)
+    rx.handle(PeerLost(AGENTS[P1], "link down"), 1.0)
+    assert rx.next_deadline() == 1.0 + PROBE
+    out = quiet(rx.handle_timer(1.0 + PROBE))
+    assert out == [CheckGone(P1, AGENTS[P1], ("p-1", "p-2"))]
+    out = rx.handle(push_done("p-1", ok=False, code=LEASE_EXPIRED), 3.5)
+    assert one_failure(out, "r1").code == TRANSFER  # the hold's reason, not P's
+    assert quiet(rx.handle_timer(1.0 + 2 * PROBE)) == [CheckGone(P1, AGENTS[P1], ("p-2",))]
+    rx.handle(push_done("r2", ok=False), 5.5)
+    assert rx.handle_timer(1.0 + 3 * PROBE) == []  # nothing held: no more checks
+    assert_empty(rx)
+    # P's id of an ended request is remembered too: a late answer, not a forged one
+    assert rx.handle(push_done("p-1", ok=False), 9.0) == []
+    assert rx.counters["late_answers"] == 1
+
+
+def test_hold_bound_ends_a_held_push_that_p_never_answers() -> None:
+    rx = make()
+    registered(rx, load("r1"), 0.0)
+    rx.handle_timer(REG_TIMEOUT)
+    end = REG_TIMEOUT + rx.hold_bound
+    assert records(rx.handle_timer(end - 0.01)) == []
+    assert rx.reqs["r1"].state is S.HOLDING
+    assert rx.by_state()["holding"] == 1
+    out = rx.handle_timer(end)
+    rec = one_failure(out, "r1")
+    assert rec.code == TIMEOUT and rec.block_ids == (1, 2, 3)
+    assert any(isinstance(e, Log) and e.event == "recv_hold_expired" for e in out)
+    assert rx.counters["holds_expired"] == 1
+    assert_empty(rx)
+
+
+def test_hold_bound_covers_ps_lease_post_fence_and_settle_bound() -> None:
+    assert push_hold_bound(6.0, 15.0, 15.0) == 6.0 + 2 * 15.0 + 2 * 15.0 + 2.0
+    assert make().hold_bound == push_hold_bound(LEASE, XFER_TIMEOUT, XFER_TIMEOUT)
+    rx = Receiver(
+        lease_duration=LEASE,
+        probe_interval=PROBE,
+        push_registration_timeout=REG_TIMEOUT,
+        transfer_timeout=XFER_TIMEOUT,
+        hold_bound=3.0,
+    )
+    assert rx.hold_bound == 3.0
+
+
+def test_p_proven_gone_ends_what_waits_on_it_at_once() -> None:
+    rx = make()
+    registered(rx, load("held", p_id="p-h"), 0.0)
+    rx.handle(PeerLost(AGENTS[P1], "disconnected"), 1.0)
+    # another loss of the same P is no news: still held
+    assert records(rx.handle(PeerLost(AGENTS[P1], "again"), 1.5)) == []
+    assert rx.reqs["held"].state is S.HOLDING
+    registered(rx, load("reg"), 1.5)
+    registered(rx, load("other", peer=P2), 1.5)
+    out = quiet(rx.handle(PeerGone(AGENTS[P1], "side channel refused"), 2.0))
+    assert {r.request_id for r in records(out)} == {"held", "reg"}
+    assert rx.counters["holds_released_gone"] == 1
+    assert set(rx.reqs) == {"other"}
+    assert rx.handle(PeerGone(AGENTS[P1], "again"), 3.0) == []
+
+
+def test_unsettled_read_holds_until_it_settles() -> None:
+    rx = make()
+    reading(rx, load("r1", "pull", p_id="p-1"), 0.0)
+    out = quiet(rx.handle(ReadDone("r1", Timeout("unsettled"), unsettled=True), 5.0))
+    assert records(out) == []
+    assert out == [Notify(AGENTS[P1], cancel("p-1"))]  # P frees; no probe for a READ
+    assert rx.reqs["r1"].state is S.HOLDING
+    assert rx.handle(PeerGone(AGENTS[P1], "gone"), 6.0) == []  # our own READ: settles
+    assert rx.handle(ReadSettled("other"), 6.0) == []
+    out = rx.handle(ReadSettled("r1"), 7.0)
+    assert one_failure(out, "r1").code == TIMEOUT
+    assert rx.counters["holds_released_settled"] == 1
+    assert_empty(rx)
+
+
+def test_unsettled_read_that_never_settles_ends_at_the_bound() -> None:
+    rx = make()
+    reading(rx, load("r1", "pull"), 0.0)
+    rx.handle(AbortRecv("r1", "s1"), 1.0)
+    rx.handle(ReadDone("r1", Timeout("unsettled"), unsettled=True), 5.0)
+    assert rx.reqs["r1"].state is S.HOLDING
+    out = rx.handle_timer(5.0 + rx.hold_bound)
+    assert one_failure(out, "r1").reason.startswith("aborted")
+    assert rx.counters["holds_expired"] == 1
+    assert_empty(rx)
 
 
 def test_ack_watchdog() -> None:
@@ -653,7 +771,8 @@ def test_cancel_bound_never_extends_the_registration_watchdog() -> None:
     registered(rx, load("r1"), 0.0)
     rx.handle(AbortRecv("r1", "s1"), REG_TIMEOUT - 1.0)
     assert rx.watchdogs.get("r1") == REG_TIMEOUT
-    out = rx.handle_timer(REG_TIMEOUT)
+    assert records(rx.handle_timer(REG_TIMEOUT)) == []  # held: P's WRITE may be in flight
+    out = rx.handle_timer(REG_TIMEOUT + rx.hold_bound)
     assert "did not answer the cancel" in one_failure(out, "r1").reason
 
 
@@ -662,6 +781,9 @@ def test_cancel_not_delivered_ends_the_request() -> None:
     registered(rx, load("r1"), 0.0)
     rx.handle(AbortRecv("r1", "s1"), 1.0)
     out = rx.handle(SendFailed("r1", TransferError("peer gone"), stale=True), 1.1)
+    assert records(out) == []  # P may be alive behind a cut link: held
+    assert rx.reqs["r1"].state is S.HOLDING
+    out = rx.handle(PeerGone(AGENTS[P1], "another incarnation answers"), 1.2)
     assert "cancel not delivered" in one_failure(out, "r1").reason
     assert_empty(rx)
 
@@ -997,9 +1119,11 @@ def test_the_machine_takes_now_as_given_so_the_shell_passes_daemon_time() -> Non
     (`StallClock`), which does not count the freeze."""
     rx = make()
     registered(rx, load("jumped"), 0.0)
-    out = rx.handle_timer(1000.0)
-    assert one_failure(out, "jumped").code == TIMEOUT
+    assert records(rx.handle_timer(1000.0)) == []  # held: P's WRITE may be in flight
     assert rx.handle_timer(1000.0) == []
+    out = rx.handle_timer(1000.0 + rx.hold_bound)
+    assert one_failure(out, "jumped").code == TIMEOUT
+    assert rx.handle_timer(1000.0 + rx.hold_bound) == []
 
     rx = make()
     clock = StallClock(100.0, tick=0.1, max_gap=1.0)
@@ -1028,7 +1152,8 @@ RIDS: Final = ("r0", "r1", "r2", "r3", "r4", "r5")
 SESSIONS: Final = ("s0", "s1", "s2")
 PEER_LIST: Final = (P1, P2)
 AGENT_LIST: Final = (AGENTS[P1], AGENTS[P2])
-_GOOD: Final = frozenset({S.REGISTERING, S.REGISTERED, S.CANCELLING})
+_GOOD: Final = frozenset({S.REGISTERING, S.REGISTERED, S.CANCELLING, S.HOLDING})
+HOLD: Final = push_hold_bound(LEASE, XFER_TIMEOUT, XFER_TIMEOUT)
 
 
 class RecordingReceiver(Receiver):
@@ -1061,6 +1186,8 @@ class MReq:
     refreshed: bool = False
     deadline: float | None = None
     layer_bits: dict[int, int] = field(default_factory=dict)
+    held: int = 0
+    """HOLDING: the code its failure will carry."""
 
 
 ML: Final = 2
@@ -1071,7 +1198,7 @@ ML: Final = 2
 class Op:
     """Work the machine asked for whose outcome is still to come."""
 
-    kind: str  # "resolve", "send" or "read"
+    kind: str  # "resolve", "send", "read" or "settle" (an Unsettled READ ending)
     rid: str
     load: Load | None = None
     record: wire.Record | None = None
@@ -1128,7 +1255,8 @@ class ReceiverModel(RuleBasedStateMachine):
     # ------------------------------------------------------------ the reference
 
     def _live_at(self, peer: str) -> list[MReq]:
-        return [m for m in self.live.values() if m.peer == peer]
+        """Live requests heartbeated at `peer` (a held one is not: P's lease lapses)."""
+        return [m for m in self.live.values() if m.peer == peer and m.phase is not S.HOLDING]
 
     def _end(self, m: MReq, state: RecvState) -> None:
         del self.live[m.rid]
@@ -1145,6 +1273,14 @@ class ReceiverModel(RuleBasedStateMachine):
             self.expect.append(Notify(m.agent, wire.CancelRegistration(m.hb_id)))
         self.expect.append(("failed", m.session, ENGINE, m.rid, code, self._blocks(m)))
         self._end(m, S.FAILED)
+
+    def _hold(self, m: MReq, code: int) -> None:
+        m.phase, m.held = S.HOLDING, code
+        m.deadline = self.now + HOLD
+        self.expect.append(Notify(m.agent, wire.CancelRegistration(m.hb_id)))
+        # (a push's CheckGone, now and every probe interval: `_check_rechecks`)
+        if not self._live_at(m.peer):
+            self.failing.pop(m.peer, None)
 
     def _finish(self, m: MReq) -> None:
         if m.aborted:
@@ -1168,6 +1304,8 @@ class ReceiverModel(RuleBasedStateMachine):
             self.aborted.add(m.rid)
             if m.phase is S.REGISTERED:
                 self._cancel(m)
+            elif m.phase is S.HOLDING:
+                m.held = TRANSFER
 
     def _cancel(self, m: MReq) -> None:
         m.phase = S.CANCELLING
@@ -1192,13 +1330,14 @@ class ReceiverModel(RuleBasedStateMachine):
             if m.deadline is None or m.deadline > self.now:
                 continue
             if m.phase is S.REGISTERED:
-                self.expect.append(Notify(m.agent, wire.CancelRegistration(m.hb_id)))
-                self._fail(m, TIMEOUT)
+                self._hold(m, TIMEOUT)
             elif m.phase is S.ACKING:
                 self._fail(m, TIMEOUT)
+            elif m.phase is S.HOLDING:
+                self._fail(m, m.held)
             else:
                 assert m.phase is S.CANCELLING
-                self._fail(m, TRANSFER)
+                self._hold(m, TRANSFER)
 
     # ------------------------------------------------------------ driving the machine
 
@@ -1214,7 +1353,10 @@ class ReceiverModel(RuleBasedStateMachine):
         self._timers()
         expected, self.expect = self.expect, []
 
-        got = [norm(e) for e in out + timer if not isinstance(e, (Log, Beat, ProbePeer))]
+        got = [norm(e) for e in out + timer if not isinstance(e, (Log, Beat, ProbePeer, CheckGone))]
+        self._check_rechecks(out + timer)
+        holding = {r for r, q in self.rx.reqs.items() if q.state is S.HOLDING}
+        assert {m.rid for m in self.live.values() if m.phase is S.HOLDING} == holding
         assert Counter(got) == Counter(expected), (event, got, expected)
         self._check_moves()
         self._check_emits(out + timer)
@@ -1264,6 +1406,19 @@ class ReceiverModel(RuleBasedStateMachine):
                     assert rid in self.acked_ok
                     assert rid in self.read_ok or not self.pull_blocks[rid]
 
+    def _check_rechecks(self, effects: list[Effect]) -> None:
+        """Whether P is gone is asked only about held pushes, naming exactly those at P."""
+        for eff in effects:
+            if isinstance(eff, CheckGone):
+                held = {
+                    m.hb_id
+                    for m in self.live.values()
+                    if m.phase is S.HOLDING
+                    and self.mode[m.rid] == "push"
+                    and (m.peer, m.agent) == (eff.peer, eff.agent)
+                }
+                assert set(eff.hb_ids) <= held and eff.hb_ids, (eff, held)
+
     def _check_beats(self, timer: list[Effect]) -> None:
         beaten = [e.peer for e in timer if isinstance(e, Beat)]
         assert len(beaten) == len(set(beaten)), "one batch per peer"
@@ -1280,7 +1435,8 @@ class ReceiverModel(RuleBasedStateMachine):
         rx = self.rx
         recount = Counter(r.state.value for r in rx.reqs.values())
         assert rx.by_state() == {s.value: recount[s.value] for s in S if s not in TERMINAL}
-        assert set(rx.heartbeats.peers()) == {m.peer for m in self.live.values()}
+        beaten = {m.peer for m in self.live.values() if m.phase is not S.HOLDING}
+        assert set(rx.heartbeats.peers()) == beaten
         assert set(rx.watchdogs) == {r for r, m in self.live.items() if m.deadline is not None}
         for rid, m in self.live.items():
             assert rx.watchdogs.get(rid) == m.deadline
@@ -1437,25 +1593,43 @@ class ReceiverModel(RuleBasedStateMachine):
                     self._rehandshake(m)
                 else:
                     self._fail(m, TRANSFER)
-            elif not ok and m.phase in (S.CANCELLING, S.ACKING):
+            elif not ok and m.phase is S.CANCELLING:
+                self._hold(m, TRANSFER)  # P may be alive behind a cut link
+            elif not ok and m.phase is S.ACKING:
                 self._fail(m, TRANSFER)
         self._run(event)
 
     @precondition(lambda self: any(op.kind == "read" for op in self.ops))
-    @rule(i=st.integers(0, 7), ok=st.booleans(), stale=st.booleans())
-    def read_done(self, i: int, ok: bool, stale: bool) -> None:
+    @rule(i=st.integers(0, 7), ok=st.booleans(), stale=st.booleans(), unsettled=st.booleans())
+    def read_done(self, i: int, ok: bool, stale: bool, unsettled: bool = False) -> None:
         op = self._take("read", i)
         assert op is not None
         m = self.live[op.rid]  # a READ in flight keeps its request alive
         assert m.phase is S.READING
+        event = ReadDone(op.rid, TransferError("x"), stale)
         if ok:
             self.read_ok.add(op.rid)
             self._ack(m)
+            event = ReadDone(op.rid)
+        elif unsettled:  # still in flight in UCX: it may write into our blocks
+            self._hold(m, TRANSFER if m.aborted else TIMEOUT)
+            self.ops.append(Op("settle", op.rid))
+            event = ReadDone(op.rid, Timeout("unsettled"), stale, unsettled=True)
         elif stale and not m.refreshed and not m.aborted:
             self._rehandshake(m)
         else:
             self._fail(m, TRANSFER)
-        self._run(ReadDone(op.rid) if ok else ReadDone(op.rid, TransferError("x"), stale))
+        self._run(event)
+
+    @precondition(lambda self: any(op.kind == "settle" for op in self.ops))
+    @rule(i=st.integers(0, 7))
+    def read_settled(self, i: int) -> None:
+        op = self._take("settle", i)
+        assert op is not None
+        m = self.live.get(op.rid)
+        if m is not None and m.phase is S.HOLDING:
+            self._fail(m, m.held)
+        self._run(ReadSettled(op.rid))
 
     # ------------------------------------------------------------ P
 
@@ -1475,7 +1649,9 @@ class ReceiverModel(RuleBasedStateMachine):
         m = self.live.get(rid)
         if m is not None and m.agent == agent and m.phase in _GOOD and self.mode[rid] == "push":
             self._p_answers(rid)
-            if not ok:
+            if not ok and m.phase is S.HOLDING:
+                self._fail(m, m.held)  # P's word: its WRITE ended, or none was posted
+            elif not ok:
                 self._fail(m, TRANSFER if m.aborted else LEASE_EXPIRED)
             elif rank < m.ranks:
                 m.done.add(rank)
@@ -1484,6 +1660,19 @@ class ReceiverModel(RuleBasedStateMachine):
                     self._finish(m)
         code = 0 if ok else LEASE_EXPIRED
         self._run(push_done(rid, rank, ok=ok, code=code, agent=agent))
+
+    def _held_pushes(self) -> list[MReq]:
+        return [
+            m for m in self.live.values() if m.phase is S.HOLDING and self.mode[m.rid] == "push"
+        ]
+
+    @precondition(lambda self: bool(self._held_pushes()))
+    @rule(i=st.integers(0, 3), ok=st.booleans())
+    def p_answers_a_held_push(self, i: int, ok: bool) -> None:
+        """P's word on a push D holds (its answer to the cancel, or its WRITE's PushDone)."""
+        ms = self._held_pushes()
+        m = ms[i % len(ms)]
+        self.push_done(m.rid, m.agent, 0, ok)
 
     @rule(
         rid=st.sampled_from(RIDS),
@@ -1555,10 +1744,24 @@ class ReceiverModel(RuleBasedStateMachine):
     def peer_lost(self, agent: str, older: bool) -> None:
         since = self.now - 5.0 if older else math.inf
         for m in list(self.live.values()):
-            waiting = m.phase in (S.REGISTERED, S.ACKING, S.CANCELLING)
-            if m.agent == agent and waiting and m.since <= since:
+            if m.agent != agent or m.since > since:
+                continue
+            if m.phase in (S.REGISTERED, S.CANCELLING):
+                self._hold(m, TRANSFER)  # no proof P's WRITE cannot land
+            elif m.phase is S.ACKING:
                 self._fail(m, TRANSFER)
         self._run(PeerLost(agent, "gone", since))
+
+    @rule(agent=st.sampled_from(AGENT_LIST))
+    def peer_gone(self, agent: str) -> None:
+        for m in list(self.live.values()):
+            if m.agent != agent:
+                continue
+            if m.phase is S.HOLDING and self.mode[m.rid] == "push":
+                self._fail(m, m.held)
+            elif m.phase in (S.REGISTERED, S.CANCELLING, S.ACKING):
+                self._fail(m, TRANSFER)
+        self._run(PeerGone(agent, "refused"))
 
     @rule(peer=st.sampled_from(PEER_LIST), lease=st.sampled_from((1.2, 12.0)))
     def peer_known(self, peer: str, lease: float) -> None:
@@ -1605,8 +1808,13 @@ class ReceiverModel(RuleBasedStateMachine):
                     self.resolve_done(0, True, 1, True)
                 elif kind == "send":
                     self.send_done(0, True, False)
+                elif kind == "settle":
+                    self.read_settled(0)
                 else:
                     self.read_done(0, True, False)
+            elif self._held_pushes() and self.now % 2 < 1:  # P's word (or, else, the bound)
+                self.p_answers_a_held_push(0, self.now % 4 < 2)
+                self.now += 1.0
             else:
                 self.advance(21.0)
         assert not self.live
@@ -1688,7 +1896,8 @@ def test_layerwise_p_lost_after_some_layers_fails_never_done() -> None:
     rx = make()
     layered(rx, load("r1", blocks=(4, 5)), 0.0, ranks=1, layers=4)
     rx.handle(pushed(0, ("r1", 0, 2)), 0.1)
-    out = rx.handle(PeerLost(AGENTS[P1], "killed"), 0.2)
+    assert records(rx.handle(PeerLost(AGENTS[P1], "killed"), 0.2)) == []  # held
+    out = rx.handle(PeerGone(AGENTS[P1], "refused"), 0.25)
     assert one_failure(out, "r1").block_ids == (4, 5)
     assert_empty(rx)
     out = rx.handle(pushed(0, ("r1", 2, 4)), 0.3)  # the rest, too late

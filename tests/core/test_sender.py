@@ -24,6 +24,7 @@ from kvd_client.errors import (
     Incompatible,
     InvalidRequest,
     LocalProtocolError,
+    Timeout,
     TransferError,
 )
 
@@ -56,6 +57,7 @@ from kvd.core.sender import (
     Stalled,
     ViewResolved,
     WriteDone,
+    WriteSettled,
 )
 
 S = SendState
@@ -443,6 +445,62 @@ def test_write_failed_fails_the_send_and_tells_d() -> None:
     assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
     assert tx.counters["sends_failed"] == 1
     assert_empty(tx)
+
+
+def test_unsettled_write_keeps_the_request_and_tells_d_nothing_until_it_settles() -> None:
+    """UCX did not end the WRITE within its bound: P's blocks may still be read and D's
+    still written, so P's engine keeps its blocks and D gets no word (D holds its own)
+    until the WRITE ends; its failure then is P's word to D."""
+    tx = make(unsettled_hold=50.0)
+    writing(tx, "r1", "d1", 0.0)
+    out = tx.handle(WriteDone("r1", Timeout("still in flight"), unsettled=True), 40.0)
+    assert calm(out) == []
+    assert logs(out) == ["write_unsettled"]
+    assert state(tx, "r1") is S.WRITING
+    assert tx.next_deadline() == 90.0
+    assert tx.handle(CancelArrived(D1, "r1"), 41.0) == []  # the WRITE's end answers it
+    out = tx.handle(WriteSettled("r1", TransferError("endpoint failed")), 45.0)
+    assert calm(out) == [("failed", "s1", "r1", TRANSFER), ("push_done", D1, "d1", TRANSFER)]
+    assert tx.counters["writes_settled"] == 1
+    assert_empty(tx)
+
+
+def test_unsettled_write_that_lands_after_all_is_delivered() -> None:
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    tx.handle(WriteDone("r1", Timeout("still in flight"), unsettled=True), 40.0)
+    out = tx.handle(WriteSettled("r1"), 41.0)  # D got its PushDone(ok) with the bytes
+    assert calm(out) == [("finished", "s1", "r1", 0)]
+    assert_empty(tx)
+
+
+def test_unsettled_write_past_its_hold_frees_ps_blocks_but_tells_d_nothing() -> None:
+    tx = make(unsettled_hold=50.0)
+    writing(tx, "r1", "d1", 0.0)
+    tx.handle(WriteDone("r1", Timeout("still in flight"), unsettled=True), 40.0)
+    assert tx.handle_timer(89.9) == []
+    out = tx.handle_timer(90.0)
+    assert calm(out) == [("failed", "s1", "r1", TIMEOUT)]  # no PushDone: D holds its blocks
+    assert logs(out) == ["write_unsettled_released"]
+    assert tx.counters["writes_unsettled_released"] == 1
+    assert_empty(tx)
+    assert tx.handle(WriteSettled("r1"), 95.0) == []  # ended already
+    assert tx.counters["writes_landed_after_release"] == 1
+    # D, holding its blocks, cancels again: P cannot say its WRITE ended, so it is silent
+    assert calm(tx.handle(CancelArrived(D1, "r1"), 96.0)) == []
+
+
+def test_a_cancel_after_the_write_ended_is_answered_from_the_tombstone() -> None:
+    """D gave up and holds its blocks until P's word; P's request ended already (its WRITE
+    failed, and that answer was lost with the link): the cancel D sends again is answered,
+    since nothing of the request can be in flight, but only to the agent it was bound to."""
+    tx = make()
+    writing(tx, "r1", "d1", 0.0)
+    tx.handle(WriteDone("r1", TransferError("endpoint failed")), 0.5)
+    assert calm(tx.handle(CancelArrived(D2, "r1"), 1.0)) == []
+    out = tx.handle(CancelArrived(D1, "r1"), 1.0)
+    assert calm(out) == [("push_done", D1, "d1", TRANSFER)]
+    assert tx.counters["cancels_answered_after_end"] == 1
 
 
 def test_a_second_view_answer_changes_nothing() -> None:
@@ -894,7 +952,9 @@ def test_late_messages_for_a_delivered_request_never_revive_it() -> None:
         (HeartbeatArrived(D1, ("r1",)), []),
         (ViewResolved("r1", VIEW), []),
         (AbortSend("r1", "s1"), []),
-        (CancelArrived(D1, "r1"), []),
+        # D, holding its blocks, would be released: nothing of it is in flight
+        (CancelArrived(D1, "r1"), [("push_done", D1, "d1", NOT_FOUND)]),
+        (CancelArrived(D1, "r1"), [("push_done", D1, "d1", TRANSFER)]),
     ]
     for ev, want in late:
         assert calm(tx.handle(ev, 1.0)) == want, ev
@@ -1161,7 +1221,11 @@ def test_matching_removal_keeps_the_index_consistent() -> None:
     assert calm(tx.handle(CancelArrived(D1, "z-0-11111111"), 0.0)) == [
         ("push_done", D1, "z-0-11111111", TRANSFER)
     ]
-    assert tx.handle(CancelArrived(D1, "z-0-11111111"), 0.0) == []  # gone already
+    # gone already: a cancel again (D holding its blocks until P's word) is answered from
+    # the tombstone, since nothing of it can be in flight
+    assert calm(tx.handle(CancelArrived(D1, "z-0-11111111"), 0.0)) == [
+        ("push_done", D1, "z-0-11111111", TRANSFER)
+    ]
     check_index(tx)
     assert tx.reqs == {}
     # the cancel is remembered (by base id): a finish of the same request ends at once
@@ -1322,6 +1386,11 @@ class MTomb:
     code: int
     refuses: bool = False
     by_base: bool = True
+    d_rid: str = ""
+    agent: str = ""
+    """The D registration it ended with (a later cancel names D's id in its answer)."""
+    settled: bool = True
+    """Nothing of it can be in flight: a later cancel is answered."""
 
 
 M_EXPIRED: Final = MTomb(LEASE_EXPIRED)
@@ -1349,6 +1418,8 @@ class MReq:
     wait: float | None = None
     stream: MStream | None = None
     wait_seq: int = 0
+    unsettled: float | None = None
+    """WRITING: its WRITE was answered Unsettled; P's engine is answered at this time."""
 
 
 NL: Final = 3
@@ -1385,6 +1456,8 @@ class SenderModel(RuleBasedStateMachine):
         super().__init__()
         self.tx = make()
         self.now = 0.0
+        self.settling: list[str] = []
+        """Keys whose WRITE was answered Unsettled and has not settled yet."""
         # the reference
         self.live: dict[str, MReq] = {}
         self.tombs: dict[str, MTomb] = {}
@@ -1448,6 +1521,10 @@ class SenderModel(RuleBasedStateMachine):
         old = self.tombs.pop(rid, None)
         if old is not None and old.refuses:
             tomb = replace(tomb, refuses=True)  # a cancel is never forgotten
+        if old is not None and not old.settled:
+            tomb = replace(tomb, settled=False)
+        if old is not None and old.d_rid and not tomb.d_rid:
+            tomb = replace(tomb, d_rid=old.d_rid, agent=old.agent)
         self.tombs[rid] = tomb
         if tomb.by_base:
             self.tomb_base[base_request_id(rid)] = rid
@@ -1463,9 +1540,13 @@ class SenderModel(RuleBasedStateMachine):
     def _refuse_pull(self, agent: str, msg: wire.PullDone, code: int) -> None:
         self.expect.append(("pull_ack", agent, msg.d_request_id, False, code))
 
-    def _end(self, m: MReq, end: SendState, tomb: MTomb) -> None:
+    def _end(self, m: MReq, end: SendState, tomb: MTomb, settled: bool = True) -> None:
         del self.live[m.base]
         m.state = end
+        if not settled:
+            tomb = replace(tomb, settled=False)
+        elif m.reg is not None and m.agent:
+            tomb = replace(tomb, d_rid=m.reg.request_id, agent=m.agent)
         self._bury(m.key, tomb)
         s = m.session
         if s in self.closing and not any(x.session == s for x in self.live.values()):
@@ -1580,6 +1661,11 @@ class SenderModel(RuleBasedStateMachine):
                 self._emit(m, "expired")
                 self._push_failed(m, LEASE_EXPIRED)
                 self._end(m, S.EXPIRED, M_EXPIRED)
+        for m in list(self.live.values()):
+            if m.state is S.WRITING and m.unsettled is not None and m.unsettled <= now:
+                # P's engine gets its blocks back; D is told nothing (it holds its own)
+                self._emit(m, "failed", TIMEOUT)
+                self._end(m, S.FAILED, MTomb(TIMEOUT, by_base=False), settled=False)
         for m in list(self.live.values()):
             if m.state is S.AWAITING and m.wait is not None and m.wait <= now:
                 code = NOT_FOUND if m.pull is not None else TIMEOUT
@@ -1715,6 +1801,7 @@ class SenderModel(RuleBasedStateMachine):
             if m.state in (S.AWAITING, S.STREAMING) and m.wait is not None
         ]
         dues += [r.due for r in self.resyncing.values()]
+        dues += [m.unsettled for m in self.live.values() if m.unsettled is not None]
         deadline = tx.next_deadline()
         assert deadline == (min(dues) if dues else None)
         assert deadline is None or deadline > self.now
@@ -1949,7 +2036,15 @@ class SenderModel(RuleBasedStateMachine):
         if not early and (m is None or m.agent != agent):
             return  # mostly, D cancels what it registered for or pulled
         if m is None:
-            self._bury(rid, M_CANCELLED)
+            tomb = self._find_tomb(rid)
+            if tomb is not None and tomb.agent and tomb.agent != agent:
+                pass  # another peer's request: rejected
+            elif tomb is not None and tomb.settled:
+                # nothing of it in flight: D (holding its blocks) gets P's word again
+                self.expect.append(("push_done", agent, tomb.d_rid or rid, tomb.code))
+                self._bury(rid, M_CANCELLED)
+            else:
+                self._bury(rid, M_CANCELLED)
         elif m.agent and m.agent != agent:
             pass  # another peer's request: rejected
         elif m.state is S.AWAITING:
@@ -2042,6 +2137,31 @@ class SenderModel(RuleBasedStateMachine):
     @rule(i=st.integers(0, 3))
     def write_done_ok(self, i: int) -> None:
         self._write_done(i, True)
+
+    @precondition(lambda self: any(isinstance(op, PostWrite) for op in self.ops))
+    @rule(i=st.integers(0, 3))
+    def write_unsettled(self, i: int) -> None:
+        """UCX did not end the WRITE within its bound: nothing to anyone until it does."""
+        op: PostWrite = self._take(PostWrite, i)
+        m = self.live[base_of(op.key)]
+        assert m.key == op.key and m.state is S.WRITING
+        m.unsettled = self.now + self.tx.unsettled_hold
+        self.settling.append(op.key)
+        self._run(WriteDone(op.key, Timeout("still in flight"), unsettled=True))
+
+    @precondition(lambda self: bool(self.settling))
+    @rule(i=st.integers(0, 3), ok=st.booleans())
+    def write_settled(self, i: int, ok: bool) -> None:
+        key = self.settling.pop(i % len(self.settling))
+        m = self.live.get(base_of(key))
+        if m is not None and m.key == key and m.unsettled is not None:
+            if ok:  # it landed after all
+                self.write_ok.add(m.key)
+                self._emit(m, "finished")
+                self._end(m, S.DELIVERED, M_DONE)
+            else:
+                self._fail_send(m, TRANSFER)
+        self._run(WriteSettled(key, None if ok else TransferError("endpoint failed")))
 
     def _view_resolved(self, i: int, ok: bool) -> None:
         op: ResolveView = self._take(ResolveView, i)
@@ -2166,6 +2286,8 @@ class SenderModel(RuleBasedStateMachine):
         for _ in range(100):
             if any(isinstance(op, PostWrite) for op in self.ops):
                 self.write_done(0, True)
+            elif self.settling:
+                self.write_settled(0, True)
             elif any(isinstance(op, PostLayers) for op in self.ops):
                 self.layers_written(0, True)
             elif self.ops:

@@ -383,6 +383,62 @@ def test_d_abort_before_its_registration_reached_p_frees_p_now(
     wait_until(lambda: d_holds(d) == (0, 0), 5.0, "D holding nothing")
 
 
+# ------------------------------------------------------------------ a frozen P and D's watchdog
+
+
+def test_p_frozen_past_ds_push_watchdog_d_holds_the_blocks_until_ps_word(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D's push registration reaches P's daemon while it is frozen (SIGSTOP), and D's
+    registration watchdog gives up on it. P may still WRITE (it is only frozen), so D holds
+    the terminal event (its engine keeps the blocks) until P's word, which P sends once it
+    is back (it cancels the registration, never WRITEs). Nothing lands in the blocks
+    after the event; P's engine gets its blocks back at once."""
+    d_cfg: dict[str, Any] = {"transfer": {"push_registration_timeout": 1.0}}
+    pd, dd = daemons("kvd-p"), daemons("kvd-d", overrides=d_cfg)
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    d_ev, p_ev = Events(d.client), Events(p.client)
+    # a push first: D holds P's view (a handshake with a frozen P could not even start)
+    key, p_id, d_id = rid_pair("warm")
+    fill(p, key, [1])
+    p.client.finished(p_id, [1])
+    d.client.track(d_id, HOST, pd.side_port, remote_request_id=p_id)
+    d.client.register_push(d_id, [1], HOST, pd.side_port, remote_request_id=p_id)
+    assert isinstance(d_ev.wait([d_id], 10.0)[d_id], wire.RecvFinished)
+    assert arrived(d, key, [1])
+
+    key, p_id, d_id = rid_pair("frozen")
+    fill(p, key, [4, 5])
+    p.client.finished(p_id, [4, 5])
+    wait_until(lambda: p_id in p_leases(p), 5.0, "P's lease")
+    pd.proc.send_signal(signal.SIGSTOP)
+    try:
+        d.client.track(d_id, HOST, pd.side_port, remote_request_id=p_id)
+        d.client.register_push(d_id, [8, 9], HOST, pd.side_port, remote_request_id=p_id)
+        wait_until(lambda: d.client.status()["receiver"]["holding"] == 1, 5.0, "D holding")
+        time.sleep(1.0)
+        d_ev.poll()
+        assert d_id not in d_ev.seen, d_ev.seen[d_id]  # P may still WRITE: nothing yet
+    finally:
+        pd.proc.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    ev = d_ev.wait([d_id], 10.0)[d_id]
+    assert isinstance(ev, wire.RecvFailed) and ev.block_ids == (8, 9), ev
+    assert d_ev.when(d_id) >= resumed
+    got = p_ev.wait([p_id], 5.0)[p_id]
+    assert isinstance(got, wire.SendFailed) and "cancelled" in got.reason, got
+    assert p_ev.when(p_id) - resumed < 5.0
+    # the blocks are the engine's again: nothing may land in them
+    for b in (8, 9):
+        d.block(0, b)[:] = 0x5A
+    time.sleep(1.0)
+    assert all(bool((d.block(0, b) == 0x5A).all()) for b in (8, 9))
+    assert counter(d, "holds_released_by_p") == 1
+    wait_until(lambda: d_holds(d) == (0, 0), 5.0, "D holding nothing")
+    assert d_ev.extra == []
+
+
 # ------------------------------------------------------------------ item 9: pull before finish
 
 
@@ -685,6 +741,10 @@ def test_p_engine_frozen_past_its_client_timeout(
             time.sleep(0.002)
 
     try:
+        # the engine process starts up first (seconds on a loaded machine): then 2 s of traffic
+        started = time.monotonic() + 30.0
+        while not d_end and time.monotonic() < started:
+            pump(0.1)
         pump(2.0)
         assert len(d_end) > 10, len(d_end)
         proc.send_signal(signal.SIGSTOP)

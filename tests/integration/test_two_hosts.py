@@ -28,6 +28,7 @@ import os
 import random
 import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -43,7 +44,15 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode
 
-from kvd.demo import DaemonProc, Engine, ModeResult, make_engine, run_mode, start_daemon
+from kvd.demo import (
+    DaemonProc,
+    Engine,
+    ModeResult,
+    make_engine,
+    pattern,
+    run_mode,
+    start_daemon,
+)
 from kvd.ecdemo import ECResult, ECSide, run_ec
 
 NET = "10.77.0"
@@ -92,6 +101,11 @@ class Host:
     def link(self, state: str) -> None:
         self.run("link", "set", self.veth, state)
 
+    def tc(self, op: str, *args: str) -> None:
+        """Change the queueing discipline of this host's veth (its egress)."""
+        cmd = ["ip", "netns", "exec", self.ns, "tc", "qdisc", op, "dev", self.veth, *args]
+        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=10)
+
     def veth_bytes(self) -> tuple[int, int]:
         """(rx, tx) bytes of this host's veth end."""
         info = json.loads(self.run("-s", "-j", "link", "show", self.veth).stdout)[0]
@@ -109,7 +123,9 @@ class Hosts:
     session keeps its outputs pinned while it lives)."""
 
 
-def _daemon(workdir: Path, host: Host, name: str, ec_role: str) -> DaemonProc:
+def _daemon(
+    workdir: Path, host: Host, name: str, ec_role: str, transfer: dict[str, Any] | None = None
+) -> DaemonProc:
     return start_daemon(
         workdir,
         name,
@@ -122,7 +138,8 @@ def _daemon(workdir: Path, host: Host, name: str, ec_role: str) -> DaemonProc:
                 "kv_lease_duration": LEASE,
                 "transfer_timeout": XFER_TIMEOUT,
                 "peer_probe_interval": 0.5,
-            },
+            }
+            | (transfer or {}),
             "ec": {
                 "role": ec_role,
                 "region_bytes": 128 << 20,
@@ -394,3 +411,126 @@ def test_an_ec_request_held_behind_a_cut_link_is_refused_past_its_deadline(two: 
             break
         time.sleep(0.5)
     _all_verified(run_ec(prod, cons, 4, random.Random(32), max_bytes=2 << 20, name="f"))
+
+
+# ------------------------------------------------------------ a push WRITE outliving D's wait
+
+SLOW = "4mbit"
+"""P's egress while the WRITE is in flight: its 2 MiB take about 4 s to cross."""
+MARK = 0x5A
+
+
+def _events(cli: KvdClient, into: dict[str, tuple[float, Any]]) -> None:
+    now = time.monotonic()
+    for ev in cli.drain_events():
+        rid = getattr(ev, "request_id", "")
+        assert rid not in into, f"a second terminal event for {rid}: {ev}"
+        into[rid] = (now, ev)
+
+
+def test_push_write_in_flight_past_ds_watchdog_lands_nothing_after_the_terminal_event(
+    two: Hosts,
+) -> None:
+    """P's WRITE into D's blocks is still crossing a slow link, and P's daemon is frozen
+    (SIGSTOP) in the middle of it, when D's registration watchdog gives up. NIXL cannot
+    cancel the WRITE, so D must hold the request's terminal event (its engine keeps the
+    blocks) until P says the WRITE ended: D's engine hears of the end only after P's
+    daemon came back and its WRITE ended, and once it did, no byte lands in the blocks
+    (a marker written into them right after the event stays intact)."""
+    hosts = two
+    tag = secrets.token_hex(2)
+    pd = _daemon(hosts.workdir, hosts.p, f"kvdt-2h-pw-{tag}", "none")
+    dd = _daemon(
+        hosts.workdir, hosts.d, f"kvdt-2h-dw-{tag}", "none", {"push_registration_timeout": 1.0}
+    )
+    shaped = False
+    try:
+        kw: dict[str, Any] = {"num_blocks": 16, "num_layers": LAYERS, "chunk_bytes": CHUNK}
+        pe = make_engine(pd.socket, f"prefill-w{tag}", **kw)
+        hosts.engines.append(pe)
+        de = make_engine(dd.socket, f"decode-w{tag}", **kw)
+        hosts.engines.append(de)
+        d_seen: dict[str, tuple[float, Any]] = {}
+        p_seen: dict[str, tuple[float, Any]] = {}
+
+        def push(name: str, p_blocks: list[int], d_blocks: list[int]) -> tuple[str, str, str]:
+            key = f"cmpl-{secrets.token_hex(6)}-{name}-0"
+            p_id, d_id = f"{key}-p", f"{key}-d"
+            for j, b in enumerate(p_blocks):
+                pe.block(0, b)[:] = pattern(f"{key}/0", j, pe.block_bytes)
+            pe.client.finished(p_id, p_blocks)
+            de.client.track(d_id, P_ADDR, pd.side_port, remote_request_id=p_id)
+            de.client.register_push(d_id, d_blocks, P_ADDR, pd.side_port, remote_request_id=p_id)
+            return key, p_id, d_id
+
+        def wait(rid: str, cli: KvdClient, seen: dict[str, tuple[float, Any]], t: float) -> Any:
+            deadline = time.monotonic() + t
+            while rid not in seen:
+                assert time.monotonic() < deadline, f"no terminal event for {rid} within {t}s"
+                _events(cli, seen)
+                time.sleep(0.01)
+            return seen[rid]
+
+        def arrived(key: str, d_blocks: list[int]) -> bool:
+            return all(
+                bytes(de.block(0, b)) == bytes(pattern(f"{key}/0", j, de.block_bytes))
+                for j, b in enumerate(d_blocks)
+            )
+
+        # a push that fits D's wait: verified, and D holds P's view from now on
+        key, p_id, d_id = push("warm", [0], [0])
+        _, ev = wait(d_id, de.client, d_seen, 10.0)
+        assert type(ev).__name__ == "RecvFinished" and arrived(key, [0]), ev
+
+        hosts.p.tc("add", "root", "tbf", "rate", SLOW, "burst", "32kb", "latency", "1s")
+        shaped = True
+        blocks = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 MiB
+        key, p_id, d_id = push("slow", blocks, blocks)
+        # P's WRITE is in flight (the link lets it through slowly): freeze P in its midst
+        with KvdClient(pd.socket, role="cli", keepalive_interval=0) as cli:
+            wait_for = time.monotonic() + 5.0
+            while not cli.status("transfers")["in_flight"]:
+                assert time.monotonic() < wait_for, "P never posted its WRITE"
+                time.sleep(0.01)
+        pd.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(2.5)  # D's watchdog (1 s) gives up meanwhile
+            _events(de.client, d_seen)
+            assert d_id not in d_seen, f"D ended the request under P's WRITE: {d_seen[d_id]}"
+            with KvdClient(dd.socket, role="cli", keepalive_interval=0) as cli:
+                assert cli.status()["receiver"]["holding"] == 1
+        finally:
+            pd.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        d_at, ev = wait(d_id, de.client, d_seen, 20.0)
+        _, p_ev = wait(p_id, pe.client, p_seen, 20.0)
+        assert d_at >= resumed
+        landed = type(ev).__name__ == "RecvFinished"
+        if landed:  # the WRITE ended well: every byte is there
+            assert arrived(key, blocks)
+            # P's engine: done, or failed when the WRITE outlived the settle bound first
+            # (answered Unsettled, then held until UCX ended it: which way is not told)
+            assert type(p_ev).__name__ == "SendFinished" or "in flight" in p_ev.reason, p_ev
+        else:
+            assert list(ev.block_ids) == blocks, ev
+        # the blocks are the engine's again: nothing of the WRITE may land in them now
+        for b in blocks:
+            de.block(0, b)[:] = MARK
+        time.sleep(2.0)
+        intact = [b for b in blocks if bool((de.block(0, b) == MARK).all())]
+        assert intact == blocks, (
+            f"bytes landed after the terminal event in {set(blocks) - set(intact)}"
+        )
+        with KvdClient(dd.socket, role="cli", keepalive_interval=0) as cli:
+            st = cli.status()
+            assert st["receiver"]["holding"] == 0
+            assert st["counters"].get("holds_released_by_p", 0) == 1, st["counters"]
+        print(f"D's event {ev} {d_at - resumed:.3f}s after P resumed; P's: {p_ev}")
+    finally:
+        if shaped:
+            hosts.p.tc("del", "root")
+        _close_engines(hosts)
+        for dmn in (dd, pd):
+            with contextlib.suppress(ProcessLookupError):
+                dmn.proc.send_signal(signal.SIGCONT)
+            assert dmn.stop() == 0, dmn.log.read_text()[-3000:]
