@@ -36,6 +36,7 @@ NIXL_COUNTERS: Final = (
     "bytes_moved",
     "notifs_sent",
     "notifs_received",
+    "notifs_dropped",
 )
 
 TIER_COUNTERS: Final = {

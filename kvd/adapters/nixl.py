@@ -12,8 +12,12 @@ Why a thread of our own:
   GIL: it must never run on the event loop.
 - Every call into the agent happens on this one thread, so the agent needs no locks.
 
-The event loop talks to the thread with `await engine.call(fn)`; notifications and
-transfer completions come back through `loop.call_soon_threadsafe`. NIXL's exceptions are
+The event loop talks to the thread with `await engine.call(fn)`; transfer completions
+come back through `loop.call_soon_threadsafe`, notifications through one bounded queue
+(`_RX_MAX_NOTIFS`, `_RX_MAX_BYTES`) that one scheduled drain on the loop feeds to the
+sink, in the order polled. Past the bound they are dropped and counted
+(`notifs_dropped`): a lost notification only leaves its request to its watchdog, never
+makes it report done. NIXL's exceptions are
 translated here into kvd's error types. With the daemon's stage trace on, the thread
 records when it picks up, posts and completes a transfer and picks up a notification to
 send (under the request id the caller passes), and when it polled each batch of
@@ -79,6 +83,10 @@ FILE_BACKEND: Final = "POSIX"
 GDS_BACKEND: Final = "GDS"
 """NIXL's GPUDirect Storage backend: files to and from VRAM without a host copy (created
 beside POSIX where a GPU is visible and the plugin loads; untested here: no GPU)."""
+
+_RX_MAX_NOTIFS: Final = 65_536
+_RX_MAX_BYTES: Final = 64 << 20
+"""Bounds on the notifications polled and not yet fed to the sink (count, bytes)."""
 
 _PR_SET_TIMERSLACK: Final = 29
 _PR_SET_NAME: Final = 15
@@ -187,6 +195,10 @@ class NixlStats:
     """Peers forgotten while transfers to them were in flight (removed once they ended)."""
     notifs_expired: int = 0
     """Held notifications failed: no fresh endpoint within the hold bound."""
+    notifs_dropped: int = 0
+    """Notifications polled while the queue to the event loop was full (dropped)."""
+    notifs_queued: int = 0
+    """Notifications polled and not yet fed to the sink (at the last poll or drain)."""
     errors: dict[str, int] = field(default_factory=dict)
 
 
@@ -242,6 +254,13 @@ class NixlEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sink: NotifSink | None = None
         self._stop = threading.Event()
+        self._rx: collections.deque[tuple[str, list[bytes], int, int]] = collections.deque()
+        """Polled notifications for the sink: (peer, messages, polled ns, bytes)."""
+        self._rx_in = [0, 0]
+        """Notifications and bytes appended to `_rx` (by the thread)."""
+        self._rx_out = [0, 0]
+        """Notifications and bytes taken from `_rx` (on the loop)."""
+        self._rx_scheduled = False
         self.stats = NixlStats()
         self.trace = trace
         self.keyring: Keyring | None = None
@@ -360,6 +379,7 @@ class NixlEngine:
             self._shutdown_agent()
 
     def _poll_notifs(self) -> bool:
+        """On the thread: poll NIXL's notifications into the bounded queue to the loop."""
         try:
             notifs = self._agent.get_new_notifs()
         except Exception as exc:  # progress errors must not kill the thread
@@ -367,15 +387,58 @@ class NixlEngine:
             return False
         if not notifs:
             return False
-        loop, sink = self._loop, self._sink
-        assert loop is not None and sink is not None
+        loop = self._loop
+        assert loop is not None
         polled = self.trace.now()
+        rx_in, rx_out = self._rx_in, self._rx_out
         for peer, msgs in notifs.items():
+            name = peer if isinstance(peer, str) else peer.decode()
             self.stats.notifs_received += len(msgs)
-            loop.call_soon_threadsafe(
-                sink, peer if isinstance(peer, str) else peer.decode(), list(msgs), polled
-            )
+            kept: list[bytes] = []
+            size = 0
+            for m in msgs:
+                count = rx_in[0] - rx_out[0] + len(kept)
+                if count >= _RX_MAX_NOTIFS or rx_in[1] - rx_out[1] + size + len(m) > _RX_MAX_BYTES:
+                    self._drop(name)
+                    continue
+                kept.append(m)
+                size += len(m)
+            if kept:
+                self._rx.append((name, kept, polled, size))
+                rx_in[0] += len(kept)
+                rx_in[1] += size
+        self.stats.notifs_queued = rx_in[0] - rx_out[0]
+        if not self._rx_scheduled and self._rx:
+            self._rx_scheduled = True
+            loop.call_soon_threadsafe(self._drain_rx)
         return True
+
+    def _drop(self, peer: str) -> None:
+        self.stats.notifs_dropped += 1
+        if self.stats.notifs_dropped % 1000 == 1:  # at a bounded rate
+            log.warning(
+                "nixl.notifs_dropped",
+                peer=peer,
+                dropped=self.stats.notifs_dropped,
+                max_notifs=_RX_MAX_NOTIFS,
+                max_bytes=_RX_MAX_BYTES,
+            )
+
+    def _drain_rx(self) -> None:
+        """On the loop: feed the queued notifications to the sink, in the order polled."""
+        self._rx_scheduled = False  # first: a batch appended from now on schedules again
+        sink = self._sink
+        assert sink is not None
+        rx, rx_out = self._rx, self._rx_out
+        while rx:
+            peer, msgs, polled, size = rx.popleft()
+            rx_out[0] += len(msgs)
+            rx_out[1] += size
+            try:
+                sink(peer, msgs, polled)
+            except Exception:  # the sink validates and counts; a bug must not stall the rest
+                log.exception("nixl.sink_failed", peer=peer)
+        self.stats.notifs_queued = self._rx_in[0] - rx_out[0]
 
     def _poll_xfers(self) -> bool:
         now = time.monotonic()

@@ -64,6 +64,8 @@ class ControlConfig:
     """Requests of the stage-trace run (after a batch to warm up); half of them traced,
     by batches (ABBA order)."""
     trace_batch: int = 10
+    raw_round_trips: int = 1000
+    """Raw NIXL notification round trips (the floor), printed beside push and pull."""
     idle_window_s: float = 10.0
     """How long the idle daemon's CPU is measured."""
 
@@ -78,6 +80,7 @@ class ControlConfig:
             busy_requests=32,
             traced_requests=60,
             traced_pull_requests=40,
+            raw_round_trips=100,
             idle_window_s=2.0,
         )
 
@@ -88,7 +91,7 @@ class ControlConfig:
 
 def steps(cfg: ControlConfig) -> int:
     """Progress steps of `run`, and the runner's idle measurement."""
-    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 1
+    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 1 + 1
 
 
 def _batches(n: int) -> int:
@@ -340,6 +343,15 @@ def trace_run(
     return out
 
 
+def raw_round_trips(env: Env, n: int) -> list[float]:
+    """The floor: n raw NIXL notification round trips (`RawInitiator.notif_round_trip`)
+    between the benchmark's agent and the raw helper, after 20 to warm up, each started
+    right after the one before (the helper polls hot, as a daemon does mid-request)."""
+    for _ in range(20):
+        env.raw.notif_round_trip()
+    return [env.raw.notif_round_trip() for _ in range(n)]
+
+
 def run(
     env: Env, cfg: ControlConfig, pair: CtlPair, seed: int, progress: Progress
 ) -> dict[str, Any]:
@@ -353,6 +365,8 @@ def run(
     busy = drain_busy(env, pair, cfg.busy_bursts, cfg.busy_requests, rng)
     progress("control plane: busy drain_events")
     trace = trace_run(env, pair, cfg, rng, progress)
+    floor = raw_round_trips(env, cfg.raw_round_trips)
+    progress("control plane: raw NIXL notification round trip")
     idle_us = [t * 1e6 for t in idle_drain]
     busy_us = [b["us"] for b in busy]
     busy_events = [b["events"] for b in busy]
@@ -360,6 +374,7 @@ def run(
         "request_bytes": cfg.request_bytes,
         "push": summary_ms(push, cdf=True),
         "pull": summary_ms(pull, cdf=True),
+        "raw_notif_rtt": summary_ms(floor),
         "drain_idle": {
             "n": len(idle_us),
             "p50_us": round(pct(idle_us, 0.5), 2),

@@ -13,6 +13,11 @@ Two agents in two processes, like kvd's two daemons:
   lists, `initialize_xfer`, `transfer` (with a notification, as every kvd transfer
   carries one), waiting for DONE, releasing the handle. Descriptor arrays are planned
   before the clock starts, so the raw contender pays nothing for planning.
+- The floor of the control plane: `RawInitiator.notif_round_trip` sends the helper a
+  notification (`PING`), which answers with one of its own (`PONG`) as soon as it polls
+  it; the initiator polls continuously until it is in. Two notifications, no daemon:
+  what a push (D's registration to P, P's WRITE with its notification back) cannot go
+  below, whatever kvd does.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from kvd.adapters.shm import MappedRegion
 _IDLE_MAX_S: Final = 0.001
 _SPIN_S: Final = 0.002
 _HEADER: Final = struct.Struct("<I")
+PING: Final = b"kvd-bench-ping"
+PONG: Final = b"kvd-bench-pong"
 
 
 def _make_agent(name: str) -> Any:
@@ -89,6 +96,9 @@ def peer_main() -> int:
             got = agent.get_new_notifs()
             if got:
                 notifs += sum(len(v) for v in got.values())
+                for sender, msgs in got.items():
+                    for _ in range(sum(1 for m in msgs if bytes(m) == PING)):
+                        agent.send_notif(_as_str(sender), PONG)
                 last = time.monotonic()
                 idle = 10e-6
             wait = 0.0 if time.monotonic() - last < _SPIN_S else idle
@@ -213,6 +223,18 @@ class RawInitiator:
             state = agent.check_xfer_state(handle)
         agent.release_xfer_handle(handle)
         return time.perf_counter() - t0
+
+    def notif_round_trip(self, timeout: float = 5.0) -> float:
+        """Seconds from sending the helper a notification to its answer polled here."""
+        agent = self.agent
+        t0 = time.perf_counter()
+        agent.send_notif(self.remote, PING)
+        while True:
+            got = agent.get_new_notifs()
+            if any(bytes(m) == PONG for msgs in got.values() for m in msgs):
+                return time.perf_counter() - t0
+            if time.perf_counter() - t0 > timeout:
+                raise RuntimeError("raw peer: no answer to a notification")
 
     def close(self) -> None:
         for reg in self._regs:

@@ -336,7 +336,10 @@ def control_table(ctl: dict[str, Any]) -> Table:
     for key, label in (
         ("push", "push: D register -> RecvFinished"),
         ("pull", "pull: D pull -> RecvFinished"),
+        ("raw_notif_rtt", "floor: raw NIXL notification round trip"),
     ):
+        if key not in ctl:
+            continue
         s = ctl[key]
         t.add_row(
             label,

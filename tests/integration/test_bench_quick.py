@@ -85,6 +85,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         cdf = ctl[mode]["cdf_ms"]  # the sorted sample the latency chart is drawn from
         assert cdf == sorted(cdf) and 2 <= len(cdf) <= min(ctl[mode]["n"], 200)
         assert cdf[-1] == ctl[mode]["max_ms"]
+    floor = ctl["raw_notif_rtt"]  # raw NIXL's notification round trip, the floor
+    assert floor["n"] > 0 and 0 < floor["p50_ms"] <= floor["p99_ms"]
     _positive(ctl["drain_idle"]["p50_us"], "idle drain_events")
     _positive(ctl["drain_busy"]["median_events"], "busy drain_events events")
     trace = ctl["trace"]
