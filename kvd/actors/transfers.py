@@ -457,16 +457,21 @@ class TransferBook:
             if settled is not None:
                 settled()
             raise
-        ends: list[Callable[[], None] | None] = [None] * len(groups)
-        if settled is not None:
-            left = [len(groups)]
+        # The regions stay counted (a drain waits) until nothing more of any group can
+        # land, which for a transfer answered Unsettled is after this returns.
+        left = [len(groups)]
 
-            def one_ended() -> None:
-                left[0] -= 1
-                if left[0] == 0:
+        def one_ended() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                for loc, rem in zip(local, remote, strict=True):
+                    self.local[loc.region_id] -= 1
+                    self.remote[(agent, rem.region_id)] -= 1
+                self.wake()
+                if settled is not None:
                     settled()
 
-            ends = [one_ended] * len(groups)
+        ends: list[Callable[[], None]] = [one_ended] * len(groups)
         total = sum(p.total_bytes for p in plans)
         descs = sum(p.descriptors for p in plans)
         rec: dict[str, Any] = {
@@ -507,10 +512,6 @@ class TransferBook:
         finally:
             if tid:
                 self.trace.mark(tid, "transfer.returned")
-            for loc, rem in zip(local, remote, strict=True):
-                self.local[loc.region_id] -= 1
-                self.remote[(agent, rem.region_id)] -= 1
-            self.wake()
             self.in_flight.pop(key, None)
             rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
             rec["state"] = "failed" if errors else "done"

@@ -27,6 +27,7 @@ from typing import Any, Final, Generic, TypeVar
 import anyio
 import anyio.lowlevel
 import numpy as np
+import pytest
 import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
@@ -54,10 +55,11 @@ from kvd.actors.messages import (
 from kvd.actors.notifier import Notifier
 from kvd.actors.receiver import Receiver
 from kvd.actors.sender import Sender
-from kvd.adapters.nixl import PeerDisconnected, translate
+from kvd.actors.transfers import TransferBook
+from kvd.adapters.nixl import PeerDisconnected, Unsettled, translate
 from kvd.config import Config, DaemonConfig
 from kvd.core.limits import PendingBudget, record_cost
-from kvd.core.planner import Geometry
+from kvd.core.planner import Geometry, Plan
 from kvd.core.stats import XferTiming
 from kvd.daemon import Daemon
 from kvd.logs import RejectLog
@@ -1075,3 +1077,57 @@ async def _events(w: World, rid: str) -> list[EventOut]:
         lambda items: any(getattr(e.record, "request_id", "") == rid for e in items)
     )
     return [e for e in w.events.items if getattr(e.record, "request_id", "") == rid]
+
+
+# ------------------------------------------------------------------ the transfer book
+
+
+class UnsettledPort(FakePort):
+    """A transfer answered Unsettled (UCX still works on it): its end comes later, when the
+    test calls `end()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[Callable[[], None]] = []
+
+    async def transfer(  # type: ignore[override]
+        self, *args: Any, settled: Callable[[], None] | None = None, **kwargs: Any
+    ) -> XferTiming:
+        assert settled is not None  # the book always asks to hear the end
+        self.ends.append(settled)
+        raise Unsettled("still in flight")
+
+
+async def test_a_region_drain_waits_for_a_transfer_answered_unsettled() -> None:
+    """A region is released (its memory deregistered and given back) only once nothing of
+    a transfer touching it can land, not when the transfer was answered: UCX may still
+    write into it after an Unsettled answer."""
+    port = UnsettledPort()
+    book = TransferBook(port, 1.0, {})
+    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
+    plan = Plan(
+        np.array([P_BASE], dtype=np.int64),
+        np.array([D_BASE], dtype=np.int64),
+        np.array([BLOCK], dtype=np.int64),
+    )
+    ended: list[bool] = []
+    with pytest.raises(Unsettled):
+        await book.run(
+            "WRITE", "r", D_AGENT, [P_REGION], [remote], [plan], [b""], lambda: ended.append(True)
+        )
+    assert book.local == {P_REGION.region_id: 1} and ended == []
+    drained = anyio.Event()
+
+    async def drain() -> None:
+        await book.drain_local(P_REGION.region_id)
+        drained.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(drain)
+        await settle()
+        assert not drained.is_set()  # the transfer may still land
+        (end,) = port.ends
+        end()  # UCX ended it
+        with anyio.fail_after(WAIT):
+            await drained.wait()
+    assert ended == [True] and book.local == {}
