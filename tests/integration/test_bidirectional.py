@@ -165,11 +165,12 @@ def test_kept_blocks_expire_at_their_ttl_despite_heartbeats(daemons: StartDaemon
         # P's next turn is queued: its daemon heartbeats D for the kept request
         p_id = "ttl-eeeeeeee"
         p.client.track(p_id, HOST, d_d.side_port, remote_request_id=kept_id)
-        got = events(d.client, 1, timeout=6.0)
+        # heartbeats extend a 0.6 s lease by 0.4 s each: had they counted, it would live on
+        # as long as P tracks it (here: past this wait)
+        got = events(d.client, 1, timeout=8.0)
         took = time.monotonic() - t0
         assert [(type(e), e.request_id) for e in got] == [(wire.SendExpired, kept_id)]
-        # heartbeats extend a 0.6 s lease by 0.4 s each: had they counted, it would live on
-        assert 1.3 <= took < 3.5, took
+        assert 1.5 <= took < 8.0, took
         c = counters(d)
         assert c["heartbeats_on_kept"] > 0 and c["kept_expired"] == 1, c
         assert kept_leases(d) == []
@@ -272,7 +273,7 @@ def test_kept_blocks_freed_when_d_engine_is_killed(daemons: StartDaemon) -> None
         proc.wait()
         t_kill = time.monotonic()
         wait_until(lambda: cli.status("leases")["leases"] == [], 5.0, "kept lease freed")
-        assert time.monotonic() - t_kill < 3.0
+        assert time.monotonic() - t_kill < 5.0
         c = cli.status()["counters"]
         assert c["kv_kept"] == 1 and c.get("kept_pulled", 0) == 0
     finally:
