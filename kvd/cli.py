@@ -156,7 +156,7 @@ def leases(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
     console.print(
-        _table("leases", data["leases"], ["request_id", "state", "expires_in_s", "age_s"])
+        _table("leases", data["leases"], ["request_id", "state", "expires_in_s", "age_s", "kept"])
     )
     console.print(_table("heartbeated", data["tracked"], ["request_id", "peer", "hb_id"]))
 

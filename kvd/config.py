@@ -443,6 +443,16 @@ class TransferConfig(_Section):
         "(or P is gone, or P's settle bound passed: docs/late-writes.md).",
         gt=0,
     )
+    decoder_kv_blocks_ttl: float = _opt(
+        480.0,
+        "Seconds D keeps a finished request's blocks for the next conversational turn "
+        "(bidirectional KV: the engine's `keep`), so that the next turn's P pulls them "
+        "instead of recomputing. A fixed lease: heartbeats do not extend it. When it "
+        "expires the blocks go back to D's engine and a later pull fails (P recomputes). "
+        "The default for a `keep` that names no TTL of its own.",
+        gt=0,
+        le=86400,
+    )
     peer_probe_interval: float = _opt(
         1.0,
         "Seconds between D's checks that a P it waits on is alive; a dead P fails its "

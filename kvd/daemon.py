@@ -289,6 +289,7 @@ class Daemon:
             incarnation=self.registrar.incarnation,
             client_timeout=self.cfg.daemon.client_timeout,
             push_registration_timeout=self.cfg.transfer.push_registration_timeout,
+            decoder_kv_blocks_ttl=self.cfg.transfer.decoder_kv_blocks_ttl,
         )
 
     async def status(self, section: str) -> dict[str, Any]:
@@ -356,6 +357,7 @@ class Daemon:
             "kv_lease_duration": c.transfer.kv_lease_duration,
             "lease_wait_timeout": c.transfer.lease_wait_timeout,
             "push_registration_timeout": c.transfer.push_registration_timeout,
+            "decoder_kv_blocks_ttl": c.transfer.decoder_kv_blocks_ttl,
             "transfer_timeout": c.transfer.transfer_timeout,
             "handshake_timeout": c.side_channel.handshake_timeout,
             "client_timeout": c.daemon.client_timeout,

@@ -714,6 +714,35 @@ class KvdClient:
         )
         return request_id in self._announced_send
 
+    def keep(self, request_id: str, block_ids: Sequence[int], ttl: float | None = None) -> float:
+        """D (bidirectional KV): the request finished; keep these logical blocks for the
+        next conversational turn, whose P pulls them (this daemon serves the READ and
+        acknowledges it only while it still holds them) instead of recomputing.
+
+        A fixed lease of `ttl` seconds (default: the daemon's `decoder_kv_blocks_ttl`)
+        that heartbeats do not extend. Ends, exactly once, in SendFinished (pulled: free
+        the blocks), SendExpired (nobody pulled them in time: free them) or SendFailed
+        (refused, aborted, or this session ended: free them). Returns the wall-clock time
+        (`time.time()`) at which they expire, for kv_transfer_params; the daemon's lease
+        starts when the request reaches it, so it never ends before that time. Returns 0.0
+        when it was not sent (no live session: SendFailed is queued): then no P should be
+        told to pull it.
+        """
+        if ttl is None:
+            ttl = self.welcome.decoder_kv_blocks_ttl if self.welcome is not None else 0.0
+        if not 0 < ttl <= 86400:
+            raise ValueError(
+                f"keep: ttl must be in (0, 86400] seconds, got {ttl!r} (a daemon announcing "
+                "decoder_kv_blocks_ttl 0 does not keep blocks)"
+            )
+        expiry = time.time() + ttl
+        self._announced_send.add(request_id)
+        self._send(
+            wire.Finish(request_id, self.engine_id, tuple(block_ids), ttl),
+            _Pending("send", request_id),
+        )
+        return expiry if request_id in self._announced_send else 0.0
+
     def layers_saved(self, layers: int, requests: Sequence[tuple[str, Sequence[int]]]) -> bool:
         """P's worker (this session's engine and rank): the first `layers` layers of these
         requests (P's id, logical blocks) are in host memory now.

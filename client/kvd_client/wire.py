@@ -446,6 +446,9 @@ class Welcome(Record):
     kv_transfer_params, so that D fails at once a request whose P daemon restarted."""
     client_timeout: NonNegFloat
     push_registration_timeout: NonNegFloat
+    decoder_kv_blocks_ttl: NonNegFloat = 0.0
+    """Seconds D keeps a finished request's blocks for the next turn (`Finish.keep_for`
+    when the client names none); 0 = a daemon that does not keep them."""
 
 
 @message(3)
@@ -574,11 +577,17 @@ class Pull(Record):
 @message(23)
 @dataclasses.dataclass(frozen=True)
 class Finish(Record):
-    """P: prefill finished; hold these logical blocks under a lease until sent."""
+    """P: prefill finished; hold these logical blocks under a lease until sent.
+
+    With `keep_for` > 0 (bidirectional KV), D: decode finished; keep these blocks for the
+    next conversational turn, whose P pulls them, under a fixed lease of `keep_for`
+    seconds that heartbeats do not extend. Ends like a P's lease: SendFinished (pulled),
+    SendExpired or SendFailed."""
 
     request_id: Id
     engine_id: Id
     block_ids: BlockIds
+    keep_for: Annotated[float, Range(0.0, 86400.0)] = 0.0
 
 
 @message(24)

@@ -168,7 +168,7 @@ class Sender(TransferActor):
         m = req.msg
         if isinstance(m, wire.Finish):
             self._check_blocks(m.engine_id, m.block_ids)
-            return proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session)
+            return proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session, m.keep_for)
         if isinstance(m, wire.Abort):
             return proto.AbortSend(m.request_id, req.session)
         raise TypeError(f"sender got {type(m).__name__}")
@@ -454,6 +454,7 @@ class Sender(TransferActor):
                     "age_s": round(now - lease.granted_at, 3),
                     "state": p.reqs[lease.request_id].state.value,
                     "peer": p.reqs[lease.request_id].agent,
+                    "kept": lease.fixed,
                 }
                 for lease in p.leases.leases()
                 if lease.request_id in p.reqs

@@ -2,10 +2,13 @@
 
 While a decode peer has not yet pulled a request's KV blocks, P keeps them pinned under
 a lease. The peer's heartbeats extend the lease; a lease that reaches its deadline is
-expired and its blocks go back to the engine. The table is sans-IO: `now` is always an
-argument, `next_deadline()` says when the sender must next wake, and `expire(now)`
-returns what expired. Deadlines live in a `TimerHeap` (lazy deletion), so extending
-or expiring is O(log n) per lease, never a scan of the table.
+expired and its blocks go back to the engine. A *fixed* lease (D keeping a finished
+request's blocks for the next conversational turn, bidirectional KV) has its own
+duration and is never extended: the next turn's timing is the client's, not a peer's.
+The table is sans-IO: `now` is always an argument, `next_deadline()` says when the
+sender must next wake, and `expire(now)` returns what expired. Deadlines live in a
+`TimerHeap` (lazy deletion), so extending or expiring is O(log n) per lease, never a
+scan of the table.
 
 Leases are also indexed by base request id (see `kvd.core.ids`) so an id carrying
 another engine's random suffix still finds its lease.
@@ -31,6 +34,8 @@ class Lease:
     granted_at: float
     owner: str
     """Opaque key of whoever holds the lease (e.g. a client session)."""
+    fixed: bool = False
+    """Never extended by heartbeats (its deadline is final)."""
 
 
 class LeaseTable:
@@ -71,15 +76,25 @@ class LeaseTable:
         """Every live lease, in grant order."""
         return iter(list(self._leases.values()))
 
-    def grant(self, request_id: str, now: float, owner: str = "") -> Lease:
-        """Lease `request_id`'s blocks until `now + duration`.
+    def grant(
+        self, request_id: str, now: float, owner: str = "", *, fixed_for: float = 0.0
+    ) -> Lease:
+        """Lease `request_id`'s blocks until `now + duration`, or with `fixed_for` > 0 until
+        `now + fixed_for`, a deadline no heartbeat moves.
 
         Raises InvalidRequest if the id already holds a lease.
         """
         if request_id in self._leases:
             raise InvalidRequest(f"request {request_id!r} already holds a lease")
+        if fixed_for < 0:
+            raise ValueError(f"fixed lease duration must be >= 0, got {fixed_for!r}")
+        fixed = fixed_for > 0
         lease = Lease(
-            request_id=request_id, deadline=now + self._duration, granted_at=now, owner=owner
+            request_id=request_id,
+            deadline=now + (fixed_for if fixed else self._duration),
+            granted_at=now,
+            owner=owner,
+            fixed=fixed,
         )
         self._leases[request_id] = lease
         self._timers.set(request_id, lease.deadline)
@@ -89,8 +104,9 @@ class LeaseTable:
     def extend(self, request_ids: Iterable[str], now: float) -> list[str]:
         """Push each known lease's deadline to at least `now + extension`.
 
-        Deadlines never move earlier. Unknown ids are ignored; the ids that were known
-        are returned (in the order given) so the caller can count the rest.
+        Deadlines never move earlier, and a fixed lease's never moves at all. Unknown ids
+        are ignored; the ids that were known (fixed ones included) are returned (in the
+        order given) so the caller can count the rest.
         """
         target = now + self._extension
         leases = self._leases
@@ -101,7 +117,7 @@ class LeaseTable:
             if lease is None:
                 continue
             known.append(request_id)
-            if target > lease.deadline:
+            if target > lease.deadline and not lease.fixed:
                 leases[request_id] = Lease(lease.request_id, target, lease.granted_at, lease.owner)
                 timers.set(request_id, target)
         return known

@@ -11,7 +11,11 @@ per-state handlers are in `_ON`):
 
     AWAITING  D's registration, or its pull completion, arrived before P's engine
               finished the request. Bounded: registration_timeout / lease_wait_timeout.
-    HELD      P's engine finished it: a lease is granted; D's heartbeats extend it.
+    HELD      P's engine finished it: a lease is granted; D's heartbeats extend it. Or
+              (bidirectional KV) D's engine *kept* a finished request's blocks for the
+              next conversational turn: a fixed lease (`Finish.keep_for`) that no
+              heartbeat extends; the next turn's P pulls them (the daemon is then the
+              source side of that request, exactly as P's is for a pull).
     MATCHED   held and D's registration is here: D's regions are being resolved (the
               `ResolveView` effect), and after a stall of ours D must re-sync first.
     WRITING   the lease is claimed (it cannot expire under the WRITE): `PostWrite`.
@@ -43,6 +47,9 @@ Rules it keeps:
 - Tombstones: an ended request is remembered (bounded, by base id) so that a late
   registration, pull or finish is answered at once instead of waiting.
 - A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
+- Kept blocks (bidirectional KV) are only pulled: a push registration for them is
+  refused (PushDone failed), and their lease ends at its fixed deadline whatever the
+  heartbeats (counted as `heartbeats_on_kept`).
 - Drain (`StartDrain`, the daemon going out of service): no new lease is granted. A
   `finished` during the drain fails at once (SendFailed to P's engine; a tombstone that
   refuses D's registration or pull at once, so D recomputes), registrations and pulls
@@ -120,12 +127,15 @@ ENDED_SESSIONS: Final = 65536
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """P's engine finished the request: lease these (validated) blocks."""
+    """P's engine finished the request: lease these (validated) blocks. With `keep_for` > 0,
+    D's engine keeps a finished request's blocks for the next turn's P to pull (bidirectional
+    KV): a fixed lease of that many seconds, never extended by heartbeats."""
 
     request_id: str
     engine_id: str
     block_ids: tuple[int, ...]
     session: str
+    keep_for: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +422,8 @@ class SendRequest:
     stream: Stream | None = None
     unsettled: KvdError | None = None
     """WRITING: its WRITE was answered Unsettled with this error (it may still run)."""
+    kept: bool = False
+    """Blocks D kept for the next turn (a fixed lease; pulled only)."""
 
 
 _RESYNC: Final = "\0resync:"
@@ -665,6 +677,9 @@ class Sender:
         waiting = have if have is not None else self._find(ev.request_id)
         if waiting is not None and waiting.state is not S.AWAITING:
             waiting = None
+        if ev.keep_for and waiting is not None and waiting.registration is not None:
+            self._fail_waiting(waiting, _KEPT_NOT_PUSHED, S.FAILED)  # kept blocks are pulled
+            waiting = None
         freed = waiting.cost if waiting is not None else 0
         cost = record_cost(ev, waiting.registration if waiting is not None else None)
         if not self.budget.take(cost, freed):
@@ -673,11 +688,13 @@ class Sender:
         if waiting is not None:
             waiting.cost = 0  # charged again below, as `cost`
             self._drop(waiting)  # it comes back under P's id, below
-        self.leases.grant(ev.request_id, now, owner=ev.session)
+        self.leases.grant(ev.request_id, now, owner=ev.session, fixed_for=ev.keep_for)
         self._count("leases_granted")
+        if ev.keep_for:
+            self._count("kv_kept")
         if waiting is None:
             held = SendRequest(ev.request_id, S.HELD, now, ev.engine_id, ev.block_ids, ev.session)
-            held.cost = cost
+            held.cost, held.kept = cost, ev.keep_for > 0
             self._add(held)
             return
         # D came first: the request takes P's id, and what waited is served now
@@ -687,7 +704,7 @@ class Sender:
             ev.block_ids,
             ev.session,
         )
-        waiting.cost = cost
+        waiting.cost, waiting.kept = cost, ev.keep_for > 0
         self._add(waiting)
         if waiting.early_pull is not None:
             self._count("early_pulls_served")
@@ -868,6 +885,13 @@ class Sender:
         self._step(req, ev, now)
 
     def _held_registered(self, req: SendRequest, ev: RegistrationArrived, now: float) -> None:
+        if req.kept:  # the next turn's P pulls kept blocks; it is not bound by this
+            self._reject(ev.agent, f"a push registration for kept request {req.key!r}")
+            tomb = _KEPT_NOT_PUSHED
+            self._out.append(
+                Notify(ev.agent, wire.PushDone(ev.msg.request_id, 0, False, tomb.code, tomb.reason))
+            )
+            return
         self._count("push_registrations")
         req.agent, req.registration = ev.agent, ev.msg
         if ev.reservation is not None:
@@ -903,6 +927,8 @@ class Sender:
                 req.agent = ev.agent  # the first peer to speak for a lease holds it
             if req is None or req.agent == ev.agent:
                 mine.append(k)
+            if req is not None and req.kept:
+                self._count("heartbeats_on_kept")  # its lease is fixed: not extended
         self.leases.extend(mine, now)
         self._count("heartbeats_received")
         if foreign := len(keys) - len(mine):
@@ -963,6 +989,8 @@ class Sender:
             self._end(req, S.FAILED, Tombstone(int(ErrorCode.TRANSFER), why, by_base=False))
             return
         self._count("pulls_acked")
+        if req.kept:
+            self._count("kept_pulled")
         self._emit(req, wire.SendFinished(req.key))
         self._out.append(Notify(agent, wire.PullAck(msg.d_request_id, True, 0, "")))
         self._end(req, S.DELIVERED, _DONE)
@@ -1364,6 +1392,8 @@ class Sender:
 
     def _expire(self, req: SendRequest, now: float) -> None:
         self._count("leases_expired")
+        if req.kept:
+            self._count("kept_expired")
         self._log(
             "info",
             "lease_expired",
@@ -1432,6 +1462,11 @@ _CANCELLED: Final = Tombstone(int(ErrorCode.TRANSFER), "cancelled by D", refuses
 _ABORTED: Final = Tombstone(int(ErrorCode.NOT_FOUND), "P aborted the request")
 _GONE: Final = Tombstone(
     int(ErrorCode.TRANSFER), "P's engine session ended before the request was sent"
+)
+_KEPT_NOT_PUSHED: Final = Tombstone(
+    int(ErrorCode.INVALID),
+    "these blocks are kept on D for the next turn: they are pulled, not pushed",
+    by_base=False,
 )
 _DONE: Final = Tombstone(int(ErrorCode.INVALID), "the request was already delivered", by_base=False)
 _DRAINING: Final = Tombstone(

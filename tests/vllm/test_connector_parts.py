@@ -108,15 +108,24 @@ def test_config_defaults_and_nixl_keys(caplog: pytest.LogCaptureFixture) -> None
         cfg.transfer_mode,
         cfg.kv_lease_duration,
         cfg.push_registration_timeout,
-    ) == ("/run/x.sock", "push", 20.0, 300.0)
+    ) == ("/run/x.sock", "push", 20.0, None)
+    assert (cfg.bidirectional, cfg.decoder_kv_blocks_ttl, cfg.kv_recompute_threshold) == (
+        False,
+        300.0,
+        64,
+    )
     text = caplog.text
     assert "nixl.backend" in text and "'engine_ttl'" in text and "'typo_key'" in text
-    assert (
-        ConnectorConfig.from_extra(
-            {"push_registration_timeout": 60, "decoder_kv_blocks_ttl": 300}
-        ).push_registration_timeout
-        == 60.0
+    both = ConnectorConfig.from_extra(
+        {
+            "push_registration_timeout": 60,
+            "decoder_kv_blocks_ttl": 300,
+            "bidirectional_kv_xfer": True,
+            "kv_recompute_threshold": 32,
+        }
     )
+    assert (both.push_registration_timeout, both.decoder_kv_blocks_ttl) == (60.0, 300.0)
+    assert (both.bidirectional, both.kv_recompute_threshold) == (True, 32)
     assert cfg.check_daemon(20.0) == []
     (warning,) = cfg.check_daemon(30.0)
     assert "20.0s" in warning and "30.0s" in warning
@@ -130,6 +139,10 @@ def test_config_defaults_and_nixl_keys(caplog: pytest.LogCaptureFixture) -> None
         ({"kv_lease_duration": "30"}, "kv_lease_duration"),
         ({"push_registration_timeout": float("nan")}, "push_registration_timeout"),
         ({"kvd_socket": 5}, "kvd_socket"),
+        ({"bidirectional_kv_xfer": "yes"}, "bidirectional_kv_xfer"),
+        ({"decoder_kv_blocks_ttl": -1}, "decoder_kv_blocks_ttl"),
+        ({"decoder_kv_blocks_ttl": 1e6}, "decoder_kv_blocks_ttl"),
+        ({"kv_recompute_threshold": 0}, "kv_recompute_threshold"),
     ],
 )
 def test_config_bad_values_name_the_key(extra: dict[str, object], key: str) -> None:

@@ -113,6 +113,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             incarnation=0xFEDCBA9876543210,
             client_timeout=10.0,
             push_registration_timeout=480.0,
+            decoder_kv_blocks_ttl=480.0,
         ),
     ),
     "KeepAlive": (0, wire.KeepAlive(session="sess-é-1")),
@@ -181,7 +182,10 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             remote_session="",
         ),
     ),
-    "Finish": (10, wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS)),
+    "Finish": (
+        10,
+        wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS, keep_for=479.5),
+    ),
     "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE, side="send")),
     "LayersSaved": (
         0,

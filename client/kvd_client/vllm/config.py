@@ -5,14 +5,20 @@
   daemon WRITEs into D's preallocated blocks (decided by D; a kvd P serves both).
 - `kv_lease_duration`: the daemon's `transfer.kv_lease_duration` (seconds).
 - `push_registration_timeout`: the daemon's `transfer.push_registration_timeout` (seconds).
+- `bidirectional_kv_xfer` (default false): multi-turn. D keeps a finished request's blocks
+  (the daemon's fixed lease) and returns kv_transfer_params naming them with
+  `remote_blocks_expiry_time`; a P given those params (beside `do_remote_decode`) pulls the
+  kept prefix from D instead of recomputing it, if at least `kv_recompute_threshold`
+  tokens (default 64) would load and at least 5 s remain before the expiry.
+- `decoder_kv_blocks_ttl`: seconds D keeps them (default: the daemon's
+  `transfer.decoder_kv_blocks_ttl`).
 
 `kv_lease_duration` and `push_registration_timeout` are *daemon* settings: leases and
 registration watchdogs run on the daemon's clock, so the values that count are the ones
 in the daemon's config file. They are accepted here so that a NixlConnector config can be
 reused unchanged; they must match the daemon config, and the connector warns when
 `kv_lease_duration` differs from the one the daemon announces in its Welcome.
-NixlConnector's `decoder_kv_blocks_ttl` (its default for `push_registration_timeout`) is
-read as `push_registration_timeout`. NIXL transport keys (`backends`, `num_threads`) belong
+NIXL transport keys (`backends`, `num_threads`) belong
 to the daemon's `[nixl]` section and are ignored here with a warning.
 
 Pure Python: no vLLM, no torch.
@@ -39,6 +45,8 @@ _KNOWN: Final = frozenset(
         "kv_lease_duration",
         "push_registration_timeout",
         "decoder_kv_blocks_ttl",
+        "bidirectional_kv_xfer",
+        "kv_recompute_threshold",
     }
 )
 _DAEMON_KEYS: Final = {"backends": "nixl.backend", "num_threads": "nixl.num_threads"}
@@ -46,8 +54,6 @@ _NIXL_ONLY: Final = frozenset(
     {
         "engine_ttl",
         "enforce_handshake_compat",
-        "bidirectional_kv_xfer",
-        "kv_recompute_threshold",
         "enable_cross_layers_blocks",
     }
 )
@@ -59,6 +65,10 @@ class ConnectorConfig:
     transfer_mode: str = "pull"
     kv_lease_duration: float | None = None
     push_registration_timeout: float | None = None
+    bidirectional: bool = False
+    decoder_kv_blocks_ttl: float | None = None
+    """None: the daemon's `transfer.decoder_kv_blocks_ttl`."""
+    kv_recompute_threshold: int = 64
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -92,10 +102,32 @@ class ConnectorConfig:
             )
         lease = _seconds(extra, "kv_lease_duration")
         reg = _seconds(extra, "push_registration_timeout")
-        if reg is None:
-            reg = _seconds(extra, "decoder_kv_blocks_ttl")
+        bidir = extra.get("bidirectional_kv_xfer", False)
+        if not isinstance(bidir, bool):
+            raise ValueError(
+                f"kv_connector_extra_config['bidirectional_kv_xfer'] must be true or false, "
+                f"got {bidir!r}"
+            )
+        ttl = _seconds(extra, "decoder_kv_blocks_ttl")
+        if ttl is not None and ttl > 86400:
+            raise ValueError(
+                f"kv_connector_extra_config['decoder_kv_blocks_ttl'] must be at most 86400 "
+                f"seconds, got {ttl!r}"
+            )
+        threshold = extra.get("kv_recompute_threshold", 64)
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise ValueError(
+                "kv_connector_extra_config['kv_recompute_threshold'] must be a positive number "
+                f"of tokens, got {threshold!r}"
+            )
         return cls(
-            socket=sock, transfer_mode=mode, kv_lease_duration=lease, push_registration_timeout=reg
+            socket=sock,
+            transfer_mode=mode,
+            kv_lease_duration=lease,
+            push_registration_timeout=reg,
+            bidirectional=bidir,
+            decoder_kv_blocks_ttl=ttl,
+            kv_recompute_threshold=threshold,
         )
 
     def check_daemon(self, daemon_lease: float) -> list[str]:

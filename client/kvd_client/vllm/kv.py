@@ -49,12 +49,23 @@ naming both sides, a pair that cannot map; P's kv_transfer_params carry its bloc
 (`remote_block_size`) so D lines up P's blocks by tokens. MLA and unknown tensor shapes
 stage opaquely (equal TP, block size and shape only).
 
+Multi-turn (`bidirectional_kv_xfer`, one KV cache group): D stages each decode step's KV to
+host memory as P stages its prefill, and when a request finishes `request_finished` asks
+the daemon to keep its blocks (`keep`: a fixed lease of `decoder_kv_blocks_ttl`), holds them
+(`delay_free`) until the daemon's terminal event, and returns kv_transfer_params naming them
+(D as the remote, `remote_blocks_expiry_time`). A P request carrying those params beside
+`do_remote_decode` loads the kept prefix (whole blocks, at least `kv_recompute_threshold`
+tokens, at least 5 s before the expiry) by an ordinary pull from D's daemon, computes the
+rest, and is then sent on as any P request.
+
 Limits: no pipeline or decode-context parallelism.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -86,6 +97,8 @@ log = logging.getLogger("kvd_client.vllm")
 RECV_OK: Final = "recv_ok"
 RECV_FAILED: Final = "recv_failed"
 SEND_DONE: Final = "send_done"
+KEPT_MARGIN: Final = 5.0
+"""Seconds a P wants left before kept blocks expire to load them (as vLLM's NixlConnector)."""
 REMEMBER_DONE: Final = 1 << 16
 """Reported ids a worker remembers, to drop a second copy of their terminal event."""
 
@@ -180,6 +193,15 @@ class _DReq:
     finished: bool = False
     computed: int = 0
     """The local prefix hit (tokens) when the load was claimed."""
+    request: Any = None
+    kept_tokens: int = 0
+    """P, the next turn: tokens of the blocks D kept (0: an ordinary D load)."""
+    expiry: float = 0.0
+    """P, the next turn: when D's kept blocks expire (wall clock, D's `time.time()`)."""
+    staged: int = 0
+    """D, bidirectional: tokens staged to host memory (as of the latest step's metadata)."""
+    staged_before: int = 0
+    """... as of the step before it: staged by workers that have run (safe to keep)."""
 
 
 @dataclass
@@ -297,6 +319,9 @@ class _SchedulerSide:
         remote = _parse_remote(rid, params)
         if remote is None:
             return
+        if params.get("do_remote_decode"):
+            self._track_kept(request, params, remote)
+            return
         mode = self.cfg.transfer_mode
         ids = remote.block_ids if self.groups is None else remote.group_ids
         if mode == "pull" and (ids is None or not remote.request_id):
@@ -306,9 +331,57 @@ class _SchedulerSide:
                 rid,
             )
             mode = "push"
-        self._d[rid] = _DReq(remote, mode)
+        self._d[rid] = _DReq(remote, mode, request=request)
         c = self.shared.client
         self.shared.call(c.track, rid, remote.host, remote.port, **remote.ids())
+
+    def _track_kept(self, request: Any, params: Mapping[str, Any], remote: _Remote) -> None:
+        """P, the next turn of a conversation: D kept the earlier turns' blocks (its
+        kv_transfer_params ride beside `do_remote_decode`); pull them if they are worth it."""
+        rid = request.request_id
+        expiry, tokens = params.get("remote_blocks_expiry_time"), params.get("remote_num_tokens")
+        if not self.cfg.bidirectional or self.groups is not None:
+            log.info("kvd: request %s: kept KV offered but bidirectional_kv_xfer is off", rid)
+            return
+        if (
+            isinstance(expiry, bool)
+            or not isinstance(expiry, (int, float))
+            or not math.isfinite(expiry)
+            or isinstance(tokens, bool)
+            or not isinstance(tokens, int)
+            or tokens <= 0
+            or remote.block_ids is None
+            or not remote.request_id
+        ):
+            log.warning("kvd: request %s: unusable kept-KV params: computing it locally", rid)
+            return
+        if expiry - time.time() < KEPT_MARGIN:
+            log.info("kvd: request %s: D's kept KV expires too soon: computing it locally", rid)
+            return
+        self._d[rid] = _DReq(
+            remote, "pull", request=request, kept_tokens=tokens, expiry=float(expiry)
+        )
+        c = self.shared.client
+        self.shared.call(c.track, rid, remote.host, remote.port, **remote.ids())
+
+    def _kept_count(self, request: Any, st: _DReq, num_computed_tokens: int) -> int:
+        """P: the tokens to load from D's kept blocks: whole blocks of the prompt only (the
+        last prompt token is always computed here), none below the recompute threshold
+        or too close to the expiry."""
+        assert st.remote.block_ids is not None
+        db = st.remote.block_size or self.block_size  # D's tokens per block
+        unit = max(db, self.block_size)  # both sides' blocks end on its multiples
+        if num_computed_tokens % unit:
+            return 0  # our prefix hit ends inside one of D's blocks: compute the rest here
+        usable = min(
+            st.kept_tokens,
+            request.num_prompt_tokens - 1,
+            len(st.remote.block_ids) * db,
+        )
+        count = usable // unit * unit - num_computed_tokens
+        if count < self.cfg.kv_recompute_threshold or st.expiry - time.time() < KEPT_MARGIN:
+            return 0
+        return int(count)
 
     def _back_off(self, request: Any, params: dict[str, Any]) -> None:
         """P, a model with state: drop the last prompt token (D computes it: its state must
@@ -334,6 +407,9 @@ class _SchedulerSide:
         st = self._d.get(request.request_id)
         if st is None or st.phase != "tracked":
             return 0, False
+        if st.kept_tokens:
+            count = self._kept_count(request, st, num_computed_tokens)
+            return count, count > 0
         count = request.num_prompt_tokens - num_computed_tokens
         if self.groups is not None:
             count -= self.groups.backoff  # D computes what P left out
@@ -381,7 +457,6 @@ class _SchedulerSide:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode"):
             self._p[rid] = _PReq(request)  # (re)admitted: its blocks are staged from scratch
-            return
         st = self._d.get(rid)
         if st is None or st.phase != "tracked":
             return
@@ -402,10 +477,12 @@ class _SchedulerSide:
         r = st.remote
         if st.mode == "pull":
             assert r.block_ids is not None
-            pb = r.block_size or self.block_size  # P's blocks holding tokens [hit, prompt)
+            pb = r.block_size or self.block_size  # P's blocks holding tokens [hit, end)
             hit = hashed * self.block_size
-            remote_ids = r.block_ids[hit // pb : _cdiv(request.num_prompt_tokens, pb)]
-            want = _cdiv(request.num_prompt_tokens, pb) - hit // pb
+            # a load of D's kept blocks ends inside the prompt; P's runs to its end
+            end = hit + num_external_tokens if st.kept_tokens else request.num_prompt_tokens
+            remote_ids = r.block_ids[hit // pb : _cdiv(end, pb)]
+            want = _cdiv(end, pb) - hit // pb
             if len(local) == count and len(remote_ids) == want and hit % pb == 0:
                 self.shared.call(
                     c.pull, rid, local, r.host, r.port, remote_block_ids=remote_ids, **r.load_ids()
@@ -493,7 +570,11 @@ class _SchedulerSide:
                 self.shared.call(self.shared.client.abort, rid)
             elif st.phase == "reported":
                 del self._d[rid]
-            return False, None
+                if not st.kept_tokens:
+                    return self._keep(request, st, block_ids)
+            if not st.kept_tokens:
+                return False, None
+            # P, the next turn: its load from D's kept blocks ended; it is sent on below
         params = request.kv_transfer_params or {}
         if not params.get("do_remote_decode"):
             return False, None
@@ -551,6 +632,69 @@ class _SchedulerSide:
             "remote_num_tokens": n_prompt,
         }
 
+    def _keep(
+        self, request: Any, st: _DReq, block_ids: Sequence[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """D, bidirectional: keep a finished request's blocks (the staged tokens) for the
+        next turn's P; vLLM holds them until the daemon's terminal event (delay_free)."""
+        if (
+            not self.cfg.bidirectional
+            or self.groups is not None
+            or st.kept_tokens
+            or request.status
+            not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        ):
+            return False, None
+        rid = request.request_id
+        tokens = min(st.staged_before, request.num_computed_tokens)
+        if tokens < self.cfg.kv_recompute_threshold:
+            return False, None
+        blocks = list(block_ids[: _cdiv(tokens, self.block_size)])
+        c = self.shared.client
+        try:
+            expiry = self.shared.call(c.keep, rid, blocks, self.cfg.decoder_kv_blocks_ttl)
+        except ValueError as exc:  # the daemon keeps nothing (decoder_kv_blocks_ttl 0)
+            log.warning("kvd: request %s not kept: %s", rid, exc)
+            return False, None
+        if not expiry:
+            log.warning("kvd: request %s not kept: the daemon is unavailable", rid)
+            self._orphans.add(rid)
+            self._meta.ignore.append(rid)
+            return False, None
+        self._sending.add(rid)
+        self._meta.send.append(rid)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [blocks],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.side_host,
+            "remote_port": self.side_port,
+            "remote_incarnation": f"{self.incarnation:016x}",
+            "remote_session": self.shared.client.session,
+            "tp_size": self.tp_size,
+            "transfer_mode": "pull",
+            "remote_block_size": self.block_size,
+            "remote_num_tokens": tokens,
+            "remote_blocks_expiry_time": expiry,
+        }
+
+    def _stage_decode(self, meta: KvdConnectorMetadata, scheduled: Mapping[str, int]) -> None:
+        """D, bidirectional: copy the KV this step computes (and, the first time, all the
+        request's blocks before it) to host staging, so that a keep serves every byte."""
+        for rid, n in scheduled.items():
+            st = self._d.get(rid)
+            if st is None or st.phase != "reported" or st.kept_tokens or st.request is None:
+                continue
+            end = st.request.num_computed_tokens + n
+            st.staged_before = st.staged
+            if end <= st.staged:
+                continue
+            ids = self._block_ids(rid)
+            meta.save.append((rid, ids[st.staged // self.block_size : _cdiv(end, self.block_size)]))
+            st.staged = end
+
     # ------------------------------------------------------------------ every step
 
     def _drain(self) -> None:
@@ -588,6 +732,10 @@ class _SchedulerSide:
         for rid in scheduler_output.preempted_req_ids or ():
             if rid in self._p:
                 self._p[rid].staged_tokens = 0
+            if (st := self._d.get(rid)) is not None:
+                st.staged = st.staged_before = 0
+        if self.cfg.bidirectional and self.groups is None:
+            self._stage_decode(meta, scheduler_output.num_scheduled_tokens)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             p = self._p.get(rid)
             if p is None:
@@ -665,8 +813,10 @@ class _WorkerSide:
         self._recv: dict[str, list[int]] = {}
         self._send: set[str] = set()
         self._ignore: set[str] = set()
-        self._pending: dict[str, str] = {}
-        self._done: OrderedDict[str, None] = OrderedDict()
+        self._pending: dict[tuple[str, bool], str] = {}
+        """(request id, a send?) -> its terminal event's kind: one id may end once as a
+        receive and once as a send (a P loading D's kept blocks; a D keeping them)."""
+        self._done: OrderedDict[tuple[str, bool], None] = OrderedDict()
         self._layer_of: dict[str, int] = {}
         """Layer name -> its index among the staged layers (an aliased layer has none)."""
         self._region_layers = 0
@@ -796,8 +946,9 @@ class _WorkerSide:
             self.shared.call(self.shared.client.layers_saved, upto, meta.stream)
 
     def _note(self, rid: str, kind: str) -> None:
-        if rid not in self._done:
-            self._pending.setdefault(rid, kind)
+        key = (rid, kind == SEND_DONE)
+        if key not in self._done:
+            self._pending.setdefault(key, kind)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         for ev in self.sub.take():
@@ -805,7 +956,8 @@ class _WorkerSide:
             if kind is not None:
                 self._note(ev.request_id, kind)  # type: ignore[union-attr]
         out = KVConnectorTransferResults()
-        for rid, kind in list(self._pending.items()):
+        for key, kind in list(self._pending.items()):
+            rid = key[0]
             if rid in self._ignore:
                 self._ignore.discard(rid)
             elif kind == SEND_DONE and rid in self._send:
@@ -822,8 +974,8 @@ class _WorkerSide:
                 out.finished_recving.add(rid)
             else:
                 continue  # not handed over yet: the metadata naming it comes later
-            del self._pending[rid]
-            self._done[rid] = None
+            del self._pending[key]
+            self._done[key] = None
             if len(self._done) > REMEMBER_DONE:
                 self._done.popitem(last=False)
         return out
