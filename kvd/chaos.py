@@ -746,13 +746,23 @@ class Chaos:
 
     # ---------------------------------------------------------------- faults
 
-    def _fault(self) -> None:
+    def _fault(self) -> bool:
+        """One fault at a seeded moment; False when a first fault found no target."""
         now = time.monotonic()
         if self.first_faults:  # every kind once, in a seeded order, before the rest
-            kind, among = self.first_faults.pop()
-        else:
-            kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim", "victim-stop"])
-            among = sorted(self.nodes)
+            kind, among = self.first_faults[-1]
+            if not self._inject(now, kind, among):
+                # no target now (victims respawning, daemons down): tried again shortly,
+                # so that every kind is injected at least once in every run
+                return False
+            self.first_faults.pop()
+            return True
+        kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim", "victim-stop"])
+        self._inject(now, kind, sorted(self.nodes))
+        return True
+
+    def _inject(self, now: float, kind: str, among: list[str]) -> bool:
+        """One fault of `kind`; False when nothing could take it at this moment."""
         if kind == "victim-stop":
             live = [v for v in self.victims if v.proc.poll() is None and not v.frozen]
             if live:
@@ -764,7 +774,7 @@ class Chaos:
                 # sometimes past the daemons' client_timeout: its sessions end meanwhile
                 until = now + self.rng.uniform(0.5, 2 * self.cfg.client_timeout)
                 self.pending.append((until, "victim-thaw", v.tag))
-            return
+            return bool(live)
         if kind == "victim":
             live = [v for v in self.victims if v.proc.poll() is None]
             if live:
@@ -774,10 +784,10 @@ class Chaos:
                 self.report.faults["engine SIGKILL"] += 1
                 self.log(f"{now:.1f} SIGKILL engine {v.tag}")
                 self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
-            return
+            return bool(live)
         ready = [k for k in among if self.nodes[k].up and k not in self.starting]
         if not ready:
-            return  # all down or stopped already: this moment passes
+            return False  # all down or stopped already: this moment passes
         key = self.rng.choice(ready)
         node = self.nodes[key]
         if kind == "kill":
@@ -793,6 +803,7 @@ class Chaos:
             self.report.faults[f"{key.upper()} SIGSTOP/SIGCONT"] += 1
             self.log(f"{now:.1f} SIGSTOP {node.name}")
             self.pending.append((now + self.rng.uniform(*self.cfg.freeze), "thaw", key))
+        return True
 
     def _carry_out(self, action: str, key: str) -> None:
         if action == "spawn":
@@ -934,8 +945,12 @@ class Chaos:
             if now >= end:
                 break
             if now >= next_fault:
-                self._fault()
-                next_fault = now + self.rng.uniform(*self.cfg.fault_gap)
+                if self._fault():
+                    # the first kinds close together: every kind fits a short run
+                    gap = self.cfg.fault_gap
+                    next_fault = now + (gap[0] if self.first_faults else self.rng.uniform(*gap))
+                else:
+                    next_fault = now + 0.25
             self._due(now)
             self._unexpected_exits()
             if now >= next_sample:
