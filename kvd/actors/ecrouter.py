@@ -1089,8 +1089,9 @@ class ECRouter:
         except KvdError as exc:
             self._xfer_failed(mm_hash, exc)
             if isinstance(exc, PeerDisconnected) and info is not None:
-                # UCX failed our endpoint to the consumer: forget it, so that the next
-                # request handshakes afresh (a fresh endpoint, or its new incarnation)
+                # UCX failed our endpoint to the consumer: the registrar forgets a peer
+                # we dialed (the next use handshakes afresh); one that dialed us is
+                # mended by the engine and handshakes again itself when it restarts
                 self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
         finally:

@@ -712,10 +712,12 @@ class Receiver(TransferActor):
             self._outcome(proto.PeerGone(eff.agent, f"{eff.peer} refused the connection"))
             return
         if listening is None:
+            log.info("held_peer_unreachable", peer=eff.peer, held=len(eff.hb_ids))
             return
         try:
             info = await self._peer(host, port, refresh=True)
-        except KvdError:
+        except KvdError as exc:
+            log.info("held_peer_not_handshaked", peer=eff.peer, error=exc.message)
             return
         if info.agent != eff.agent or (eff.incarnation and info.incarnation != eff.incarnation):
             why = f"{eff.peer} answers as {info.agent} incarnation {info.incarnation:016x}"

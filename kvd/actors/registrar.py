@@ -140,6 +140,9 @@ class _Peer:
     """When `clock` was measured (daemon time)."""
     clock_at_ns: int = 0
     """When `clock` was measured (our trace clock, the one it relates to the peer's)."""
+    dialed_us: bool = False
+    """It handshook with us (as well as, maybe, we with it): the engine mends a failed
+    endpoint to it, and it handshakes again itself when it restarts."""
 
 
 class Registrar:
@@ -272,7 +275,14 @@ class Registrar:
                 await self._reap(segments, "session_end", msg.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
-            if p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view
+            if p is not None and p.dialed_us:
+                # The engine mends a failed endpoint to it (`add_remote(mend=True)`), and
+                # a new incarnation handshakes again itself. Forgetting it would leave us
+                # refusing its notifications (its registrations, cancels, heartbeats)
+                # until it happens to handshake again.
+                self.counters["peer_lost_kept"] = self.counters.get("peer_lost_kept", 0) + 1
+                log.info("peer_lost_kept", peer=msg.agent, reason=msg.reason[:200])
+            elif p is None or p.info.handshaked_at <= msg.since:  # not a newer incarnation's view
                 await self._forget(msg.agent)
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot(msg.section))
@@ -576,6 +586,9 @@ class Registrar:
             loaded = {(ri.region_id, ri.generation) for ri in hs.regions}
             known = _Peer(info=None, incarnation=hs.incarnation, loaded_regions=loaded)  # type: ignore[arg-type]
         else:
+            if not dialed and not known.dialed_us:
+                # we dialed it first (not mended then): from now on the engine mends it
+                await self.engine.mend_from(hs.agent_name, hs.nixl_md)
             for ri in hs.regions:
                 key = (ri.region_id, ri.generation)
                 if key not in known.loaded_regions:
@@ -593,6 +606,7 @@ class Registrar:
             handshaked_at=self.clock.now(),
         )
         known.info = info
+        known.dialed_us = known.dialed_us or not dialed
         self.peers[hs.agent_name] = known
         if dialed:
             self.peer_by_addr[info.addr] = hs.agent_name

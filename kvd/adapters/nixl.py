@@ -810,6 +810,21 @@ class NixlEngine:
 
         return await self.call(add)
 
+    async def mend_from(self, name: str, md: bytes) -> None:
+        """Mend `name` from now on (see `add_remote`), from `md`, its full metadata as it
+        sent it in a handshake: for a peer first loaded as one we dialed (not mended)
+        that has now dialed us. Its regions loaded later are added to it as they come."""
+
+        def mend(a: Any) -> None:
+            self._mend_from(name, md)
+
+        await self.call(mend)
+
+    def _mend_from(self, name: str, md: bytes) -> None:
+        """On the thread: `mend_from`."""
+        if name not in self._mds:
+            self._mds[name] = [md]
+
     async def remove_remote(self, name: str) -> None:
         """Forget a peer. While a transfer to it is in flight its NIXL entry stays until
         the transfer ends: NIXL answers NOT_FOUND for a transfer whose peer was removed

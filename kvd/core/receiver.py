@@ -13,8 +13,13 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
                  resolved (`Resolve`; the P daemon incarnation, compat and ranks checked)
     REGISTERING  push: the registration is being sent (a view found dead when sending is
                  handshaked afresh, once)
-    REGISTERED   push: P has the registration; waiting for a PushDone per transfer, or (a
-                 layer-wise push) a LayersPushed for every layer of each transfer
+    REGISTERED   push: the registration went out; waiting for a PushDone per transfer, or
+                 (a layer-wise push) a LayersPushed for every layer of each transfer.
+                 Until P's first answer the registration is sent again (`Resend`), at
+                 the heartbeat period, doubling up to half P's lease: P may have
+                 refused the first unheard (a notification from an agent it did not
+                 know at that moment, or beyond its byte bound), and P ignores a repeat
+                 of the registration it holds
     READING      pull: our READ of P's blocks is in flight
     ACKING       pull: PullDone sent; P acknowledges only if its lease still held
     CANCELLING   aborted while registered: P was told; waiting for its last word
@@ -478,6 +483,8 @@ class RecvRequest:
     """Estimated bytes charged to the pending budget while it is live."""
     held: KvdError | None = None
     """HOLDING: the failure its terminal event will carry."""
+    resend_gap: float = 0.0
+    """REGISTERED: the wait before the next repeat of the registration."""
     incarnation: int = 0
 
     @property
@@ -518,6 +525,8 @@ class Receiver:
         """Peer (host:port) -> heartbeat period learned from its lease."""
         self.probes: TimerHeap[str] = TimerHeap()
         self.watchdogs: TimerHeap[str] = TimerHeap()
+        self.resends: TimerHeap[str] = TimerHeap()
+        """Registered pushes without any answer from P yet: the registration again then."""
         self.rechecks: TimerHeap[str] = TimerHeap()
         """Peers (host:port) with held pushes: `CheckGone` again every probe interval (a
         cut link that comes back lets the cancel through; P's answer releases them)."""
@@ -561,6 +570,12 @@ class Receiver:
                 self.probes.set(peer, now + self.probe_interval)
         for peer, _ in self.rechecks.pop_due(now):
             self._recheck(peer, now)
+        for rid, _ in self.resends.pop_due(now):
+            req = self.reqs.get(rid)
+            if req is not None and req.state is R.REGISTERED and req.first is not None:
+                self._count("registrations_resent")
+                self._out.append(SendFor(req.request_id, req.agent, req.first))
+                self._resend_later(req, now)
         out, self._out = self._out, []
         return out
 
@@ -572,6 +587,7 @@ class Receiver:
                 self.heartbeats.next_deadline(),
                 self.probes.next_time(),
                 self.rechecks.next_time(),
+                self.resends.next_time(),
             )
             if t is not None
         ]
@@ -593,6 +609,8 @@ class Receiver:
         if self.reqs.get(req.request_id) is req:
             self._states[req.state] -= 1
             self._states[state] += 1
+        if req.state is R.REGISTERED:
+            self.resends.discard(req.request_id)  # repeated only while registered
         req.state = state
 
     def _put(self, req: RecvRequest) -> None:
@@ -621,6 +639,7 @@ class Receiver:
         self.heartbeats.untrack(req.request_id)
         self._forget_if_idle(req.peer)
         self.watchdogs.discard(req.request_id)
+        self.resends.discard(req.request_id)
         if self._held_by_hb.get((req.agent, req.hb_id)) == req.request_id:
             del self._held_by_hb[(req.agent, req.hb_id)]
             if not any(
@@ -921,8 +940,15 @@ class Receiver:
             return  # a PullDone or a cancel went out: its answer decides
         self._goto(req, R.REGISTERED)
         self.watchdogs.set(req.request_id, now + self.push_registration_timeout)
+        req.resend_gap = self.intervals.get(req.peer, max(self.lease_duration / 6.0, 0.01))
+        self._resend_later(req, now)
         if req.aborted:
             self._cancel_registered(req, now)
+
+    def _resend_later(self, req: RecvRequest, now: float) -> None:
+        self.resends.set(req.request_id, now + req.resend_gap)
+        lease = self.intervals.get(req.peer, self.lease_duration / 6.0) * 6.0
+        req.resend_gap = min(2 * req.resend_gap, max(lease / 2, req.resend_gap))
 
     def _on_send_failed(self, ev: SendFailed, now: float) -> None:
         req = self.reqs.get(ev.request_id)
@@ -1031,11 +1057,13 @@ class Receiver:
                 continue
             have |= bits
             req.layer_bits[rank] = have
+            self.resends.discard(req.request_id)  # P has the registration
             if have == (1 << req.layers) - 1:
                 self._rank_done(req, rank, now)
 
     def _rank_done(self, req: RecvRequest, rank: int, now: float) -> None:
         req.done_ranks.add(rank)
+        self.resends.discard(req.request_id)  # P has the registration
         if len(req.done_ranks) == req.ranks:
             if req.state is R.HOLDING:
                 self._count("holds_released_by_p")  # its WRITEs did land: the bytes are there

@@ -908,6 +908,11 @@ class Sender:
     def _duplicate_registration(
         self, req: SendRequest, ev: RegistrationArrived, now: float
     ) -> None:
+        if req.agent == ev.agent and req.registration == ev.msg:
+            # D repeats a registration it has no answer to yet (the first may have been
+            # lost): we have it, the answer follows when the request is done
+            self._count("registrations_repeated")
+            return
         self._reject(ev.agent, f"a second registration for request {req.key!r}")
         why = "another registration already holds this request"
         self._out.append(

@@ -159,6 +159,25 @@ async def test_a_peer_we_dialed_is_not_mended() -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_peer_we_dialed_first_is_mended_once_it_dialed_us() -> None:
+    """We dialed it (not mended), then it handshook with us: the registrar keeps it when
+    a transfer to it fails (it cannot re-dial us on our behalf), so the engine mends it
+    from the metadata it sent, and regions loaded later join that metadata."""
+    agent = FakeAgent()
+    eng = engine(agent, asyncio.get_running_loop())
+    await add(eng, b"p|md", mend=False)
+    eng._mend_from("p", b"p|md2")  # what `mend_from` runs on the NIXL thread
+    eng._mend_from("p", b"p|md3")  # already mended: the first blob stays
+    await add(eng, b"p|region", mend=False)
+    out: list[Any] = []
+    agent.broken = True
+    post(eng, "p", b"a", out)
+    await settle_loop()
+    assert out == [None] and agent.sent == [("p", b"a")] and eng.stats.reconnects == 1
+    assert eng._mds["p"] == [b"p|md2", b"p|region"]
+
+
+@pytest.mark.asyncio
 async def test_no_removal_while_a_transfer_to_the_peer_is_in_flight() -> None:
     agent = FakeAgent()
     loop = asyncio.get_running_loop()

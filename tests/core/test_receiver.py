@@ -298,11 +298,20 @@ def test_push_happy_path_and_its_deadlines() -> None:
     assert rx.next_deadline() == HB
 
     assert rx.handle_timer(1.0) == [Beat(P1, ("r1",))]
+    # no answer from P a heartbeat period after the registration went out: P may have
+    # refused it unheard (it did not know us at that moment): sent again, P ignores a
+    # repeat; the gap doubles
+    assert rx.next_deadline() == 0.7 + HB
+    assert rx.handle_timer(0.7 + HB) == [SendFor("r1", AGENTS[P1], first_of(ld))]
+    assert rx.counters["registrations_resent"] == 1
+    assert rx.handle(Sent("r1"), 1.8) == []  # (a repeat's outcome changes nothing)
+    assert rx.resends.get("r1") == 0.7 + 3 * HB
     assert rx.next_deadline() == 2.0  # the next beat and the first probe
     assert rx.handle_timer(2.0) == [Beat(P1, ("r1",)), ProbePeer(P1)]
     assert rx.next_deadline() == 3.0
 
     assert rx.handle(push_done("r1", 0), 2.5) == []
+    assert len(rx.resends) == 0  # P answered: it has the registration
     assert rx.handle(push_done("r1", 0), 2.5) == []  # a duplicate rank counts once
     assert rx.reqs["r1"].state is S.REGISTERED
     out = rx.handle(push_done("r1", 1), 2.6)
@@ -685,7 +694,8 @@ def test_give_up_spares_requests_past_tracking() -> None:
     registered(rx, load("reg"), 0.0)
     rx.handle(PeerUnreachable(P1, Incompatible("refused"), refused=True), 0.5)
     assert set(rx.reqs) == {"reg"}  # its watchdog or P's answer ends it
-    assert rx.handle_timer(HB) == [Beat(P1, ("reg",))]
+    beats = [e for e in rx.handle_timer(HB) if not isinstance(e, SendFor)]  # (a repeat)
+    assert beats == [Beat(P1, ("reg",))]
 
 
 def test_idle_peer_forgets_its_failure_streak() -> None:

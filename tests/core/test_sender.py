@@ -1198,12 +1198,18 @@ def test_matching_no_match_for_a_different_base() -> None:
 def test_matching_duplicates() -> None:
     """The matcher raised on a duplicate registration or finish. The Sender raises on a
     second finish (the caller's fault: the actor answers the engine with the error), but a
-    duplicate registration comes from a peer: it is answered (PushDone failed) and counted,
-    and the first goes on."""
+    duplicate registration comes from a peer: a different one is answered (PushDone
+    failed) and counted, and the first goes on; the same one again from the same D (which
+    repeats a registration it has no answer to: the first may have been lost) is only
+    counted."""
     tx = make()
     tx.handle(registered("d1", "r"), 0.0)
-    out = tx.handle(registered("d1", "r"), 0.0)
+    assert tx.handle(registered("d1", "r"), 0.0) == []
+    assert tx.counters["registrations_repeated"] == 1
+    out = tx.handle(registered("d1", "r", blocks=(7, 9)), 0.0)
     assert calm(out) == [("push_done", D1, "d1", INVALID)]
+    out = tx.handle(registered("d1", "r", agent=D2), 0.0)
+    assert calm(out) == [("push_done", D2, "d1", AUTH)]
     tx.handle(finish("s"), 0.0)
     with pytest.raises(InvalidRequest, match="'s'"):
         tx.handle(finish("s"), 0.0)
