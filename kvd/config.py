@@ -833,6 +833,15 @@ class TiersConfig(_Section):
         gt=0,
     )
 
+    peer_pin_share: float = _opt(
+        0.25,
+        "The most of the host tier's blocks that one peer's loads may hold pinned here at "
+        "once (a fraction); a peer's load beyond it finds misses (counted "
+        "`tiers_peer_pins_refused`), so that a peer cannot pin the whole tier.",
+        gt=0,
+        le=1,
+    )
+
     def _check_together(self) -> None:
         if self.peer_pin_timeout <= self.peer_read_timeout:
             self._fail(

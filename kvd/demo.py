@@ -335,7 +335,12 @@ def run_mode(
     queue = list(todo)
     while done < n:
         if time.monotonic() > deadline:
-            res.failures.append(f"timed out with {n - done} requests unfinished")
+            left = [
+                f"{r.d_id} (P {'ended' if r.p_done else 'open'}, "
+                f"D {'ended' if r.d_done else 'open'})"
+                for r in list(live.values())[:4]
+            ]
+            res.failures.append(f"timed out with {n - done} requests unfinished: {left}")
             break
         # start new requests up to the window
         while queue and len(live) < window:

@@ -1123,6 +1123,16 @@ class Tiers:
         if held is not None and held != m.incarnation:  # it restarted: its old pins go
             self._release_peer(req.agent)
         self.peer_sessions[req.agent] = m.incarnation
+        pinned = sum(
+            len(op.keys)
+            for o in self.ops.of_session(PEER_SESSION + req.agent)
+            if (op := self.ops.get(o)) is not None
+        )
+        share = max(1, int(self.cfg.peer_pin_share * (self.cfg.host_bytes // self.slot_bytes)))
+        if pinned + n > share:  # bounded in number as well as in time
+            self._count("tiers_peer_pins_refused", n)
+            req.resolve(self._pinned(0, (wire.SLOT_HELD,) * n, b"\0" * (8 * n)))
+            return
         inner = ClientRequest(PEER_SESSION + req.agent, wire.TierPin(ns, kb, blob))
         self._pin(inner, keys, peer=req.agent)
         assert self._tg is not None

@@ -338,6 +338,29 @@ def test_peer_pins_dropped_when_the_reader_is_gone(daemons: StartDaemon) -> None
     assert s["counters"]["peer_pins_released_gone"] == 1 and s["peer"]["pins_held"] == 1
 
 
+def test_a_peers_pins_are_bounded_in_number(daemons: StartDaemon) -> None:
+    """One peer's loads hold at most `peer_pin_share` of the host tier pinned (here a
+    quarter of 16 blocks: 4); a load beyond it finds misses, counted, and pins nothing;
+    another peer still pins, and the first pins again once its pins are released."""
+    b = daemons("pq", overrides=tiers_cfg(peer_pin_timeout=30.0, peer_read_timeout=0.5))
+    store(b, list(range(8)))
+    got = _raw_pin(b.side_port, "ghost", 1, [0, 1, 2])
+    if AUTH:  # unsealed from nobody we handshaked with: refused before any pin
+        assert isinstance(got, wire.ErrorReply) and got.code == ErrorCode.AUTH
+        return
+    assert isinstance(got, wire.PeerTierPinned) and all(s >= 0 for s in got.slots)
+    over = _raw_pin(b.side_port, "ghost", 1, [3, 4])
+    assert isinstance(over, wire.PeerTierPinned)
+    assert over.slots == (wire.SLOT_HELD, wire.SLOT_HELD)
+    s = tiers_json(b)
+    assert s["counters"]["peer_pins_refused"] == 2 and s["peer"]["pins_held"] == 1
+    other = _raw_pin(b.side_port, "ghost2", 1, [3, 4, 5, 6])
+    assert isinstance(other, wire.PeerTierPinned) and all(x >= 0 for x in other.slots)
+    # the same reader restarted (another incarnation): its old pins go, it pins again
+    again = _raw_pin(b.side_port, "ghost", 2, [3, 4])
+    assert isinstance(again, wire.PeerTierPinned) and all(x >= 0 for x in again.slots)
+
+
 def test_pins_of_an_asker_killed_mid_load_are_released(daemons: StartDaemon) -> None:
     """A real asker dies (SIGKILL) holding pins on the peer (its load pinned there, and
     it never unpinned): the peer drops them within its peer pin timeout, and keeps

@@ -327,7 +327,9 @@ def test_link_cut_mid_transfer_then_restored(two: Hosts) -> None:
         # every request ended on both sides (run_mode counts one when both sides ended),
         # within its bound (checked above)
         stuck = [f for f in res.failures if "timed out" in f or "unknown" in f]
-        assert not stuck, (res.summary(), stuck, _transfer_states(hosts))
+        if stuck:
+            print(stuck, json.dumps(_transfer_states(hosts), indent=1, default=str))
+        assert not stuck, (res.summary(), stuck)
         assert res.verified + res.mismatched + res.failed == res.requests, res.summary()
     for res in after:
         assert res.verified + res.mismatched == res.requests, res.summary()
