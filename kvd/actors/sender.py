@@ -421,14 +421,16 @@ class Sender(TransferActor):
             )
         except Unsettled as exc:
             # still in flight in UCX: the stream must not tell D it ended (D would free
-            # its blocks) until the WRITE ends, at most the machine's unsettled bound
+            # its blocks) until the WRITE ends; past the machine's unsettled bound it ends
+            # without a word to D (D holds its blocks until its own bound)
             error = exc
             with anyio.move_on_after(self.proto.unsettled_hold):
                 await watch.wait()
         except KvdError as exc:
             error = exc
+        unsettled = error is not None and not watch.done and isinstance(error, Unsettled)
         for eff in going:
-            self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, error))
+            self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, error, False, unsettled))
 
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)

@@ -250,6 +250,10 @@ class LayersWritten:
     end: int
     error: KvdError | None = None
     unsupported: bool = False
+    unsettled: bool = False
+    """With `error`: the WRITE was answered Unsettled and UCX had not ended it within
+    `unsettled_hold`: it may still land, so D gets no word (it holds its blocks until
+    its own bound), as for a whole WRITE released unsettled."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +378,9 @@ class _Ending:
     tomb: Tombstone
     event: wire.Record | None
     """For P's session (only once P's engine finished the request)."""
+    settled: bool = True
+    """False: a layer WRITE of it may still be in flight in UCX (released unsettled):
+    D is not told it failed, and its tombstone answers no cancel."""
 
 
 @dataclass(slots=True)
@@ -1275,6 +1282,9 @@ class Sender:
                 self._count("streams_whole")
             self._settle(req, now)
             return
+        if ev.error is not None and ev.unsettled:
+            self._stream_unsettled(req, ev.error, now)
+            return
         if ev.error is not None:
             self._stream_failed(req, int(ev.error.code), ev.error.message, now)
             return
@@ -1330,9 +1340,9 @@ class Sender:
             end = st.ending
             if end.event is not None:
                 self._emit(req, end.event)
-            if not st.complete():
+            if not st.complete() and end.settled:
                 self._push_failed(req, end.tomb.code, end.tomb.reason)
-            self._end(req, end.state, end.tomb)
+            self._end(req, end.state, end.tomb, settled=end.settled)
         elif st.finished and st.whole:
             self._stream(req, now)
         elif st.finished and st.complete():
@@ -1347,6 +1357,22 @@ class Sender:
         if st.ending is None:
             st.ending = ending
         self._settle(req, now)
+
+    def _stream_unsettled(self, req: SendRequest, err: KvdError, now: float) -> None:
+        """A layer WRITE held past `unsettled_hold` (`_unsettled_timed_out` for a stream):
+        P's engine gets its blocks back once nothing else is in flight, D gets no word."""
+        st = req.stream
+        assert st is not None
+        self._count("writes_unsettled_released")
+        self._log("error", "write_unsettled_released", request_id=req.key, peer=req.agent)
+        if st.ending is not None:  # failed already: its end must not tell D either
+            st.ending = replace(st.ending, settled=False)
+            self._settle(req, now)
+            return
+        self._count("sends_failed")
+        event = wire.SendFailed(req.key, int(err.code), err.message[:1000]) if st.finished else None
+        tomb = Tombstone(int(err.code), err.message[:1000], by_base=False)
+        self._stream_ending(req, _Ending(S.FAILED, tomb, event, settled=False), now)
 
     def _stream_failed(self, req: SendRequest, code: int, reason: str, now: float) -> None:
         st = req.stream

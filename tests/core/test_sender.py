@@ -2456,6 +2456,33 @@ def test_layerwise_cancel_by_d_and_write_failure() -> None:
     assert_empty(tx)
 
 
+def test_layerwise_write_unsettled_past_its_hold_ends_without_a_word_to_d() -> None:
+    """A layer WRITE UCX had not ended within `unsettled_hold` (the actor waited that
+    long): it may still land in D's blocks, so D is not told the push failed (it would
+    free them), P's engine gets SendFailed once nothing else is in flight, and D's later
+    cancel is not answered (D holds its blocks until its own bound)."""
+    tx = make()
+    streaming(tx, "r1", "d1", 0.0)
+    assert posts(tx.handle(finish("r1"), 0.1)) == [("r1", 1, 4)]
+    out = tx.handle(LayersWritten("r1", 0, 1, Timeout("still in flight"), unsettled=True), 60.0)
+    assert calm(out) == [] and logs(out) == ["write_unsettled_released"]  # [1, 4) in flight
+    out = tx.handle(LayersWritten("r1", 1, 4), 60.1)
+    assert calm(out) == [("failed", "s1", "r1", TIMEOUT)]  # no PushDone to D
+    assert tx.counters["writes_unsettled_released"] == 1
+    assert_empty(tx)
+    assert calm(tx.handle(CancelArrived(D1, "r1"), 61.0)) == []
+    # a stream that had failed already does not tell D either once a WRITE is unsettled
+    tx = make()
+    streaming(tx, "r2", "d2", 0.0)
+    tx.handle(saved("r2", 4), 0.1)
+    out = tx.handle(LayersWritten("r2", 1, 4, TransferError("gone")), 0.2)
+    assert calm(out) == []  # [0, 1) still in flight: the end waits for it
+    out = tx.handle(LayersWritten("r2", 0, 1, Timeout("still in flight"), unsettled=True), 60.0)
+    assert calm(out) == []  # P never finished it: no event; and no word to D
+    assert_empty(tx)
+    assert calm(tx.handle(CancelArrived(D1, "r2"), 61.0)) == []
+
+
 def test_layerwise_p_engine_that_never_finishes_times_out() -> None:
     tx = make()
     streaming(tx, "r1", "d1", 0.0)
