@@ -622,9 +622,13 @@ class Sender:
             reg = req.registration
             if not settled:
                 tomb = replace(tomb, settled=False)
-            elif reg is not None and req.agent:
+            if reg is not None and req.agent:
                 tomb = replace(tomb, d_request_id=reg.request_id, agent=req.agent)
             self._bury(req.key, tomb)
+            if reg is not None and req.agent and reg.request_id != req.key:
+                # D names it by its own id when it repeats its registration (it never
+                # heard our answer): found exactly, as the request it was
+                self._bury(reg.request_id, tomb)
         if req.session in self.closing:
             self._maybe_session_ended(req.session)
         if self.draining_since is not None and not self.reqs:
@@ -857,6 +861,11 @@ class Sender:
                 tomb = _GONE
             if tomb is None and self.draining_since is not None:
                 tomb = _DRAINING  # it would wait for a lease that will not be granted
+            if tomb is not None and not tomb.settled:
+                # its WRITE may still land in D's blocks: no word (D holds them until P's
+                # word or its own bound), as for a cancel
+                self._count("late_registrations_unsettled")
+                return
             if tomb is not None:
                 self._count("late_registrations")
                 self._count_after_expiry(tomb)

@@ -490,6 +490,34 @@ def test_unsettled_write_past_its_hold_frees_ps_blocks_but_tells_d_nothing() -> 
     assert calm(tx.handle(CancelArrived(D1, "r1"), 96.0)) == []
 
 
+def test_a_registration_repeated_after_its_request_ended_is_answered_by_ds_id() -> None:
+    """D repeats a registration whose answer it never heard (lost with the link). D names
+    the request by its own id (push without P's id: matched by base id when it came); P's
+    request ended under P's id. The repeat finds it by D's id and is answered (here:
+    delivered already, an error D fails the request on: a recompute), never taken for a
+    new registration that would wait for a finish that came long ago."""
+    p_id, d_id = "cmpl-aa-1-0-11111111", "cmpl-aa-1-0-22222222"
+    tx = make()
+    tx.handle(finish(p_id), 0.0)
+    assert tx.handle(registered(d_id), 0.1) != []
+    assert isinstance(tx.handle(ViewResolved(p_id, VIEW), 0.2)[0], PostWrite)
+    assert calm(tx.handle(WriteDone(p_id), 0.5)) == [("finished", "s1", p_id, 0)]
+    out = tx.handle(registered(d_id), 1.0)
+    assert calm(out) == [("push_done", D1, d_id, INVALID)]
+    assert tx.counters["late_registrations"] == 1 and tx.counters["push_registrations"] == 1
+    assert_empty(tx)
+    # one whose WRITE was released unsettled (it may still land): no word, nothing waits
+    tx = make(unsettled_hold=50.0)
+    tx.handle(finish(p_id), 0.0)
+    tx.handle(registered(d_id), 0.1)
+    tx.handle(ViewResolved(p_id, VIEW), 0.2)
+    tx.handle(WriteDone(p_id, Timeout("still in flight"), unsettled=True), 10.0)
+    assert calm(tx.handle_timer(60.0)) == [("failed", "s1", p_id, TIMEOUT)]
+    assert calm(tx.handle(registered(d_id), 61.0)) == []
+    assert tx.counters["late_registrations_unsettled"] == 1
+    assert_empty(tx)
+
+
 def test_a_cancel_after_the_write_ended_is_answered_from_the_tombstone() -> None:
     """D gave up and holds its blocks until P's word; P's request ended already (its WRITE
     failed, and that answer was lost with the link): the cancel D sends again is answered,
@@ -1551,9 +1579,11 @@ class SenderModel(RuleBasedStateMachine):
         m.state = end
         if not settled:
             tomb = replace(tomb, settled=False)
-        elif m.reg is not None and m.agent:
+        if m.reg is not None and m.agent:
             tomb = replace(tomb, d_rid=m.reg.request_id, agent=m.agent)
         self._bury(m.key, tomb)
+        if m.reg is not None and m.agent and m.reg.request_id != m.key:
+            self._bury(m.reg.request_id, tomb)  # a repeated registration names D's id
         s = m.session
         if s in self.closing and not any(x.session == s for x in self.live.values()):
             self.closing.discard(s)
@@ -1973,9 +2003,9 @@ class SenderModel(RuleBasedStateMachine):
             tomb = self._find_tomb(key) or self._find_tomb(d)
             if tomb is None and p_session in self.ended_sessions:
                 tomb = M_GONE
-            if tomb is not None:
+            if tomb is not None and tomb.settled:
                 self.expect.append(("push_done", agent, d, tomb.code))
-            else:
+            elif tomb is None:
                 wait = self.now + REG
                 self.live[base] = MReq(base, key, S.AWAITING, agent=agent, reg=msg, wait=wait)
         elif m.agent and m.agent != agent:
@@ -1983,8 +2013,9 @@ class SenderModel(RuleBasedStateMachine):
         elif m.state is S.HELD:
             m.agent, m.reg = agent, msg
             self._match(m)
-        else:
+        elif m.reg != msg:
             self.expect.append(("push_done", agent, d, INVALID))  # a duplicate
+        # (the same registration again from its D: a repeat, ignored)
         self._run(RegistrationArrived(agent, msg))
 
     @rule(

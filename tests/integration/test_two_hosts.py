@@ -353,6 +353,7 @@ def _transfer_states(hosts: Hosts) -> dict[str, Any]:
             with KvdClient(h.daemon.socket, role="cli", keepalive_interval=0) as c:
                 out[h.daemon.name] = {
                     "transfers": c.status("transfers"),
+                    "live": c.status("drain"),
                     "counters": c.status()["counters"],
                 }
     return out
