@@ -24,6 +24,9 @@ from rich.console import Console
 
 from kvd.chaos import Chaos, ChaosConfig, Node, print_report, rss_flat
 
+# the chaos run kills, freezes and restarts daemons and engines, and counts what they leave
+pytestmark = pytest.mark.serial
+
 LONG = os.environ.get("KVD_CHAOS", "short") == "long"
 DURATION = float(os.environ.get("KVD_CHAOS_DURATION", "300")) if LONG else 15.0
 SEED = int(os.environ.get("KVD_CHAOS_SEED", "0"))

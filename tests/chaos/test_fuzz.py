@@ -19,6 +19,8 @@ from kvd_client.errors import RemoteProtocolError
 
 from kvd.fuzz import SURFACES, WITHHELD, classify, golden_frames, mutate, run_fuzz
 
+pytestmark = pytest.mark.serial  # a flood of frames at live daemons
+
 FRAMES = int(os.environ.get("KVD_FUZZ_FRAMES", "20000"))
 """Frames in all, shared evenly by the surfaces."""
 

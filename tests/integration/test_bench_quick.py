@@ -18,6 +18,8 @@ from kvd.bench import stages, topology
 
 from .conftest import shm_segments
 
+pytestmark = pytest.mark.serial  # CPU-bound figures
+
 
 def _positive(value: Any, what: str) -> None:
     assert isinstance(value, (int, float)) and value > 0, f"{what} = {value!r}"

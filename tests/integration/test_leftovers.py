@@ -32,6 +32,8 @@ from kvd.demo import DaemonProc
 
 from .conftest import StartDaemon
 
+pytestmark = pytest.mark.serial  # its daemons reap leftover segments machine-wide
+
 # ------------------------------------------------------------------ helpers
 
 

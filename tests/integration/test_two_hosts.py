@@ -55,6 +55,8 @@ from kvd.demo import (
 )
 from kvd.ecdemo import ECResult, ECSide, run_ec
 
+pytestmark = pytest.mark.serial  # network namespaces, and links cut under timed bounds
+
 NET = "10.77.0"
 P_ADDR = f"{NET}.1"
 D_ADDR = f"{NET}.2"
