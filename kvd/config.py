@@ -834,7 +834,7 @@ class TiersConfig(_Section):
     )
 
     peer_pin_share: float = _opt(
-        0.25,
+        0.5,
         "The most of the host tier's blocks that one peer's loads may hold pinned here at "
         "once (a fraction); a peer's load beyond it finds misses (counted "
         "`tiers_peer_pins_refused`), so that a peer cannot pin the whole tier.",

@@ -44,6 +44,7 @@ from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.staging import StagingArea
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
 from kvd.core.peersession import Keyring
+from kvd.core.receiver import push_hold_bound
 from kvd.core.trace import StageTrace
 from kvd.drain import Drain
 from kvd.logs import RejectLog
@@ -112,6 +113,12 @@ class Daemon:
             side_port_ref=lambda: self.side.port,
             lease_duration=cfg.transfer.kv_lease_duration,
             handshake_timeout=cfg.side_channel.handshake_timeout,
+            # the adapter's settle bound is the transfer timeout (see the engines above)
+            write_bound=push_hold_bound(
+                cfg.transfer.kv_lease_duration,
+                cfg.transfer.transfer_timeout,
+                cfg.transfer.transfer_timeout,
+            ),
             secret=secret,
             keyring=self.keyring,
             publish=self._publish,

@@ -300,6 +300,7 @@ def _learn_metadata(x: DaemonProc, secret: bytes, informant: Any) -> bytes:
         side_host="127.0.0.1",
         side_port=9,
         kv_lease_duration=30.0,
+        write_bound=100.0,
         regions=(),
         canary_addr=0,
         canary_bytes=0,

@@ -103,6 +103,10 @@ def _peers(cur: Status, prev: Status | None, dt: float) -> Table:
     return t
 
 
+ERROR_ROWS: Final = 6
+"""Reasons the errors table shows at most (the newest first)."""
+
+
 def _errors(cur: Status, prev: Status | None) -> Table:
     t = _table("error", "total", "new", title="errors by reason")
     rows: list[tuple[str, int, int]] = []
@@ -120,8 +124,12 @@ def _errors(cur: Status, prev: Status | None) -> Table:
     for name, n in counters.items():
         if n and ("rejected" in name or "failed" in name or name.endswith("_expired")):
             rows.append((name, n, n - old.get(name, 0)))
-    for name, n, new in sorted(rows):
+    # at most ERROR_ROWS, the newest first (a long list would push the peers off screen)
+    rows.sort(key=lambda r: (-r[2], -r[1], r[0]))
+    for name, n, new in rows[:ERROR_ROWS]:
         t.add_row(name[:40], str(n), f"+{new}" if new else "")
+    if len(rows) > ERROR_ROWS:
+        t.add_row(f"... {len(rows) - ERROR_ROWS} more (kvd status)", "", "")
     if not rows:
         t.add_row("none", "", "")
     return t

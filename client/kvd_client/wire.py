@@ -27,7 +27,8 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
+"""4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -745,6 +746,10 @@ class Handshake(Record):
     side_host: Text
     side_port: U16
     kv_lease_duration: NonNegFloat
+    write_bound: NonNegFloat
+    """Seconds after the last heartbeat it got for a push that a WRITE of this daemon may
+    still land (its lease, post fence, transfer and settle bounds): how long a D that gave
+    up on a push it registered here holds the blocks without its word. 0: not said."""
     regions: Annotated[tuple[RegionInfo, ...], Len(0, 4096)]
     canary_addr: U64
     canary_bytes: U32

@@ -1092,7 +1092,9 @@ class ECRouter:
                 # UCX failed our endpoint to the consumer: the registrar forgets a peer
                 # we dialed (the next use handshakes afresh); one that dialed us is
                 # mended by the engine and handshakes again itself when it restarts
-                self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
+                self.registrar.post(
+                    PeerLost(info.agent, exc.message, info.handshaked_at, endpoint=True)
+                )
             ack = wire.ECXferAck(mm_hash, False, int(exc.code), exc.message[:1000], 0)
         finally:
             if pinned and mm_hash in pool:

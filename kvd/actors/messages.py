@@ -70,6 +70,8 @@ class PeerInfo:
     canary_addr: int
     canary_bytes: int
     handshaked_at: float
+    write_bound: float = 0.0
+    """How long a WRITE of its may still land after its lease lapsed (0: not said)."""
 
     @property
     def addr(self) -> str:
@@ -265,6 +267,9 @@ class PeerLost:
     since: float = float("inf")
     """`handshaked_at` of the peer view the failure was seen through: requests bound to a
     later handshake (a restarted peer of the same name) are not affected."""
+    endpoint: bool = False
+    """Only our NIXL endpoint to it failed (a transfer's PeerDisconnected), nothing says
+    it is gone: a peer that dialed us is kept (the engine mends the endpoint)."""
 
 
 @dataclass

@@ -386,6 +386,7 @@ class Receiver(TransferActor):
             view,
             layers=local[0].geometry.num_layers,
             incarnation=info.incarnation,
+            write_bound=info.write_bound,
         )
 
     async def _peer_ranks(

@@ -157,6 +157,7 @@ class Registrar:
         side_port_ref: Callable[[], int],
         lease_duration: float,
         handshake_timeout: float,
+        write_bound: float,
         secret: bytes | None,
         publish: Callable[[Any], None],
         drain_local: Callable[[int], Awaitable[None]],
@@ -173,6 +174,8 @@ class Registrar:
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.lease_duration = lease_duration
+        self.write_bound = write_bound
+        """What our handshake tells peers: how long our WRITEs may land after a lease."""
         self.handshake_timeout = handshake_timeout
         self.max_frame = max_frame
         self.secret = secret
@@ -275,7 +278,7 @@ class Registrar:
                 await self._reap(segments, "session_end", msg.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
-            if p is not None and p.dialed_us:
+            if p is not None and p.dialed_us and msg.endpoint:
                 # The engine mends a failed endpoint to it (`add_remote(mend=True)`), and
                 # a new incarnation handshakes again itself. Forgetting it would leave us
                 # refusing its notifications (its registrations, cancels, heartbeats)
@@ -494,6 +497,7 @@ class Registrar:
             side_host=self.side_host,
             side_port=self._side_port_ref(),
             kv_lease_duration=self.lease_duration,
+            write_bound=self.write_bound,
             regions=self._region_infos(),
             canary_addr=self.canary.addr,
             canary_bytes=CANARY_BYTES,
@@ -600,6 +604,7 @@ class Registrar:
             host=host,
             port=port,
             lease_duration=hs.kv_lease_duration,
+            write_bound=hs.write_bound,
             regions=regions,
             canary_addr=hs.canary_addr,
             canary_bytes=hs.canary_bytes,
@@ -999,6 +1004,8 @@ class Registrar:
                         "agent": p.info.agent,
                         "addr": p.info.addr,
                         "lease_duration": p.info.lease_duration,
+                        "write_bound": p.info.write_bound,
+                        "dialed_us": p.dialed_us,
                         "regions": [
                             {
                                 "engine_id": r.engine_id,

@@ -972,7 +972,9 @@ class Tiers:
             return out + [(i, k, s, False, UNSETTLED) for _, (i, k, s) in hits]
         except KvdError as exc:
             if isinstance(exc, PeerDisconnected) and self.registrar is not None:
-                self.registrar.post(PeerLost(info.agent, exc.message, info.handshaked_at))
+                self.registrar.post(
+                    PeerLost(info.agent, exc.message, info.handshaked_at, endpoint=True)
+                )
             return out + [(i, k, s, False, f"read: {exc.message}") for _, (i, k, s) in hits]
         checked = await anyio.to_thread.run_sync(self._check_peer_sums, hits, ans)
         return out + checked

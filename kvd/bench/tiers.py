@@ -449,7 +449,9 @@ def _peer(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 got = c.load(keys, dests)
                 load_t.append(time.perf_counter() - t0)
-                if not all(got) or dst != src_all:
+                if not all(got):
+                    raise RuntimeError(f"a peer load missed {got.count(False)} of {n} blocks")
+                if dst != src_all:
                     raise RuntimeError("a peer load returned wrong bytes")
                 t0 = time.perf_counter()
                 dview[:] = memoryview(src_all)

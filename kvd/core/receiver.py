@@ -28,7 +28,7 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
                  terminal event is held (the engine keeps the blocks untouched) until P's
                  word (a push answer: P sends it only once its WRITE ended or was never
                  posted), P proven gone (`PeerGone`), the READ settled (`ReadSettled`), or
-                 `hold_bound` passed
+                 its bound passed (P's `write_bound`, else `hold_bound`)
     FINISHED     every byte arrived (RecvFinished)
     FAILED       RecvFailed, with the blocks to recompute
     DROPPED      only tracked, then abandoned (no terminal event: none was announced)
@@ -49,8 +49,9 @@ Rules it keeps:
   `probe_interval` while anything is held at P: P answering as itself is told the
   cancel again, so a link that comes back lets it through), stops heartbeating
   (P's lease lapses), and HOLDs the terminal event until P's word, P proven gone, or
-  `hold_bound` (P's lease + its post fence + its transfer bound + its settle bound: past
-  it no WRITE P could have posted can still land). A READ the adapter reports Unsettled
+  P's `write_bound` (from its handshake: its lease + its post fence + its transfer bound
+  + its settle bound: past it no WRITE P could have posted can still land; at most an
+  hour; our own `hold_bound` where P did not say). A READ the adapter reports Unsettled
   holds the same way until it settles (`ReadSettled`), at most `hold_bound` more; past
   either bound the request fails anyway (counted `holds_expired`, logged as an error).
 - A peer that refuses our handshake, or has not answered for a whole lease, is no
@@ -99,6 +100,8 @@ MAX_HB_IDS: Final = 8192
 """Ids per heartbeat message (a larger batch is split)."""
 ENDED: Final = 65536
 """Ended request ids remembered (a late answer for one is counted, not warned about)."""
+MAX_WRITE_BOUND: Final = 3600.0
+"""The longest a P's handshake may make us hold a push it gave up on (seconds)."""
 
 
 class RecvState(enum.Enum):
@@ -136,7 +139,9 @@ def push_hold_bound(lease: float, transfer_timeout: float, settle: float) -> flo
     no lease after it lapsed (`lease` after our last heartbeat: held requests are not
     heartbeated), posts a claimed WRITE within its post fence (`transfer_timeout`, else
     it fails unposted), and its adapter ends or reports it within `transfer_timeout + 2 x
-    settle + 1 s` (the Unsettled bound); 1 s margin. P's settings are taken to be ours."""
+    settle + 1 s` (the Unsettled bound); 1 s margin. P computes it from its own settings
+    and says it in its handshake (`Handshake.write_bound`); D's own is used where P did not
+    say (and for D's own READs)."""
     return lease + 2 * transfer_timeout + 2 * settle + 2.0
 
 
@@ -228,6 +233,9 @@ class PeerResolved:
     """Layers of our regions (what a layer-wise push must cover per rank)."""
     incarnation: int = 0
     """P daemon's incarnation (a `CheckGone` that meets another one proves it gone)."""
+    write_bound: float = 0.0
+    """P's handshake: how long after its lease lapsed a WRITE of P's may still land (a
+    held push waits at most this long for P's word; 0: P did not say, our own bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,6 +493,8 @@ class RecvRequest:
     """HOLDING: the failure its terminal event will carry."""
     resend_gap: float = 0.0
     """REGISTERED: the wait before the next repeat of the registration."""
+    write_bound: float = 0.0
+    """P's, from its handshake (0: not said): see `PeerResolved.write_bound`."""
     incarnation: int = 0
 
     @property
@@ -858,7 +868,8 @@ class Receiver:
         self._count("holds")
         self.heartbeats.untrack(req.request_id)
         self._forget_if_idle(req.peer)
-        self.watchdogs.set(req.request_id, now + self.hold_bound)
+        bound = self._bound_of(req)
+        self.watchdogs.set(req.request_id, now + bound)
         self._log(
             "warning",
             "recv_held",
@@ -866,7 +877,7 @@ class Receiver:
             peer=req.agent,
             mode=req.mode,
             error=exc.message,
-            bound_s=round(self.hold_bound, 3),
+            bound_s=round(bound, 3),
         )
         self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
         if req.mode == "push":
@@ -874,6 +885,13 @@ class Receiver:
             self._held_by_hb[(req.agent, req.hb_id)] = req.request_id
             if req.peer not in self.rechecks:  # asked again until P answers or is gone
                 self.rechecks.set(req.peer, now + self.probe_interval)
+
+    def _bound_of(self, req: RecvRequest) -> float:
+        """How long `req` may be held: a push, by P's own settings when its handshake said
+        them (P's WRITEs are what may still land); a READ, by ours."""
+        if req.mode == "push" and req.write_bound > 0:
+            return req.write_bound
+        return self.hold_bound
 
     def _recheck(self, peer: str, now: float) -> None:
         groups: dict[tuple[str, int], list[str]] = {}
@@ -905,6 +923,7 @@ class Receiver:
             return
         req.agent, req.since, req.ranks, req.layers = ev.agent, ev.since, ev.ranks, ev.layers
         req.first, req.view, req.incarnation = ev.first, ev.view, ev.incarnation
+        req.write_bound = min(ev.write_bound, MAX_WRITE_BOUND)
         if req.mode == "push":
             if req.aborted:
                 self._fail(
@@ -1185,7 +1204,7 @@ class Receiver:
                 request_id=req.request_id,
                 peer=req.agent,
                 mode=req.mode,
-                bound_s=round(self.hold_bound, 3),
+                bound_s=round(self._bound_of(req), 3),
             )
             self._release(req, "holds_expired", now)
 

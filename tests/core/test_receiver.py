@@ -31,6 +31,7 @@ from kvd.core.effects import Emit, Log, Notify, SessionEnded
 from kvd.core.receiver import (
     _ON,
     MAX_HB_IDS,
+    MAX_WRITE_BOUND,
     TERMINAL,
     TRANSITIONS,
     AbortRecv,
@@ -578,6 +579,29 @@ def test_hold_bound_ends_a_held_push_that_p_never_answers() -> None:
     assert any(isinstance(e, Log) and e.event == "recv_hold_expired" for e in out)
     assert rx.counters["holds_expired"] == 1
     assert_empty(rx)
+
+
+def test_a_held_push_waits_for_the_write_bound_ps_handshake_said() -> None:
+    """P's settings are P's: its handshake says how long a WRITE of its may still land
+    (`write_bound`), and a push held on it waits that long, not our own bound (capped at
+    an hour); a P that said nothing gets our own."""
+    for said, want in ((20.0, 20.0), (1e9, MAX_WRITE_BOUND), (0.0, None)):
+        rx = make()
+        ld = load("r1")
+        rx.handle(ld, 0.0)
+        ev = resolved(ld)
+        rx.handle(PeerResolved(**{**_fields(ev), "write_bound": said}), 0.0)
+        rx.handle(Sent("r1"), 0.0)
+        rx.handle_timer(REG_TIMEOUT)
+        bound = want if want is not None else rx.hold_bound
+        assert rx.watchdogs.get("r1") == REG_TIMEOUT + bound
+        assert records(rx.handle_timer(REG_TIMEOUT + bound - 0.01)) == []
+        rec = one_failure(rx.handle_timer(REG_TIMEOUT + bound), "r1")
+        assert rec.code == TIMEOUT
+
+
+def _fields(ev: PeerResolved) -> dict[str, object]:
+    return {f: getattr(ev, f) for f in PeerResolved.__dataclass_fields__}
 
 
 def test_hold_bound_covers_ps_lease_post_fence_and_settle_bound() -> None:
@@ -1363,7 +1387,13 @@ class ReceiverModel(RuleBasedStateMachine):
         self._timers()
         expected, self.expect = self.expect, []
 
-        got = [norm(e) for e in out + timer if not isinstance(e, (Log, Beat, ProbePeer, CheckGone))]
+        repeats = [e for e in timer if isinstance(e, SendFor)]  # only a repeat is timed
+        got = [
+            norm(e)
+            for e in out + timer
+            if not isinstance(e, (Log, Beat, ProbePeer, CheckGone)) and e not in repeats
+        ]
+        self._check_repeats(repeats)
         self._check_rechecks(out + timer)
         holding = {r for r, q in self.rx.reqs.items() if q.state is S.HOLDING}
         assert {m.rid for m in self.live.values() if m.phase is S.HOLDING} == holding
@@ -1415,6 +1445,17 @@ class ReceiverModel(RuleBasedStateMachine):
                 else:  # a pull of no blocks has nothing to READ: P's ack is all it needs
                     assert rid in self.acked_ok
                     assert rid in self.read_ok or not self.pull_blocks[rid]
+
+    def _check_repeats(self, repeats: list[Effect]) -> None:
+        """A registration is repeated only while P has said nothing of it: registered,
+        no rank done and no layer delivered yet, to the P it went to."""
+        for eff in repeats:
+            assert isinstance(eff, SendFor)
+            m = self.live.get(eff.request_id)
+            assert m is not None and m.phase is S.REGISTERED, (eff, m)
+            assert not m.done and not m.layer_bits and eff.agent == m.agent, (eff, m)
+            assert isinstance(eff.record, wire.PushRegistration)
+            assert eff.record.request_id == m.rid
 
     def _check_rechecks(self, effects: list[Effect]) -> None:
         """Whether P is gone is asked only about held pushes, naming exactly those at P."""

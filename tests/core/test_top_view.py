@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from kvd.top import WIDTH, render
+from kvd.top import ERROR_ROWS, WIDTH, render
 
 
 def _status(done: int, nbytes: int, failures: dict[str, int], rejected: int) -> dict[str, Any]:
@@ -77,3 +77,18 @@ def test_first_frame_has_no_rates() -> None:
     out = _text(render(_status(3, 3000, {}, 0), None, 0.0))
     assert "moved 3.0 kB (-/s)" in out
     assert "none" in out  # no errors
+
+
+def test_errors_table_shows_the_newest_few_and_counts_the_rest() -> None:
+    """Many reasons would push the peers off a short terminal: the newest ERROR_ROWS are
+    shown (new ones first), the rest counted in one row; the peers stay in the frame."""
+    prev = _status(1, 1000, {}, 0)
+    cur = _status(1, 1000, {}, 0)
+    old = {f"old_{i}_failed": 1 for i in range(10)}
+    prev["counters"] = {**prev["counters"], **old}
+    cur["counters"] = {**cur["counters"], **old, "fresh_failed": 3}
+    out = _text(render(cur, prev, 1.0))
+    rows = [line for line in out.splitlines() if "_failed" in line]
+    assert len(rows) == ERROR_ROWS and "fresh_failed" in rows[0] and "+3" in rows[0], out
+    assert f"{11 - ERROR_ROWS} more" in out
+    assert "kvd-d" in out and "10.0.0.2:5600" in out

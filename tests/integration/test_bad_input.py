@@ -284,6 +284,7 @@ class FakePeer:
             side_host="127.0.0.1",
             side_port=self.side.port,
             kv_lease_duration=30.0,
+            write_bound=100.0,
             regions=(self.region(),),
             canary_addr=0,
             canary_bytes=0,

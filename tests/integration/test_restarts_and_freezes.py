@@ -439,6 +439,44 @@ def test_p_frozen_past_ds_push_watchdog_d_holds_the_blocks_until_ps_word(
     assert d_ev.extra == []
 
 
+def test_a_held_push_waits_out_ps_write_bound_not_ds_own(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """How long a WRITE of P's may still land is P's business: P's handshake says it
+    (`write_bound`: its lease + post fence + transfer and settle bounds), and D holds a push
+    it gave up on that long, not by its own settings. Here P's bound is 8 s and D's own
+    would be 92 s; P stays frozen (alive: it accepts TCP, never answers), so only the
+    bound ends the hold."""
+    p_cfg: dict[str, Any] = {"transfer": {"kv_lease_duration": 2.0, "transfer_timeout": 1.0}}
+    d_cfg: dict[str, Any] = {"transfer": {"push_registration_timeout": 1.0}}
+    pd, dd = daemons("kvd-p", overrides=p_cfg), daemons("kvd-d", overrides=d_cfg)
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    d_ev = Events(d.client)
+    key, p_id, d_id = rid_pair("warm")
+    fill(p, key, [1])
+    p.client.finished(p_id, [1])
+    d.client.register_push(d_id, [1], HOST, pd.side_port, remote_request_id=p_id)
+    assert isinstance(d_ev.wait([d_id], 10.0)[d_id], wire.RecvFinished)
+    (seen,) = d.client.status("peers")["peers"]
+    assert seen["write_bound"] == 2.0 + 2 * 1.0 + 2 * 1.0 + 2.0 and seen["lease_duration"] == 2.0
+
+    key, p_id, d_id = rid_pair("frozen")
+    fill(p, key, [4])
+    p.client.finished(p_id, [4])
+    pd.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        d.client.register_push(d_id, [8], HOST, pd.side_port, remote_request_id=p_id)
+        ev = d_ev.wait([d_id], 20.0)[d_id]
+        took = d_ev.when(d_id) - t0
+    finally:
+        pd.proc.send_signal(signal.SIGCONT)
+    assert isinstance(ev, wire.RecvFailed) and ev.block_ids == (8,), ev
+    assert 1.0 + 8.0 - 0.5 <= took < 1.0 + 8.0 + 5.0, took  # watchdog + P's bound
+    assert counter(d, "holds_expired") == 1
+
+
 # ------------------------------------------------------------------ item 9: pull before finish
 
 

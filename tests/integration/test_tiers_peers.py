@@ -342,7 +342,10 @@ def test_a_peers_pins_are_bounded_in_number(daemons: StartDaemon) -> None:
     """One peer's loads hold at most `peer_pin_share` of the host tier pinned (here a
     quarter of 16 blocks: 4); a load beyond it finds misses, counted, and pins nothing;
     another peer still pins, and the first pins again once its pins are released."""
-    b = daemons("pq", overrides=tiers_cfg(peer_pin_timeout=30.0, peer_read_timeout=0.5))
+    b = daemons(
+        "pq",
+        overrides=tiers_cfg(peer_pin_timeout=30.0, peer_read_timeout=0.5, peer_pin_share=0.25),
+    )
     store(b, list(range(8)))
     got = _raw_pin(b.side_port, "ghost", 1, [0, 1, 2])
     if AUTH:  # unsealed from nobody we handshaked with: refused before any pin

@@ -137,7 +137,7 @@ def test_top_under_tmux_moves_and_quits_on_q(daemons: StartDaemon, tmp_path: Pat
         for i in range(2, 5):
             _push(p, d, p_d.side_port, i)
         shown = wait_for(lambda s: _write_count(s) == 5)
-        assert "kvd-top2d" in shown  # per peer
+        assert "kvd-top2d" in shown, shown  # per peer
         assert all(len(line.rstrip()) <= 80 for line in shown.splitlines())
         subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True, timeout=10)
         deadline = time.monotonic() + 20

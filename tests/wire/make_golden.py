@@ -248,6 +248,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             side_host="10.0.0.7",
             side_port=5600,
             kv_lease_duration=30.0,
+            write_bound=152.0,
             regions=(
                 _region(3, 0, LAYOUT, "DRAM", 0, GROUPS),
                 _region(1, 0, LAYOUT, "DRAM", 0),

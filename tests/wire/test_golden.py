@@ -101,7 +101,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 3
+    assert wire.PROTOCOL_VERSION == 4
 
 
 def test_type_ids_are_pinned() -> None:
@@ -142,9 +142,12 @@ def test_fixture_decodes_to_golden_instance(name: str) -> None:
         pytest.fail(f"{path} is missing: run `python tests/wire/make_golden.py`")
     data = path.read_bytes()
     corr, msg = GOLDEN[name]
-    # Frame header: [PROTOCOL_VERSION, type id, corr, ...]; positive fixints for both.
-    assert data[1] == wire.PROTOCOL_VERSION
-    assert data[2] == TYPE_IDS[name]
+    # Frame header: [PROTOCOL_VERSION, type id, corr, ...]: an array (a fixarray up to 15
+    # elements, else array 16: 0xdc and two length bytes), then both as positive fixints.
+    head = 1 if data[0] & 0xF0 == 0x90 else 3
+    assert data[0] & 0xF0 == 0x90 or data[0] == 0xDC
+    assert data[head] == wire.PROTOCOL_VERSION
+    assert data[head + 1] == TYPE_IDS[name]
     assert wire.decode(data) == (corr, msg)
     assert wire.decode(bytearray(data)) == (corr, msg)
     assert wire.decode(memoryview(data)) == (corr, msg)
