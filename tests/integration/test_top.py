@@ -43,7 +43,9 @@ def _push(p: Engine, d: Engine, port: int, i: int, n: int = 2) -> None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
+    # without LINES/COLUMNS (pytest-xdist's workers set 24 x 80): kvd top must size its
+    # frame from the terminal it runs in
+    env = {k: v for k, v in os.environ.items() if k not in ("LINES", "COLUMNS")}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "client"), env.get("PYTHONPATH", "")]
     )
