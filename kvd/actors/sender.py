@@ -341,7 +341,7 @@ class Sender(TransferActor):
             self._outcome(proto.WriteDone(eff.key, exc))
             return
         log.debug("push_done", request_id=eff.key, peer=eff.agent)
-        self._outcome(proto.WriteDone(eff.key))
+        self._outcome(proto.WriteDone(eff.key, transfers=len(notifs)))
 
     def _turn_end(self) -> None:
         if not self._layer_posts:

@@ -215,6 +215,8 @@ class WriteDone:
     unsettled: bool = False
     """The WRITE is still in flight in UCX past its bound (`Unsettled`): it may still
     read our blocks and land in D's; `WriteSettled` follows when it ends."""
+    transfers: int = 0
+    """PushDone(ok) notifications the WRITE carried to D, one per transfer (0: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +225,8 @@ class WriteSettled:
 
     key: str
     error: KvdError | None = None
+    transfers: int = 0
+    """As `WriteDone.transfers`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,6 +372,9 @@ class Tombstone:
     WRITE was released unsettled) or there was no registration."""
     settled: bool = True
     """No WRITE of it can still be in flight (False: released while Unsettled)."""
+    pushed: int = 0
+    """Delivered by one WRITE that carried this many PushDone(ok): the same D repeating
+    its registration (it never heard them) is told so again, not made to recompute."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -866,6 +873,19 @@ class Sender:
                 # word or its own bound), as for a cancel
                 self._count("late_registrations_unsettled")
                 return
+            if (
+                tomb is not None
+                and tomb.pushed
+                and tomb.agent == ev.agent
+                and tomb.d_request_id == msg.request_id
+            ):
+                # delivered: its PushDones were lost on the way (D repeats because it
+                # never heard them); the bytes are in D's blocks, which D still holds
+                self._count("registrations_answered_done")
+                for i in range(tomb.pushed):
+                    done = wire.PushDone(msg.request_id, i, True, 0, "")
+                    self._out.append(Notify(ev.agent, done))
+                return
             if tomb is not None:
                 self._count("late_registrations")
                 self._count_after_expiry(tomb)
@@ -1114,7 +1134,7 @@ class Sender:
         if ev.error is None:
             self._count("sends_ok")
             self._emit(req, wire.SendFinished(req.key))
-            self._end(req, S.DELIVERED, _DONE)
+            self._end(req, S.DELIVERED, replace(_DONE, pushed=ev.transfers))
         elif ev.unsettled:
             # no word to D yet: its blocks may still be written; ours are still read
             self._count("writes_unsettled")
@@ -1135,7 +1155,7 @@ class Sender:
         if ev.error is None:  # it landed after all: D got its PushDone with the bytes
             self._count("sends_ok")
             self._emit(req, wire.SendFinished(req.key))
-            self._end(req, S.DELIVERED, _DONE)
+            self._end(req, S.DELIVERED, replace(_DONE, pushed=ev.transfers))
         else:
             self._fail_send(req, int(ev.error.code), ev.error.message)
 

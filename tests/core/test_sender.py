@@ -506,6 +506,22 @@ def test_a_registration_repeated_after_its_request_ended_is_answered_by_ds_id() 
     assert calm(out) == [("push_done", D1, d_id, INVALID)]
     assert tx.counters["late_registrations"] == 1 and tx.counters["push_registrations"] == 1
     assert_empty(tx)
+    # the WRITE said how many PushDone(ok) it carried: D, which never heard them, is told
+    # again (its bytes are there, in blocks it still holds), by the same agent only
+    tx = make()
+    tx.handle(finish(p_id), 0.0)
+    tx.handle(registered(d_id), 0.1)
+    tx.handle(ViewResolved(p_id, VIEW), 0.2)
+    assert calm(tx.handle(WriteDone(p_id, transfers=2), 0.5)) == [("finished", "s1", p_id, 0)]
+    out = tx.handle(registered(d_id, agent=D2), 0.9)
+    assert calm(out) == [("push_done", D2, d_id, INVALID)]  # not the D it was written to
+    out = tx.handle(registered(d_id), 1.0)
+    assert out == [
+        Notify(D1, wire.PushDone(d_id, 0, True, 0, "")),
+        Notify(D1, wire.PushDone(d_id, 1, True, 0, "")),
+    ]
+    assert tx.counters["registrations_answered_done"] == 1
+    assert_empty(tx)
     # one whose WRITE was released unsettled (it may still land): no word, nothing waits
     tx = make(unsettled_hold=50.0)
     tx.handle(finish(p_id), 0.0)
