@@ -485,9 +485,11 @@ class TransferConfig(_Section):
     )
     staging_bytes: int = _opt(
         256 << 20,
-        "Bytes of D-side staging (daemon-owned memory, registered with NIXL on first use): a "
+        "Bytes of staging (daemon-owned memory, registered with NIXL on first use). On D, a "
         "pull that slices heads (P TP != D TP) or converts the token layout (NHD/HND) READs "
-        "whole chunks into a slot of it and scatters them into D's blocks, where that is "
+        "whole chunks into a slot of it and scatters them into D's blocks; on P, a push "
+        "whose direct plan has many small descriptors (head slices, token runs) is gathered "
+        "into a slot in D's layout and WRITten as a few contiguous runs; each where that is "
         "cheaper than direct descriptors. A request that finds no slot free moves by direct "
         "descriptors instead. 0 = no staging.",
         ge=0,

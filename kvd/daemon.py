@@ -129,6 +129,11 @@ class Daemon:
             trace=self.trace,
             max_frame=cfg.daemon.max_frame_bytes,
         )
+        self.staging = (
+            StagingArea(cfg.transfer.staging_bytes, self.engine.register, self.engine.deregister)
+            if cfg.transfer.staging_bytes
+            else None
+        )
         self.sender = Sender(
             transport=self.engine,
             mailbox=self.sender_box,
@@ -144,11 +149,7 @@ class Daemon:
             counters=self.counters,
             rejects=self.rejects,
             trace=self.trace,
-        )
-        self.staging = (
-            StagingArea(cfg.transfer.staging_bytes, self.engine.register, self.engine.deregister)
-            if cfg.transfer.staging_bytes
-            else None
+            staging=self.staging,
         )
         self.receiver = Receiver(
             transport=self.engine,

@@ -509,27 +509,11 @@ class Receiver(TransferActor):
         """A receive step writing D's regions, in a worker thread (numpy copies release
         the GIL), with the regions held like a transfer holds them (a region being
         released is not touched: TransferError)."""
-        self._hold(regions)
+        self._hold_regions(regions)
         try:
             await anyio.to_thread.run_sync(fn, *args)
         finally:
-            self._unhold(regions)
-
-    def _hold(self, regions: list[LocalRegion]) -> None:
-        """Count a receive step on D's regions like a transfer (a drain waits for it);
-        TransferError, holding nothing, if one is being released."""
-        book = self.book
-        for loc in regions:
-            if loc.region_id in book.releasing:
-                raise TransferError(f"local region {loc.region_id} is being released")
-        for loc in regions:
-            book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
-
-    def _unhold(self, regions: list[LocalRegion]) -> None:
-        book = self.book
-        for loc in regions:
-            book.local[loc.region_id] -= 1
-        book.wake()
+            self._unhold_regions(regions)
 
     async def _staged_read(self, rid: str, agent: str, view: _View) -> bool:
         """READ the staged P ranks' blocks whole into a staging slot (and the other pairs
@@ -588,7 +572,7 @@ class Receiver(TransferActor):
         regions = [loc for loc, _ in scatters] + [loc for loc, _ in permutes]
         try:
             await self.book.run("READ", rid, agent, locs, rems, plans, notifs, settle)
-            self._hold(regions)
+            self._hold_regions(regions)
         except BaseException:
             done_with_slot()
             raise
@@ -622,7 +606,7 @@ class Receiver(TransferActor):
             failed = TransferError(f"staged scatter failed: {exc!r}")
             log.error("staged_scatter_failed", request_id=rid, error=repr(exc))
         finally:
-            self._unhold(regions)
+            self._unhold_regions(regions)
             done_with_slot()
             running, held = self._permuting.pop(rid)
             if running > 1:

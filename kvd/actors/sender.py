@@ -17,6 +17,7 @@ their descriptors, carrying one `LayersPushed` that names each request's layers.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from dataclasses import replace
 from typing import Any, Final
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 import structlog
 from kvd_client import wire
 from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound
@@ -51,10 +54,13 @@ from kvd.actors.transfers import (
     transfer_groups,
 )
 from kvd.adapters.nixl import Unsettled
+from kvd.adapters.staging import StagingArea
 from kvd.core import sender as proto
+from kvd.core.gather import Gathered, gather, plan_gather
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
 from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
+from kvd.core.staging import shifted
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -85,6 +91,7 @@ class Sender(TransferActor):
         pending_bytes: int = 256 << 20,
         rejects: RejectLog | None = None,
         trace: StageTrace = NO_TRACE,
+        staging: StagingArea | None = None,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -106,6 +113,9 @@ class Sender(TransferActor):
             counters=counters,
             unsettled_hold=2 * transfer_timeout + 1.0,
         )
+        self.staging = staging
+        """Daemon-owned registered memory (shared with the receiver) where a push with
+        many small descriptors is gathered before its WRITE (`_gather`)."""
         self.post_fence = transfer_timeout
         """Seconds (raw monotonic: a stall counts) within which a WRITE the machine decided
         must be posted, or it is not posted at all (`Transport.transfer`'s `post_by`)."""
@@ -326,8 +336,21 @@ class Sender(TransferActor):
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
+            plans: list[Plan] = list(rp.plans)
+            settled: Callable[[], None] = watch
+            staged = await self._gather(eff.key, local, remote, rp, len(notifs))
+            if staged is not None:
+                base, g, slot_settled = staged
+                locs = [local[w.local] for w in g.writes]
+                rems = [remote[w.remote] for w in g.writes]
+                plans = [shifted(w.plan, base) for w in g.writes]
+
+                def settled() -> None:
+                    slot_settled()
+                    watch()
+
             await self.book.run(
-                "WRITE", eff.key, eff.agent, locs, rems, rp.plans, notifs, watch, post_by=post_by
+                "WRITE", eff.key, eff.agent, locs, rems, plans, notifs, settled, post_by=post_by
             )
         except Unsettled as exc:
             # still in flight in UCX: no word to D until it ends (D holds its blocks). The
@@ -432,6 +455,71 @@ class Sender(TransferActor):
         for eff in going:
             self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, error, False, unsettled))
 
+    async def _gather(
+        self,
+        key: str,
+        local: list[LocalRegion],
+        remote: list[RemoteRegion],
+        rp: RequestPlan,
+        transfers: int,
+    ) -> tuple[int, Gathered, Callable[[], None]] | None:
+        """Stage a push on P (`kvd.core.gather`) where its direct plan has many small
+        descriptors (head slices, token runs): the pieces laid out in a slot of the
+        staging area exactly as D's regions want them, by a worker thread, so that the
+        WRITE moves a few contiguous runs. Returns (the slot's address, the gather, the
+        transfer's `settled` callback that frees the slot), or None (nothing done: the
+        caller WRITEs by the direct plans): not worth it, not all host memory, no
+        staging, or no slot free. The slot is freed only once UCX ended the WRITE."""
+        staging = self.staging
+        if staging is None or not rp.pairs:
+            return None
+        if any(r.mem_type != "DRAM" for r in local) or any(r.mem_type != "DRAM" for r in remote):
+            return None
+        g = plan_gather(
+            rp.plans,
+            [x.p for x in rp.pairs],
+            [x.d for x in rp.pairs],
+            [r.geometry.base_addr for r in local],
+        )
+        if g is None:
+            return None
+        writes = transfer_groups(
+            [local[w.local] for w in g.writes], [remote[w.remote] for w in g.writes]
+        )
+        if len(writes) != transfers:  # D counts one PushDone per transfer
+            return None
+        try:
+            await staging.ensure()
+        except KvdError as exc:
+            self._count("staging_unavailable")
+            log.warning("staging_unavailable", request_id=key, error=exc.message)
+            return None
+        pool = staging.pool
+        self._hold_regions(local)  # a drain of P's regions waits for the gather's reads
+        try:
+            off = pool.alloc(g.nbytes)
+            if off is None:
+                self._count("staging_exhausted")
+                return None
+            sources = [_bytes_of(r) for r in local]
+            try:
+                slot = staging.buf[off : off + g.nbytes]
+                await anyio.to_thread.run_sync(gather, slot, sources, g)
+            except BaseException:
+                pool.free(off)
+                raise
+        finally:
+            self._unhold_regions(local)
+        self._count("staged_writes")
+        self._count(
+            "staged_write_descriptors_saved", sum(p.descriptors for p in rp.plans) - g.descriptors
+        )
+
+        def slot_settled() -> None:
+            pool.free(off)  # UCX ended the WRITE: nothing reads the slot any more
+
+        return staging.addr + off, g, slot_settled
+
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)
 
@@ -525,3 +613,10 @@ def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegio
         return None
     ranks = info.ranks(msg.engine_id)
     return ranks if tuple(r.generation for r in ranks) == msg.generations else None
+
+
+def _bytes_of(region: LocalRegion) -> npt.NDArray[np.uint8]:
+    """The bytes of a local region as mapped in this process (from its base address)."""
+    g = region.geometry
+    raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
+    return np.ctypeslib.as_array(raw)

@@ -177,6 +177,23 @@ class TransferActor:
         """Requests this side ended failed or expired, by reason (the error code's name,
         or `expired`), counted as the terminal event leaves for the client."""
 
+    def _hold_regions(self, regions: list[LocalRegion]) -> None:
+        """Count a step of our own on local regions (a receive scatter, a push's gather)
+        like a transfer (a drain waits for it); TransferError, holding nothing, if one is
+        being released."""
+        book = self.book
+        for loc in regions:
+            if loc.region_id in book.releasing:
+                raise TransferError(f"local region {loc.region_id} is being released")
+        for loc in regions:
+            book.local[loc.region_id] = book.local.get(loc.region_id, 0) + 1
+
+    def _unhold_regions(self, regions: list[LocalRegion]) -> None:
+        book = self.book
+        for loc in regions:
+            book.local[loc.region_id] -= 1
+        book.wake()
+
     # ---------------------------------------------------------------- loop
 
     turn_batch: ClassVar[int] = 1

@@ -522,10 +522,15 @@ async def test_p_push_lease_then_registration_then_write_then_finished() -> None
         status = await snapshot(box)
         assert status["leases"] == 0 and not any(status["states"].values())
 
-        # ended: a registration naming it again is answered at once, never written
+        # ended: the same registration again (D never heard the PushDone its WRITE
+        # carried) is answered at once with it, never written again; another
+        # registration naming the request is refused
         box.post(NotifReceived(D_AGENT, registration()))
         [(peer, answer)] = await w.p_port.wait_sent(wire.PushDone)
-        assert peer == D_AGENT and answer.request_id == "d-req" and not answer.ok
+        assert (peer, answer) == (D_AGENT, wire.PushDone("d-req", 0, True, 0, ""))
+        box.post(NotifReceived(D_AGENT, registration(d_rid="d-other")))
+        [_, (peer, answer)] = await w.p_port.wait_sent(wire.PushDone, 2)
+        assert peer == D_AGENT and answer.request_id == "d-other" and not answer.ok
         await settle()
         assert len(w.p_port.transfers.items) == 1 and len(w.events.items) == 1
 

@@ -64,6 +64,28 @@ def test_a_full_staging_area_falls_back_to_direct_descriptors(
     assert (st["used"], st["quarantined"], st["allocated"]) == (0, 0, 0)
 
 
+@pytest.mark.parametrize(
+    ("ps", "ds", "staged"),
+    [(Side(2), Side(1), 3), (Side(1), Side(4), 3), (Side(2, 16, "HND"), Side(1, 16, "HND"), 0)],
+    ids=["nhd_tp2to1", "nhd_tp1to4", "hnd_tp2to1_few_descriptors"],
+)
+def test_a_push_of_many_small_pieces_is_gathered_on_p(
+    daemons: Callable[..., DaemonProc], ps: Side, ds: Side, staged: int
+) -> None:
+    """P-side staging (`kvd.core.gather`): a push whose direct plan has a run per token
+    (NHD, heads sliced) is gathered in P's staging into D's layout and written as a run
+    per D block (every byte checked at D by `run_case`, P's bytes untouched); one with
+    few descriptors (HND: a head slice per chunk, 24 here) goes direct. Every slot is
+    freed once its WRITE ended."""
+    p, d = daemons("kvdt-gth-p"), daemons("kvdt-gth-d")
+    run_case(Pair(p, d), H4, ps, ds, "push", seed=5)
+    st = staging_of(p)
+    assert st["counters"].get("staged_writes", 0) == staged, st["counters"]
+    assert (st["used"], st["quarantined"]) == (0, 0)
+    if staged:
+        assert st["counters"]["staged_write_descriptors_saved"] > 0
+
+
 def test_a_failed_staged_read_fails_the_request_and_leaves_d_untouched(
     daemons: Callable[..., DaemonProc],
 ) -> None:
@@ -85,7 +107,9 @@ def test_a_failed_staged_read_fails_the_request_and_leaves_d_untouched(
         allocated = staging_of(d)["allocated"]
         os.kill(p.proc.pid, signal.SIGKILL)
         p.proc.wait(10)
-        de.client.track("d-x", HOST, p.side_port, remote_engine_id="pf", remote_request_id="p-x")
+        # no track first: its heartbeat, sent at once, could find P gone and make D forget
+        # P's view before the pull (then no READ at all); the pull's own first heartbeat
+        # goes out only after its staged READ was set up, in the same turn
         de.client.pull(
             "d-x",
             blocks,
@@ -100,7 +124,7 @@ def test_a_failed_staged_read_fails_the_request_and_leaves_d_untouched(
         assert tuple(ev.block_ids) == tuple(blocks)
         assert np.array_equal(de.buf(0), before)  # nothing of D's engine was written
         st = staging_of(d)
-        assert st["allocated"] > allocated  # the READ was staged...
+        assert st["allocated"] > allocated, st  # the READ was staged...
         assert (st["used"], st["quarantined"]) == (0, 0)  # ...and its slot freed
     finally:
         pe.close()

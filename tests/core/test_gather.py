@@ -1,0 +1,126 @@
+"""P-side staging of a push (`kvd.core.gather`): a gathered push lands in D exactly the
+bytes its direct plan would (every byte of every D region compared), and the rule stages
+only where it saves many descriptors."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from integration.kvref import Side, fill, request_kv, spec_of
+
+from kvd.core.gather import MIN_FACTOR, gather, plan_gather
+from kvd.core.planner import plan_request
+
+from .test_topology import apply, regions
+
+SIDES = st.builds(
+    Side,
+    tp=st.sampled_from([1, 2, 4, 8]),
+    tokens=st.sampled_from([4, 8, 16]),
+    kv_layout=st.sampled_from(["NHD", "HND"]),
+    major=st.sampled_from(["block", "layer"]),
+    num_blocks=st.just(24),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    head_size=st.sampled_from([4, 32, 64]),
+    ps=SIDES,
+    ds=SIDES,
+    ntok=st.integers(1, 80),
+    seed=st.integers(0, 2**16),
+)
+def test_a_gathered_push_lands_what_the_direct_plan_lands(
+    heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int
+) -> None:
+    if heads >= 2 and any(heads % s.tp and s.tp % heads for s in (ps, ds)):
+        return
+    check(heads, head_size, ps, ds, ntok, seed)
+
+
+def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) -> bool:
+    """Push `ntok` tokens P -> D by the direct plan and gathered; both must land the same
+    bytes in every D region. Whether it was gathered (False: the rule declined)."""
+    spec = spec_of(heads, head_size=head_size)
+    rng = np.random.default_rng(seed)
+    m = -(-ntok // ps.tokens)
+    n = -(-ntok // ds.tokens)
+    if m > ps.num_blocks or n > ds.num_blocks:
+        return False
+    p_views, p_bufs = regions(spec, ps, 1 << 20)
+    d_views, d_bufs = regions(spec, ds, 1 << 30)
+    kv = request_kv(spec, m * ps.tokens, rng)
+    pb = [int(b) for b in rng.permutation(ps.num_blocks)[:m]]
+    db = [int(b) for b in rng.permutation(ds.num_blocks)[:n]]
+    for r in range(ps.tp):
+        fill(p_bufs[r], p_views[r].layout, spec, ps.tp, r, pb, kv)  # type: ignore[arg-type]
+    for buf in d_bufs:
+        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    direct = [b.copy() for b in d_bufs]
+    staged_d = [b.copy() for b in d_bufs]
+    rp = plan_request(p_views, pb, d_views, db, local_is_p=True)
+    for plan, pair in zip(rp.plans, rp.pairs, strict=True):
+        pv, dv = p_views[pair.p], d_views[pair.d]
+        apply(
+            plan, p_bufs[pair.p], pv.geometry.base_addr, direct[pair.d], dv.geometry.base_addr, True
+        )
+    g = plan_gather(
+        rp.plans,
+        [x.p for x in rp.pairs],
+        [x.d for x in rp.pairs],
+        [v.geometry.base_addr for v in p_views],
+    )
+    if g is None:
+        return False
+    assert g.descriptors * MIN_FACTOR <= sum(p.descriptors for p in rp.plans)
+    slot = np.zeros(g.nbytes + 7, dtype=np.uint8)  # (any slack after the pieces is unused)
+    gather(slot, p_bufs, g)
+    for w in g.writes:
+        dv = d_views[w.remote]
+        apply(w.plan, slot, 0, staged_d[w.remote], dv.geometry.base_addr, True)
+    for r in range(ds.tp):
+        assert np.array_equal(staged_d[r], direct[r]), f"D rank {r} differs"
+    return True
+
+
+def test_head_slices_both_ways_and_token_runs_are_gathered_exactly() -> None:
+    for p_tp, d_tp, lay in ((4, 8, "HND"), (8, 4, "HND"), (4, 8, "NHD"), (2, 8, "NHD")):
+        ps = Side(tp=p_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
+        ds = Side(tp=d_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
+        assert check(8, 64, ps, ds, 200, p_tp * 10 + d_tp), (p_tp, d_tp, lay)
+
+
+def test_the_rule_stages_head_slices_not_whole_chunks() -> None:
+    """TP 4 -> 8 in HND (each D rank a head slice of every P chunk) is staged into a run
+    per D block; equal TP (whole chunks, already few descriptors) is not."""
+    spec = spec_of(8, head_size=64)
+    ps = Side(tp=4, tokens=16, kv_layout="HND", major="block", num_blocks=24)
+    ds = Side(tp=8, tokens=16, kv_layout="HND", major="block", num_blocks=24)
+    p_views, _ = regions(spec, ps, 1 << 20)
+    d_views, _ = regions(spec, ds, 1 << 30)
+    pb, db = list(range(0, 24, 2)), list(range(1, 24, 2))  # 12 blocks each, not adjacent
+    rp = plan_request(p_views, pb, d_views, db, local_is_p=True)
+    g = plan_gather(
+        rp.plans,
+        [x.p for x in rp.pairs],
+        [x.d for x in rp.pairs],
+        [v.geometry.base_addr for v in p_views],
+    )
+    assert g is not None
+    assert g.descriptors == 8 * 12  # a run per D block per D rank
+    assert sum(p.descriptors for p in rp.plans) >= 8 * 12 * spec.num_layers
+    ds4 = Side(tp=4, tokens=16, kv_layout="HND", major="block", num_blocks=24)
+    d4, _ = regions(spec, ds4, 1 << 30)
+    rp4 = plan_request(p_views, pb, d4, db, local_is_p=True)
+    assert (
+        plan_gather(
+            rp4.plans,
+            [x.p for x in rp4.pairs],
+            [x.d for x in rp4.pairs],
+            [v.geometry.base_addr for v in p_views],
+        )
+        is None
+    )
