@@ -56,7 +56,7 @@ from kvd.actors.transfers import (
 from kvd.adapters.nixl import Unsettled
 from kvd.adapters.staging import StagingArea
 from kvd.core import sender as proto
-from kvd.core.gather import Gathered, gather, plan_gather
+from kvd.core.gather import MIN_SAVED, Gathered, gather, plan_gather
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
 from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
@@ -475,18 +475,8 @@ class Sender(TransferActor):
             return None
         if any(r.mem_type != "DRAM" for r in local) or any(r.mem_type != "DRAM" for r in remote):
             return None
-        g = plan_gather(
-            rp.plans,
-            [x.p for x in rp.pairs],
-            [x.d for x in rp.pairs],
-            [r.geometry.base_addr for r in local],
-        )
-        if g is None:
-            return None
-        writes = transfer_groups(
-            [local[w.local] for w in g.writes], [remote[w.remote] for w in g.writes]
-        )
-        if len(writes) != transfers:  # D counts one PushDone per transfer
+        direct = sum(p.descriptors for p in rp.plans)
+        if direct < MIN_SAVED:
             return None
         try:
             await staging.ensure()
@@ -495,25 +485,39 @@ class Sender(TransferActor):
             log.warning("staging_unavailable", request_id=key, error=exc.message)
             return None
         pool = staging.pool
+        nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds
+        bases = [r.geometry.base_addr for r in local]
+        sources = [_bytes_of(r) for r in local]
+
+        def plan_and_gather(slot: npt.NDArray[np.uint8]) -> Gathered | None:
+            # (in a worker thread: planning a gather of many pieces takes ~1 ms per 4 MiB)
+            got = plan_gather(rp.plans, [x.p for x in rp.pairs], [x.d for x in rp.pairs], bases)
+            if got is not None:
+                writes = [(local[w.local], remote[w.remote]) for w in got.writes]
+                if len(transfer_groups(*zip(*writes, strict=True))) != transfers:
+                    return None  # D counts one PushDone per transfer: keep them as they are
+                gather(slot, sources, got)
+            return got
+
         self._hold_regions(local)  # a drain of P's regions waits for the gather's reads
         try:
-            off = pool.alloc(g.nbytes)
+            off = pool.alloc(nbytes)
             if off is None:
                 self._count("staging_exhausted")
                 return None
-            sources = [_bytes_of(r) for r in local]
             try:
-                slot = staging.buf[off : off + g.nbytes]
-                await anyio.to_thread.run_sync(gather, slot, sources, g)
+                slot = staging.buf[off : off + nbytes]
+                g = await anyio.to_thread.run_sync(plan_and_gather, slot)
             except BaseException:
                 pool.free(off)
                 raise
         finally:
             self._unhold_regions(local)
+        if g is None:
+            pool.free(off)
+            return None
         self._count("staged_writes")
-        self._count(
-            "staged_write_descriptors_saved", sum(p.descriptors for p in rp.plans) - g.descriptors
-        )
+        self._count("staged_write_descriptors_saved", direct - g.descriptors)
 
         def slot_settled() -> None:
             pool.free(off)  # UCX ended the WRITE: nothing reads the slot any more
