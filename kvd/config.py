@@ -406,6 +406,16 @@ class NixlConfig(_Section):
         ge=10,
         le=100_000,
     )
+    poll_deep_idle_us: int = _opt(
+        20_000,
+        "Longest pause, in microseconds, of the NIXL poll loop while the daemon has nothing "
+        "going on at all (no request, encoder-cache fetch, tier operation or probe a "
+        "notification or a peer's transfer could be for): an idle daemon then costs well "
+        "under 1% of a core. Any input to the daemon (a client or peer message) ends the "
+        "pause at once. Set it to `poll_max_idle_us` to never pause longer.",
+        ge=10,
+        le=1_000_000,
+    )
     num_threads: int = _opt(
         0,
         "`num_threads` passed to the NIXL backend (UCX worker threads); 0 = the backend's default.",

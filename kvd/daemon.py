@@ -85,6 +85,7 @@ class Daemon:
             error_handling_mode=cfg.nixl.ucx_error_handling_mode,
             num_threads=cfg.nixl.num_threads,
             poll_max_idle_us=cfg.nixl.poll_max_idle_us,
+            poll_deep_idle_us=cfg.nixl.poll_deep_idle_us,
             ucx_tls=cfg.nixl.ucx_tls,
             settle_timeout=cfg.transfer.transfer_timeout,
             trace=self.trace,
@@ -238,6 +239,11 @@ class Daemon:
             max_clients=cfg.limits.max_clients,
             trace=self.trace,
         )
+        # An idle NIXL thread pauses longer (nixl.poll_deep_idle_us) only while nothing of
+        # ours may wait on the agent; any frame in (a client's, a peer's) wakes it at once
+        self.engine.awake = self._awake
+        for actor in (self.gateway, self.side, self.ecrouter):
+            actor.on_input = self.engine.poke
 
         self.drain = Drain(
             sender=self.sender_box,
@@ -284,6 +290,20 @@ class Daemon:
 
     def _emit(self, ev: EventOut) -> None:
         self.events.post(ev)  # a notice between actors: never refused (see Mailbox.post)
+
+    def _awake(self) -> bool:
+        """(On the NIXL thread: plain reads of the actors' tables.) Whether anything may
+        wait on a notification or on this agent's progress for a peer's transfer: live
+        requests on either side, encoder-cache fetches (or quarantines a late WRITE may
+        land in), tier operations (a peer's READ of pinned blocks), ping probes."""
+        return bool(
+            self.sender.proto.reqs
+            or self.receiver.proto.reqs
+            or self.ecrouter.fetches
+            or self.ecrouter.quarantined
+            or len(self.tiers.ops)
+            or self.registrar._probes
+        )
 
     def _welcome(self) -> wire.Welcome:
         return wire.Welcome(

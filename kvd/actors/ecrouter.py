@@ -267,6 +267,9 @@ class ECRouter:
         wall_clock: Callable[[], float] = time.time,
         mono_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
+        self.on_input: Callable[[], None] = _nothing
+        """Called on every frame received (the daemon sets it to `NixlEngine.poke`: an
+        idle NIXL thread polls quickly again as soon as anything comes in)."""
         """`mono_ns`: the clock of a request's `serve_by_ns` (the daemon's trace clock, the
         one its side channel stamps in the clock exchange)."""
         self.engine = engine
@@ -813,6 +816,7 @@ class ECRouter:
         while True:
             await anyio.lowlevel.checkpoint()  # a ready frame is received without suspending
             frame = await sock.recv()
+            self.on_input()
             try:
                 _, msg = wire.decode(frame, self.max_frame)
             except RemoteProtocolError as exc:
@@ -845,6 +849,7 @@ class ECRouter:
         assert sock is not None and self._tg is not None
         while True:
             frames = await sock.recv_multipart()
+            self.on_input()
             if len(frames) != 2:
                 self._xfer_rejected("multipart", f"{len(frames) - 1} frames, expected 1")
             else:
@@ -1157,3 +1162,7 @@ def _consumer_mismatch(info: PeerInfo, req: wire.ECXferReq) -> KvdError | None:
             f"not region {req.dst_region} generation {req.dst_generation} (unknown or stale)"
         )
     return None
+
+
+def _nothing() -> None:
+    pass

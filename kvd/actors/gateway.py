@@ -134,6 +134,9 @@ class Gateway:
         trace: StageTrace = NO_TRACE,
         admin: Callable[[wire.Record], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
+        self.on_input: Callable[[], None] = _nothing
+        """Called on every frame received (the daemon sets it to `NixlEngine.poke`: an
+        idle NIXL thread polls quickly again as soon as anything comes in)."""
         self.socket_path = socket_path
         self.socket_mode = socket_mode
         self.registrar = registrar
@@ -227,6 +230,7 @@ class Gateway:
             sock = self._sock
             while True:
                 frames = await sock.recv_multipart(copy=False)
+                self.on_input()
                 if len(frames) != 2:
                     self._reject(
                         frames[0].bytes,
@@ -663,3 +667,7 @@ def _socket_alive(path: str) -> bool:
         return False
     finally:
         s.close()
+
+
+def _nothing() -> None:
+    pass

@@ -80,6 +80,9 @@ class SideChannel:
         handshake_bytes: int = 64 << 20,
         tiers: Mailbox[Any] | None = None,
     ) -> None:
+        self.on_input: Callable[[], None] = _nothing
+        """Called on every frame received (the daemon sets it to `NixlEngine.poke`: an
+        idle NIXL thread polls quickly again as soon as anything comes in)."""
         self.host = host
         self.budget = PendingBudget(handshake_bytes, name="limits.handshake_bytes")
         """Bytes of the requests being served (see the module docstring)."""
@@ -129,6 +132,7 @@ class SideChannel:
                 task_status.started()
                 while True:
                     frames = await sock.recv_multipart()
+                    self.on_input()
                     if len(frames) != 2:
                         self.rejects.reject(
                             "sidechannel",
@@ -338,3 +342,7 @@ class SideChannel:
             await self._sock.send_multipart([ident, wire.encode(reply, corr)])
         except zmq.ZMQError as exc:
             log.warning("side_reply_failed", error=str(exc))
+
+
+def _nothing() -> None:
+    pass

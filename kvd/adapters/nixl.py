@@ -213,6 +213,7 @@ class NixlEngine:
         error_handling_mode: str = "peer",
         num_threads: int = 0,
         poll_max_idle_us: int = 1000,
+        poll_deep_idle_us: int = 0,
         ucx_tls: str = "",
         settle_timeout: float = 0.0,
         trace: StageTrace = NO_TRACE,
@@ -228,6 +229,15 @@ class NixlEngine:
         self._err_mode = error_handling_mode
         self._num_threads = num_threads
         self._max_idle = poll_max_idle_us / 1e6
+        self._deep_idle = max(poll_deep_idle_us / 1e6, self._max_idle)
+        """The longest pause while the daemon has nothing going on at all (`awake` says
+        False): no request, fetch, pin or probe that a notification or a peer's
+        transfer could be for. Any input to the daemon ends it at once (`poke`)."""
+        self.awake: Callable[[], bool] = lambda: True
+        """Whether anything of the daemon's may wait on this agent (read on the thread:
+        plain reads of the actors' tables). Set by the daemon; True keeps the old cap."""
+        self._deep = False
+        """The thread is pausing longer than `_max_idle` (`poke` wakes it)."""
         self._ucx_tls = ucx_tls
         self._settle = settle_timeout
         """Bound on how long UCX may keep an unacknowledged operation (TCP_USER_TIMEOUT);
@@ -346,7 +356,8 @@ class NixlEngine:
                 elif time.monotonic() - last_activity < _HOT_S:
                     wait = min(_HOT_POLL_S, self._max_idle)
                 else:
-                    wait = idle
+                    wait = min(idle, self._idle_cap())
+                self._deep = wait > self._max_idle
                 cmds: list[Callable[[], None] | None] = []
                 try:
                     if wait > 0:
@@ -374,9 +385,30 @@ class NixlEngine:
                     last_activity = time.monotonic()
                     idle = min(_HOT_POLL_S, self._max_idle)
                 elif wait > 0 and time.monotonic() - last_activity >= _HOT_S:
-                    idle = min(self._max_idle, idle * 2)
+                    idle = min(self._deep_idle, idle * 2)
         finally:
             self._shutdown_agent()
+
+    def _idle_cap(self) -> float:
+        """On the thread: the longest pause now. `_max_idle` while anything may wait on
+        this agent (the daemon's `awake`, notifications held for a broken peer, a broken
+        peer to mend), else `_deep_idle`: an idle daemon polls rarely."""
+        if self._deep_idle <= self._max_idle or self._held or self._broken:
+            return self._max_idle
+        try:
+            if self.awake():
+                return self._max_idle
+        except Exception:  # a table changed size under the read: take the short cap
+            return self._max_idle
+        return self._deep_idle
+
+    def poke(self) -> None:
+        """From the event loop, on any input to the daemon: end a deep pause at once (a
+        request may follow whose notifications or peer's transfers need this agent's
+        progress soon). Costs nothing unless the thread is in a deep pause."""
+        if self._deep:
+            self._deep = False
+            self._cmds.put(_noop)
 
     def _poll_notifs(self) -> bool:
         """On the thread: poll NIXL's notifications into the bounded queue to the loop."""
@@ -1043,3 +1075,7 @@ def _gpu_visible() -> bool:
     import glob
 
     return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _noop() -> None:
+    """A command that only wakes the thread (`NixlEngine.poke`)."""

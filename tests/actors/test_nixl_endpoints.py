@@ -267,3 +267,34 @@ async def test_a_transfer_past_its_post_fence_is_never_posted() -> None:
         assert ("descs" in agent.calls) is posted
         assert ("post fence" in info.value.message) is not posted
     assert eng.stats.transfers_fenced == 1
+
+
+def test_an_idle_thread_pauses_long_only_when_nothing_waits_and_a_poke_wakes_it() -> None:
+    """The poll loop's cap: the short one while the daemon says something may wait on
+    the agent (or notifications are held, or a peer is broken), the deep one otherwise; a
+    poke during a deep pause queues a no-op command (which wakes the thread's timed wait
+    at once), and nothing otherwise."""
+    eng = NixlEngine("us", poll_max_idle_us=1000, poll_deep_idle_us=20_000)
+    waiting = [False]
+    eng.awake = lambda: waiting[0]
+    assert eng._idle_cap() == 0.02
+    waiting[0] = True
+    assert eng._idle_cap() == 0.001
+    waiting[0] = False
+    eng._broken["p"] = 0.0
+    assert eng._idle_cap() == 0.001
+    del eng._broken["p"]
+
+    def broken() -> bool:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    eng.awake = broken
+    assert eng._idle_cap() == 0.001  # a read that failed: the short cap
+    eng.poke()
+    assert eng._cmds.empty()  # not in a deep pause: nothing to wake
+    eng._deep = True
+    eng.poke()
+    cmd = eng._cmds.get_nowait()
+    assert cmd is not None and cmd() is None and not eng._deep
+    # no deep pause configured: always the short cap
+    assert NixlEngine("us", poll_max_idle_us=1000)._idle_cap() == 0.001
