@@ -484,7 +484,7 @@ def test_limits(name: str, j: int, label: str, ok: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# Known bugs (strict xfail: when fixed, drop the marker)
+# Bounds that once failed (regressions)
 # --------------------------------------------------------------------------------------
 
 
