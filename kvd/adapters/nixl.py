@@ -369,9 +369,12 @@ class NixlEngine:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
                     pass
-                active = bool(cmds)
+                active = poked = False
                 for cmd in cmds:
-                    if cmd is not None:
+                    if cmd is _noop:
+                        poked = True  # input arrived: poll at the short cap, not hot
+                    elif cmd is not None:
+                        active = True
                         cmd()
                 if None in cmds:
                     return
@@ -384,6 +387,8 @@ class NixlEngine:
                 if active:
                     last_activity = time.monotonic()
                     idle = min(_HOT_POLL_S, self._max_idle)
+                elif poked:
+                    idle = min(idle, self._max_idle)
                 elif wait > 0 and time.monotonic() - last_activity >= _HOT_S:
                     idle = min(self._deep_idle, idle * 2)
         finally:
@@ -405,7 +410,9 @@ class NixlEngine:
     def poke(self) -> None:
         """From the event loop, on any input to the daemon: end a deep pause at once (a
         request may follow whose notifications or peer's transfers need this agent's
-        progress soon). Costs nothing unless the thread is in a deep pause."""
+        progress soon): the thread polls at the short cap again (a keepalive does not
+        make it hot: the request's own commands do). Costs nothing unless the thread is
+        in a deep pause."""
         if self._deep:
             self._deep = False
             self._cmds.put(_noop)
