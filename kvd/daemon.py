@@ -296,13 +296,12 @@ class Daemon:
         wait on a notification or on this agent's progress for a peer's transfer: live
         requests on either side, encoder-cache fetches (or quarantines a late WRITE may
         land in), tier operations (a peer's READ of pinned blocks), ping probes."""
-        return bool(
-            self.sender.proto.reqs
-            or self.receiver.proto.reqs
-            or self.ecrouter.fetches
-            or self.ecrouter.quarantined
-            or len(self.tiers.ops)
-            or self.registrar._probes
+        return (
+            self.sender.busy()
+            or self.receiver.busy()
+            or self.ecrouter.busy()
+            or self.tiers.busy()
+            or self.registrar.busy()
         )
 
     def _welcome(self) -> wire.Welcome:

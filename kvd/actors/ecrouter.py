@@ -360,6 +360,11 @@ class ECRouter:
         self._router = sock
         return self.port
 
+    def busy(self) -> bool:
+        """Whether a fetch waits for a producer's WRITE into our region, or a quarantined
+        one still may land (read from the NIXL thread too: plain reads of our tables)."""
+        return bool(self.fetches or self.quarantined)
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.enabled:
             try:

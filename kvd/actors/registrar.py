@@ -205,6 +205,10 @@ class Registrar:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def busy(self) -> bool:
+        """Whether a ping waits for its probe's echo (read from the NIXL thread too)."""
+        return bool(self._probes)
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         if self.reap_leftovers:
             await self._reap(None, when="start")

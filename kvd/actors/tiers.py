@@ -384,6 +384,11 @@ class Tiers:
         if self._side_ready is not None:
             self._side_ready.set()
 
+    def busy(self) -> bool:
+        """Whether a tier operation is open (a load, a store, a peer's pins it READs
+        through our agent); read from the NIXL thread too."""
+        return len(self.ops) > 0
+
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self._side_ready = anyio.Event()
         if self.enabled:

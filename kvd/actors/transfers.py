@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Protocol
 
@@ -127,6 +127,9 @@ class Machine(Protocol):
 
     def next_deadline(self) -> float | None: ...
 
+    @property
+    def reqs(self) -> Mapping[str, Any]: ...
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -176,6 +179,11 @@ class TransferActor:
         self.failures: dict[str, int] = {}
         """Requests this side ended failed or expired, by reason (the error code's name,
         or `expired`), counted as the terminal event leaves for the client."""
+
+    def busy(self) -> bool:
+        """Whether any request of this side is live (read from the NIXL thread too: one
+        plain read of the machine's table)."""
+        return bool(self.proto.reqs)
 
     def _hold_regions(self, regions: list[LocalRegion]) -> None:
         """Count a step of our own on local regions (a receive scatter, a push's gather)
