@@ -530,11 +530,7 @@ class Receiver(TransferActor):
         Unsettled, or cancelled), until the transport reports it ended."""
         staging, staged = self.staging, view.staged
         assert staging is not None and staged is not None
-        try:
-            await staging.ensure()
-        except KvdError as exc:
-            self._count("staging_unavailable")
-            log.warning("staging_unavailable", request_id=rid, error=exc.message)
+        if not await self._staging_ready(staging, rid):
             return False
         pool = staging.pool
         off = pool.alloc(staged.nbytes)

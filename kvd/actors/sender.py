@@ -478,11 +478,7 @@ class Sender(TransferActor):
         direct = sum(p.descriptors for p in rp.plans)
         if direct < MIN_SAVED:
             return None
-        try:
-            await staging.ensure()
-        except KvdError as exc:
-            self._count("staging_unavailable")
-            log.warning("staging_unavailable", request_id=key, error=exc.message)
+        if not await self._staging_ready(staging, key):
             return None
         pool = staging.pool
         nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds

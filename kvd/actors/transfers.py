@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Final, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 import anyio
 import numpy as np
@@ -63,6 +63,9 @@ from kvd.core.planner import Plan
 from kvd.core.stats import TransferStats, XferTiming
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
+
+if TYPE_CHECKING:
+    from kvd.adapters.staging import StagingArea
 
 RECENT_TRANSFERS: Final = 256
 DRAIN_LISTED: Final = 100
@@ -179,6 +182,17 @@ class TransferActor:
         self.failures: dict[str, int] = {}
         """Requests this side ended failed or expired, by reason (the error code's name,
         or `expired`), counted as the terminal event leaves for the client."""
+
+    async def _staging_ready(self, staging: StagingArea, rid: str) -> bool:
+        """Map and register the staging area (once); False, counted and logged, when it
+        cannot be (the request then moves by direct descriptors)."""
+        try:
+            await staging.ensure()
+        except KvdError as exc:
+            self._count("staging_unavailable")
+            self.log.warning("staging_unavailable", request_id=rid, error=exc.message)
+            return False
+        return True
 
     def busy(self) -> bool:
         """Whether any request of this side is live (read from the NIXL thread too: one

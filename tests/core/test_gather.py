@@ -12,16 +12,7 @@ from integration.kvref import Side, fill, request_kv, spec_of
 from kvd.core.gather import MIN_FACTOR, gather, plan_gather
 from kvd.core.planner import plan_request
 
-from .test_topology import apply, regions
-
-SIDES = st.builds(
-    Side,
-    tp=st.sampled_from([1, 2, 4, 8]),
-    tokens=st.sampled_from([4, 8, 16]),
-    kv_layout=st.sampled_from(["NHD", "HND"]),
-    major=st.sampled_from(["block", "layer"]),
-    num_blocks=st.just(24),
-)
+from .test_topology import SIDES, apply, regions
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
