@@ -741,13 +741,19 @@ def receive_permutes(
     return pairs, tuple(out)
 
 
+PERMUTE_RUN_BYTES: Final = 1 << 20
+"""An in-place permute copies at most this many bytes of blocks per numpy call."""
+
+
 def permute_chunks(buf: npt.NDArray[np.uint8], geometry: Geometry, job: Permute) -> None:
     """Permute `job.blocks`' chunks of the region whose bytes `buf` holds (from
     `geometry.base_addr`) from `job.src_layout` into the other token layout, in place.
 
     Two passes over the bytes: each run of consecutive blocks is copied out, then written
     back transposed through a strided view of the destination layout (numpy checks that
-    both views lie inside `buf`).
+    both views lie inside `buf`). A run is taken at most `PERMUTE_RUN_BYTES` at a time:
+    the copy stays in cache, and its temporary is small (a 32 MiB one came fresh from the
+    kernel on some calls and not others: 8-10 ms or 50-60 ms for a 32 MiB request).
     """
     g = geometry
     n = int(job.blocks.shape[0])
@@ -763,13 +769,15 @@ def permute_chunks(buf: npt.NDArray[np.uint8], geometry: Geometry, job: Permute)
     src_steps, dst_steps = (nhd, hnd) if job.src_layout == "NHD" else (hnd, nhd)
     outer = (g.block_stride, g.layer_stride, g.kv_stride)
     head = np.dtype((np.void, hb))  # a head's bytes move as one item (numpy memcpys it)
+    per = max(1, PERMUTE_RUN_BYTES // (g.num_layers * g.kv_parts * t * h * hb))
     for lo, hi in zip(starts.tolist(), ends.tolist(), strict=True):
-        first, count = int(blocks[lo]), hi - lo
-        at = buf[first * g.block_stride :]
-        shape = (count, g.num_layers, g.kv_parts, t, h)
-        src = np.ndarray(shape, head, buffer=at, strides=(*outer, *src_steps))
-        dst = np.ndarray(shape, head, buffer=at, strides=(*outer, *dst_steps))
-        dst[...] = src.copy()
+        for a in range(lo, hi, per):
+            first, count = int(blocks[a]), min(per, hi - a)
+            at = buf[first * g.block_stride :]
+            shape = (count, g.num_layers, g.kv_parts, t, h)
+            src = np.ndarray(shape, head, buffer=at, strides=(*outer, *src_steps))
+            dst = np.ndarray(shape, head, buffer=at, strides=(*outer, *dst_steps))
+            dst[...] = src.copy()
 
 
 def align_tokens(

@@ -217,3 +217,29 @@ def test_whole_heads_and_equal_layouts_cost_what_whole_chunks_cost() -> None:
     rp = plan_request(pv, blocks, dv, blocks, local_is_p=True)
     # the same slice in NHD: one descriptor per token of each (layer, part, block)
     assert [p.descriptors for p in rp.plans] == [2 * 2 * 4 * 16] * 4
+
+
+def test_an_in_place_permute_taken_in_pieces_equals_one_taken_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`permute_chunks` copies a long run of consecutive blocks at most PERMUTE_RUN_BYTES
+    at a time: pieces of one block, of three, and the whole run give the same bytes."""
+    import kvd.core.planner as planner
+
+    spec = spec_of(4, head_size=8)
+    side = Side(1, 8, "NHD", num_blocks=24)
+    (view,), (buf,) = regions(spec, side, 1 << 20)
+    rng = np.random.default_rng(7)
+    buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    blocks = np.array([3, 4, 5, 6, 7, 8, 9, 15, 16, 2], dtype=np.int64)
+    head_bytes = spec.head_size * 2
+    job = planner.Permute(0, blocks, "NHD", side.tokens, spec.num_kv_heads, head_bytes)
+    block_bytes = spec.num_layers * 2 * side.tokens * spec.num_kv_heads * head_bytes
+    outs = []
+    for run in (block_bytes, 3 * block_bytes, 1 << 30):
+        monkeypatch.setattr(planner, "PERMUTE_RUN_BYTES", run)
+        got = buf.copy()
+        planner.permute_chunks(got, view.geometry, job)
+        outs.append(got)
+    assert not np.array_equal(outs[2], buf)
+    assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[2])
