@@ -29,6 +29,8 @@ from kvd.core.planner import Int64Array, Plan
 MIN_ROW: Final = 16
 """A gather whose pieces share no larger unit than this is not made (rows too many: a
 head of 8 bf16 elements is 16 bytes, of 128 elements 256)."""
+GATHER_PIECE_BYTES: Final = 1 << 20
+"""The gather copies at most this many bytes per numpy call (its temporary stays small)."""
 MIN_SAVED: Final = 64
 """Stage only when it saves at least this many descriptors..."""
 MIN_FACTOR: Final = 4
@@ -150,10 +152,12 @@ def gather(
     (`sources[c.src]`, each from its region's base). numpy checks every index."""
     item = np.dtype((np.void, g.row))
     out = slot[: g.nbytes].view(item)
+    step = max(1, GATHER_PIECE_BYTES // g.row)  # a small temporary, in cache
     for c in g.copies:
         src = sources[c.src]
         rows = src[: (src.shape[0] // g.row) * g.row].view(item)
-        out[c.dst_rows] = rows[c.src_rows]
+        for i in range(0, c.src_rows.shape[0], step):
+            out[c.dst_rows[i : i + step]] = rows[c.src_rows[i : i + step]]
 
 
 def _ro(a: npt.NDArray[np.int64]) -> Int64Array:

@@ -5,10 +5,12 @@ only where it saves many descriptors."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from integration.kvref import Side, fill, request_kv, spec_of
 
+import kvd.core.gather as gather_mod
 from kvd.core.gather import MIN_FACTOR, gather, plan_gather
 from kvd.core.planner import plan_request
 
@@ -77,7 +79,12 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
     return True
 
 
-def test_head_slices_both_ways_and_token_runs_are_gathered_exactly() -> None:
+@pytest.mark.parametrize("piece", [1 << 20, 256])
+def test_head_slices_both_ways_and_token_runs_are_gathered_exactly(
+    piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Also copied in small pieces (`GATHER_PIECE_BYTES`: a few rows per numpy call)."""
+    monkeypatch.setattr(gather_mod, "GATHER_PIECE_BYTES", piece)
     for p_tp, d_tp, lay in ((4, 8, "HND"), (8, 4, "HND"), (4, 8, "NHD"), (2, 8, "NHD")):
         ps = Side(tp=p_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
         ds = Side(tp=d_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
