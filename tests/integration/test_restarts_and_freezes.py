@@ -694,6 +694,11 @@ while True:
 """
 
 
+# Alone, after the parallel part: beside another test file, or with three CPU burners,
+# a few pushes registered just before the last freeze were not ended within the 20 s
+# settle (2 of ~14 loaded runs, 1 of 6 parallel suites; 0 of 40+ unloaded runs); not
+# explained yet. The failure prints what both daemons still hold.
+@pytest.mark.serial
 def test_p_engine_frozen_past_its_client_timeout(
     daemons: StartDaemon, engines: list[Engine]
 ) -> None:
@@ -796,6 +801,10 @@ def test_p_engine_frozen_past_its_client_timeout(
         assert wrong == [], f"{len(wrong)} D requests done with bytes P got back: {wrong[:5]}"
         assert strays == [], strays[:5]
         missing = [r for r in reqs if r not in d_end]
+        if missing:  # what both daemons still hold, for the failure's message
+            with KvdClient(pd.socket, role="cli", keepalive_interval=0) as pc:
+                print("P", pc.status("drain"), pc.status()["counters"])
+            print("D", d.client.status("transfers")["receiving"], d.client.status()["counters"])
         assert missing == [], (len(missing), missing[:5])
         # the daemon ended the frozen engine's session; the engine learned it on resume
         # and opened a new one (requests in flight then may have ended either way)
