@@ -11,6 +11,7 @@ request ends exactly once on each side, within a bound.
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import secrets
@@ -823,3 +824,7 @@ def test_p_engine_frozen_past_its_client_timeout(
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
+        # the killed engine's KV segment (this test's daemons do not reap): remove it
+        for name in os.listdir("/dev/shm"):
+            if f"-p{proc.pid}-" in name:
+                os.unlink(os.path.join("/dev/shm", name))
