@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from integration.kvref import Side, fill, request_kv, spec_of
+from integration.kvref import Side, spec_of
 
 import kvd.core.gather as gather_mod
 from kvd.core.gather import MIN_FACTOR, gather, plan_gather
 from kvd.core.planner import plan_request
 
-from .test_topology import SIDES, apply, regions
+from .test_topology import SIDES, apply, regions, request_case
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -43,15 +43,7 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
     n = -(-ntok // ds.tokens)
     if m > ps.num_blocks or n > ds.num_blocks:
         return False
-    p_views, p_bufs = regions(spec, ps, 1 << 20)
-    d_views, d_bufs = regions(spec, ds, 1 << 30)
-    kv = request_kv(spec, m * ps.tokens, rng)
-    pb = [int(b) for b in rng.permutation(ps.num_blocks)[:m]]
-    db = [int(b) for b in rng.permutation(ds.num_blocks)[:n]]
-    for r in range(ps.tp):
-        fill(p_bufs[r], p_views[r].layout, spec, ps.tp, r, pb, kv)  # type: ignore[arg-type]
-    for buf in d_bufs:
-        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    p_views, p_bufs, d_views, d_bufs, _, pb, db = request_case(spec, ps, ds, m, n, rng)
     direct = [b.copy() for b in d_bufs]
     staged_d = [b.copy() for b in d_bufs]
     rp = plan_request(p_views, pb, d_views, db, local_is_p=True)

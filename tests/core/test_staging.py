@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from integration.kvref import Side, expected, fill, request_kv, spec_of
+from integration.kvref import Side, expected, spec_of
 from kvd_client.errors import KvdError
 
 from kvd.core.planner import permute_chunks, plan_request
 from kvd.core.staging import ALIGN, StagingPool, plan_staged, scatter
 
-from .test_topology import apply, regions
+from .test_topology import apply, regions, request_case
 
 SIDES = st.builds(
     Side,
@@ -58,15 +58,7 @@ def test_staged_pull_matches_the_reference(
     n = -(-ntok // ds.tokens) - hit_d
     if n <= 0 or m > ps.num_blocks or n > ds.num_blocks:
         return
-    p_views, p_bufs = regions(spec, ps, 1 << 20)
-    d_views, d_bufs = regions(spec, ds, 1 << 30)
-    kv = request_kv(spec, m * ps.tokens, rng)
-    pb = [int(b) for b in rng.permutation(ps.num_blocks)[:m]]
-    db = [int(b) for b in rng.permutation(ds.num_blocks)[:n]]
-    for r in range(ps.tp):
-        fill(p_bufs[r], p_views[r].layout, spec, ps.tp, r, pb, kv)  # type: ignore[arg-type]
-    for buf in d_bufs:
-        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    p_views, p_bufs, d_views, d_bufs, kv, pb, db = request_case(spec, ps, ds, m, n, rng)
     before = [b.copy() for b in d_bufs]
     rp = plan_request(p_views, pb, d_views, db, local_is_p=False)
     staged = plan_staged(p_views, pb, d_views, db, rp.pairs, rp, always=always)

@@ -7,6 +7,7 @@ bytes, as NIXL would."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,6 +49,23 @@ def regions(spec: KvSpec, side: Side, base: int) -> tuple[list[View], list[np.nd
         bufs.append(np.zeros(n, dtype=np.uint8))
         base += n + 4096
     return views, bufs
+
+
+def request_case(
+    spec: KvSpec, ps: Side, ds: Side, m: int, n: int, rng: np.random.Generator
+) -> tuple[list[View], list[np.ndarray], list[View], list[np.ndarray], Any, list[int], list[int]]:
+    """P's and D's regions for one request of `m` P blocks onto `n` D blocks, drawn at
+    random: P's filled from the request's KV (returned), D's with noise."""
+    p_views, p_bufs = regions(spec, ps, 1 << 20)
+    d_views, d_bufs = regions(spec, ds, 1 << 30)
+    kv = request_kv(spec, m * ps.tokens, rng)
+    pb = [int(b) for b in rng.permutation(ps.num_blocks)[:m]]
+    db = [int(b) for b in rng.permutation(ds.num_blocks)[:n]]
+    for r in range(ps.tp):
+        fill(p_bufs[r], p_views[r].layout, spec, ps.tp, r, pb, kv)  # type: ignore[arg-type]
+    for buf in d_bufs:
+        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    return p_views, p_bufs, d_views, d_bufs, kv, pb, db
 
 
 def apply(
@@ -94,15 +112,7 @@ def test_any_p_onto_any_d_matches_the_reference(
     n = -(-ntok // ds.tokens) - hit_d
     if n <= 0 or m > ps.num_blocks or n > ds.num_blocks:
         return
-    p_views, p_bufs = regions(spec, ps, 1 << 20)
-    d_views, d_bufs = regions(spec, ds, 1 << 30)
-    kv = request_kv(spec, m * ps.tokens, rng)
-    pb = [int(b) for b in rng.permutation(ps.num_blocks)[:m]]
-    db = [int(b) for b in rng.permutation(ds.num_blocks)[:n]]
-    for r in range(ps.tp):
-        fill(p_bufs[r], p_views[r].layout, spec, ps.tp, r, pb, kv)  # type: ignore[arg-type]
-    for buf in d_bufs:
-        buf[:] = rng.integers(0, 256, buf.size, dtype=np.uint8)
+    p_views, p_bufs, d_views, d_bufs, kv, pb, db = request_case(spec, ps, ds, m, n, rng)
     before = [b.copy() for b in d_bufs]
     rp = plan_request(p_views, pb, d_views, db, local_is_p=local_is_p)
     for pair, plan in zip(rp.pairs, rp.plans, strict=True):
