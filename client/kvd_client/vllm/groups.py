@@ -33,7 +33,14 @@ from vllm.v1.kv_cache_interface import (
 
 from kvd_client import layout as kvlayout
 from kvd_client import wire
-from kvd_client.vllm.staging import HostStaging, ModelKv, describe, staged_format
+from kvd_client.vllm.staging import (
+    HostStaging,
+    ModelKv,
+    describe,
+    host_register,
+    host_unregister,
+    staged_format,
+)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -197,13 +204,23 @@ class HybridStaging:
             self._formats.append(fmt_layout)
         self.layout, self.kv_groups, self.nbytes = kvlayout.hybrid_region(self.parts)
         self._staging: list[HostStaging] = []
+        self._pinned: torch.Tensor | None = None
+        """The whole region's buffer, page-locked (GPU KV tensors only)."""
 
     def attach(self, buf: memoryview) -> None:
-        """Start staging into the region's buffer (of `self.nbytes` bytes)."""
+        """Start staging into the region's buffer (of `self.nbytes` bytes), page-locked
+        once as a whole when the KV tensors are on a GPU (its groups' parts may share a
+        page: CUDA refuses to lock a page twice)."""
+        cuda = any(lay.blocks.device.type == "cuda" for layers in self._layers for lay in layers)
+        if cuda:
+            whole = torch.frombuffer(buf, dtype=torch.uint8, count=self.nbytes)
+            self._pinned = whole if host_register(whole) else None
         for g, layers, fmt in zip(self.kv_groups, self._layers, self._formats, strict=True):
             size = kvlayout.region_bytes(g.layout)
+            part = buf[g.offset : g.offset + size]
+            pinned = self._pinned is not None if cuda else None
             self._staging.append(
-                HostStaging(layers, self.groups.num_blocks, buf[g.offset : g.offset + size], fmt)
+                HostStaging(layers, self.groups.num_blocks, part, fmt, pinned=pinned)
             )
 
     def _split(self, ids: Sequence[int]) -> list[list[int]]:
@@ -228,3 +245,6 @@ class HybridStaging:
         for staging in self._staging:
             staging.close()
         self._staging = []
+        if self._pinned is not None:
+            host_unregister(self._pinned)
+            self._pinned = None

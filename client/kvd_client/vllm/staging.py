@@ -17,9 +17,13 @@ so a run of consecutive block ids is one contiguous range (one NIXL descriptor).
 uniform per-layer size it is described to the daemon as `num_layers` chunks per block,
 otherwise as one chunk per block.
 
-Copies are synchronous. With KV tensors on a GPU they are device<->host copies through
-the same code (`.cpu()` / `.to(device)` and `index_copy_`); that path is written to work
-but is untested here (the machines that run these tests have no GPU).
+Copies are synchronous: `save` returns once the bytes are in staging, `load` once they are
+in the KV tensors. With KV tensors on a GPU the staging buffer is page-locked
+(`cudaHostRegister`) and a copy moves at most `DEVICE_CHUNK_BYTES` of blocks at a time:
+the blocks' bytes are assembled on the GPU in staging order (gather, K/V split and token
+layout in device memory), then cross PCIe in one DMA per run of consecutive staged block
+ids (straight into the staging rows), or, when the runs are short or only some layers
+move, through a page-locked bounce buffer and one host copy.
 """
 
 from __future__ import annotations
@@ -28,11 +32,49 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import Any, Final
 
 import torch
 
 from kvd_client import layout as kvlayout
 from kvd_client import wire
+
+DEVICE_CHUNK_BYTES: Final = 32 << 20
+"""A device copy assembles at most this many bytes of blocks in GPU memory at a time (vLLM
+leaves little GPU memory free: a request's whole KV is never duplicated there)."""
+
+DIRECT_RUN_BYTES: Final = 1 << 20
+"""A device copy DMAs straight into (or out of) the staging rows when its runs of
+consecutive block ids average at least this many bytes; shorter runs go through the
+bounce buffer (one DMA, then a host gather or scatter)."""
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ascending ids: (position in `block_ids`, first id, end)."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(block_ids):
+        if runs and runs[-1][2] == b:
+            start, lo, _ = runs[-1]
+            runs[-1] = (start, lo, b + 1)
+        else:
+            runs.append((pos, b, b + 1))
+    return runs
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def host_register(t: torch.Tensor) -> bool:
+    """Page-lock a host tensor's memory for the GPU's DMA engines (`cudaHostRegister`).
+    False when CUDA refuses (a memlock limit, say): copies then still work, staged by the
+    driver, only slower."""
+    err = _cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return int(err) == 0
+
+
+def host_unregister(t: torch.Tensor) -> None:
+    _cudart().cudaHostUnregister(t.data_ptr())
 
 
 @dataclass(frozen=True)
@@ -120,6 +162,9 @@ class HostStaging:
         num_blocks: int,
         buf: memoryview,
         kv_layout: str | None = None,
+        *,
+        device_path: bool | None = None,
+        pinned: bool | None = None,
     ) -> None:
         self.layers = layers
         self.num_blocks = num_blocks
@@ -130,6 +175,21 @@ class HostStaging:
             raise ValueError(f"staging buffer of {len(buf)} bytes is smaller than {need}")
         flat = torch.frombuffer(buf, dtype=torch.uint8, count=need)
         self._stage: torch.Tensor | None = flat.view(num_blocks, self.block_bytes)
+        devices = {lay.blocks.device for lay in layers}
+        if len(devices) != 1:
+            raise ValueError(
+                f"a rank's KV tensors are on several devices: {sorted(map(str, devices))}"
+            )
+        self.device = devices.pop()
+        self.chunked = device_path if device_path is not None else self.device.type == "cuda"
+        """Copy through the chunked device path (always with CUDA tensors; `device_path`
+        forces it for host tensors, to test its bookkeeping without a GPU)."""
+        self._owns_pin = pinned is None and self.device.type == "cuda"
+        self.pinned = host_register(self.stage) if self._owns_pin else bool(pinned)
+        """The staging buffer is page-locked (here, or by the caller when `pinned` is
+        given): DMAs go straight to or from its rows."""
+        self._owns_pin = self._owns_pin and self.pinned
+        self._bounce: torch.Tensor | None = None
 
     @staticmethod
     def region_layout(
@@ -193,6 +253,11 @@ class HostStaging:
         if not block_ids:
             return
         idx = self._index(block_ids)
+        if self.chunked:
+            self._save_chunked(
+                list(block_ids), list(range(len(self.layers))) if layers is None else list(layers)
+            )
+            return
         n = idx.numel()
         stage = self.stage
         for i in range(len(self.layers)) if layers is None else layers:
@@ -206,11 +271,95 @@ class HostStaging:
         if not block_ids:
             return
         idx = self._index(block_ids)
+        if self.chunked:
+            self._load_chunked(list(block_ids))
+            return
         stage = self.stage
         for lay in self.layers:
             raw = stage[idx, lay.offset : lay.offset + lay.nbytes]
             vals = self._from_chunks(raw.view(lay.dtype), lay).to(lay.blocks.device)
             lay.blocks.index_copy_(0, idx.to(lay.blocks.device), vals)
+
+    def _sync(self) -> None:
+        """Wait for this device's copies queued so far (the current stream: the one the
+        model's kernels wrote or will read the KV tensors on)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _bounce_rows(self, rows: int, width: int) -> torch.Tensor:
+        """A [rows, width] view of the reused bounce buffer (page-locked with CUDA)."""
+        need = rows * width
+        if self._bounce is None or self._bounce.numel() < need:
+            self._bounce = None
+            self._bounce = torch.empty(
+                need, dtype=torch.uint8, pin_memory=self.device.type == "cuda"
+            )
+        return self._bounce[:need].view(rows, width)
+
+    def _chunks(self, block_ids: list[int], width: int) -> list[list[int]]:
+        per = max(1, DEVICE_CHUNK_BYTES // width)
+        return [block_ids[i : i + per] for i in range(0, len(block_ids), per)]
+
+    def _direct(self, ids: list[int], runs: list[tuple[int, int, int]], width: int) -> bool:
+        return (self.pinned or self.device.type != "cuda") and len(
+            ids
+        ) * width >= DIRECT_RUN_BYTES * len(runs)
+
+    def _save_chunked(self, block_ids: list[int], sel: list[int]) -> None:
+        stage = self.stage
+        width = sum(self.layers[i].nbytes for i in sel)
+        whole = sel == list(range(len(self.layers)))
+        for ids in self._chunks(block_ids, width):
+            m = len(ids)
+            idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
+            parts = [
+                self._to_chunks(self.layers[i].blocks.index_select(0, idx_dev))
+                .reshape(m, -1)
+                .view(torch.uint8)
+                for i in sel
+            ]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            runs = block_runs(ids)
+            if whole and self._direct(ids, runs, width):
+                for pos, lo, hi in runs:
+                    stage[lo:hi].copy_(rows[pos : pos + hi - lo], non_blocking=True)
+                self._sync()
+                continue
+            bounce = self._bounce_rows(m, width)
+            bounce.copy_(rows, non_blocking=True)
+            self._sync()
+            idx = torch.tensor(ids, dtype=torch.long)
+            if whole:
+                stage[idx] = bounce
+                continue
+            col = 0
+            for i in sel:
+                lay = self.layers[i]
+                stage[idx, lay.offset : lay.offset + lay.nbytes] = bounce[:, col : col + lay.nbytes]
+                col += lay.nbytes
+
+    def _load_chunked(self, block_ids: list[int]) -> None:
+        stage = self.stage
+        width = self.block_bytes
+        for ids in self._chunks(block_ids, width):
+            m = len(ids)
+            runs = block_runs(ids)
+            rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
+            if self._direct(ids, runs, width):
+                for pos, lo, hi in runs:
+                    rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
+            else:
+                bounce = self._bounce_rows(m, width)
+                torch.index_select(stage, 0, torch.tensor(ids, dtype=torch.long), out=bounce)
+                rows.copy_(bounce, non_blocking=True)
+            idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
+            for lay in self.layers:
+                raw = rows[:, lay.offset : lay.offset + lay.nbytes]
+                if lay.nbytes != width:
+                    raw = raw.contiguous()
+                vals = self._from_chunks(raw.view(lay.dtype), lay)
+                lay.blocks.index_copy_(0, idx_dev, vals)
+            self._sync()  # staging and the bounce are reused as soon as this returns
 
     def _to_chunks(self, blocks: torch.Tensor) -> torch.Tensor:
         """[n, H, T, 2D] blocks -> [n, 2, T, H, D] (NHD) or [n, 2, H, T, D] (HND)."""
@@ -235,7 +384,13 @@ class HostStaging:
 
     def close(self) -> None:
         """Drop the tensor over the buffer (the region cannot be unmapped while it exists)."""
+        if self._stage is not None and self.device.type == "cuda":
+            self._sync()
+        if self._stage is not None and self._owns_pin:
+            host_unregister(self._stage)
+            self._owns_pin = self.pinned = False
         self._stage = None
+        self._bounce = None
 
 
 @dataclass(frozen=True)
