@@ -18,10 +18,13 @@ process, a P daemon, a D daemon and a raw-NIXL helper) and reports medians and r
 7. `tiers`: KV tiers in a daemon of their own: a 1,000-key lookup batch at 1k and 100k
    blocks held, a 64 MiB request stored and loaded through the host tier (vs memcpy),
    and loaded from the disk tier (vs buffered reads of the same files).
+8. `gpu` (only where torch sees a CUDA GPU; skipped, saying why, elsewhere): device<->host
+   copies (pageable, page-locked), host staging of GPU KV tensors (chunked vs plain path),
+   and a kvd push into a GPU region (CUDA IPC), in absolute GB/s.
 
 Targets are reported met or missed; nothing here asserts a timing. The entry point is
 `kvd.bench.runner.run_bench`; this package imports nothing itself, so that the raw-NIXL
 helper process (`python -m kvd.bench.raw`) starts light.
 """
 
-SCENARIOS = ("dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers")
+SCENARIOS = ("dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers", "gpu")

@@ -167,6 +167,8 @@ def targets(sc: dict[str, Any]) -> list[dict[str, Any]]:
     topo = sc.get("topology")
     if topo:
         out.extend(topology_targets(topo))
+    if sc.get("gpu"):
+        out.extend(gpu_targets(sc["gpu"]))
     return out
 
 
@@ -178,7 +180,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
     m = res["machine"]
     console.print(
         f"\n[bold]kvd bench[/bold]{' --quick' if res['quick'] else ''}: {m['cpus']} cores, "
-        f"{m['mem_gib']} GiB, {m['cpu_model'] or 'unknown CPU'}, no GPU; {m['transport']}; "
+        f"{m['mem_gib']} GiB, {m['cpu_model'] or 'unknown CPU'}, {m['gpu'] or 'no GPU'}; "
+        f"{m['transport']}; "
         f"{res.get('seconds', 0)} s"
     )
     sc = res["scenarios"]
@@ -204,7 +207,74 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(layerwise_table(sc["layerwise"]))
     if "tiers" in sc:
         console.print(tiers_table(sc["tiers"]))
+    if "gpu" in sc:
+        console.print(gpu_table(sc["gpu"]))
     console.print(targets_table(res["targets"]))
+
+
+STAGING_GOAL = 0.8
+"""Host staging of GPU KV moves a request at >= this fraction of a page-locked
+device<->host copy of the same bytes."""
+
+
+def gpu_targets(g: dict[str, Any]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    st = g.get("staging")
+    if not st:
+        return out
+    for op, key in (("save", "save_vs_pinned_d2h"), ("load", "load_vs_pinned_h2d")):
+        for alloc in ("contiguous", "fragmented"):
+            v = float(st[f"{key}_{alloc}"])
+            out.append(
+                {
+                    "target": f"GPU staging {op} vs page-locked copy",
+                    "goal": f">= {STAGING_GOAL}x",
+                    "value": v,
+                    "unit": "x",
+                    "met": v >= STAGING_GOAL,
+                    "case": alloc,
+                }
+            )
+    return out
+
+
+def gpu_table(g: dict[str, Any]) -> Table:
+    t = Table(title=f"8. GPU paths ({g.get('device', 'none')})")
+    t.add_column("what")
+    t.add_column("GB/s", justify="right")
+    t.add_column("note")
+    if "skipped" in g:
+        t.add_row("skipped", "", str(g["skipped"]))
+        return t
+    raw = g["raw"]
+    mib = raw["bytes"] >> 20
+    for d in ("d2h", "h2d"):
+        for host in ("pageable", "pinned"):
+            t.add_row(
+                f"raw {d.upper()} ({host})", f"{raw[f'{d}_{host}_gbps']}", f"{mib} MiB, torch"
+            )
+    t.add_row("raw D2D", f"{raw['d2d_gbps']}", "bytes read + written")
+    st = g["staging"]
+    smib = st["bytes"] >> 20
+    for op in ("save", "load"):
+        for alloc in ("contiguous", "fragmented"):
+            for path in ("chunked", "plain"):
+                note = f"{smib} MiB, {st['blocks']} blocks"
+                if path == "chunked":
+                    note += f", page-locked staging: {st['pinned']}"
+                t.add_row(
+                    f"staging {op} {alloc} ({path})", f"{st[f'{op}_{path}_{alloc}_gbps']}", note
+                )
+    pv = g["push_to_vram"]
+    if "error" in pv:
+        t.add_row("kvd push into VRAM", "failed", pv["error"])
+    else:
+        t.add_row(
+            "kvd push into VRAM",
+            f"{pv['gbps']}",
+            f"{pv['bytes'] >> 20} MiB in {pv['ms']} ms, P's host region -> D's GPU over NIXL",
+        )
+    return t
 
 
 HETERO_TP_GOAL = 0.9

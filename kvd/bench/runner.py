@@ -20,6 +20,7 @@ from kvd.bench import (
     control,
     dataplane,
     ec,
+    gpu,
     idle,
     layerwise,
     report,
@@ -133,6 +134,7 @@ def run_bench(
     topo_cfg = topology.TopoConfig.quick() if quick else topology.TopoConfig()
     lw_cfg = layerwise.LayerwiseConfig.quick() if quick else layerwise.LayerwiseConfig()
     tr_cfg = tiers.TiersBenchConfig.quick() if quick else tiers.TiersBenchConfig()
+    gpu_cfg = gpu.GpuConfig.quick() if quick else gpu.GpuConfig()
     steps = {
         "dataplane": len(dataplane.LAYOUTS) * len(dataplane.ALLOCATIONS) * (dp_cfg.reps + 1),
         "control": control.steps(ctl_cfg),
@@ -141,6 +143,7 @@ def run_bench(
         "topology": topology.steps(topo_cfg),
         "layerwise": layerwise.steps(lw_cfg),
         "tiers": tiers.steps(tr_cfg),
+        "gpu": gpu.steps(gpu_cfg),
     }
     t_start = time.perf_counter()
     with Progress(
@@ -204,6 +207,9 @@ def run_bench(
                     )
                 if "tiers" in chosen:
                     results["scenarios"]["tiers"] = tiers.run(env, tr_cfg, seed, progress)
+                if "gpu" in chosen:
+                    results["scenarios"]["gpu"] = gpu.run(env, gpu_cfg, seed, progress)
+                    results["machine"]["gpu"] = results["scenarios"]["gpu"].get("device", False)
             finally:
                 topo.close()
                 dataplane.teardown(pairs)
