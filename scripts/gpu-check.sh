@@ -27,19 +27,22 @@ try:
 except Exception as exc:
     print("nixl plugins: ?", exc)
 # A refused cudaHostRegister (the same pages twice) must not poison later CUDA work.
-t = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=False)
-rt = torch.cuda.cudart()
-print("register:", rt.cudaHostRegister(t.data_ptr(), t.numel(), 0),
-      "again:", rt.cudaHostRegister(t.data_ptr(), t.numel(), 0))
+from kvd_client.vllm.staging import host_register, host_unregister
+t = torch.empty(1 << 20, dtype=torch.uint8)
+print("register:", host_register(t), "again (refused):", host_register(t))
 x = torch.ones(1 << 20, device="cuda") * 2
 torch.cuda.synchronize()
 print("a kernel after the refusal ran:", float(x.sum()))
-rt.cudaHostUnregister(t.data_ptr())
+host_unregister(t)
 PY
 echo "== GPU tests"
 timeout 300 python3 -m pytest -p no:cacheprovider -q -rs \
     tests/client tests/integration/test_cuda_ipc.py tests/integration/test_gds.py \
     2>&1 | tee "$out/gpu-tests.txt" | tail -25
+echo "== GDS with cuFile's compatibility mode allowed"
+printf '{"properties": {"allow_compat_mode": true}}\n' > /tmp/kvd-cufile.json
+CUFILE_ENV_PATH_JSON=/tmp/kvd-cufile.json timeout 120 python3 -m pytest -p no:cacheprovider \
+    -q -rs tests/integration/test_gds.py 2>&1 | tail -4
 echo "== kvd bench --only gpu"
 timeout 300 python3 -m kvd bench --only gpu --json "$out/bench-gpu.json" 2>&1 \
     | tee "$out/bench-gpu.txt" | grep -v "━━" | tail -40

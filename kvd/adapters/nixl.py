@@ -313,6 +313,7 @@ class NixlEngine:
             half = f"{max(1, int(self._settle / 2))}s"
             os.environ.setdefault("UCX_TCP_KEEPIDLE", half)
             os.environ.setdefault("UCX_TCP_KEEPINTVL", half)
+        _load_cuda_runtime()
         api = nixl_api()
         nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
 
@@ -1082,6 +1083,23 @@ def _gpu_visible() -> bool:
     import glob
 
     return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def _load_cuda_runtime() -> None:
+    """With a GPU, load the CUDA runtime libraries before UCX starts: UCX opens its CUDA
+    transports when the agent's backend is created, and without libcudart in the process
+    (pip-installed CUDA lives outside the loader's path) it starts without them, and every
+    VRAM registration then fails (NIXL_ERR_BACKEND, seen on an H100). Importing torch
+    loads them (it creates no CUDA context); without torch the system's CUDA must be on
+    the loader's path."""
+    if not _gpu_visible():
+        return
+    try:
+        import torch
+    except ImportError:
+        log.info("cuda_runtime_not_preloaded", reason="torch is not installed")
+        return
+    log.info("cuda_runtime_loaded", cuda=str(getattr(torch.version, "cuda", None)))
 
 
 def _noop() -> None:

@@ -142,7 +142,7 @@ def staging(cfg: GpuConfig, seed: int) -> dict[str, Any]:
     regions = [SharedRegion(staging_name("bench-gpu"), nb * width) for _ in range(2)]
     out: dict[str, Any] = {"bytes": nbytes, "blocks": cfg.blocks, "block_bytes": width}
     stages: list[HostStaging] = []
-    a = b = np.zeros(0, dtype=np.uint8)
+    a = b = np.zeros((0, 0), dtype=np.uint8)
     try:
         for r in regions:
             np.frombuffer(r.buf, dtype=np.uint8)[:] = 0  # fault the pages in

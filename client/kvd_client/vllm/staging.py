@@ -70,7 +70,24 @@ def host_register(t: torch.Tensor) -> bool:
     False when CUDA refuses (a memlock limit, say): copies then still work, staged by the
     driver, only slower."""
     err = _cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    return int(err) == 0
+    if int(err) == 0:
+        return True
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Read off CUDA's last error: a refused `cudaHostRegister` leaves it set, and the next
+    kernel launch would raise it (seen on an H100 with torch 2.11)."""
+    import ctypes
+
+    major = (torch.version.cuda or "").split(".")[0]
+    for name in (f"libcudart.so.{major}", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def host_unregister(t: torch.Tensor) -> None:
@@ -305,6 +322,24 @@ class HostStaging:
             ids
         ) * width >= DIRECT_RUN_BYTES * len(runs)
 
+    def _chunk_view(self, blocks: torch.Tensor) -> torch.Tensor:
+        """A view of [n, H, T, 2D] blocks as their staged chunks: [n, 2, T, H, D] (NHD) or
+        [n, 2, H, T, D] (HND); the blocks themselves for an opaque region. Gathering from
+        it (`index_select`) permutes in the same pass; `index_copy_` into it writes the KV
+        tensor in place."""
+        if self.kv_layout is None:
+            return blocks
+        n, h, t, d2 = blocks.shape
+        kv = blocks.view(n, h, t, 2, d2 // 2)
+        return kv.permute(0, 3, 2, 1, 4) if self.kv_layout == "NHD" else kv.permute(0, 3, 1, 2, 4)
+
+    def _row_view(self, rows: torch.Tensor, col: int, lay: LayerBlocks) -> torch.Tensor:
+        """Columns [col, col + lay.nbytes) of [m, width] uint8 rows as m staged blocks of
+        this layer (the shape `_chunk_view` gives)."""
+        part = rows[:, col : col + lay.nbytes].view(lay.dtype)
+        shape = self._chunk_view(lay.blocks[:1]).shape[1:]
+        return part.view(rows.shape[0], *shape)
+
     def _save_chunked(self, block_ids: list[int], sel: list[int]) -> None:
         stage = self.stage
         width = sum(self.layers[i].nbytes for i in sel)
@@ -313,7 +348,8 @@ class HostStaging:
             m = len(ids)
             idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
             parts = [
-                self._to_chunks(self.layers[i].blocks.index_select(0, idx_dev))
+                self._chunk_view(self.layers[i].blocks)
+                .index_select(0, idx_dev)
                 .reshape(m, -1)
                 .view(torch.uint8)
                 for i in sel
@@ -321,9 +357,10 @@ class HostStaging:
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             runs = block_runs(ids)
             if whole and self._direct(ids, runs, width):
+                # queued behind the gathers, on the stream: the next chunk's gathers
+                # overlap these DMAs; the stream is synchronized once, at the end
                 for pos, lo, hi in runs:
                     stage[lo:hi].copy_(rows[pos : pos + hi - lo], non_blocking=True)
-                self._sync()
                 continue
             bounce = self._bounce_rows(m, width)
             bounce.copy_(rows, non_blocking=True)
@@ -337,6 +374,7 @@ class HostStaging:
                 lay = self.layers[i]
                 stage[idx, lay.offset : lay.offset + lay.nbytes] = bounce[:, col : col + lay.nbytes]
                 col += lay.nbytes
+        self._sync()
 
     def _load_chunked(self, block_ids: list[int]) -> None:
         stage = self.stage
@@ -345,21 +383,21 @@ class HostStaging:
             m = len(ids)
             runs = block_runs(ids)
             rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
-            if self._direct(ids, runs, width):
-                for pos, lo, hi in runs:
-                    rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
-            else:
+            bounced = not self._direct(ids, runs, width)
+            if bounced:
                 bounce = self._bounce_rows(m, width)
                 torch.index_select(stage, 0, torch.tensor(ids, dtype=torch.long), out=bounce)
                 rows.copy_(bounce, non_blocking=True)
+            else:
+                for pos, lo, hi in runs:
+                    rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
             idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
             for lay in self.layers:
-                raw = rows[:, lay.offset : lay.offset + lay.nbytes]
-                if lay.nbytes != width:
-                    raw = raw.contiguous()
-                vals = self._from_chunks(raw.view(lay.dtype), lay)
-                lay.blocks.index_copy_(0, idx_dev, vals)
-            self._sync()  # staging and the bounce are reused as soon as this returns
+                view = self._chunk_view(lay.blocks)
+                view.index_copy_(0, idx_dev, self._row_view(rows, lay.offset, lay))
+            if bounced:
+                self._sync()  # the bounce is refilled by the next chunk
+        self._sync()  # staging is rewritten as soon as this returns
 
     def _to_chunks(self, blocks: torch.Tensor) -> torch.Tensor:
         """[n, H, T, 2D] blocks -> [n, 2, T, H, D] (NHD) or [n, 2, H, T, D] (HND)."""
