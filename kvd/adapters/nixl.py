@@ -224,7 +224,10 @@ class NixlEngine:
         """Also create NIXL's POSIX backend (files: the KV tiers' disk tier)."""
         self.gds = False
         """NIXL's GDS backend was created too (with `file_backend`, where a GPU is
-        visible): `file_transfer` moves VRAM straight to and from files."""
+        visible) and cuFile registers files here: `file_transfer` moves VRAM straight to
+        and from files."""
+        self.gds_problem = ""
+        """Why GDS is not used although its backend was created (cuFile refused a file)."""
         self._backend = backend
         self._err_mode = error_handling_mode
         self._num_threads = num_threads
@@ -330,7 +333,10 @@ class NixlEngine:
             if _gpu_visible() and GDS_BACKEND in agent.get_plugin_list():
                 try:
                     agent.create_backend(GDS_BACKEND, {})
-                    self.gds = True
+                    self.gds_problem = _probe_gds(agent)
+                    self.gds = not self.gds_problem
+                    if self.gds_problem:
+                        log.info("nixl_gds_unusable", error=self.gds_problem)
                 except Exception as exc:  # no cuFile, no driver: host memory only
                     log.info("nixl_gds_unavailable", error=str(translate(exc).message))
         return agent
@@ -709,6 +715,7 @@ class NixlEngine:
         if mem == "VRAM" and not self.gds:
             raise TransferError(
                 "VRAM <-> file needs NIXL's GDS backend (a visible GPU and the GDS plugin)"
+                + (f": {self.gds_problem}" if self.gds_problem else "")
             )
         backend = GDS_BACKEND if mem == "VRAM" else FILE_BACKEND
         fut: asyncio.Future[XferTiming] = loop.create_future()
@@ -1085,6 +1092,26 @@ def _gpu_visible() -> bool:
     return bool(glob.glob("/dev/nvidia[0-9]*"))
 
 
+def _probe_gds(agent: Any) -> str:
+    """'' when the GDS backend registers a file (in the temporary directory); otherwise
+    why not: cuFile refuses every file where it has neither its kernel driver
+    (nvidia-fs) nor its compatibility mode (seen on an H100 VM: cuFileHandleRegister
+    failed, err 5027)."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="kvd-gds-probe-")
+    try:
+        os.ftruncate(fd, 4096)
+        reg = agent.register_memory([(0, 4096, fd, "")], "FILE", backends=[GDS_BACKEND])
+        agent.deregister_memory(reg)
+        return ""
+    except Exception as exc:
+        return f"cuFile cannot register a file in {os.path.dirname(path)}: {translate(exc).message}"
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def _load_cuda_runtime() -> None:
     """With a GPU, load the CUDA runtime libraries before UCX starts: UCX opens its CUDA
     transports when the agent's backend is created, and without libcudart in the process
@@ -1094,6 +1121,10 @@ def _load_cuda_runtime() -> None:
     the loader's path."""
     if not _gpu_visible():
         return
+    # UCX's memory-type cache knows only the GPU allocations made after UCX loaded: it
+    # takes a worker's KV tensor (allocated before, and opened here through CUDA IPC) for
+    # host memory. Without the cache UCX asks the driver for each registration.
+    os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     try:
         import torch
     except ImportError:

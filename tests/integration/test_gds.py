@@ -84,7 +84,10 @@ async def test_vram_file_round_trip_with_gds(tmp_path: Path) -> None:
     try:
         async with engine("kvdt-gds-vram") as eng:
             if not eng.gds:
-                pytest.skip("a GPU is visible but NIXL's GDS backend could not be created")
+                pytest.skip(
+                    "a GPU is visible but GDS is unusable here: "
+                    + (eng.gds_problem or "NIXL's GDS backend could not be created")
+                )
             regs = [await eng.register(t.data_ptr(), NBYTES, "VRAM", dev) for t in (src, dst)]
             try:
                 await eng.file_transfer("WRITE", [(src.data_ptr(), NBYTES, fd)], 30.0, "VRAM", dev)
