@@ -39,15 +39,6 @@ echo "== GPU tests"
 timeout 300 python3 -m pytest -p no:cacheprovider -q -rs \
     tests/client tests/integration/test_cuda_ipc.py tests/integration/test_gds.py \
     2>&1 | tee "$out/gpu-tests.txt" | tail -25
-if [ -f .probe/gpu_probe.py ]; then
-    echo "== VRAM registration probe"; timeout 120 python3 .probe/gpu_probe.py 2>&1 | grep -v "^$" | tail -60
-    echo "== D daemon log of the CUDA IPC test"
-    grep -h -i "error\|fail\|cuda\|vram" /tmp/pytest-of-*/pytest-*/*/kvd-d*.log 2>/dev/null | cut -c1-400 | tail -20
-fi
-echo "== GDS with cuFile's compatibility mode allowed"
-printf '{"properties": {"allow_compat_mode": true}}\n' > /tmp/kvd-cufile.json
-CUFILE_ENV_PATH_JSON=/tmp/kvd-cufile.json timeout 120 python3 -m pytest -p no:cacheprovider \
-    -q -rs tests/integration/test_gds.py 2>&1 | tail -4
 echo "== kvd bench --only gpu"
 timeout 300 python3 -m kvd bench --only gpu --json "$out/bench-gpu.json" 2>&1 \
     | tee "$out/bench-gpu.txt" | grep -v "━━" | tail -40
