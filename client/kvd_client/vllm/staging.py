@@ -39,7 +39,7 @@ import torch
 from kvd_client import layout as kvlayout
 from kvd_client import wire
 
-DEVICE_CHUNK_BYTES: Final = 32 << 20
+DEVICE_CHUNK_BYTES: Final = 64 << 20
 """A device copy assembles at most this many bytes of blocks in GPU memory at a time (vLLM
 leaves little GPU memory free: a request's whole KV is never duplicated there)."""
 
@@ -313,9 +313,16 @@ class HostStaging:
             )
         return self._bounce[:need].view(rows, width)
 
-    def _chunks(self, block_ids: list[int], width: int) -> list[list[int]]:
+    def _chunks(self, block_ids: list[int], width: int) -> list[tuple[list[int], torch.Tensor]]:
+        """The ids in pieces of at most DEVICE_CHUNK_BYTES, each with its ids on the device.
+        The ids cross to the device once, from page-locked memory (a copy from pageable
+        memory would wait for every copy queued before it: no chunk would overlap)."""
         per = max(1, DEVICE_CHUNK_BYTES // width)
-        return [block_ids[i : i + per] for i in range(0, len(block_ids), per)]
+        host = torch.tensor(block_ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        return [(block_ids[i : i + per], dev[i : i + per]) for i in range(0, len(block_ids), per)]
 
     def _direct(self, ids: list[int], runs: list[tuple[int, int, int]], width: int) -> bool:
         return (self.pinned or self.device.type != "cuda") and len(
@@ -344,9 +351,8 @@ class HostStaging:
         stage = self.stage
         width = sum(self.layers[i].nbytes for i in sel)
         whole = sel == list(range(len(self.layers)))
-        for ids in self._chunks(block_ids, width):
+        for ids, idx_dev in self._chunks(block_ids, width):
             m = len(ids)
-            idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
             parts = [
                 self._chunk_view(self.layers[i].blocks)
                 .index_select(0, idx_dev)
@@ -379,7 +385,7 @@ class HostStaging:
     def _load_chunked(self, block_ids: list[int]) -> None:
         stage = self.stage
         width = self.block_bytes
-        for ids in self._chunks(block_ids, width):
+        for ids, idx_dev in self._chunks(block_ids, width):
             m = len(ids)
             runs = block_runs(ids)
             rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
@@ -391,7 +397,6 @@ class HostStaging:
             else:
                 for pos, lo, hi in runs:
                     rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
-            idx_dev = torch.tensor(ids, dtype=torch.long, device=self.device)
             for lay in self.layers:
                 view = self._chunk_view(lay.blocks)
                 view.index_copy_(0, idx_dev, self._row_view(rows, lay.offset, lay))
