@@ -29,7 +29,8 @@ move, through a page-locked bounce buffer and one host copy.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Final
@@ -207,6 +208,8 @@ class HostStaging:
         given): DMAs go straight to or from its rows."""
         self._owns_pin = self._owns_pin and self.pinned
         self._bounce: torch.Tensor | None = None
+        self._copies: Any = None
+        """The copy stream (CUDA only, made at the first direct copy)."""
 
     @staticmethod
     def region_layout(
@@ -298,10 +301,44 @@ class HostStaging:
             lay.blocks.index_copy_(0, idx.to(lay.blocks.device), vals)
 
     def _sync(self) -> None:
-        """Wait for this device's copies queued so far (the current stream: the one the
-        model's kernels wrote or will read the KV tensors on)."""
+        """Wait for this device's work queued so far: the current stream (the one the
+        model's kernels wrote or will read the KV tensors on) and the copy stream."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+            if self._copies is not None:
+                self._copies.synchronize()
+
+    def _copy_stream(self) -> Any:
+        """A second CUDA stream for the DMAs (None on the host)."""
+        if self.device.type != "cuda":
+            return None
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        return self._copies
+
+    @staticmethod
+    def _stream(stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+    @contextmanager
+    def _copying(self, rows: torch.Tensor, *, after_compute: bool) -> Iterator[None]:
+        """Queue the copies made inside on the copy stream. `after_compute`: they read
+        `rows` the current stream writes (a save); otherwise they fill `rows` for the
+        current stream to read (a load), which then waits for them."""
+        copies = self._copy_stream()
+        if copies is None:
+            yield
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if after_compute:
+            copies.wait_stream(compute)
+        with torch.cuda.stream(copies):
+            yield
+        if after_compute:
+            rows.record_stream(copies)  # not reused before these DMAs have read it
+        else:
+            compute.wait_stream(copies)
+            rows.record_stream(compute)
 
     def _bounce_rows(self, rows: int, width: int) -> torch.Tensor:
         """A [rows, width] view of the reused bounce buffer (page-locked with CUDA)."""
@@ -363,10 +400,11 @@ class HostStaging:
             rows = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             runs = block_runs(ids)
             if whole and self._direct(ids, runs, width):
-                # queued behind the gathers, on the stream: the next chunk's gathers
-                # overlap these DMAs; the stream is synchronized once, at the end
-                for pos, lo, hi in runs:
-                    stage[lo:hi].copy_(rows[pos : pos + hi - lo], non_blocking=True)
+                # on the copy stream, after this chunk's gathers: the next chunk's gathers
+                # overlap these DMAs; both streams are synchronized once, at the end
+                with self._copying(rows, after_compute=True):
+                    for pos, lo, hi in runs:
+                        stage[lo:hi].copy_(rows[pos : pos + hi - lo], non_blocking=True)
                 continue
             bounce = self._bounce_rows(m, width)
             bounce.copy_(rows, non_blocking=True)
@@ -388,15 +426,18 @@ class HostStaging:
         for ids, idx_dev in self._chunks(block_ids, width):
             m = len(ids)
             runs = block_runs(ids)
-            rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
             bounced = not self._direct(ids, runs, width)
             if bounced:
+                rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
                 bounce = self._bounce_rows(m, width)
                 torch.index_select(stage, 0, torch.tensor(ids, dtype=torch.long), out=bounce)
                 rows.copy_(bounce, non_blocking=True)
-            else:
-                for pos, lo, hi in runs:
-                    rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
+            else:  # on the copy stream: the previous chunk's scatter overlaps these DMAs
+                with self._stream(self._copy_stream()):
+                    rows = torch.empty((m, width), dtype=torch.uint8, device=self.device)
+                with self._copying(rows, after_compute=False):
+                    for pos, lo, hi in runs:
+                        rows[pos : pos + hi - lo].copy_(stage[lo:hi], non_blocking=True)
             for lay in self.layers:
                 view = self._chunk_view(lay.blocks)
                 view.index_copy_(0, idx_dev, self._row_view(rows, lay.offset, lay))
