@@ -842,6 +842,14 @@ class Sender:
         while len(self.ended_sessions) > ENDED_SESSIONS:
             self.ended_sessions.popitem(last=False)
         self.closing.add(ev.session)
+        for req in [r for r in self.reqs.values() if r.state is S.AWAITING]:
+            # D named this session as the one to finish it: it never will now (a finish
+            # still queued in the engine's socket when it froze is refused with the
+            # session), so D is answered now, not at its registration timeout
+            named = req.registration or req.early_pull
+            if named is not None and named.p_session == ev.session:
+                self._count("waits_failed_session_ended")
+                self._fail_waiting(req, _GONE, S.FAILED)
         for req in [r for r in self.reqs.values() if r.session == ev.session]:
             if req.state in (S.HELD, S.MATCHED):
                 self._push_failed(req, _GONE.code, _GONE.reason)

@@ -1070,19 +1070,31 @@ def test_end_session_ends_what_it_owns_once_and_waits_for_writes() -> None:
     matched(tx, "matched", "d-m", 0.0)
     writing(tx, "writing", "d-w", 0.0)
     tx.handle(registered("d-wait", "waiting", p_session="s1"), 0.0)
+    tx.handle(pulled("waiting2", "d-wait2", p_session="s1"), 0.0)
+    tx.handle(registered("d-other", "other", p_session="s2"), 0.0)
+    tx.handle(registered("d-anon", "anon"), 0.0)
     tx.handle(finish("theirs", session="s2"), 0.0)
     tx.moves.clear()
 
     out = tx.handle(EndSession("s1"), 1.0)
-    # the engine is gone: nobody to tell; D's registration is answered
-    assert calm(out) == [("push_done", D1, "d-m", TRANSFER)]
+    # the engine is gone: nobody to tell; D's registration is answered, and so is what
+    # waits for this session to finish it (it never will: a finish still queued in the
+    # frozen engine's socket is refused with the session)
+    assert calm(out) == [
+        ("push_done", D1, "d-wait", TRANSFER),
+        ("pull_ack", D1, "d-wait2", False, TRANSFER),
+        ("push_done", D1, "d-m", TRANSFER),
+    ]
     assert {k: r.state for k, r in tx.reqs.items()} == {
         "writing": S.WRITING,
-        "waiting": S.AWAITING,  # no session owns it until P's engine finishes it
+        "other": S.AWAITING,  # another session's, or nobody's in particular: they wait
+        "anon": S.AWAITING,
         "theirs": S.HELD,
     }
     assert tx.closing == {"s1"}
     assert [(r.key, f, t) for r, f, t in tx.moves] == [
+        ("waiting", S.AWAITING, S.FAILED),
+        ("waiting2", S.AWAITING, S.FAILED),
         ("held", S.HELD, S.ABORTED),
         ("matched", S.MATCHED, S.ABORTED),
     ]
@@ -1100,7 +1112,7 @@ def test_end_session_ends_what_it_owns_once_and_waits_for_writes() -> None:
     assert calm(out) == [("push_done", D1, "d-x", TRANSFER)]
     out = tx.handle(pulled("never2", "d-y", p_session="s1"), 2.0)
     assert calm(out) == [("pull_ack", D1, "d-y", False, TRANSFER)]
-    assert set(tx.reqs) == {"waiting", "theirs"}
+    assert set(tx.reqs) == {"other", "anon", "theirs"}
 
 
 def test_end_session_without_requests_answers_at_once() -> None:
@@ -1970,6 +1982,10 @@ class SenderModel(RuleBasedStateMachine):
         self.closed.add(session)
         self.ended_sessions.add(session)
         self.closing.add(session)
+        for m in [m for m in self.live.values() if m.state is S.AWAITING]:
+            named = m.reg or m.pull  # D named the session that was to finish it
+            if named is not None and named.p_session == session:
+                self._fail_waiting(m, M_GONE, S.FAILED)
         for m in [m for m in self.live.values() if m.session == session]:
             if m.state in (S.HELD, S.MATCHED):
                 self._push_failed(m, TRANSFER)

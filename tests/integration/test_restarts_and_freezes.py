@@ -695,6 +695,66 @@ while True:
 """
 
 
+_FROZEN_CLIENT = """
+import sys, time
+from kvd.demo import make_engine
+eng = make_engine(sys.argv[1], "prefill", num_blocks=64, num_layers=2, chunk_bytes=4096)
+eng.client.keepalive_interval = 0.2
+print(eng.client.session, flush=True)
+time.sleep(600)
+"""
+
+
+def test_push_waiting_for_a_frozen_engines_finish_fails_when_its_session_ends(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D registers a push naming P's engine session before P's engine finished the request;
+    the engine freezes (its finish still in its socket, as under load) past the client
+    timeout. When P's daemon ends the session the push fails at D at once (P's engine
+    can no longer finish it: a finish arriving later is refused with the session), not
+    after the registration timeout (480 s)."""
+    pd = daemons("kvd-p", overrides={"daemon": {"client_timeout": 1.5}})
+    dd = daemons("kvd-d")
+    d = engine(dd, "decode")
+    engines.append(d)
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", _FROZEN_CLIENT, pd.socket], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        session = proc.stdout.readline().strip()
+        assert session, "the engine process printed no session"
+        d.client.register_push(
+            "cmpl-frozen-0-d0000001",
+            [1, 2],
+            HOST,
+            pd.side_port,
+            remote_request_id="cmpl-frozen-0-p0000001",
+            remote_session=session,
+        )
+        d.client.register_push(  # naming no session: waits for a finish (bounded elsewhere)
+            "cmpl-other-0-d0000002", [3], HOST, pd.side_port, remote_request_id="cmpl-other-0-p2"
+        )
+        time.sleep(0.3)  # both registrations reached P and wait there
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        evs = d.client.wait_events(15.0)
+        took = time.monotonic() - t0
+        assert [(type(e).__name__, e.request_id) for e in evs] == [
+            ("RecvFailed", "cmpl-frozen-0-d0000001")
+        ], evs
+        assert took < 10.0, took  # client timeout 1.5 s, not the 480 s registration bound
+        assert "session" in str(getattr(evs[0], "reason", "")).lower(), evs[0]
+        with KvdClient(pd.socket, role="cli", keepalive_interval=0) as pc:
+            st = pc.status()
+        assert st["counters"].get("waits_failed_session_ended", 0) == 1
+        assert d.client.drain_events() == []  # the other still waits: no word for it
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait(10)
+
+
 # Alone, after the parallel part: beside another test file, or with three CPU burners,
 # a few pushes registered just before the last freeze were not ended within the 20 s
 # settle (2 of ~14 loaded runs, 1 of 6 parallel suites; 0 of 40+ unloaded runs); not
