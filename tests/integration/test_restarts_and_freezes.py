@@ -11,6 +11,7 @@ request ends exactly once on each side, within a bound.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -39,6 +40,15 @@ from .traffic import Traffic
 
 def engine(d: DaemonProc, name: str, num_blocks: int = 256) -> Engine:
     return make_engine(d.socket, name, num_blocks=num_blocks, num_layers=2, chunk_bytes=4096)
+
+
+def remove_segments_of(pid: int) -> None:
+    """Remove a killed engine process's shared-memory segments (the daemons of these
+    tests do not reap: other runs share the machine)."""
+    for name in os.listdir("/dev/shm"):
+        if f"-p{pid}-" in name:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 def counter(eng: Engine, key: str) -> int:
@@ -332,6 +342,8 @@ def test_tracks_end_with_their_session_and_p_is_freed(
         finally:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
+            remove_segments_of(proc.pid)
     got = p_ev.wait([p_id for _, p_id, _ in reqs], 6.0)
     took = max(p_ev.when(p_id) for _, p_id, _ in reqs) - t0
     assert all(isinstance(ev, wire.SendFailed) and "cancelled" in ev.reason for ev in got.values())
@@ -544,6 +556,7 @@ def test_engine_restarted_while_its_daemon_lives_registers_at_once(daemons: Star
     finally:
         proc.kill()
         proc.wait()
+        remove_segments_of(proc.pid)
     t0 = time.monotonic()
     eng = engine(dd, "decode", num_blocks=16)
     try:
@@ -753,6 +766,7 @@ def test_push_waiting_for_a_frozen_engines_finish_fails_when_its_session_ends(
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait(10)
+        remove_segments_of(proc.pid)
 
 
 # Alone, after the parallel part: beside another test file, or with three CPU burners,
@@ -884,7 +898,4 @@ def test_p_engine_frozen_past_its_client_timeout(
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait()
-        # the killed engine's KV segment (this test's daemons do not reap): remove it
-        for name in os.listdir("/dev/shm"):
-            if f"-p{proc.pid}-" in name:
-                os.unlink(os.path.join("/dev/shm", name))
+        remove_segments_of(proc.pid)
