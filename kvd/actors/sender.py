@@ -17,6 +17,7 @@ their descriptors, carrying one `LayersPushed` that names each request's layers.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import time
@@ -56,7 +57,15 @@ from kvd.actors.transfers import (
 from kvd.adapters.nixl import Unsettled
 from kvd.adapters.staging import StagingArea
 from kvd.core import sender as proto
-from kvd.core.gather import MIN_SAVED, Gathered, gather, plan_gather
+from kvd.core.gather import (
+    MIN_SAVED,
+    Gathered,
+    GatherTemplate,
+    gather,
+    instantiate,
+    plan_gather,
+    plan_template,
+)
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
 from kvd.core.planner import Plan, RequestPlan, check_logical, plan_request
@@ -67,6 +76,8 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.sender", actor="sender")
 
 MAX_COALESCED: Final = 1024
+TEMPLATES: Final = 64
+"""Region shapes whose gather templates are kept (least recently used dropped)."""
 """Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
 
 
@@ -114,6 +125,10 @@ class Sender(TransferActor):
             unsettled_hold=2 * transfer_timeout + 1.0,
         )
         self.staging = staging
+        self._templates: collections.OrderedDict[tuple[Any, ...], GatherTemplate | None] = (
+            collections.OrderedDict()
+        )
+        """Gather templates by the shape of the P and D regions (`_template`)."""
         """Daemon-owned registered memory (shared with the receiver) where a push with
         many small descriptors is gathered before its WRITE (`_gather`)."""
         self.post_fence = transfer_timeout
@@ -329,25 +344,38 @@ class Sender(TransferActor):
                 raise Incompatible(
                     f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
                 )
-            rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
-            locs = [local[x.p] for x in rp.pairs]
-            rems = [remote[x.d] for x in rp.pairs]
+            # a shape whose pushes are gathered on P skips the direct plans (`template`)
+            template = self._template(local, remote)
+            rp = None
+            if template is None:
+                rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+            pairs = template.pairs if template is not None else rp.pairs  # type: ignore[union-attr]
+            locs = [local[x.p] for x in pairs]
+            rems = [remote[x.d] for x in pairs]
             notifs = [  # one per transfer: D counts them
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
-            plans: list[Plan] = list(rp.plans)
             settled: Callable[[], None] = watch
-            staged = await self._gather(eff.key, local, remote, rp, len(notifs))
+            how = template if template is not None else rp
+            assert how is not None
+            staged = await self._gather(
+                eff.key, local, remote, how, eff.p_blocks, reg.block_ids, len(notifs)
+            )
             if staged is not None:
                 base, g, slot_settled = staged
                 locs = [local[w.local] for w in g.writes]
                 rems = [remote[w.remote] for w in g.writes]
-                plans = [shifted(w.plan, base) for w in g.writes]
+                plans: list[Plan] = [shifted(w.plan, base) for w in g.writes]
 
                 def settled() -> None:
                     slot_settled()
                     watch()
+
+            else:  # WRITTEN by the direct plans
+                if rp is None:
+                    rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+                plans = list(rp.plans)
 
             await self.book.run(
                 "WRITE", eff.key, eff.agent, locs, rems, plans, notifs, settled, post_by=post_by
@@ -455,12 +483,39 @@ class Sender(TransferActor):
         for eff in going:
             self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, error, False, unsettled))
 
+    def _template(
+        self, local: list[LocalRegion], remote: list[RemoteRegion]
+    ) -> GatherTemplate | None:
+        """The gather template of pushes between these regions (`kvd.core.gather`), made
+        on the first push of their shape and kept (`TEMPLATES` shapes); None where pushes
+        between them are not gathered by one (or there is no staging to gather into)."""
+        if self.staging is None or not local or not remote:
+            return None
+        views: list[LocalRegion | RemoteRegion] = [*local, *remote]
+        if any(r.mem_type != "DRAM" or r.groups for r in views):
+            return None
+        key = (len(local), *((r.geometry, r.layout, r.compat, r.tp_rank, r.tp_size) for r in views))
+        if key in self._templates:
+            self._templates.move_to_end(key)
+            return self._templates[key]
+        try:
+            t = plan_template(local, remote)
+        except KvdError:
+            t = None  # planning the request says why, as before
+        self._templates[key] = t
+        if len(self._templates) > TEMPLATES:
+            self._templates.popitem(last=False)
+        self._count("gather_templates_made" if t is not None else "gather_templates_none")
+        return t
+
     async def _gather(
         self,
         key: str,
         local: list[LocalRegion],
         remote: list[RemoteRegion],
-        rp: RequestPlan,
+        how: RequestPlan | GatherTemplate,
+        p_blocks: tuple[int, ...],
+        d_blocks: tuple[int, ...],
         transfers: int,
     ) -> tuple[int, Gathered, Callable[[], None]] | None:
         """Stage a push on P (`kvd.core.gather`) where its direct plan has many small
@@ -471,23 +526,36 @@ class Sender(TransferActor):
         caller WRITEs by the direct plans): not worth it, not all host memory, no
         staging, or no slot free. The slot is freed only once UCX ended the WRITE."""
         staging = self.staging
-        if staging is None or not rp.pairs:
+        if staging is None or not how.pairs:
             return None
         if any(r.mem_type != "DRAM" for r in local) or any(r.mem_type != "DRAM" for r in remote):
             return None
-        direct = sum(p.descriptors for p in rp.plans)
-        if direct < MIN_SAVED:
-            return None
+        if isinstance(how, RequestPlan):
+            rp = how
+            direct = sum(p.descriptors for p in rp.plans)
+            if direct < MIN_SAVED:
+                return None
+            nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds
+        else:
+            direct = how.per_block * len(d_blocks)
+            nbytes = how.slot_bytes(len(d_blocks))
         if not await self._staging_ready(staging, key):
             return None
         pool = staging.pool
-        nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds
         bases = [r.geometry.base_addr for r in local]
         sources = [_bytes_of(r) for r in local]
 
         def plan_and_gather(slot: npt.NDArray[np.uint8]) -> Gathered | None:
-            # (in a worker thread: planning a gather of many pieces takes ~1 ms per 4 MiB)
-            got = plan_gather(rp.plans, [x.p for x in rp.pairs], [x.d for x in rp.pairs], bases)
+            # (in a worker thread: planning a gather of many pieces takes ~1 ms per 4 MiB;
+            # from a template, a fraction of that)
+            if isinstance(how, RequestPlan):
+                got = plan_gather(
+                    how.plans, [x.p for x in how.pairs], [x.d for x in how.pairs], bases
+                )
+            else:
+                got = instantiate(how, local, p_blocks, remote, d_blocks)
+            if got is not None and got.nbytes > nbytes:
+                raise AssertionError(f"a gather of {got.nbytes} bytes for a slot of {nbytes}")
             if got is not None:
                 writes = [(local[w.local], remote[w.remote]) for w in got.writes]
                 if len(transfer_groups(*zip(*writes, strict=True))) != transfers:
@@ -513,7 +581,9 @@ class Sender(TransferActor):
             pool.free(off)
             return None
         self._count("staged_writes")
-        self._count("staged_write_descriptors_saved", direct - g.descriptors)
+        if not isinstance(how, RequestPlan):
+            self._count("staged_writes_templated")
+        self._count("staged_write_descriptors_saved", max(0, direct - g.descriptors))
 
         def slot_settled() -> None:
             pool.free(off)  # UCX ended the WRITE: nothing reads the slot any more

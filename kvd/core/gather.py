@@ -23,8 +23,18 @@ from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+from kvd_client.errors import InvalidRequest
 
-from kvd.core.planner import Int64Array, Plan
+from kvd.core.planner import (
+    Int64Array,
+    Plan,
+    RankView,
+    align_tokens,
+    check_logical,
+    plan_request,
+    rank_kv,
+)
+from kvd.core.topology import Pair, map_ranks
 
 MIN_ROW: Final = 16
 """A gather whose pieces share no larger unit than this is not made (rows too many: a
@@ -164,3 +174,230 @@ def _ro(a: npt.NDArray[np.int64]) -> Int64Array:
     out = np.ascontiguousarray(a, dtype=np.int64)
     out.setflags(write=False)
     return out
+
+
+# ------------------------------------------------------------------ per shape pair
+
+
+@dataclass(frozen=True, eq=False)
+class _Source:
+    """The pieces one rank pair contributes to a D region's block, as rows."""
+
+    pair: int
+    """Index in `GatherTemplate.pairs` (whose aligned P blocks it takes)."""
+    src: int
+    """The P region (index)."""
+    block_rows: int
+    """Rows between consecutive blocks of that P region."""
+    src_rows: Int64Array
+    """Source rows for P block 0 (from the region's base)."""
+    dst_rows: Int64Array
+    """Rows inside the block's segment of the slot."""
+
+
+@dataclass(frozen=True, eq=False)
+class _Target:
+    """One D region: what a block of it receives, in the order its bytes lie in D."""
+
+    remote: int
+    local: int
+    block_stride: int
+    seg: int
+    """Bytes of one block's pieces: a block's segment of the slot."""
+    run_ra: Int64Array
+    """D addresses of the runs for D block 0 (runs: pieces contiguous in D)."""
+    run_off: Int64Array
+    """Where each run starts inside the segment."""
+    run_len: Int64Array
+    direct: int
+    """Descriptors of one block in the direct plans."""
+    sources: tuple[_Source, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class GatherTemplate:
+    """A gathered push of one P block onto one D block between two sets of regions,
+    made once per (P regions, D regions) shape (`plan_template`) and turned into each
+    request's `Gathered` by array arithmetic on its block ids (`instantiate`), instead of
+    planning the request's direct plans and gathering them (`plan_gather`), which costs
+    milliseconds per request where heads are sliced or tokens interleave."""
+
+    pairs: tuple[Pair, ...]
+    row: int
+    targets: tuple[_Target, ...]
+
+    @property
+    def per_block(self) -> int:
+        """Descriptors the direct plans have per block (an estimate of a request's)."""
+        return sum(t.direct for t in self.targets)
+
+    def slot_bytes(self, blocks: int) -> int:
+        """The slot a request of `blocks` D blocks gathers into."""
+        return blocks * sum(t.seg for t in self.targets)
+
+
+def plan_template(p: Sequence[RankView], d: Sequence[RankView]) -> GatherTemplate | None:
+    """The template of a push from P's regions `p` onto D's `d`, or None where one does
+    not apply: opaque regions, block sizes that differ (a P block is not a D block),
+    logical blocks of several physical ones, regions of fewer than two blocks, plans that
+    are not the same for every block but for the blocks' offsets, or a gather that would
+    not pay (`MIN_ROW`, `MIN_FACTOR`). Incompatible regions raise, as for a request."""
+    pairs = map_ranks(p, d)
+    if not pairs or pairs[0].heads == 0:
+        return None
+    views = [*p, *d]
+    if any(v.geometry.physical_per_logical != 1 or v.geometry.num_blocks < 2 for v in views):
+        return None
+    p_kv = [rank_kv(v) for v in p]
+    d_kv = [rank_kv(v) for v in d]
+    if any(p_kv[x.p].tokens_per_block != d_kv[x.d].tokens_per_block for x in pairs):
+        return None
+    at = {
+        ab: plan_request(p, [ab[0]], d, [ab[1]], local_is_p=True) for ab in ((0, 0), (1, 0), (0, 1))
+    }
+    if any(at[ab].pairs != pairs or at[ab].permutes for ab in at):
+        return None  # (a conversion D permutes on receive is not a gather)
+    p_bases = [v.geometry.base_addr for v in p]
+    by_remote: dict[int, list[int]] = {}
+    for j, pair in enumerate(pairs):
+        b, x, y = (at[ab].plans[j] for ab in ((0, 0), (1, 0), (0, 1)))
+        if not (b.descriptors == x.descriptors == y.descriptors):
+            return None
+        if not b.descriptors:
+            continue
+        ps, ds = p[pair.p].geometry.block_stride, d[pair.d].geometry.block_stride
+        if not (
+            np.array_equal(b.lengths, x.lengths)
+            and np.array_equal(b.lengths, y.lengths)
+            and np.array_equal(x.local_addrs - b.local_addrs, np.full(b.descriptors, ps))
+            and np.array_equal(x.remote_addrs, b.remote_addrs)
+            and np.array_equal(y.remote_addrs - b.remote_addrs, np.full(b.descriptors, ds))
+            and np.array_equal(y.local_addrs, b.local_addrs)
+        ):
+            return None  # not affine in the block ids: plan each request
+        by_remote.setdefault(pair.d, []).append(j)
+    if not by_remote:
+        return None
+    base = at[(0, 0)].plans
+    units: list[Int64Array] = [np.array([v.geometry.block_stride for v in p], dtype=np.int64)]
+    for j, pair in enumerate(pairs):
+        if base[j].descriptors:
+            units += [base[j].local_addrs - np.int64(p_bases[pair.p]), base[j].lengths]
+    row = int(np.gcd.reduce(np.concatenate(units)))
+    if row < MIN_ROW:
+        return None
+    targets: list[_Target] = []
+    for r, members in sorted(by_remote.items()):
+        ra = np.concatenate([base[j].remote_addrs for j in members])
+        ln = np.concatenate([base[j].lengths for j in members])
+        la = np.concatenate([base[j].local_addrs - np.int64(p_bases[pairs[j].p]) for j in members])
+        who = np.concatenate(
+            [np.full(base[j].descriptors, k, dtype=np.int64) for k, j in enumerate(members)]
+        )
+        order = np.argsort(ra, kind="stable")
+        ra, ln, la, who = ra[order], ln[order], la[order], who[order]
+        if ln.size > 1 and bool((ra[1:] < ra[:-1] + ln[:-1]).any()):
+            return None  # overlapping destinations: not a plan we stage
+        off = np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.int64)
+        cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
+        starts = np.concatenate(([0], cut)).astype(np.int64)
+        run_len = np.add.reduceat(ln, starts).astype(np.int64)
+        n_rows = ln // row
+        sources: list[_Source] = []
+        for k, j in enumerate(members):
+            mine = who == k
+            rows = n_rows[mine]
+            step = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
+                np.concatenate(([0], np.cumsum(rows)[:-1])), rows
+            )
+            src = pairs[j].p
+            sources.append(
+                _Source(
+                    j,
+                    src,
+                    p[src].geometry.block_stride // row,
+                    _ro(np.repeat(la[mine] // row, rows) + step),
+                    _ro(np.repeat(off[mine] // row, rows) + step),
+                )
+            )
+        targets.append(
+            _Target(
+                r,
+                pairs[members[0]].p,
+                d[r].geometry.block_stride,
+                int(ln.sum()),
+                _ro(ra[starts]),
+                _ro(off[starts]),
+                _ro(run_len),
+                sum(base[j].descriptors for j in members),
+                tuple(sources),
+            )
+        )
+    per_block = sum(t.direct for t in targets)
+    staged = sum(t.run_len.size for t in targets)
+    if staged * MIN_FACTOR > per_block:
+        return None
+    return GatherTemplate(pairs, row, tuple(targets))
+
+
+def instantiate(
+    t: GatherTemplate,
+    p: Sequence[RankView],
+    p_logical: Sequence[int],
+    d: Sequence[RankView],
+    d_logical: Sequence[int],
+) -> Gathered | None:
+    """A request's `Gathered` from its template (`plan_template` of these regions'
+    shape): the bytes land in D as by the request's direct plans. None where it would
+    not pay (`MIN_SAVED`) or D names a block twice. Raises InvalidRequest for a block
+    outside a region or counts that cannot match, as planning the request does."""
+    p_phys = [check_logical(v.geometry, p_logical) for v in p]
+    d_phys = [check_logical(v.geometry, d_logical) for v in d]
+    aligned: list[Int64Array] = []
+    for pair in t.pairs:
+        tpb = 1  # equal block sizes (the template's condition): blocks pair one to one
+        pb, _, units = align_tokens(p_phys[pair.p], tpb, d_phys[pair.d], tpb)
+        aligned.append(pb[:units])
+    copies: list[RowCopy] = []
+    writes: list[Staged] = []
+    slot = 0
+    direct = 0
+    for tg in t.targets:
+        db = d_phys[tg.remote]
+        n = int(db.shape[0])
+        if n == 0:
+            continue
+        order = np.argsort(db, kind="stable")
+        if n > 1 and bool((db[order][1:] == db[order][:-1]).any()):
+            return None  # D names a block twice: its pieces would overlap
+        pos = np.empty(n, dtype=np.int64)
+        pos[order] = np.arange(n, dtype=np.int64)
+        seg0 = np.int64(slot) + pos * np.int64(tg.seg)  # each block's segment, in D's order
+        ra = (db[order][:, None] * np.int64(tg.block_stride) + tg.run_ra[None, :]).ravel()
+        la = (
+            np.int64(slot)
+            + np.arange(n, dtype=np.int64)[:, None] * np.int64(tg.seg)
+            + tg.run_off[None, :]
+        ).ravel()
+        ln = np.broadcast_to(tg.run_len, (n, tg.run_len.size)).ravel()
+        cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
+        starts = np.concatenate(([0], cut)).astype(np.int64)
+        runs = Plan(_ro(la[starts]), _ro(ra[starts]), _ro(np.add.reduceat(ln, starts)))
+        geo = d[tg.remote].geometry
+        hi = ra + ln
+        if int(ra.min()) < geo.base_addr or int(hi.max()) > geo.base_addr + geo.nbytes:
+            raise InvalidRequest(f"D region {tg.remote}: a run falls outside the region")
+        writes.append(Staged(tg.remote, tg.local, runs))
+        for s in tg.sources:
+            pb = aligned[s.pair]
+            if pb.shape[0] != n:
+                raise InvalidRequest(f"P has {pb.shape[0]} blocks for D's {n}")
+            src_rows = (pb[:, None] * np.int64(s.block_rows) + s.src_rows[None, :]).ravel()
+            dst_rows = ((seg0 // t.row)[:, None] + s.dst_rows[None, :]).ravel()
+            copies.append(RowCopy(s.src, _ro(src_rows), _ro(dst_rows)))
+        slot += n * tg.seg
+        direct += n * tg.direct
+    staged = sum(w.plan.descriptors for w in writes)
+    if not writes or direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
+        return None
+    return Gathered(slot, t.row, tuple(copies), tuple(writes))

@@ -732,7 +732,7 @@ def receive_permutes(
         return pairs, ()
     out: list[Permute] = []
     for i, pair in enumerate(pairs):
-        pk, dk = _rank_kv(p[pair.p]), _rank_kv(d[pair.d])
+        pk, dk = rank_kv(p[pair.p]), rank_kv(d[pair.d])
         if permutes_on_receive(pk, dk, pair, d[pair.d].mem_type):
             blocks = check_logical(d[pair.d].geometry, d_logical)
             out.append(
@@ -940,8 +940,8 @@ def plan_request(
             db = d_phys[pair.d][:units]
             plans.append(_whole_chunks(pg, pb, dg, db, local_is_p))
         return RequestPlan(pairs, tuple(plans))
-    p_kv = [_rank_kv(r) for r in p]
-    d_kv = [_rank_kv(r) for r in d]
+    p_kv = [rank_kv(r) for r in p]
+    d_kv = [rank_kv(r) for r in d]
     permutes: list[Permute] = []
     for pair in pairs:
         pk, dk = p_kv[pair.p], d_kv[pair.d]
@@ -1014,7 +1014,8 @@ def _whole_chunks(
     return _plan_checked(pg, pb, dg, db) if local_is_p else _plan_checked(dg, db, pg, pb)
 
 
-def _rank_kv(region: RankView) -> RankKv:
+def rank_kv(region: RankView) -> RankKv:
+    """A rank's KV format from its region's compat and layout (Incompatible if none)."""
     layout = region.layout
     if layout is None:
         raise Incompatible(f"rank {region.tp_rank}'s region has no layout record")

@@ -41,10 +41,10 @@ from kvd.core.planner import (
     RankView,
     RequestPlan,
     _plan_checked,
-    _rank_kv,
     align_tokens,
     check_logical,
     permutes_on_receive,
+    rank_kv,
 )
 from kvd.core.topology import Pair, RankKv
 
@@ -152,8 +152,8 @@ def plan_staged(
     """
     if not pairs or pairs[0].heads == 0:
         return None  # opaque compat: equal TP, whole chunks already
-    p_kv = [_rank_kv(r) for r in p]
-    d_kv = [_rank_kv(r) for r in d]
+    p_kv = [rank_kv(r) for r in p]
+    d_kv = [rank_kv(r) for r in d]
     permuted = (
         {job.pair for job in direct.permutes}
         if direct is not None

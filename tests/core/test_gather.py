@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from integration.kvref import Side, spec_of
 
 import kvd.core.gather as gather_mod
-from kvd.core.gather import MIN_FACTOR, gather, plan_gather
+from kvd.core.gather import MIN_FACTOR, gather, instantiate, plan_gather, plan_template
 from kvd.core.planner import plan_request
 
 from .test_topology import SIDES, apply, regions, request_case
@@ -52,6 +52,7 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
         apply(
             plan, p_bufs[pair.p], pv.geometry.base_addr, direct[pair.d], dv.geometry.base_addr, True
         )
+    templated = check_template(p_views, p_bufs, pb, d_views, d_bufs, db, direct)
     g = plan_gather(
         rp.plans,
         [x.p for x in rp.pairs],
@@ -59,7 +60,7 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
         [v.geometry.base_addr for v in p_views],
     )
     if g is None:
-        return False
+        return templated
     assert g.descriptors * MIN_FACTOR <= sum(p.descriptors for p in rp.plans)
     slot = np.zeros(g.nbytes + 7, dtype=np.uint8)  # (any slack after the pieces is unused)
     gather(slot, p_bufs, g)
@@ -68,6 +69,34 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
         apply(w.plan, slot, 0, staged_d[w.remote], dv.geometry.base_addr, True)
     for r in range(ds.tp):
         assert np.array_equal(staged_d[r], direct[r]), f"D rank {r} differs"
+    return True
+
+
+def check_template(
+    p_views: list,
+    p_bufs: list,
+    pb: list[int],
+    d_views: list,
+    d_bufs: list,
+    db: list[int],
+    want: list,
+) -> bool:
+    """The same request gathered from its shape's template (where one applies) lands
+    the same bytes as its direct plans (`want`). Whether a template applied."""
+    t = plan_template(p_views, d_views)
+    if t is None:
+        return False
+    g = instantiate(t, p_views, pb, d_views, db)
+    if g is None:
+        return False
+    slot = np.zeros(g.nbytes, dtype=np.uint8)
+    gather(slot, p_bufs, g)
+    got = [b.copy() for b in d_bufs]
+    for w in g.writes:
+        dv = d_views[w.remote]
+        apply(w.plan, slot, 0, got[w.remote], dv.geometry.base_addr, True)
+    for r, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert np.array_equal(a, b), f"D rank {r} differs (template)"
     return True
 
 
@@ -81,6 +110,23 @@ def test_head_slices_both_ways_and_token_runs_are_gathered_exactly(
         ps = Side(tp=p_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
         ds = Side(tp=d_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
         assert check(8, 64, ps, ds, 200, p_tp * 10 + d_tp), (p_tp, d_tp, lay)
+        # and from the shape's template, D naming fewer blocks than P (a prefix hit)
+        spec = spec_of(8, head_size=64)
+        rng = np.random.default_rng(p_tp)
+        p_views, p_bufs, d_views, d_bufs, _, pb, db = request_case(spec, ps, ds, 13, 11, rng)
+        want = [b.copy() for b in d_bufs]
+        rp = plan_request(p_views, pb, d_views, db, local_is_p=True)
+        for plan, pair in zip(rp.plans, rp.pairs, strict=True):
+            pv, dv = p_views[pair.p], d_views[pair.d]
+            apply(
+                plan,
+                p_bufs[pair.p],
+                pv.geometry.base_addr,
+                want[pair.d],
+                dv.geometry.base_addr,
+                True,
+            )
+        assert check_template(p_views, p_bufs, pb, d_views, d_bufs, db, want), (p_tp, d_tp, lay)
 
 
 def test_the_rule_stages_head_slices_not_whole_chunks() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvd.bench import stages, topology
+from kvd.bench import gpu, stages, topology
 
 from .conftest import shm_segments
 
@@ -46,7 +46,26 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert res["quick"] is True and res["machine"]["cpus"] > 0
     sc = res["scenarios"]
-    assert set(sc) == {"dataplane", "control", "scale", "ec", "topology", "layerwise", "tiers"}
+    assert set(sc) == {
+        "dataplane",
+        "control",
+        "scale",
+        "ec",
+        "topology",
+        "layerwise",
+        "tiers",
+        "gpu",
+    }
+    g = sc["gpu"]
+    if gpu.skip_reason():  # no GPU here: skipped, saying why, nothing estimated
+        assert g == {"skipped": gpu.skip_reason()}, g
+        assert not [t for t in res["targets"] if t["target"].startswith("GPU")]
+    else:
+        for side in ("d2h_pinned_gbps", "h2d_pinned_gbps"):
+            _positive(g["raw"][side], f"gpu raw {side}")
+        for op in ("save", "load"):
+            for alloc in ("contiguous", "fragmented"):
+                _positive(g["staging"][f"{op}_chunked_{alloc}_gbps"], f"gpu staging {op}")
 
     tr = sc["tiers"]
     assert set(tr) >= {"lookup", "index", "host", "disk", "peer"}

@@ -84,6 +84,9 @@ def test_a_push_of_many_small_pieces_is_gathered_on_p(
     assert (st["used"], st["quarantined"]) == (0, 0)
     if staged:
         assert st["counters"]["staged_write_descriptors_saved"] > 0
+        # gathered from the shape's template (made once), not by planning each request
+        assert st["counters"].get("staged_writes_templated", 0) == staged, st["counters"]
+        assert st["counters"].get("gather_templates_made", 0) == 1, st["counters"]
 
 
 def test_a_failed_staged_read_fails_the_request_and_leaves_d_untouched(
