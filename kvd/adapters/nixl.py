@@ -82,7 +82,8 @@ FILE_BACKEND: Final = "POSIX"
 """NIXL's backend for files (`file_transfer`) to and from host memory."""
 GDS_BACKEND: Final = "GDS"
 """NIXL's GPUDirect Storage backend: files to and from VRAM without a host copy (created
-beside POSIX where a GPU is visible and the plugin loads; untested here: no GPU)."""
+beside POSIX where a GPU is visible, the plugin loads and cuFile registers a probe file;
+not tested end to end: on the one GPU machine tried, cuFile refused every file)."""
 
 _RX_MAX_NOTIFS: Final = 65_536
 _RX_MAX_BYTES: Final = 64 << 20
@@ -702,7 +703,7 @@ class NixlEngine:
         or "READ" (file -> memory); each piece is (address, length, fd), the file side at
         offset 0 of its fd. `mem` "DRAM" (host memory: the POSIX backend) or "VRAM"
         (GPU `dev`'s memory, registered as VRAM: the GDS backend, straight between the
-        GPU and the file; untested here). The files are registered for this transfer
+        GPU and the file; not tested end to end). The files are registered for this transfer
         only. Raises TransferError (a short read or write, e.g. a full disk or a
         truncated file, is one; VRAM without the GDS backend is one)."""
         loop = self._loop
