@@ -323,6 +323,7 @@ class Gateway:
             elif msg.session not in self.closing:
                 # closed (everything it announced has ended), or we restarted: the client
                 # may now report its requests failed and open a new session
+                self._count("keepalives_unknown_session")
                 self._error(ident, corr, NotFound(f"unknown session {msg.session!r}"))
             return
         if isinstance(msg, wire.Hello):

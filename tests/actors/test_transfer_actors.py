@@ -1009,6 +1009,7 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
             corr, gone = await answer()
             assert corr == 40 and isinstance(gone, wire.ErrorReply)
             assert gone.code == ErrorCode.NOT_FOUND
+            assert counters["keepalives_unknown_session"] == 1
             tg.cancel_scope.cancel()
     finally:
         sock.close(0)
