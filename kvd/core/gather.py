@@ -116,43 +116,72 @@ def plan_gather(
     writes: list[Staged] = []
     slot = 0
     for r, members in sorted(by_remote.items()):
-        ra = np.concatenate([plans[i].remote_addrs for i in members])
-        ln = np.concatenate([plans[i].lengths for i in members])
-        la = np.concatenate(
-            [plans[i].local_addrs - np.int64(local_bases[local_of[i]]) for i in members]
+        packed = _pack(
+            [plans[i] for i in members], [local_bases[local_of[i]] for i in members], row
         )
-        who = np.concatenate(
-            [np.full(plans[i].descriptors, k, dtype=np.int64) for k, i in enumerate(members)]
-        )
-        order = np.argsort(ra, kind="stable")
-        ra, ln, la, who = ra[order], ln[order], la[order], who[order]
-        if ln.size > 1 and bool((ra[1:] < ra[:-1] + ln[:-1]).any()):
+        if packed is None:
             return None  # overlapping destinations: not a plan we stage
-        off = np.int64(slot) + np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.int64)
-        # coalesce: the slot is contiguous in this order; D's runs break where it is not
-        cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
-        starts = np.concatenate(([0], cut)).astype(np.int64)
-        run_len = np.add.reduceat(ln, starts).astype(np.int64)
-        plan = Plan(_ro(off[starts]), _ro(ra[starts]), _ro(run_len))
+        plan = Plan(
+            _ro(packed.off[packed.starts] + np.int64(slot)),
+            _ro(packed.ra[packed.starts]),
+            _ro(packed.run_len),
+        )
         writes.append(Staged(r, local_of[members[0]], plan))
-        n_rows = ln // row
         for k, i in enumerate(members):
-            mine = who == k
-            if not mine.any():
-                continue
-            rows = n_rows[mine]
-            total = int(rows.sum())
-            step = np.arange(total, dtype=np.int64) - np.repeat(
-                np.concatenate(([0], np.cumsum(rows)[:-1])), rows
-            )
-            src_rows = np.repeat(la[mine] // row, rows) + step
-            dst_rows = np.repeat(off[mine] // row, rows) + step
-            copies.append(RowCopy(local_of[i], _ro(src_rows), _ro(dst_rows)))
-        slot += int(ln.sum())
+            src_rows, dst_rows = packed.rows[k]
+            if src_rows.size:
+                copies.append(RowCopy(local_of[i], src_rows, _ro(dst_rows + slot // row)))
+        slot += int(packed.ln.sum())
     staged = sum(w.plan.descriptors for w in writes)
     if direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
         return None
     return Gathered(slot, row, tuple(copies), tuple(writes))
+
+
+@dataclass(frozen=True, eq=False)
+class _Packed:
+    """The pieces bound for one D region, laid out in D's address order from offset 0 of
+    their part of the slot: D addresses, lengths, slot offsets, the runs (pieces
+    contiguous in D, hence in the slot), and each member plan's rows to copy."""
+
+    ra: Int64Array
+    ln: Int64Array
+    off: Int64Array
+    starts: Int64Array
+    """Index of each run's first piece."""
+    run_len: Int64Array
+    rows: tuple[tuple[Int64Array, Int64Array], ...]
+    """Per member: (source rows from its P region's base, rows from the part's start)."""
+
+
+def _pack(plans: Sequence[Plan], bases: Sequence[int], row: int) -> _Packed | None:
+    """`plans` (each from the P region whose memory starts at `bases[k]`) packed for their
+    D region; None if two pieces overlap in D."""
+    ra = np.concatenate([pl.remote_addrs for pl in plans])
+    ln = np.concatenate([pl.lengths for pl in plans])
+    la = np.concatenate([pl.local_addrs - np.int64(b) for pl, b in zip(plans, bases, strict=True)])
+    who = np.concatenate([np.full(pl.descriptors, k, dtype=np.int64) for k, pl in enumerate(plans)])
+    order = np.argsort(ra, kind="stable")
+    ra, ln, la, who = ra[order], ln[order], la[order], who[order]
+    if ln.size > 1 and bool((ra[1:] < ra[:-1] + ln[:-1]).any()):
+        return None
+    off = np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.int64)
+    # coalesce: the slot is contiguous in this order; D's runs break where it is not
+    cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
+    starts = np.concatenate(([0], cut)).astype(np.int64)
+    run_len = np.add.reduceat(ln, starts).astype(np.int64)
+    n_rows = ln // row
+    rows: list[tuple[Int64Array, Int64Array]] = []
+    for k in range(len(plans)):
+        mine = who == k
+        per = n_rows[mine]
+        step = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(
+            np.concatenate(([0], np.cumsum(per)[:-1])), per
+        )
+        rows.append(
+            (_ro(np.repeat(la[mine] // row, per) + step), np.repeat(off[mine] // row, per) + step)
+        )
+    return _Packed(_ro(ra), _ro(ln), _ro(off), _ro(starts), _ro(run_len), tuple(rows))
 
 
 def gather(
@@ -288,47 +317,25 @@ def plan_template(p: Sequence[RankView], d: Sequence[RankView]) -> GatherTemplat
         return None
     targets: list[_Target] = []
     for r, members in sorted(by_remote.items()):
-        ra = np.concatenate([base[j].remote_addrs for j in members])
-        ln = np.concatenate([base[j].lengths for j in members])
-        la = np.concatenate([base[j].local_addrs - np.int64(p_bases[pairs[j].p]) for j in members])
-        who = np.concatenate(
-            [np.full(base[j].descriptors, k, dtype=np.int64) for k, j in enumerate(members)]
-        )
-        order = np.argsort(ra, kind="stable")
-        ra, ln, la, who = ra[order], ln[order], la[order], who[order]
-        if ln.size > 1 and bool((ra[1:] < ra[:-1] + ln[:-1]).any()):
+        packed = _pack([base[j] for j in members], [p_bases[pairs[j].p] for j in members], row)
+        if packed is None:
             return None  # overlapping destinations: not a plan we stage
-        off = np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.int64)
-        cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
-        starts = np.concatenate(([0], cut)).astype(np.int64)
-        run_len = np.add.reduceat(ln, starts).astype(np.int64)
-        n_rows = ln // row
         sources: list[_Source] = []
         for k, j in enumerate(members):
-            mine = who == k
-            rows = n_rows[mine]
-            step = np.arange(int(rows.sum()), dtype=np.int64) - np.repeat(
-                np.concatenate(([0], np.cumsum(rows)[:-1])), rows
-            )
             src = pairs[j].p
+            src_rows, dst_rows = packed.rows[k]
             sources.append(
-                _Source(
-                    j,
-                    src,
-                    p[src].geometry.block_stride // row,
-                    _ro(np.repeat(la[mine] // row, rows) + step),
-                    _ro(np.repeat(off[mine] // row, rows) + step),
-                )
+                _Source(j, src, p[src].geometry.block_stride // row, src_rows, _ro(dst_rows))
             )
         targets.append(
             _Target(
                 r,
                 pairs[members[0]].p,
                 d[r].geometry.block_stride,
-                int(ln.sum()),
-                _ro(ra[starts]),
-                _ro(off[starts]),
-                _ro(run_len),
+                int(packed.ln.sum()),
+                _ro(packed.ra[packed.starts]),
+                _ro(packed.off[packed.starts]),
+                packed.run_len,
                 sum(base[j].descriptors for j in members),
                 tuple(sources),
             )
