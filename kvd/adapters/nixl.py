@@ -1114,17 +1114,19 @@ def _probe_gds(agent: Any) -> str:
 
 
 def _load_cuda_runtime() -> None:
-    """With a GPU, load the CUDA runtime libraries before UCX starts: UCX opens its CUDA
-    transports when the agent's backend is created, and without libcudart in the process
-    (pip-installed CUDA lives outside the loader's path) it starts without them, and every
-    VRAM registration then fails (NIXL_ERR_BACKEND, seen on an H100). Importing torch
-    loads them (it creates no CUDA context); without torch the system's CUDA must be on
-    the loader's path."""
+    """With a GPU, prepare UCX for VRAM before the agent's backend starts it: UCX opens
+    its CUDA modules then, and one of them (`libucm_cuda`) needs libcudart, which a
+    pip-installed CUDA keeps outside the loader's path: importing torch loads it (and
+    creates no CUDA context). And UCX's memory-type cache is turned off (below). On the
+    H100 VM tried, VRAM registrations failed (NIXL_ERR_BACKEND, "VRAM memory is detected
+    as host by UCX") until the cache was off; the image had libcudart on the loader's
+    path, so the import's part was not isolated there."""
     if not _gpu_visible():
         return
-    # UCX's memory-type cache knows only the GPU allocations made after UCX loaded: it
-    # takes a worker's KV tensor (allocated before, and opened here through CUDA IPC) for
-    # host memory. Without the cache UCX asks the driver for each registration.
+    # UCX's memory-type cache took a worker's KV tensor opened here through CUDA IPC for
+    # host memory (on the H100: memory this process allocated itself registered as VRAM,
+    # IPC-opened memory did not, until the cache was off). Without the cache UCX asks the
+    # driver at each registration.
     os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     try:
         import torch
