@@ -19,8 +19,10 @@
   stage records of the request in the same exchange, measuring the offset afresh.
 - The canary: a small buffer with a pattern derived from the agent name, which
   `kvd ping` READs to prove the data path end to end.
-- Leftovers (unless `daemon.reap_leftover_segments` is off): at start, and after the
-  regions of a session whose client went away without Goodbye are unmapped, staging
+- Leftovers (unless `daemon.reap_leftover_segments` is off): at start, after the
+  regions of a session whose client went away without Goodbye are unmapped, and when the
+  creator of a segment kept then (a frozen client, its session timed out) is gone (its
+  pid is checked every `WATCH_INTERVAL` seconds, `WATCH_MAX` segments at most), staging
   segments are removed by the leftover rule (`kvd.adapters.shm.reap_segments`: a kvd
   staging name from our pid namespace, our uid, its creator gone, nobody mapping or
   holding it). The /proc scan runs in a worker thread while the registrar waits for it
@@ -31,6 +33,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import os
 import random
@@ -84,6 +87,7 @@ from kvd.adapters.shm import (
     AnonRegion,
     MappedRegion,
     Reaped,
+    pid_alive,
     reap_segments,
     staging_creator_here,
 )
@@ -102,6 +106,17 @@ log = structlog.get_logger("kvd.registrar", actor="registrar")
 CANARY_BYTES: Final = 64 * 1024
 CLOCK_SAMPLES: Final = 5
 """Clock exchanges per measurement (the first also opens the TCP connection)."""
+WATCH_INTERVAL: Final = 1.0
+"""Seconds between checks of the creators of segments kept while they were alive."""
+WATCH_MAX: Final = 1024
+"""Segments watched so at most (the oldest dropped: the next start reaps them)."""
+
+
+@dataclass(frozen=True)
+class _CreatorsGone:
+    """The registrar to itself: these watched segments' creators are gone."""
+
+    names: tuple[str, ...]
 
 
 def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
@@ -195,6 +210,9 @@ class Registrar:
         self._clock_syncs: dict[str, asyncio.Future[ClockReading]] = {}
         """Clock measurements in flight, by agent (one at a time per peer)."""
         self._probes: dict[int, asyncio.Future[float]] = {}
+        self._watched: collections.OrderedDict[str, int] = collections.OrderedDict()
+        """Segments kept because their creator (this pid) was alive (`_watch_creators`)."""
+        self._watch_wake = anyio.Event()
         self.canary: AnonRegion | None = None
         self._canary_reg: Any = None
         self.scratch: AnonRegion | None = None
@@ -219,9 +237,25 @@ class Registrar:
         self._scratch_reg = await self.engine.register(self.scratch.addr, CANARY_BYTES)
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            if self.reap_leftovers:
+                tg.start_soon(self._watch_creators)
             task_status.started()
             async for msg in self.mailbox:
                 await self._dispatch(msg)
+
+    async def _watch_creators(self) -> None:
+        """Reap the segments kept at a session's end because their creator was alive (a
+        frozen client), once that creator is gone: nothing else would (it has no session
+        left to end). Judged on the registrar's own loop (`_CreatorsGone`), between its
+        registrations."""
+        while True:
+            if not self._watched:
+                self._watch_wake = anyio.Event()
+                await self._watch_wake.wait()
+            await anyio.sleep(WATCH_INTERVAL)
+            gone = [n for n, pid in self._watched.items() if not pid_alive(pid)]
+            if gone:
+                self.mailbox.post(_CreatorsGone(tuple(gone)))
 
     async def cleanup(self) -> None:
         """Shielded shutdown: tell peers, deregister everything, unmap."""
@@ -245,6 +279,10 @@ class Registrar:
     async def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ClientRequest):
             await self._client(msg)
+        elif isinstance(msg, _CreatorsGone):
+            names = [n for n in msg.names if self._watched.pop(n, None) is not None]
+            if names:
+                await self._reap(names, "creator_gone")
         elif isinstance(msg, EnsurePeer):
             self._ensure_peer(msg)
         elif isinstance(msg, PeerClock):
@@ -449,6 +487,12 @@ class Registrar:
                 why = "not a kvd staging name from our pid namespace"
             if why is not None:  # else removed, or gone already
                 log.info("staging_segment_kept", segment=name, reason=why, **where)
+        for name, pid in got.alive.items():  # judged again once its creator is gone
+            self._watched[name] = pid
+            self._watched.move_to_end(name)
+            if len(self._watched) > WATCH_MAX:
+                self._watched.popitem(last=False)
+            self._watch_wake.set()
 
     def _sealed(self, peer: PeerInfo, msg: wire.Record) -> wire.Record:
         """With a shared secret, `msg` in an envelope under our session key with `peer`

@@ -124,6 +124,8 @@ class Reaped:
 
     removed: dict[str, int] = field(default_factory=dict)
     kept: dict[str, str] = field(default_factory=dict)
+    alive: dict[str, int] = field(default_factory=dict)
+    """Of `kept`, those kept only because their creator (this pid) is alive."""
 
 
 def reap_segments(
@@ -159,6 +161,7 @@ def reap_segments(
             out.kept[name] = f"owned by uid {st.st_uid}, not {uid}"
         elif pid_alive(pid):
             out.kept[name] = f"its creator, pid {pid}, is alive"
+            out.alive[name] = pid
         else:
             candidates[name] = (pid, st.st_dev, st.st_ino)
     if not candidates:

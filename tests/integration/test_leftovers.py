@@ -390,6 +390,38 @@ def test_killed_worker_segment_goes_when_its_session_ends(
             stop(p)
 
 
+def test_a_frozen_workers_segment_goes_once_it_is_killed_later(
+    daemons: StartDaemon, segments: list[str]
+) -> None:
+    """A worker frozen past the client timeout: its session ends, its segment is kept (its
+    creator lives). Killed later, it has no session left to end; the daemon, watching the
+    creators of the segments it kept, removes the segment within a second or two."""
+    d = daemons("kvd-reap-frozen", overrides={"daemon": {"client_timeout": 1.0, **REAP}})
+    w, seg = worker(d, "wf")
+    segments.append(seg)
+    try:
+        assert tell(w, "register") == "registered"
+        w.send_signal(signal.SIGSTOP)
+        kept = wait_until(
+            lambda: [k for k in events(d, "staging_segment_kept") if k["segment"] == seg],
+            15.0,
+            "the segment judged at the session's end",
+        )
+        assert kept[0]["reason"] == f"its creator, pid {w.pid}, is alive"
+        time.sleep(1.5)  # watched: kept while its creator lives
+        assert exists(seg) and reaped_count(d) == 0
+        w.kill()
+        w.wait()
+        wait_until(lambda: not exists(seg), 10.0, "removed once its creator is gone")
+        reaped = events(d, "staging_segment_reaped")
+        assert [(r["segment"], r["when"], r["creator_pid"]) for r in reaped] == [
+            (seg, "creator_gone", w.pid)
+        ]
+        assert reaped_count(d) == 1
+    finally:
+        stop(w)
+
+
 def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
     daemons: StartDaemon, segments: list[str]
 ) -> None:
