@@ -76,9 +76,9 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.sender", actor="sender")
 
 MAX_COALESCED: Final = 1024
+"""Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
 TEMPLATES: Final = 64
 """Region shapes whose gather templates are kept (least recently used dropped)."""
-"""Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
 
 
 class Sender(TransferActor):
@@ -125,12 +125,12 @@ class Sender(TransferActor):
             unsettled_hold=2 * transfer_timeout + 1.0,
         )
         self.staging = staging
+        """Daemon-owned registered memory (shared with the receiver) where a push with
+        many small descriptors is gathered before its WRITE (`_gather`)."""
         self._templates: collections.OrderedDict[tuple[Any, ...], GatherTemplate | None] = (
             collections.OrderedDict()
         )
         """Gather templates by the shape of the P and D regions (`_template`)."""
-        """Daemon-owned registered memory (shared with the receiver) where a push with
-        many small descriptors is gathered before its WRITE (`_gather`)."""
         self.post_fence = transfer_timeout
         """Seconds (raw monotonic: a stall counts) within which a WRITE the machine decided
         must be posted, or it is not posted at all (`Transport.transfer`'s `post_by`)."""
@@ -345,20 +345,16 @@ class Sender(TransferActor):
                     f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
                 )
             # a shape whose pushes are gathered on P skips the direct plans (`template`)
-            template = self._template(local, remote)
-            rp = None
-            if template is None:
-                rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
-            pairs = template.pairs if template is not None else rp.pairs  # type: ignore[union-attr]
-            locs = [local[x.p] for x in pairs]
-            rems = [remote[x.d] for x in pairs]
+            how: GatherTemplate | RequestPlan = self._template(local, remote) or plan_any(
+                local, eff.p_blocks, remote, reg.block_ids, local_is_p=True
+            )
+            locs = [local[x.p] for x in how.pairs]
+            rems = [remote[x.d] for x in how.pairs]
             notifs = [  # one per transfer: D counts them
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
             settled: Callable[[], None] = watch
-            how = template if template is not None else rp
-            assert how is not None
             staged = await self._gather(
                 eff.key, local, remote, how, eff.p_blocks, reg.block_ids, len(notifs)
             )
@@ -373,9 +369,9 @@ class Sender(TransferActor):
                     watch()
 
             else:  # WRITTEN by the direct plans
-                if rp is None:
-                    rp = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
-                plans = list(rp.plans)
+                if not isinstance(how, RequestPlan):  # the template's gather was not made
+                    how = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+                plans = list(how.plans)
 
             await self.book.run(
                 "WRITE", eff.key, eff.agent, locs, rems, plans, notifs, settled, post_by=post_by
