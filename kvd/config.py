@@ -782,6 +782,13 @@ class TiersConfig(_Section):
         "(stronger, ~2 GB/s per core), or `none` (only the length is checked).",
         choices=("sum64", "crc32", "none"),
     )
+    disk_client_reads: bool = _opt(
+        True,
+        "Engines on this node read disk-tier hits straight from the block files into "
+        "their own memory and check them (one pass over the bytes; the daemon pins the "
+        "files meanwhile); they need read access to `disk_path`, else they load through "
+        "the host pool as when this is off (read into a slot, checked, copied out).",
+    )
     promote_on_hit: bool = _opt(
         True,
         "A disk-tier or peer-tier block that is loaded stays in the host tier afterwards "

@@ -16,7 +16,13 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
   the client copies each block out; an unpin releases them (sent without waiting for
   its answer). With a disk tier, a load is pinned in parts of about `PART_BYTES`,
   pipelined: the next parts' pins are sent before a part is copied out, so the daemon
-  reads and checks disk-tier blocks while the client copies.
+  reads and checks disk-tier blocks while the client copies. Where the daemon lets its
+  engines read the disk tier's files (`TierOpened.disk_files`) and this client can, a
+  disk hit is not read into the pool: the daemon pins its file and the client reads it
+  straight into the destination and checks it (`kvd_client.tierfiles.read_block`: one
+  pass over the bytes instead of three); a file that cannot be read or fails its check
+  is loaded once more through the pool, where the daemon finds a bad file bad (a miss,
+  the file removed, counted).
 A reservation or pin is held for the session only: if the client dies, its session ends
 (its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
 daemon drops its pins; one left longer
@@ -57,6 +63,7 @@ from kvd_client.errors import (
     error_from_code,
 )
 from kvd_client.shm import MAP_POPULATE, SHM_DIR, check_name
+from kvd_client.tierfiles import can_sum64, read_block
 
 __all__ = ["TierClient"]
 
@@ -123,6 +130,17 @@ class TierClient:
         """One-way commits the daemon refused (their blocks were not stored)."""
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
+        self.read_files = True
+        """Read disk-tier hits from the daemon's files where the daemon allows it (off:
+        every load goes through the pool)."""
+        self.files_read = 0
+        """Disk-tier blocks read straight from their files into the destination."""
+        self.files_failed = 0
+        """Of those, reads that failed (loaded through the pool instead: a bad file is
+        then found bad by the daemon, removed and a miss)."""
+        self._files_unreadable = False
+        """A file this client could not open was good for the daemon: the client cannot
+        read the daemon's files (permissions, another mount namespace); it stops trying."""
         self._closed = False
         try:
             with self._lock:
@@ -201,31 +219,63 @@ class TierClient:
             if self._sock is None:
                 self._open_session()
             try:
-                return self._load(keys, views)
+                return self._load_all(keys, views)
             except ProtocolError as exc:
                 if "Hello" not in exc.message and "closed" not in exc.message:
                     raise
             # the daemon forgot our session before any part was pinned: reopen, once
             self.reopened += 1
             self._open_session()
-            return self._load(keys, views)
+            return self._load_all(keys, views)
 
-    def _load(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+    def _files_root(self) -> str:
+        """Where this client reads disk-tier files from, or "" (through the pool)."""
+        info = self._info()
+        if not self.read_files or self._files_unreadable or not info.disk_files:
+            return ""
+        if info.disk_verify and not can_sum64():
+            return ""  # (a file's sum64 needs numpy)
+        return info.disk_files
+
+    def _load_all(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """`_load`, then the disk hits whose files could not be read here once more
+        through the pool (the daemon reads and checks them: a bad file is a miss)."""
+        failed: dict[int, str] = {}
+        out = self._load(keys, views, self._files_root(), failed)
+        if not failed:
+            return out
+        self.files_failed += len(failed)
+        idx = sorted(failed)
+        again = self._load([keys[i] for i in idx], [views[i] for i in idx], "", {})
+        for i, ok in zip(idx, again, strict=True):
+            out[i] = ok
+            if ok and failed[i].startswith(("open:", "read:")):
+                self._files_unreadable = True
+        return out
+
+    def _load(
+        self, keys: Sequence[bytes], views: list[memoryview], root: str, failed: dict[int, str]
+    ) -> list[bool]:
         """Pipelined: the pins of the next parts are sent before this part is copied out,
         so the daemon reads (and checks) disk-tier blocks while the client copies: at
         most half the pool is pinned at once, so that disk hits find slots to be read
         into. Host-tier hits pay one round trip (the first part's). Without a disk tier
-        a load is one part (up to half the pool)."""
+        a load is one part (up to half the pool). With `root`, disk hits are read here
+        from their files under it (pinned by the daemon until the part's unpin), checked,
+        and those that fail are put in `failed` (index -> why), not loaded."""
         out = [False] * len(keys)
         num_slots = self._num_slots()
         window = max(1, min(MAX_BATCH, num_slots // 2))
-        # parts only where the disk may be read: for host-tier hits the extra messages
-        # cost more than they hide (measured: ~13% slower for 64 MiB on 2 cores)
-        per = max(1, min(window, PART_BYTES // self.block_bytes)) if self._info().disk else window
+        # parts only where the daemon may read the disk: for host-tier hits, and disk hits
+        # this client reads from their files, the extra messages cost more than they hide
+        # (measured: ~13% slower for 64 MiB of host hits on 2 cores)
+        parts = self._info().disk and not root
+        per = max(1, min(window, PART_BYTES // self.block_bytes)) if parts else window
         todo: list[tuple[int, list[int], wire.TierPin]] = []  # (base, indices, pin)
         for base, part in _indexed_parts(keys, per):
             for key_bytes, idx, blob in _by_length(part):
-                todo.append((base, idx, wire.TierPin(self.namespace, key_bytes, blob)))
+                pin = wire.TierPin(self.namespace, key_bytes, blob, files=bool(root))
+                todo.append((base, idx, pin))
         sent: list[tuple[int, int, list[int]]] = []  # (corr, base, indices), in order
         pinned = 0
         nxt = 0
@@ -246,12 +296,23 @@ class TierClient:
                     pool = self._need_pool()
                     sb = self._slot_bytes()
                     bb = self.block_bytes
-                    _check_slots(slots.slots, num_slots)
+                    _check_slots(slots.slots, num_slots, files=bool(root))
+                    verify = self._info().disk_verify
                     for i, s in zip(idx, slots.slots, strict=True):
+                        j = base + i
                         if s >= 0:
                             off = s * sb
-                            views[base + i][:bb] = pool[off : off + bb]
-                            out[base + i] = True
+                            views[j][:bb] = pool[off : off + bb]
+                            out[j] = True
+                        elif s == wire.SLOT_FILE:
+                            why = read_block(
+                                root, (self.namespace, keys[j]), views[j][:bb], verify=verify
+                            )
+                            if why:
+                                failed[j] = why
+                            else:
+                                self.files_read += 1
+                                out[j] = True
                 finally:
                     self._release(slots.op, store=False, wait=False)
         finally:
@@ -502,9 +563,11 @@ class TierClient:
                 self._sock.send(wire.encode(wire.TierUnpin(reply.op), corr), flags=zmq.NOBLOCK)
 
 
-def _check_slots(slots: Sequence[int], num_slots: int) -> None:
-    """The daemon's slots must lie in its pool (never turned into a wild offset)."""
-    if any(s >= num_slots or s < wire.SLOT_REFUSED for s in slots):
+def _check_slots(slots: Sequence[int], num_slots: int, *, files: bool = False) -> None:
+    """The daemon's slots must lie in its pool (never turned into a wild offset), and name
+    a file only where the client asked to read files."""
+    low = wire.SLOT_FILE if files else wire.SLOT_REFUSED
+    if any(s >= num_slots or s < low for s in slots):
         raise ProtocolError(f"a slot outside the pool's {num_slots} slots")
 
 

@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 4
+PROTOCOL_VERSION: Final = 5
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
@@ -1157,6 +1157,11 @@ class TierOpened(Record):
     """Seconds the daemon suggests a client waits for a lookup (`tiers.lookup_timeout`)."""
     disk: bool
     """Whether the daemon has a disk tier."""
+    disk_files: Annotated[str, Len(0, 4096)]
+    """The disk tier's directory, where the client may read block files itself
+    (`TierPin.files`); "" = it may not (no disk tier, or `tiers.disk_client_reads` off)."""
+    disk_verify: bool
+    """Whether loads check a block file's checksum (`tiers.disk_checksum` is not "none")."""
 
 
 @message(102)
@@ -1199,6 +1204,9 @@ SLOT_HELD: Final = -1
 """In `TierSlots` of a store: the key is already held (nothing to copy). Of a load: a miss."""
 SLOT_REFUSED: Final = -2
 """In `TierSlots` of a store: no room (every slot pinned) or no room on the key's tier."""
+SLOT_FILE: Final = -3
+"""In `TierSlots` of a load with `files`: a disk-tier hit the client reads from its file
+(pinned until `TierUnpin`)."""
 
 
 @message(105)
@@ -1234,11 +1242,14 @@ class TierFlags(Record):
 @dataclasses.dataclass(frozen=True)
 class TierPin(Record):
     """Load, step 1: pin the keys' blocks in host slots (a disk hit is read into one
-    first). Answered by `TierSlots` (SLOT_HELD = a miss)."""
+    first). Answered by `TierSlots` (SLOT_HELD = a miss). `files`: the client reads disk
+    hits from their files itself (`TierOpened.disk_files`): such a key is answered
+    SLOT_FILE, its file pinned until `TierUnpin`."""
 
     namespace: Namespace
     key_bytes: KeyBytes
     keys: TierKeys
+    files: bool = False
 
 
 @message(109)

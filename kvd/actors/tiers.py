@@ -56,13 +56,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import math
 import os
 import secrets
-import struct
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -83,6 +80,16 @@ from kvd_client.errors import (
     TransferError,
 )
 from kvd_client.shm import SharedRegion
+from kvd_client.tierfiles import (
+    CHECKSUMS,
+    SUFFIX,
+    TMP_SUFFIX,
+    TRAILER,
+    block_checksum,
+    block_path,
+    read_trailer,
+    trailer_of,
+)
 
 from kvd.actors.base import Mailbox
 from kvd.actors.gateway import transport_cap
@@ -120,21 +127,14 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.tiers", actor="tiers")
 
 POOL_PREFIX: Final = "kvd-tiers-"
-MAGIC: Final = b"KVDTIER1"
-TRAILER: Final = struct.Struct("<8sQQHHI")
-"""magic, data bytes, checksum (of data, namespace, key), namespace length, key length,
-checksum kind; 32 bytes."""
-CHECKSUMS: Final = {"none": 0, "sum64": 1, "crc32": 2}
-"""`tiers.disk_checksum` -> the kind recorded in a file's trailer."""
-_MASK64: Final = (1 << 64) - 1
-SUFFIX: Final = ".blk"
-TMP_SUFFIX: Final = ".tmp"
 DEMOTE_BATCH: Final = 64
 """Blocks written to disk in one NIXL transfer by the background demoter."""
 DISK_IO_TIMEOUT: Final = 60.0
 UNSETTLED: Final = "unsettled"
 """Why a disk transfer failed when NIXL still had it in flight (`Unsettled`)."""
 PEER_SESSION: Final = "\0peer:"
+PROMOTE_SESSION: Final = "\0promote"
+"""The session of the daemon's own promotions of blocks that clients read from files."""
 """Prefix of the session a peer's pins belong to (no client's session starts so)."""
 PEER_HINTS: Final = 1 << 16
 """Keys remembered with the peer a lookup found them on."""
@@ -184,58 +184,6 @@ class _PeerDialed:
 @dataclass
 class _Opened:
     namespaces: set[bytes] = field(default_factory=set)
-
-
-def block_path(root: str, key: TierKey) -> str:
-    """Where the disk tier keeps `key`'s block (a digest: keys may be long)."""
-    ns, k = key
-    h = hashlib.blake2b(len(ns).to_bytes(2, "big") + ns + k, digest_size=20).hexdigest()
-    return os.path.join(root, h[:2], h + SUFFIX)
-
-
-def trailer_of(key: TierKey, nbytes: int, kind: int, checksum: int) -> bytes:
-    ns, k = key
-    return ns + k + TRAILER.pack(MAGIC, nbytes, checksum, len(ns), len(k), kind)
-
-
-def read_trailer(fd: int, size: int) -> tuple[TierKey, int, tuple[int, int]] | str:
-    """(key, data bytes, (checksum kind, checksum)) from a block file of `size` bytes, or
-    why it is bad."""
-    if size < TRAILER.size:
-        return "truncated"
-    raw = os.pread(fd, TRAILER.size, size - TRAILER.size)
-    if len(raw) != TRAILER.size:
-        return "truncated"
-    magic, nbytes, checksum, ns_len, key_len, kind = TRAILER.unpack(raw)
-    if magic != MAGIC:
-        return "bad magic"
-    if kind not in CHECKSUMS.values():
-        return "unknown checksum kind"
-    if size != nbytes + ns_len + key_len + TRAILER.size or ns_len == 0 or key_len == 0:
-        return "wrong length"
-    names = os.pread(fd, ns_len + key_len, nbytes)
-    if len(names) != ns_len + key_len:
-        return "truncated"
-    return (names[:ns_len], names[ns_len:]), nbytes, (kind, checksum)
-
-
-def block_checksum(kind: int, data: memoryview, key: TierKey) -> int:
-    """A block's checksum of `kind` over its bytes, namespace and key. sum64: the 64-bit
-    wrapping sum of its little-endian words (about memory speed: catches flipped bits and
-    zeroed or cut data, not reordered words); crc32: CRC-32 (stronger, ~2 GB/s here).
-    Both release the GIL (numpy's reduction, zlib)."""
-    names = len(key[0]).to_bytes(2, "little") + key[0] + key[1]
-    if kind == CHECKSUMS["crc32"]:
-        return zlib.crc32(names, zlib.crc32(data))
-    if kind == CHECKSUMS["sum64"]:
-        n8 = len(data) // 8 * 8
-        total = int(np.add.reduce(np.frombuffer(data[:n8], dtype="<u8"), dtype=np.uint64))
-        tail = bytes(data[n8:])
-        if tail:
-            total += int.from_bytes(tail, "little")
-        total += int.from_bytes(hashlib.blake2b(names, digest_size=8).digest(), "little")
-        return total & _MASK64
-    return 0
 
 
 def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
@@ -538,7 +486,7 @@ class Tiers:
         elif isinstance(m, wire.TierReserve):
             self._reserve(req, keys)
         else:
-            self._pin(req, keys)
+            self._pin(req, keys, files=m.files)
 
     # ---------------------------------------------------------------- requests
 
@@ -567,7 +515,16 @@ class Tiers:
             self.cfg.pin_timeout,
             self.cfg.lookup_timeout,
             self.disk is not None,
+            self._client_files,
+            self.cfg.disk_checksum != "none",
         )
+
+    @property
+    def _client_files(self) -> str:
+        """The disk tier's directory where clients may read its files, or ""."""
+        if self.disk is None or not self.cfg.disk_client_reads:
+            return ""
+        return self.disk_root
 
     def _lookup(self, keys: list[TierKey]) -> bytes:
         host, disk = self.host, self.disk
@@ -636,16 +593,20 @@ class Tiers:
         self._keep_free()
         return wire.TierFlags(bytes(flags))
 
-    def _pin(self, req: ClientRequest, keys: list[TierKey], *, peer: str = "") -> None:
+    def _pin(
+        self, req: ClientRequest, keys: list[TierKey], *, peer: str = "", files: bool = False
+    ) -> None:
         """A load's pins (module docstring); `peer`: for that peer daemon's READ (never
-        passed on to our own peers)."""
+        passed on to our own peers); `files`: the client reads disk hits from their files
+        (answered SLOT_FILE, the file pinned: never deleted meanwhile)."""
         host, disk = self.host, self.disk
         assert host is not None
         hold = self.cfg.peer_pin_timeout if peer else self.cfg.pin_timeout
         op = self.ops.open(req.session, OpKind.LOAD, self.clock.now() + hold)
         op.keys = keys
         op.slots = [wire.SLOT_HELD] * len(keys)
-        n_host = 0
+        n_host = n_files = 0
+        files = files and not peer and bool(self._client_files)
         from_peers: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             slot = host.pin(k)
@@ -653,12 +614,19 @@ class Tiers:
                 op.slots[i] = slot
                 n_host += 1
             elif disk is not None and disk.ready(k):
-                op.waiting.append(i)
+                if files and disk.nbytes(k) == self.slot_bytes and disk.pin(k):
+                    op.slots[i] = wire.SLOT_FILE
+                    n_files += 1
+                else:
+                    op.waiting.append(i)
             elif not peer and (agent := self.hints.get(k)) is not None:
                 from_peers.setdefault(agent, []).append(i)
         if not peer:  # (a peer's: counted when answered, disk hits included)
             self._count("tiers_host_bytes_out", n_host * self.slot_bytes)
-            self._count("tiers_blocks_loaded", n_host)
+            self._count("tiers_blocks_loaded", n_host + n_files)
+        if n_files:
+            self._count("tiers_disk_client_reads", n_files)
+            self._count("tiers_disk_bytes_out", n_files * self.slot_bytes)
         self.op_reqs[op.op] = req
         for agent, idxs in sorted(from_peers.items()):
             self._start_peer_load(op, agent, idxs)
@@ -719,7 +687,10 @@ class Tiers:
         if op.waiting:
             self.waiters[op.op] = op  # (kept in place if it was waiting already)
             self._keep_free()
-            if self.demoting == 0 and not op.pending:  # nothing will free a slot for it
+            # nothing will free a slot for it: no demotion, and no read under way (a
+            # read of the same block for another load, or a promotion, ends in the host
+            # tier or in a miss; either way this op is placed again then)
+            if self.demoting == 0 and self.reading == 0 and not op.pending:
                 if op.kind is OpKind.STORE:
                     self._count("tiers_store_refused", len(op.waiting))
                     for i in op.waiting:
@@ -768,7 +739,13 @@ class Tiers:
         waiting = set(op.waiting)
         op.waiting = []
         self.waiters.pop(op.op, None)
+        read_by_client: list[TierKey] = []
         for i, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
+            if slot == wire.SLOT_FILE:
+                if self.disk is not None:
+                    self.disk.unpin(k)
+                read_by_client.append(k)
+                continue
             if slot < 0 or i in waiting or (k, slot) in op.pending:
                 continue
             if op.kind is OpKind.STORE:
@@ -776,8 +753,29 @@ class Tiers:
             else:
                 host.unpin(k)
         self._answer(op)
+        if read_by_client and self.cfg.promote_on_hit:
+            self._promote(read_by_client)
         self._keep_free()
         self._retry_waiters()
+
+    def _promote(self, keys: list[TierKey]) -> None:
+        """Bring disk blocks that a client read from their files into the host tier
+        (`promote_on_hit`), in the background, once that load is over: read into free
+        slots (or slots of blocks already on disk), never waiting for the demoter."""
+        host, disk = self.host, self.disk
+        assert host is not None and disk is not None
+        todo = [k for k in dict.fromkeys(keys) if k not in host and disk.ready(k)]
+        if not todo:
+            return
+        op = self.ops.open(PROMOTE_SESSION, OpKind.LOAD, self.clock.now() + self.cfg.pin_timeout)
+        op.keys = todo
+        op.slots = [wire.SLOT_HELD] * len(todo)
+        op.waiting = list(range(len(todo)))
+        self._place(op)
+        # released at once: reads under way end in the host tier (their pins dropped as
+        # they end), blocks that found no slot are not promoted
+        self._count("tiers_promote_no_room", len(op.waiting))
+        self._release(op.op)
 
     # ---------------------------------------------------------------- peers: asking
 
@@ -1306,9 +1304,10 @@ class Tiers:
                 error=why,
             )
             op.slots[index[k]] = wire.SLOT_HELD
-        self._count("tiers_disk_bytes_out", good * self.slot_bytes)
         self._count("tiers_blocks_promoted", good)
-        self._count("tiers_blocks_loaded", good)
+        if op.session != PROMOTE_SESSION:  # (a client's read of those files was counted)
+            self._count("tiers_disk_bytes_out", good * self.slot_bytes)
+            self._count("tiers_blocks_loaded", good)
         self._answer(op)
         self._keep_free()
         self._retry_waiters()

@@ -8,7 +8,10 @@
   against a memcpy of the same bytes.
 - Disk tier: the request's blocks written by the demoter, the daemon restarted (its disk
   index rebuilt: nothing in the host tier), then loads from disk (`promote_on_hit` off,
-  so every load reads the files) against, in the same run and page-cache state, plain
+  so every load reads the files; the client reads each file straight into the
+  destination and checks it, `tiers.disk_client_reads`; beside it the same load through
+  the pool, the client's file reads off: the daemon's NIXL read into a slot, its check,
+  the client's copy out) against, in the same run and page-cache state, plain
   buffered reads of the same files (`readinto`, one file after another) into the
   request's destination (the same bytes delivered: the target's baseline) and into one
   reused block-sized buffer (cache-resident: no 64 MiB of distinct memory written),
@@ -337,15 +340,21 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
             if not all(found):
                 raise RuntimeError(f"only {sum(found)} of {n} blocks reached the disk")
             # the request's own files, in its order (the daemon reads exactly these)
-            from kvd.actors.tiers import block_path
+            from kvd_client.tierfiles import block_path
 
             files = [Path(block_path(str(root), (NS, k))) for k in keys]
             small = memoryview(bytearray(bb))
 
             def load() -> None:
-                got = c.load(keys, dests)
-                if not all(got) or dst != src_all:
-                    raise RuntimeError("a disk load returned wrong bytes")
+                if not all(c.load(keys, dests)):
+                    raise RuntimeError("a disk load missed")
+
+            def load_pool() -> None:  # the same load with the client's file reads off
+                c.read_files = False
+                try:
+                    load()
+                finally:
+                    c.read_files = True
 
             def into_one() -> None:
                 for path in files:
@@ -361,7 +370,16 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
             for state in ("warm", "cold"):
                 for _ in range(cfg.reps):
                     dview[:] = bytes(len(dview))
+                    files_read = c.files_read
                     timed("load", state, files, load)
+                    if dst != src_all:  # (checked after the timing, as the reads' below)
+                        raise RuntimeError("a disk load returned wrong bytes")
+                    if c.files_read - files_read != n:
+                        raise RuntimeError("a disk load did not read the files itself")
+                    dview[:] = bytes(len(dview))
+                    timed("load_pool", state, files, load_pool)
+                    if dst != src_all:
+                        raise RuntimeError("a disk load through the pool returned wrong bytes")
                     if state == "warm":
                         after = c.stats()["counters"]
                     dview[:] = bytes(len(dview))
@@ -401,6 +419,10 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
         out[f"read_one_gbps_{state}"] = round(gb / med[f"read_one_{state}"], 2)
         out[f"nixl_posix_gbps_{state}"] = round(gb / med[f"nixl_posix_{state}"], 2)
         out[f"load_vs_read_dest_{state}"] = round(med[f"read_dest_{state}"] / ld, 3)
+        out[f"load_pool_gbps_{state}"] = round(gb / med[f"load_pool_{state}"], 2)
+        out[f"load_pool_vs_read_dest_{state}"] = round(
+            med[f"read_dest_{state}"] / med[f"load_pool_{state}"], 3
+        )
         out[f"load_vs_read_one_{state}"] = round(med[f"read_one_{state}"] / ld, 3)
         out[f"nixl_posix_vs_read_dest_{state}"] = round(
             med[f"read_dest_{state}"] / med[f"nixl_posix_{state}"], 3

@@ -3,6 +3,7 @@ disk tier), the real shared-memory pool and real files; every loaded byte is che
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvd_client import wire
 from kvd_client.errors import ProtocolError
+from kvd_client.tierfiles import SUFFIX, TMP_SUFFIX, block_path, read_block
 from kvd_client.tiers import TierClient
 
-from kvd.actors.tiers import SUFFIX, TMP_SUFFIX, block_path
 from kvd.demo import start_daemon
 
 from .conftest import StartDaemon, shm_segments
@@ -44,13 +46,17 @@ def tiers_cfg(**kw: Any) -> dict[str, dict[str, Any]]:
     return {"tiers": tiers}
 
 
-def load_check(c: TierClient, ids: list[int], ns: bytes = NS) -> list[bool]:
+def load_check(
+    c: TierClient, ids: list[int], ns: bytes = NS, *, bad_files: frozenset[int] = frozenset()
+) -> list[bool]:
+    """Load `ids`, check every loaded byte, and that a miss left its dest untouched (but
+    for `bad_files`: blocks whose bad file the client read itself before checking it)."""
     dests = [bytearray(c.block_bytes) for _ in ids]
     got = c.load([key(i) for i in ids], [memoryview(d) for d in dests])
     for i, ok, d in zip(ids, got, dests, strict=True):
         if ok:
             assert bytes(d) == block(i, ns), f"block {i}: wrong bytes"
-        else:
+        elif i not in bad_files:
             assert bytes(d) == bytes(len(d)), f"block {i}: a miss wrote into its dest"
     return got
 
@@ -107,12 +113,16 @@ def test_lru_eviction_never_evicts_pinned(daemons: StartDaemon) -> None:
         assert s["host"]["blocks"] == 16
 
 
-def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir: Path) -> None:
+@pytest.mark.parametrize("client_reads", [True, False], ids=["client-reads", "through-pool"])
+def test_disk_tier_demote_promote_and_warm_restart(
+    daemons: StartDaemon, workdir: Path, client_reads: bool
+) -> None:
     root = workdir / "disk"
     cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=0.25)
     d = daemons("t4", overrides=cfg)
     ids = list(range(40))
     with TierClient(d.socket, NS, BB) as c:
+        c.read_files = client_reads
         for i in ids:  # one at a time: the demoter keeps 4 slots free as they come
             assert c.store([key(i)], [memoryview(block(i))]) == [True]
             time.sleep(0.01)
@@ -133,16 +143,20 @@ def test_disk_tier_demote_promote_and_warm_restart(daemons: StartDaemon, workdir
     # warm restart: the disk index is rebuilt from the files
     d2 = daemons("t4b", overrides=cfg)
     with TierClient(d2.socket, NS, BB) as c:
+        c.read_files = client_reads
         on_disk = c.batch_lookup([key(i) for i in ids])
         assert sum(on_disk) == len(files)
         held = [i for i, ok in zip(ids, on_disk, strict=True) if ok]
         assert load_check(c, held) == [True] * len(held)
         assert c.stats()["disk"]["blocks"] == len(files)
+        assert c.files_read == (len(held) if client_reads else 0)
+        assert c.files_failed == 0
 
 
+@pytest.mark.parametrize("client_reads", [True, False], ids=["client-reads", "through-pool"])
 @pytest.mark.parametrize("checksum", ["sum64", "crc32"])
 def test_corrupt_and_truncated_files_are_misses(
-    daemons: StartDaemon, workdir: Path, checksum: str
+    daemons: StartDaemon, workdir: Path, checksum: str, client_reads: bool
 ) -> None:
     root = workdir / "disk"
     cfg = tiers_cfg(
@@ -165,15 +179,144 @@ def test_corrupt_and_truncated_files_are_misses(
         f.truncate(BB // 2)
     d2 = daemons("t5b", overrides=cfg)
     with TierClient(d2.socket, NS, BB) as c:
+        c.read_files = client_reads
         # the truncated file fails its length check when the index is rebuilt
         assert not cut.exists()
         assert c.batch_lookup([key(0), key(1)]) == [True, False]
-        # the flipped byte fails its checksum when loaded: a miss, removed, counted
-        assert load_check(c, [0, 2]) == [False, True]
+        # the flipped byte fails its checksum when loaded: a miss, removed, counted (the
+        # client that read it itself found it bad and loaded it again through the pool,
+        # where the daemon found it bad)
+        assert load_check(c, [0, 2], bad_files=frozenset({0})) == [False, True]
         assert not flip.exists()
         assert c.batch_lookup([key(0)]) == [False]
         status = c.stats()
         assert status["disk"]["blocks"] == len(files) - 2
+        assert status["counters"]["disk_corrupt"] == 2  # (the cut one too)
+        assert (c.files_read, c.files_failed) == ((1, 1) if client_reads else (0, 0))
+        assert not c._files_unreadable  # a bad file is not a file the client cannot read
+
+
+def _on_disk_only(daemons: StartDaemon, name: str, cfg: dict[str, Any], n: int) -> Any:
+    """A daemon whose disk tier holds blocks 0..n-1 and whose host tier holds nothing:
+    stored, demoted, then the daemon restarted (its index rebuilt from the files)."""
+    d = daemons(name, overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        for i in range(n):
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+        # more stored until every one of 0..n-1 is on disk
+        filler = iter(range(1000, 1100))
+        root = cfg["tiers"]["disk_path"]
+        while not all(Path(block_path(root, (NS, key(i)))).exists() for i in range(n)):
+            i = next(filler)
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            _wait(lambda: c.stats()["host"]["demoting"] == 0)
+    d.stop()
+    d2 = daemons(name + "b", overrides=cfg)
+    with TierClient(d2.socket, NS, BB) as c:
+        assert c.batch_lookup([key(i) for i in range(n)]) == [True] * n
+        assert c.stats()["host"]["blocks"] == 0
+    return d2
+
+
+@pytest.mark.parametrize("promote", [True, False], ids=["promote", "no-promote"])
+def test_disk_hits_read_by_the_client_from_their_files(
+    daemons: StartDaemon, workdir: Path, promote: bool
+) -> None:
+    """A disk hit goes straight from its file into the client's memory (one pass), checked
+    there; with `promote_on_hit` the daemon brings it into the host tier afterwards, so
+    the next load is a host hit."""
+    cfg = tiers_cfg(
+        disk_path=str(workdir / "disk"), disk_bytes=64 * BB, low_water=0.25, promote_on_hit=promote
+    )
+    d = _on_disk_only(daemons, "t7", cfg, 8)
+    with TierClient(d.socket, NS, BB) as c:
+        ids = list(range(8))
+        assert load_check(c, ids) == [True] * 8
+        assert (c.files_read, c.files_failed) == (8, 0)
+        counters = c.stats()["counters"]
+        assert counters["disk_client_reads"] == 8
+        assert counters["blocks_loaded"] == 8
+        assert c.stats()["ops_open"] == 0 or promote
+        if promote:
+            _wait(lambda: c.stats()["counters"].get("blocks_promoted", 0) == 8)
+            assert c.stats()["host"]["blocks"] == 8
+            assert load_check(c, ids) == [True] * 8
+            assert c.files_read == 8  # host hits now
+        else:
+            assert c.stats()["host"]["blocks"] == 0
+            assert load_check(c, ids) == [True] * 8
+            assert c.files_read == 16
+        _wait(lambda: c.stats()["ops_open"] == 0)
+        assert c.stats()["counters"]["blocks_loaded"] == 16
+
+
+def test_a_file_a_client_reads_is_not_evicted_meanwhile(
+    daemons: StartDaemon, workdir: Path
+) -> None:
+    """The daemon pins a file it tells a client to read: the disk tier's eviction passes it
+    by until the client unpins it."""
+    root = workdir / "disk"
+    cfg = tiers_cfg(disk_path=str(root), disk_bytes=8 * BB, low_water=0.25, promote_on_hit=False)
+    d = _on_disk_only(daemons, "t8", cfg, 4)
+    path = Path(block_path(str(root), (NS, key(0))))
+    with TierClient(d.socket, NS, BB) as c:
+        pin = wire.TierPin(NS, 36, key(0), files=True)
+        got = c._ask(pin, wire.TierSlots, 5.0)
+        assert got.slots == (wire.SLOT_FILE,)
+        # key 0 is the least recently used file: blocks through a disk tier of 8 until
+        # the files after it (1, 2, 3) were evicted
+        others = [Path(block_path(str(root), (NS, key(i)))) for i in (1, 2, 3)]
+        more = iter(range(100, 200))
+        while any(p.exists() for p in others):
+            i = next(more)
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        assert path.exists()
+        assert c.batch_lookup([key(0)]) == [True]
+        dest = bytearray(BB)
+        assert read_block(str(root), (NS, key(0)), memoryview(dest)) == ""
+        assert bytes(dest) == block(0)
+        c._release(got.op, store=False)
+        # unpinned: it goes with the next evictions (within a disk tier's worth)
+        more = iter(range(200, 216))
+        while path.exists():
+            i = next(more)
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        assert c.batch_lookup([key(0)]) == [False]
+
+
+@pytest.mark.parametrize("why", ["daemon-says-no", "client-cannot-open"])
+def test_loads_go_through_the_pool_where_files_cannot_be_read(
+    daemons: StartDaemon, workdir: Path, why: str
+) -> None:
+    """A daemon that keeps its files to itself (`disk_client_reads` off), or a client that
+    cannot open them (another mount namespace, permissions; the directory it is told is
+    replaced by one it cannot see, the fault a real namespace would give): every load
+    still succeeds, through the pool; the client stops trying files after the first."""
+    cfg = tiers_cfg(
+        disk_path=str(workdir / "disk"),
+        disk_bytes=64 * BB,
+        low_water=0.25,
+        promote_on_hit=False,
+        disk_client_reads=why != "daemon-says-no",
+    )
+    d = _on_disk_only(daemons, "t9", cfg, 4)
+    with TierClient(d.socket, NS, BB) as c:
+        info = c._info()
+        if why == "daemon-says-no":
+            assert info.disk_files == ""
+        else:
+            assert info.disk_files == str(workdir / "disk")
+            c._opened = dataclasses.replace(info, disk_files=str(workdir / "not-mounted"))
+        assert load_check(c, [0, 1]) == [True, True]
+        assert load_check(c, [2, 3]) == [True, True]
+        assert c.files_read == 0
+        assert c.files_failed == (0 if why == "daemon-says-no" else 2)
+        assert c._files_unreadable == (why != "daemon-says-no")
+        counters = c.stats()["counters"]
+        assert counters.get("disk_client_reads", 0) == (0 if why == "daemon-says-no" else 2)
+        assert counters.get("disk_corrupt", 0) == 0
 
 
 def test_killed_client_pins_released(daemons: StartDaemon) -> None:

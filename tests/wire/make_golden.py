@@ -449,6 +449,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             pin_timeout=30.0,
             lookup_timeout=2.0,
             disk=True,
+            disk_files="/var/lib/kvd/tiers",
+            disk_verify=True,
         ),
     ),
     "TierLookup": (
@@ -460,7 +462,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "TierSlots": (62, wire.TierSlots(op=7, slots=(5, -1, -2, 1 << 20))),
     "TierCommit": (63, wire.TierCommit(op=7, ok=bytes([1, 0, 1]))),
     "TierFlags": (63, wire.TierFlags(flags=bytes([1, 1, 0]))),
-    "TierPin": (64, wire.TierPin(namespace=b"compat-A", key_bytes=3, keys=b"abc")),
+    "TierPin": (64, wire.TierPin(namespace=b"compat-A", key_bytes=3, keys=b"abc", files=True)),
     "TierUnpin": (65, wire.TierUnpin(op=(1 << 64) - 1)),
     "PeerTierLookup": (
         66,
