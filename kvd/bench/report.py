@@ -222,6 +222,21 @@ def gpu_targets(g: dict[str, Any]) -> list[dict[str, Any]]:
     st = g.get("staging")
     if not st:
         return out
+    lw = g.get("layerwise")
+    if lw and "error" not in lw:
+        # issue 11's layer-wise rule on the P side: the last layer staged within one
+        # layer's copy + 1 ms of the forward's end
+        limit = lw["one_layer_save_ms"] + 1.0
+        out.append(
+            {
+                "target": "layer-wise save: last layer staged after the forward (GPU)",
+                "goal": "<= one layer's save + 1 ms",
+                "value": lw["async_added_ms"],
+                "unit": "ms",
+                "met": lw["async_added_ms"] <= limit,
+                "case": f"limit {limit:.2f} ms",
+            }
+        )
     for op, key in (("save", "save_vs_pinned_d2h"), ("load", "load_vs_pinned_h2d")):
         for alloc in ("contiguous", "fragmented"):
             v = float(st[f"{key}_{alloc}"])
@@ -265,6 +280,25 @@ def gpu_table(g: dict[str, Any]) -> Table:
                 t.add_row(
                     f"staging {op} {alloc} ({path})", f"{st[f'{op}_{path}_{alloc}_gbps']}", note
                 )
+    lw = g.get("layerwise")
+    if lw and "error" in lw:
+        t.add_row("layer-wise save", "failed", lw["error"])
+    elif lw:
+        what = (
+            f"{lw['layers']} layers of ~{lw['layer_compute_ms']} ms compute, "
+            f"{lw['bytes'] >> 20} MiB in {lw['blocks']} scattered blocks"
+        )
+        t.add_row("layer-wise prefill, no saves: ms", f"{lw['none_ms']}", what)
+        t.add_row(
+            "  each layer saved synchronously: ms",
+            f"{lw['sync_ms']}",
+            f"+{lw['sync_added_ms']} ms (the forward waits for every layer's copy)",
+        )
+        t.add_row(
+            "  each layer queued (save_layer_async): ms to the last layer staged",
+            f"{lw['async_ms']}",
+            f"+{lw['async_added_ms']} ms; one layer's save alone: {lw['one_layer_save_ms']} ms",
+        )
     pv = g["push_to_vram"]
     if "error" in pv:
         t.add_row("kvd push into VRAM", "failed", pv["error"])

@@ -12,6 +12,7 @@ buffer), and skip saying so where none is.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -118,3 +119,79 @@ def test_a_large_copy_is_cut_into_chunks_and_loses_nothing(
         want = b"".join(x.blocks[b].contiguous().view(torch.uint8).numpy().tobytes() for x in host)
         assert bytes(buf[b * width : (b + 1) * width]) == want, b
     dev.close()
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("kv_layout", [None, "NHD", "HND"])
+def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
+    device: str, kv_layout: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`save_layer_async` on the device path: each layer's blocks go through slabs (here
+    two, of two blocks of a layer each: pieces wait for slabs the staging thread frees),
+    and the staging thread reports each layer once, in order, after its bytes are in
+    staging; the result equals the plain path's, byte for byte."""
+    _skip_without(device)
+    lay_bytes = 2 * H * N * C * 2  # one block of one layer (K and V, bf16)
+    monkeypatch.setattr(st, "LAYER_SLABS", 2)
+    monkeypatch.setattr(st, "LAYER_SLAB_BYTES", 2 * lay_bytes)
+    order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
+    src = _kv(device, order, seed=5, layers=4)
+    host_src = {k: v.cpu() for k, v in src.items()}
+    lays, host_lays = describe(src, NB), describe(host_src, NB)
+    width = sum(x.nbytes for x in lays)
+    ref_buf, buf = bytearray(NB * width), bytearray(NB * width)
+    ref = HostStaging(host_lays, NB, memoryview(ref_buf), kv_layout)
+    dev = HostStaging(lays, NB, memoryview(buf), kv_layout, device_path=True)
+    ids = [7, 3, 4, 5, 19, 0, 11]  # four pieces of at most two blocks per layer
+    ref.save(ids)
+    done: list[tuple[int, bool]] = []
+    main = threading.get_ident()
+
+    def on_done(layer: int) -> None:
+        # the layer's bytes are in staging when it is reported
+        lay = lays[layer]
+        for b in ids:
+            row = slice(b * width + lay.offset, b * width + lay.offset + lay.nbytes)
+            assert buf[row] == ref_buf[row], (layer, b)
+        done.append((layer, threading.get_ident() == main))
+
+    for layer in range(len(lays)):
+        dev.save_layer_async(ids, layer, on_done)
+    dev.flush()
+    assert done == [(i, False) for i in range(len(lays))]
+    assert buf == ref_buf
+    assert len(dev._slabs) == 2
+    # the next step's blocks (other ids) through the same slabs
+    more = [1, 2, 23]
+    ref.save(more)
+    for layer in range(len(lays)):
+        dev.save_layer_async(more, layer, lambda _: None)
+    dev.flush()
+    assert buf == ref_buf
+    # on the plain path a layer is staged (and reported) before the call returns
+    plain: list[int] = []
+    ref.save_layer_async(ids, 1, plain.append)
+    assert plain == [1]
+    for s in (ref, dev):
+        s.close()
+
+
+def test_a_failed_layer_wise_save_is_raised_once_by_flush() -> None:
+    src = _kv("cpu", (0, 1, 2, 3), seed=6, layers=2)
+    lays = describe(src, NB)
+    buf = bytearray(NB * sum(x.nbytes for x in lays))
+    dev = HostStaging(lays, NB, memoryview(buf), device_path=True)
+
+    def boom(layer: int) -> None:
+        raise ValueError(f"layer {layer}")
+
+    dev.save_layer_async([1, 2], 0, boom)
+    with pytest.raises(RuntimeError, match="layer-wise save failed"):
+        dev.flush()
+    dev.flush()  # reported once
+    got: list[int] = []
+    dev.save_layer_async([1, 2], 1, got.append)
+    dev.flush()
+    assert got == [1]
+    dev.close()
+    assert dev._layer_thread is None

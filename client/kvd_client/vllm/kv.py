@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -823,7 +824,12 @@ class _WorkerSide:
         """Layers of the staging region (1 when uneven layer sizes stage as one chunk)."""
         self._staged: set[int] = set()
         """Staged layers of this step's blocks, so far."""
+        self._queued: set[int] = set()
+        """Layers of this step queued by `save_kv_layer` (staged once their copy is done)."""
         self._announced = 0
+        self._layer_lock = threading.Lock()
+        """`_staged` and the announcements: a queued layer is reported staged by the staging
+        thread."""
 
     def _register_hybrid(self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
@@ -893,8 +899,11 @@ class _WorkerSide:
         )
 
     def bind(self, meta: KvdConnectorMetadata) -> None:
+        if self.staging is not None:
+            self.staging.flush()  # (the last step's wait_for_save did; never left behind)
         self.meta = meta
         self._staged.clear()
+        self._queued.clear()
         self._announced = 0
         self._recv.update(meta.recv)
         self._send.update(meta.send)
@@ -903,16 +912,22 @@ class _WorkerSide:
             self._note(rid, kind)
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Stage this layer of the step's blocks now; announce the layers staged so far."""
+        """Queue this layer of the step's blocks for staging (`HostStaging.save_layer_async`:
+        with GPU tensors the forward pass does not wait for the copy); each layer is
+        announced once it and every layer before it are staged."""
         meta = self.meta
         i = self._layer_of.get(layer_name)
-        if meta is None or not meta.save or i is None or i in self._staged:
+        if meta is None or not meta.save or i is None or i in self._queued:
             return
         assert self.staging is not None, "register_kv_caches was not called"
-        for _, blocks in meta.save:
-            self.staging.save(blocks, [i])
-        self._staged.add(i)
-        self._announce()
+        self._queued.add(i)
+        blocks = [b for _, ids in meta.save for b in ids]
+        self.staging.save_layer_async(blocks, i, self._layer_staged)
+
+    def _layer_staged(self, i: int) -> None:
+        with self._layer_lock:
+            self._staged.add(i)
+            self._announce()
 
     def wait_for_save(self) -> None:
         if self.meta is None or not self.meta.save:
@@ -922,16 +937,20 @@ class _WorkerSide:
                 self.hybrid.save(blocks)
             return
         assert self.staging is not None, "register_kv_caches was not called"
-        rest = [i for i in range(len(self.staging.layers)) if i not in self._staged]
+        self.staging.flush()  # the queued layers are staged (and announced) now
+        rest = [i for i in range(len(self.staging.layers)) if i not in self._queued]
         if rest:
             for _, blocks in self.meta.save:
                 self.staging.save(blocks, rest)
+        with self._layer_lock:
             self._staged.update(rest)
-        self._announce()
+            self._queued.update(rest)
+            self._announce()
 
     def _announce(self) -> None:
         """Tell the daemon how many of the region's layers are staged for the requests this
-        step completes (one way: the forward pass never waits on it)."""
+        step completes (one way: the forward pass never waits on it). Under
+        `_layer_lock`."""
         meta, staging = self.meta, self.staging
         if meta is None or not meta.stream or staging is None:
             return

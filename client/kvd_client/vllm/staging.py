@@ -18,7 +18,13 @@ uniform per-layer size it is described to the daemon as `num_layers` chunks per 
 otherwise as one chunk per block.
 
 Copies are synchronous: `save` returns once the bytes are in staging, `load` once they are
-in the KV tensors. With KV tensors on a GPU the staging buffer is page-locked
+in the KV tensors; but for `save_layer_async` (a layer-wise save, one layer at a time as
+the forward pass computes it), which queues the layer's copy and returns at once: on the
+device path its blocks are gathered on the GPU, DMA'd into one of `LAYER_SLABS`
+page-locked slabs after the work queued so far (the layer's compute), and a thread of the
+staging's own waits for that DMA, scatters the slab into the staging rows and reports the
+layer done; the forward pass never waits for it (unless every slab is still in use).
+With KV tensors on a GPU the staging buffer is page-locked
 (`cudaHostRegister`) and a copy moves at most `DEVICE_CHUNK_BYTES` of blocks at a time:
 the blocks' bytes are assembled on the GPU in staging order (gather, K/V split and token
 layout in device memory), then cross PCIe in one DMA per run of consecutive staged block
@@ -29,7 +35,9 @@ move, through a page-locked bounce buffer and one host copy.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from math import prod
@@ -43,6 +51,13 @@ from kvd_client import wire
 DEVICE_CHUNK_BYTES: Final = 64 << 20
 """A device copy assembles at most this many bytes of blocks in GPU memory at a time (vLLM
 leaves little GPU memory free: a request's whole KV is never duplicated there)."""
+
+LAYER_SLABS: Final = 4
+"""Bounce slabs of layer-wise saves in flight at once (page-locked with CUDA); a save that
+finds none free waits for the staging thread to empty one."""
+
+LAYER_SLAB_BYTES: Final = 16 << 20
+"""Bytes of one slab: a layer's blocks are saved in pieces of at most this."""
 
 DIRECT_RUN_BYTES: Final = 1 << 20
 """A device copy DMAs straight into (or out of) the staging rows when its runs of
@@ -93,6 +108,29 @@ def _clear_cuda_error() -> None:
 
 def host_unregister(t: torch.Tensor) -> None:
     _cudart().cudaHostUnregister(t.data_ptr())
+
+
+@dataclass(frozen=True)
+class _IdChunk:
+    """A piece of a layer-wise save's block ids: as a list, on the host, on the device."""
+
+    ids: list[int]
+    host: torch.Tensor
+    dev: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _LayerJob:
+    """A piece of a layer queued for the staging thread."""
+
+    event: Any
+    """The CUDA event recorded after its DMA into the slab (None: copied already)."""
+    slab: int
+    ids: torch.Tensor
+    lay: LayerBlocks
+    layer: int
+    on_done: Callable[[int], None] | None
+    """Called with `layer` once this piece is in staging (on the layer's last piece)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +248,13 @@ class HostStaging:
         self._bounce: torch.Tensor | None = None
         self._copies: Any = None
         """The copy stream (CUDA only, made at the first direct copy)."""
+        self._slabs: list[torch.Tensor] = []
+        self._free_slabs: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._jobs: queue.Queue[_LayerJob | None] = queue.Queue()
+        self._layer_thread: threading.Thread | None = None
+        self._layer_error: BaseException | None = None
+        self._layer_ids: tuple[tuple[int, ...], int, list[_IdChunk]] | None = None
+        """The last id list's pieces (every layer of a step saves the same blocks)."""
 
     @staticmethod
     def region_layout(
@@ -285,6 +330,115 @@ class HostStaging:
             src = self._to_chunks(lay.blocks.index_select(0, idx.to(lay.blocks.device)))
             raw = src.reshape(n, -1).view(torch.uint8).cpu()
             stage[idx, lay.offset : lay.offset + lay.nbytes] = raw
+
+    def save_layer_async(
+        self, block_ids: Sequence[int], layer: int, on_done: Callable[[int], None]
+    ) -> None:
+        """Layer `layer` (an index into `self.layers`) of these blocks -> staging, without
+        waiting: `on_done(layer)` is called once its bytes are in staging, before this
+        returns on the plain host path, else from the staging thread (in the order the
+        layers were queued). `flush` waits for every queued layer. The copy reads the KV
+        tensor after the work queued on the current stream so far (the layer's compute)."""
+        if not self.chunked or not block_ids:
+            self.save(block_ids, [layer])
+            on_done(layer)
+            return
+        self._raise_layer_error()
+        lay = self.layers[layer]
+        pieces = self._layer_pieces(list(block_ids), lay.nbytes)
+        copies = self._copy_stream()
+        self._start_layer_thread()
+        view = self._chunk_view(lay.blocks)
+        for k, piece in enumerate(pieces):
+            m = len(piece.ids)
+            rows = view.index_select(0, piece.dev).reshape(m, -1).view(torch.uint8)
+            slab = self._take_slab()
+            dst = self._slabs[slab][: m * lay.nbytes].view(m, lay.nbytes)
+            with self._copying(rows, after_compute=True):
+                dst.copy_(rows, non_blocking=True)
+            event = None
+            if copies is not None:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(copies)
+            done = on_done if k == len(pieces) - 1 else None
+            self._jobs.put(_LayerJob(event, slab, piece.host, lay, layer, done))
+
+    def flush(self) -> None:
+        """Wait until every layer queued by `save_layer_async` is in staging (and reported);
+        raise what failed."""
+        if self._layer_thread is not None:
+            self._jobs.join()
+        self._raise_layer_error()
+
+    def _raise_layer_error(self) -> None:
+        err, self._layer_error = self._layer_error, None
+        if err is not None:
+            raise RuntimeError(f"a layer-wise save failed: {err!r}") from err
+
+    def _layer_pieces(self, ids: list[int], width: int) -> list[_IdChunk]:
+        key = tuple(ids)
+        if self._layer_ids is not None and self._layer_ids[:2] == (key, width):
+            return self._layer_ids[2]
+        self._index(ids)  # (range check)
+        per = max(1, LAYER_SLAB_BYTES // width)
+        host = torch.tensor(ids, dtype=torch.long)
+        dev_all = host
+        if self.device.type == "cuda":
+            dev_all = host.pin_memory().to(self.device, non_blocking=True)
+        pieces = [
+            _IdChunk(ids[i : i + per], host[i : i + per], dev_all[i : i + per])
+            for i in range(0, len(ids), per)
+        ]
+        self._layer_ids = (key, width, pieces)
+        return pieces
+
+    def _take_slab(self) -> int:
+        """A free slab's index: made while fewer than LAYER_SLABS exist, else the next one
+        the staging thread frees (waited for)."""
+        try:
+            return self._free_slabs.get_nowait()
+        except queue.Empty:
+            pass
+        if len(self._slabs) < LAYER_SLABS:
+            pin = self.device.type == "cuda"
+            self._slabs.append(torch.empty(LAYER_SLAB_BYTES, dtype=torch.uint8, pin_memory=pin))
+            return len(self._slabs) - 1
+        while True:
+            try:
+                return self._free_slabs.get(timeout=1.0)
+            except queue.Empty:
+                if self._layer_thread is None or not self._layer_thread.is_alive():
+                    raise RuntimeError("the staging thread is gone") from None
+
+    def _start_layer_thread(self) -> None:
+        if self._layer_thread is None:
+            self._layer_thread = threading.Thread(
+                target=self._layer_loop, name="kvd-layer-staging", daemon=True
+            )
+            self._layer_thread.start()
+
+    def _layer_loop(self) -> None:
+        """The staging thread: each queued piece, in order, once its DMA is done: scattered
+        from its slab into the staging rows, its slab freed, its layer reported."""
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self._layer_error is None:
+                    try:
+                        if job.event is not None:
+                            job.event.synchronize()
+                        m, lay = job.ids.numel(), job.lay
+                        src = self._slabs[job.slab][: m * lay.nbytes].view(m, lay.nbytes)
+                        self.stage[job.ids, lay.offset : lay.offset + lay.nbytes] = src
+                        if job.on_done is not None:
+                            job.on_done(job.layer)
+                    except BaseException as exc:  # reported by the next save or flush
+                        self._layer_error = exc
+                self._free_slabs.put(job.slab)
+            finally:
+                self._jobs.task_done()
 
     def load(self, block_ids: Sequence[int]) -> None:
         """Staging -> KV tensors (D, once the daemon reported every byte arrived)."""
@@ -468,6 +622,11 @@ class HostStaging:
 
     def close(self) -> None:
         """Drop the tensor over the buffer (the region cannot be unmapped while it exists)."""
+        if self._layer_thread is not None:
+            self._jobs.put(None)
+            self._layer_thread.join()
+            self._layer_thread = None
+        self._slabs = []
         if self._stage is not None and self.device.type == "cuda":
             self._sync()
         if self._stage is not None and self._owns_pin:
