@@ -123,17 +123,20 @@ def test_a_large_copy_is_cut_into_chunks_and_loses_nothing(
 
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("kv_layout", [None, "NHD", "HND"])
+@pytest.mark.parametrize("direct", [False, True], ids=["slabs", "direct"])
 def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
-    device: str, kv_layout: str | None, monkeypatch: pytest.MonkeyPatch
+    device: str, kv_layout: str | None, direct: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`save_layer_async` on the device path: each layer's blocks go through slabs (here
-    two, of two blocks of a layer each: pieces wait for slabs the staging thread frees),
-    and the staging thread reports each layer once, in order, after its bytes are in
-    staging; the result equals the plain path's, byte for byte."""
+    two, of two blocks of a layer each: pieces wait for slabs the staging thread frees)
+    or straight into the staging rows (one strided copy per run of consecutive ids), and
+    the staging thread reports each layer once, in order, after its bytes are in staging;
+    the result equals the plain path's, byte for byte."""
     _skip_without(device)
     lay_bytes = 2 * H * N * C * 2  # one block of one layer (K and V, bf16)
     monkeypatch.setattr(st, "LAYER_SLABS", 2)
     monkeypatch.setattr(st, "LAYER_SLAB_BYTES", 2 * lay_bytes)
+    monkeypatch.setattr(st, "LAYER_DIRECT_RUN_BYTES", 1 if direct else 1 << 40)
     order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
     src = _kv(device, order, seed=5, layers=4)
     host_src = {k: v.cpu() for k, v in src.items()}
@@ -141,7 +144,10 @@ def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
     width = sum(x.nbytes for x in lays)
     ref_buf, buf = bytearray(NB * width), bytearray(NB * width)
     ref = HostStaging(host_lays, NB, memoryview(ref_buf), kv_layout)
-    dev = HostStaging(lays, NB, memoryview(buf), kv_layout, device_path=True)
+    # (on the host, `pinned` lets the direct path run: its copies are then host memmoves)
+    pinned = True if device == "cpu" else None
+    dev = HostStaging(lays, NB, memoryview(buf), kv_layout, device_path=True, pinned=pinned)
+    assert dev.pinned
     ids = [7, 3, 4, 5, 19, 0, 11]  # four pieces of at most two blocks per layer
     ref.save(ids)
     done: list[tuple[int, bool]] = []
@@ -160,7 +166,7 @@ def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
     dev.flush()
     assert done == [(i, False) for i in range(len(lays))]
     assert buf == ref_buf
-    assert len(dev._slabs) == 2
+    assert len(dev._slabs) == (0 if direct else 2)
     # the next step's blocks (other ids) through the same slabs
     more = [1, 2, 23]
     ref.save(more)

@@ -59,6 +59,11 @@ finds none free waits for the staging thread to empty one."""
 LAYER_SLAB_BYTES: Final = 16 << 20
 """Bytes of one slab: a layer's blocks are saved in pieces of at most this."""
 
+LAYER_DIRECT_RUN_BYTES: Final = 32 << 10
+"""A layer-wise piece is DMA'd straight into the staging rows (one strided copy per run of
+consecutive block ids: `cudaMemcpy2DAsync`, no slab, no host scatter) when its runs
+average at least this many bytes; smaller runs go through a slab."""
+
 DIRECT_RUN_BYTES: Final = 1 << 20
 """A device copy DMAs straight into (or out of) the staging rows when its runs of
 consecutive block ids average at least this many bytes; shorter runs go through the
@@ -110,6 +115,49 @@ def host_unregister(t: torch.Tensor) -> None:
     _cudart().cudaHostUnregister(t.data_ptr())
 
 
+_MEMCPY_2D: list[Any] = []
+
+
+def _memcpy_2d_async() -> Any:
+    """cudaMemcpy2DAsync of the CUDA runtime torch loaded (torch does not expose it)."""
+    if not _MEMCPY_2D:
+        import ctypes
+
+        major = (torch.version.cuda or "").split(".")[0]
+        for name in (f"libcudart.so.{major}", "libcudart.so"):
+            try:
+                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
+                break
+            except (OSError, AttributeError):
+                continue
+        else:
+            raise RuntimeError("cannot find cudaMemcpy2DAsync in the CUDA runtime")
+        size = ctypes.c_size_t
+        fn.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
+        fn.argtypes.append(ctypes.c_void_p)
+        fn.restype = ctypes.c_int
+        _MEMCPY_2D.append(fn)
+    return _MEMCPY_2D[0]
+
+
+def copy_2d(
+    dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: Any
+) -> None:
+    """`height` rows of `width` bytes from `src` (rows `spitch` apart) to `dst` (rows
+    `dpitch` apart): from GPU to host memory on CUDA `stream` (asynchronous), or, with no
+    stream, host to host at once (the forced device path of the tests)."""
+    if stream is None:
+        import ctypes
+
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return
+    err = _memcpy_2d_async()(dst, dpitch, src, spitch, width, height, 2, stream.cuda_stream)
+    if err != 0:
+        _clear_cuda_error()
+        raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err})")
+
+
 @dataclass(frozen=True)
 class _IdChunk:
     """A piece of a layer-wise save's block ids: as a list, on the host, on the device."""
@@ -126,6 +174,7 @@ class _LayerJob:
     event: Any
     """The CUDA event recorded after its DMA into the slab (None: copied already)."""
     slab: int
+    """Its slab, to scatter into staging from; -1: DMA'd straight into staging."""
     ids: torch.Tensor
     lay: LayerBlocks
     layer: int
@@ -352,16 +401,33 @@ class HostStaging:
         for k, piece in enumerate(pieces):
             m = len(piece.ids)
             rows = view.index_select(0, piece.dev).reshape(m, -1).view(torch.uint8)
-            slab = self._take_slab()
-            dst = self._slabs[slab][: m * lay.nbytes].view(m, lay.nbytes)
+            runs = block_runs(piece.ids)
+            slab = -1
             with self._copying(rows, after_compute=True):
-                dst.copy_(rows, non_blocking=True)
+                if self.pinned and m * lay.nbytes >= LAYER_DIRECT_RUN_BYTES * len(runs):
+                    self._rows_into_stage(rows, runs, lay, copies)
+                else:
+                    slab = self._take_slab()
+                    dst = self._slabs[slab][: m * lay.nbytes].view(m, lay.nbytes)
+                    dst.copy_(rows, non_blocking=True)
             event = None
             if copies is not None:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(copies)
             done = on_done if k == len(pieces) - 1 else None
             self._jobs.put(_LayerJob(event, slab, piece.host, lay, layer, done))
+
+    def _rows_into_stage(
+        self, rows: torch.Tensor, runs: list[tuple[int, int, int]], lay: LayerBlocks, stream: Any
+    ) -> None:
+        """Each run's rows (a layer's bytes of consecutive blocks, back to back in `rows`)
+        into its columns of the staging rows: one strided copy per run (on `stream`; on the
+        host, where the device path is forced for tests, at once)."""
+        n, bb = lay.nbytes, self.block_bytes
+        dst0 = self.stage.data_ptr() + lay.offset
+        src0 = rows.data_ptr()
+        for pos, lo, hi in runs:
+            copy_2d(dst0 + lo * bb, bb, src0 + pos * n, n, n, hi - lo, stream)
 
     def flush(self) -> None:
         """Wait until every layer queued by `save_layer_async` is in staging (and reported);
@@ -429,14 +495,16 @@ class HostStaging:
                     try:
                         if job.event is not None:
                             job.event.synchronize()
-                        m, lay = job.ids.numel(), job.lay
-                        src = self._slabs[job.slab][: m * lay.nbytes].view(m, lay.nbytes)
-                        self.stage[job.ids, lay.offset : lay.offset + lay.nbytes] = src
+                        if job.slab >= 0:
+                            m, lay = job.ids.numel(), job.lay
+                            src = self._slabs[job.slab][: m * lay.nbytes].view(m, lay.nbytes)
+                            self.stage[job.ids, lay.offset : lay.offset + lay.nbytes] = src
                         if job.on_done is not None:
                             job.on_done(job.layer)
                     except BaseException as exc:  # reported by the next save or flush
                         self._layer_error = exc
-                self._free_slabs.put(job.slab)
+                if job.slab >= 0:
+                    self._free_slabs.put(job.slab)
             finally:
                 self._jobs.task_done()
 
