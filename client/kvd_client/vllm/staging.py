@@ -102,6 +102,10 @@ def _clear_cuda_error() -> None:
     kernel launch would raise it (seen on an H100 with torch 2.11)."""
     import ctypes
 
+    lib = _loaded_cudart()
+    if lib is not None and hasattr(lib, "cudaGetLastError"):
+        lib.cudaGetLastError()
+        return
     major = (torch.version.cuda or "").split(".")[0]
     for name in (f"libcudart.so.{major}", "libcudart.so"):
         try:
@@ -118,26 +122,45 @@ def host_unregister(t: torch.Tensor) -> None:
 _MEMCPY_2D: list[Any] = []
 
 
+def _loaded_cudart() -> Any:
+    """The CUDA runtime library this process has loaded (torch's), opened by its path: a
+    runtime found by name could be another copy, whose streams are not torch's. None when
+    none is loaded as a shared library (then there is no strided copy: slabs only)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {ln.split()[-1] for ln in maps if "libcudart.so" in ln and "/" in ln}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
 def _memcpy_2d_async() -> Any:
-    """cudaMemcpy2DAsync of the CUDA runtime torch loaded (torch does not expose it)."""
+    """cudaMemcpy2DAsync of the CUDA runtime torch loaded (torch does not expose it), or
+    None."""
     if not _MEMCPY_2D:
         import ctypes
 
-        major = (torch.version.cuda or "").split(".")[0]
-        for name in (f"libcudart.so.{major}", "libcudart.so"):
-            try:
-                fn = ctypes.CDLL(name).cudaMemcpy2DAsync
-                break
-            except (OSError, AttributeError):
-                continue
-        else:
-            raise RuntimeError("cannot find cudaMemcpy2DAsync in the CUDA runtime")
-        size = ctypes.c_size_t
-        fn.argtypes = [ctypes.c_void_p, size, ctypes.c_void_p, size, size, size, ctypes.c_int]
-        fn.argtypes.append(ctypes.c_void_p)
-        fn.restype = ctypes.c_int
+        lib = _loaded_cudart()
+        fn = getattr(lib, "cudaMemcpy2DAsync", None) if lib is not None else None
+        if fn is not None:
+            ptr, size = ctypes.c_void_p, ctypes.c_size_t
+            # (one assignment: ctypes converts the arguments the list held when set)
+            fn.argtypes = [ptr, size, ptr, size, size, size, ctypes.c_int, ptr]
+            fn.restype = ctypes.c_int
         _MEMCPY_2D.append(fn)
     return _MEMCPY_2D[0]
+
+
+def strided_copies(device: torch.device) -> bool:
+    """Whether `copy_2d` can copy from this device's memory."""
+    return device.type != "cuda" or _memcpy_2d_async() is not None
 
 
 def copy_2d(
@@ -152,7 +175,10 @@ def copy_2d(
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
         return
-    err = _memcpy_2d_async()(dst, dpitch, src, spitch, width, height, 2, stream.cuda_stream)
+    fn = _memcpy_2d_async()
+    if fn is None:
+        raise RuntimeError("no CUDA runtime library with cudaMemcpy2DAsync is loaded")
+    err = fn(dst, dpitch, src, spitch, width, height, 2, stream.cuda_stream)
     if err != 0:
         _clear_cuda_error()
         raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err})")
@@ -404,7 +430,8 @@ class HostStaging:
             runs = block_runs(piece.ids)
             slab = -1
             with self._copying(rows, after_compute=True):
-                if self.pinned and m * lay.nbytes >= LAYER_DIRECT_RUN_BYTES * len(runs):
+                long_runs = m * lay.nbytes >= LAYER_DIRECT_RUN_BYTES * len(runs)
+                if self.pinned and long_runs and strided_copies(self.device):
                     self._rows_into_stage(rows, runs, lay, copies)
                 else:
                     slab = self._take_slab()
