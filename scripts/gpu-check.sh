@@ -34,6 +34,8 @@ x = torch.ones(1 << 20, device="cuda") * 2
 torch.cuda.synchronize()
 print("a kernel after the refusal ran:", float(x.sum()))
 host_unregister(t)
+from kvd_client.vllm.staging import _loaded_cudart, strided_copies
+print("CUDA runtime:", _loaded_cudart(), "strided copies:", strided_copies(torch.device("cuda")))
 PY
 echo "== GPU tests"
 timeout 300 python3 -m pytest -p no:cacheprovider -q -rs \
