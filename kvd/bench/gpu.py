@@ -197,6 +197,7 @@ def layerwise_save(cfg: GpuConfig, seed: int) -> dict[str, Any]:
     saves. Wall clock from the first layer's launch to the last layer staged (async: its
     report from the staging thread); the staged bytes checked against a plain save."""
     import torch
+    from kvd_client.vllm import staging as staging_mod
     from kvd_client.vllm.staging import HostStaging, describe
 
     rng = random.Random(seed)
@@ -262,6 +263,11 @@ def layerwise_save(cfg: GpuConfig, seed: int) -> dict[str, Any]:
         for mode in ("none", "sync", "async"):
             forward(mode)  # warm-up
             out[f"{mode}_ms"] = round(median([forward(mode) for _ in range(cfg.reps)]) * 1e3, 2)
+        # the same queued saves, every piece through a slab (no strided copies)
+        st.layer_direct_run_bytes = 1 << 62
+        forward("async")
+        out["async_slabs_ms"] = round(median([forward("async") for _ in range(cfg.reps)]) * 1e3, 2)
+        st.layer_direct_run_bytes = staging_mod.LAYER_DIRECT_RUN_BYTES
         plain.save(ids)
         arr = np.frombuffer(regions[0].buf, dtype=np.uint8).reshape(nb, width)
         ref = np.frombuffer(regions[1].buf, dtype=np.uint8).reshape(nb, width)
@@ -277,6 +283,7 @@ def layerwise_save(cfg: GpuConfig, seed: int) -> dict[str, Any]:
             r.close()
     out["sync_added_ms"] = round(out["sync_ms"] - out["none_ms"], 2)
     out["async_added_ms"] = round(out["async_ms"] - out["none_ms"], 2)
+    out["async_slabs_added_ms"] = round(out["async_slabs_ms"] - out["none_ms"], 2)
     return out
 
 

@@ -300,6 +300,12 @@ def gpu_table(g: dict[str, Any]) -> Table:
             f"{lw['async_ms']}",
             f"+{lw['async_added_ms']} ms; one layer's save alone: {lw['one_layer_save_ms']} ms",
         )
+        if "async_slabs_ms" in lw:
+            t.add_row(
+                "  ... queued, every piece through a slab (no strided copies): ms",
+                f"{lw['async_slabs_ms']}",
+                f"+{lw['async_slabs_added_ms']} ms",
+            )
     pv = g["push_to_vram"]
     if "error" in pv:
         t.add_row("kvd push into VRAM", "failed", pv["error"])

@@ -328,6 +328,9 @@ class HostStaging:
         self._jobs: queue.Queue[_LayerJob | None] = queue.Queue()
         self._layer_thread: threading.Thread | None = None
         self._layer_error: BaseException | None = None
+        self.layer_direct_run_bytes = LAYER_DIRECT_RUN_BYTES
+        """`LAYER_DIRECT_RUN_BYTES` for this staging (0: every layer piece DMA'd straight
+        into staging where it can be; huge: every piece through a slab)."""
         self._layer_ids: tuple[tuple[int, ...], int, list[_IdChunk]] | None = None
         """The last id list's pieces (every layer of a step saves the same blocks)."""
 
@@ -430,7 +433,7 @@ class HostStaging:
             runs = block_runs(piece.ids)
             slab = -1
             with self._copying(rows, after_compute=True):
-                long_runs = m * lay.nbytes >= LAYER_DIRECT_RUN_BYTES * len(runs)
+                long_runs = m * lay.nbytes >= self.layer_direct_run_bytes * len(runs)
                 if self.pinned and long_runs and strided_copies(self.device):
                     self._rows_into_stage(rows, runs, lay, copies)
                 else:
