@@ -293,18 +293,25 @@ def gpu_table(g: dict[str, Any]) -> Table:
         t.add_row(
             "  each layer saved synchronously: ms",
             f"{lw['sync_ms']}",
-            f"+{lw['sync_added_ms']} ms (the forward waits for every layer's copy)",
+            f"+{lw['sync_added_ms']} ms (the forward waits for every layer's copy); "
+            f"{lw.get('call_ms_sync', '?')} ms per call",
         )
         t.add_row(
             "  each layer queued (save_layer_async): ms to the last layer staged",
             f"{lw['async_ms']}",
-            f"+{lw['async_added_ms']} ms; one layer's save alone: {lw['one_layer_save_ms']} ms",
+            f"+{lw['async_added_ms']} ms; {lw.get('call_ms_async', '?')} ms per call; one "
+            f"layer's save alone: {lw['one_layer_save_ms']} ms",
         )
-        if "async_slabs_ms" in lw:
+        if "async_direct_ms" in lw:
             t.add_row(
-                "  ... queued, every piece through a slab (no strided copies): ms",
-                f"{lw['async_slabs_ms']}",
-                f"+{lw['async_slabs_added_ms']} ms",
+                "  ... queued, a strided copy per block instead of slabs: ms",
+                f"{lw['async_direct_ms']}",
+                f"+{lw['async_direct_added_ms']} ms; {lw['call_ms_async_direct']} ms per call",
+            )
+            t.add_row(
+                "  ... queued, the request in consecutive blocks (one strided copy a layer): ms",
+                f"{lw['async_contiguous_ms']}",
+                f"+{lw['async_contiguous_added_ms']} ms",
             )
     pv = g["push_to_vram"]
     if "error" in pv:

@@ -136,7 +136,7 @@ def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
     lay_bytes = 2 * H * N * C * 2  # one block of one layer (K and V, bf16)
     monkeypatch.setattr(st, "LAYER_SLABS", 2)
     monkeypatch.setattr(st, "LAYER_SLAB_BYTES", 2 * lay_bytes)
-    monkeypatch.setattr(st, "LAYER_DIRECT_RUN_BYTES", 1 if direct else 1 << 40)
+    monkeypatch.setattr(st, "LAYER_DIRECT_MAX_RUNS", 1 << 20 if direct else -1)
     order = (0, 2, 1, 3) if kv_layout == "NHD" else (0, 1, 2, 3)
     src = _kv(device, order, seed=5, layers=4)
     host_src = {k: v.cpu() for k, v in src.items()}
