@@ -20,10 +20,12 @@ otherwise as one chunk per block.
 Copies are synchronous: `save` returns once the bytes are in staging, `load` once they are
 in the KV tensors; but for `save_layer_async` (a layer-wise save, one layer at a time as
 the forward pass computes it), which queues the layer's copy and returns at once: on the
-device path its blocks are gathered on the GPU, DMA'd into one of `LAYER_SLABS`
-page-locked slabs after the work queued so far (the layer's compute), and a thread of the
-staging's own waits for that DMA, scatters the slab into the staging rows and reports the
-layer done; the forward pass never waits for it (unless every slab is still in use).
+device path its blocks are gathered on the GPU and, after the work queued so far (the
+layer's compute), DMA'd straight into the staging rows (one strided copy per run of
+consecutive blocks, where there are few runs) or into one of `LAYER_SLABS` page-locked
+slabs; a thread of the staging's own waits for the DMAs, scatters slabs into the staging
+rows and reports the layer done; the forward pass never waits for it (unless every slab
+is still in use).
 With KV tensors on a GPU the staging buffer is page-locked
 (`cudaHostRegister`) and a copy moves at most `DEVICE_CHUNK_BYTES` of blocks at a time:
 the blocks' bytes are assembled on the GPU in staging order (gather, K/V split and token
