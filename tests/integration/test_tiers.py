@@ -286,6 +286,58 @@ def test_a_file_a_client_reads_is_not_evicted_meanwhile(
         assert c.batch_lookup([key(0)]) == [False]
 
 
+def test_a_killed_readers_file_pins_are_dropped(daemons: StartDaemon, workdir: Path) -> None:
+    """A client killed while it holds files to read (SLOT_FILE pins): its session ends
+    with its connection, the files are unpinned at once (not after `pin_timeout`), and
+    the disk tier's eviction may take them again."""
+    root = workdir / "disk"
+    cfg = tiers_cfg(
+        disk_path=str(root),
+        disk_bytes=8 * BB,
+        low_water=0.25,
+        promote_on_hit=False,
+        pin_timeout=60.0,
+    )
+    d = _on_disk_only(daemons, "t10", cfg, 4)
+    code = textwrap.dedent(
+        f"""
+        import time
+        from kvd_client import wire
+        from kvd_client.tiers import TierClient
+        c = TierClient({d.socket!r}, {NS!r}, {BB})
+        keys = [{", ".join(repr(key(i)) for i in range(4))}]
+        got = c._ask(wire.TierPin(c.namespace, 36, b"".join(keys), files=True), wire.TierSlots, 5.0)
+        assert got.slots == (wire.SLOT_FILE,) * 4, got.slots
+        print("pinned", flush=True)
+        time.sleep(60)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    paths = [Path(block_path(str(root), (NS, key(i)))) for i in range(4)]
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"pinned"
+        with TierClient(d.socket, NS, BB) as c:
+            assert c.stats()["ops_open"] == 1
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+            t_kill = time.monotonic()
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert time.monotonic() - t_kill < 2.0
+            assert c.stats()["counters"].get("pins_expired", 0) == 0
+            # unpinned: newer blocks push the four files out of the disk tier
+            more = iter(range(300, 340))
+            while any(path.exists() for path in paths):
+                i = next(more)
+                assert c.store([key(i)], [memoryview(block(i))]) == [True]
+                _wait(lambda: c.stats()["host"]["demoting"] == 0)
+            assert c.batch_lookup([key(i) for i in range(4)]) == [False] * 4
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("why", ["daemon-says-no", "client-cannot-open"])
 def test_loads_go_through_the_pool_where_files_cannot_be_read(
     daemons: StartDaemon, workdir: Path, why: str
