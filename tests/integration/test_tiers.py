@@ -338,6 +338,72 @@ def test_a_killed_readers_file_pins_are_dropped(daemons: StartDaemon, workdir: P
             p.wait()
 
 
+def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
+    daemons: StartDaemon, workdir: Path
+) -> None:
+    """A client frozen (SIGSTOP) between the daemon's answer (files to read) and its reads,
+    past `client_timeout`: the daemon ends its session and drops its file pins, and the
+    files are then evicted. Thawed, its load ends (no hang, no exception): the files are
+    gone, it loads them again through the pool on a new session, and every block is a
+    miss; no block is ever reported loaded with wrong bytes."""
+    root = workdir / "disk"
+    cfg = {
+        **tiers_cfg(disk_path=str(root), disk_bytes=8 * BB, low_water=0.25, promote_on_hit=False),
+        "daemon": {"client_timeout": 1.0},
+    }
+    d = _on_disk_only(daemons, "t11", cfg, 4)
+    want = [hashlib.sha256(block(i)).hexdigest() for i in range(4)]
+    code = textwrap.dedent(
+        f"""
+        import hashlib, json, os, signal
+        from kvd_client import tiers as T
+        real = T.read_block
+        stopped = []
+        def frozen_read(*a, **k):
+            if not stopped:
+                stopped.append(1)
+                print("reading", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*a, **k)
+        T.read_block = frozen_read
+        c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        keys = [{", ".join(repr(key(i)) for i in range(4))}]
+        dests = [bytearray({BB}) for _ in keys]
+        got = c.load(keys, [memoryview(x) for x in dests])
+        right = [hashlib.sha256(x).hexdigest() for x in dests]
+        print(json.dumps({{"got": got, "sums": right, "reopened": c.reopened}}), flush=True)
+        c.close()
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    paths = [Path(block_path(str(root), (NS, key(i)))) for i in range(4)]
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"reading"
+        _wait(lambda: Path(f"/proc/{p.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+        with TierClient(d.socket, NS, BB) as c:
+            # its session ends (no keep-alive for client_timeout): its pins go with it
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            more = iter(range(400, 440))
+            while any(path.exists() for path in paths):
+                i = next(more)
+                assert c.store([key(i)], [memoryview(block(i))]) == [True]
+                _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        p.send_signal(signal.SIGCONT)
+        out = json.loads(p.stdout.readline())
+        assert p.wait(timeout=20) == 0
+        for i, ok in enumerate(out["got"]):
+            if ok:
+                assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
+        assert out["got"] == [False] * 4
+        assert out["reopened"] == 1
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("why", ["daemon-says-no", "client-cannot-open"])
 def test_loads_go_through_the_pool_where_files_cannot_be_read(
     daemons: StartDaemon, workdir: Path, why: str
