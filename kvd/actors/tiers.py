@@ -742,8 +742,9 @@ class Tiers:
         read_by_client: list[TierKey] = []
         for i, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
             if slot == wire.SLOT_FILE:
-                if self.disk is not None:
-                    self.disk.unpin(k)
+                if self.disk is not None and self.disk.unpin(k):
+                    # found bad while this client had it pinned: its last reader is gone
+                    _unlink(block_path(self.disk_root, k))
                 read_by_client.append(k)
                 continue
             if slot < 0 or i in waiting or (k, slot) in op.pending:
@@ -1280,7 +1281,8 @@ class Tiers:
         index = {k: i for i, k in enumerate(op.keys)}
         for k, slot, ok, why in msg.results:
             op.pending.discard((k, slot))
-            disk.unpin(k)
+            if disk.unpin(k):  # condemned by another read meanwhile: this was its last reader
+                _unlink(block_path(self.disk_root, k))
             if why == UNSETTLED:  # the slot stays reserved for good: NIXL may write it
                 self._count("tiers_slots_unsettled")
                 op.slots[index[k]] = wire.SLOT_HELD
@@ -1292,7 +1294,7 @@ class Tiers:
                     host.unpin(k)
                 continue
             host.abort(k)
-            if disk.remove(k):
+            if disk.remove(k):  # (else condemned: deleted when its last reader unpins it)
                 _unlink(block_path(self.disk_root, k))
             self._count("tiers_disk_corrupt")
             self.rejects.reject(

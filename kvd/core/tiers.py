@@ -48,6 +48,9 @@ TierKey = tuple[bytes, bytes]
 class State(enum.Enum):
     RESERVED = "reserved"
     READY = "ready"
+    CONDEMNED = "condemned"
+    """(disk) Found bad while it had readers: no longer served, forgotten by the last
+    reader's unpin."""
 
 
 class Reserve(enum.Enum):
@@ -346,18 +349,30 @@ class DiskIndex:
         e.readers += 1
         return True
 
-    def unpin(self, key: TierKey) -> None:
+    def unpin(self, key: TierKey) -> bool:
+        """A reader is done. True: that was the last reader of a condemned file, which is
+        forgotten now (delete it)."""
         e = self._entries.get(key)
         if e is None or e.readers <= 0:
             raise ValueError(f"{key!r} has no reader")
         e.readers -= 1
         if e.readers == 0 and e.state is State.READY:
             self._lru[key] = None
+        elif e.readers == 0 and e.state is State.CONDEMNED:
+            del self._entries[key]
+            self.used -= e.nbytes
+            return True
+        return False
 
     def remove(self, key: TierKey) -> bool:
-        """Forget a file that turned out bad (it is deleted); readers must be gone."""
+        """Forget a file that turned out bad. True: forgotten now (delete it). A file that
+        still has readers is condemned instead (False): no longer ready (a miss, never
+        pinned again), and forgotten by its last reader's `unpin`, which says so."""
         e = self._entries.get(key)
-        if e is None or e.readers or e.state is not State.READY:
+        if e is None or e.state is not State.READY:
+            return False
+        if e.readers:
+            e.state = State.CONDEMNED
             return False
         del self._entries[key]
         self._lru.pop(key, None)

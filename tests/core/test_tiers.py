@@ -123,9 +123,23 @@ def test_disk_capacity_evicts_lru_and_refuses_what_cannot_fit() -> None:
     assert d.begin_write(k(3), 1) is Reserve.HELD
     d.finish_write(k(9), False)  # a failed write frees its bytes
     assert d.used == 50 and k(9) not in d
-    assert not d.remove(k(0))  # has a reader
-    d.unpin(k(0))
-    assert d.remove(k(0)) and d.used == 25
+    assert d.remove(k(3)) and d.used == 25  # found bad without a reader: gone at once
+
+
+def test_a_bad_disk_file_with_readers_is_condemned_until_its_last_reader_goes() -> None:
+    d = DiskIndex(100)
+    for i in range(2):
+        assert d.begin_write(k(i), 25) == []
+        d.finish_write(k(i), True)
+    assert d.pin(k(0)) and d.pin(k(0))  # two readers (a client reading the file, say)
+    assert not d.remove(k(0))  # found bad meanwhile: condemned, not forgotten yet
+    assert not d.ready(k(0)) and not d.pin(k(0))  # a miss, never read again
+    assert d.begin_write(k(0), 25) is Reserve.HELD  # not written again while condemned
+    assert d.begin_write(k(5), 75) == [k(1)]  # its bytes are not evictable meanwhile
+    d.finish_write(k(5), True)
+    assert not d.unpin(k(0))
+    assert d.unpin(k(0))  # the last reader: forgotten now, the file to be deleted
+    assert k(0) not in d and d.used == 75
 
 
 def test_disk_full_of_readers_and_writers_refuses_without_evicting() -> None:
@@ -315,7 +329,8 @@ TestHostMachine = HostMachine.TestCase
 
 
 class DiskMachine(RuleBasedStateMachine):
-    """DiskIndex against a reference of (key -> [bytes, writing, readers, recency])."""
+    """DiskIndex against a reference of (key -> [bytes, writing, readers, recency,
+    condemned])."""
 
     CAP = 100
 
@@ -354,7 +369,7 @@ class DiskMachine(RuleBasedStateMachine):
         assert got == expect
         for old in expect:
             del self.ref[old]
-        self.ref[key] = [n, 1, 0, 0]
+        self.ref[key] = [n, 1, 0, 0, 0]
 
     @precondition(lambda self: any(v[1] for v in self.ref.values()))
     @rule(data=st.data(), ok=st.booleans())
@@ -372,18 +387,23 @@ class DiskMachine(RuleBasedStateMachine):
     def pin(self, i: int) -> None:
         key = k(i)
         v = self.ref.get(key)
-        assert self.d.pin(key) == (v is not None and not v[1])
-        if v is not None and not v[1]:
+        ok = v is not None and not v[1] and not v[4]
+        assert self.d.pin(key) == ok
+        if ok:
+            assert v is not None
             v[2] += 1
 
     @precondition(lambda self: any(v[2] for v in self.ref.values()))
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
         key = data.draw(st.sampled_from(sorted(kk for kk, v in self.ref.items() if v[2])))
-        self.d.unpin(key)
         v = self.ref[key]
         v[2] -= 1
-        if v[2] == 0:
+        gone = v[2] == 0 and bool(v[4])
+        assert self.d.unpin(key) == gone
+        if gone:
+            del self.ref[key]
+        elif v[2] == 0:
             self.clock += 1
             v[3] = self.clock
 
@@ -391,17 +411,20 @@ class DiskMachine(RuleBasedStateMachine):
     def remove(self, i: int) -> None:
         key = k(i)
         v = self.ref.get(key)
-        ok = v is not None and not v[1] and v[2] == 0
+        ready = v is not None and not v[1] and not v[4]
+        ok = ready and v is not None and v[2] == 0
         assert self.d.remove(key) == ok
         if ok:
             del self.ref[key]
+        elif ready and v is not None:  # readers: condemned
+            v[4] = 1
 
     @invariant()
     def agrees(self) -> None:
         assert self.d.used == sum(v[0] for v in self.ref.values()) <= self.CAP
         assert len(self.d) == len(self.ref)
         for key, v in self.ref.items():
-            assert self.d.ready(key) == (not v[1])
+            assert self.d.ready(key) == (not v[1] and not v[4])
             assert self.d.nbytes(key) == v[0]
 
 

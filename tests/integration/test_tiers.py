@@ -404,6 +404,35 @@ def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
             p.wait()
 
 
+def test_a_bad_file_another_client_is_reading_goes_when_that_client_is_done(
+    daemons: StartDaemon, workdir: Path
+) -> None:
+    """A file found bad (its checksum) while another client holds it to read: a miss at
+    once for everyone (never served again), deleted when that client unpins it."""
+    root = workdir / "disk"
+    cfg = tiers_cfg(disk_path=str(root), disk_bytes=64 * BB, low_water=0.25, promote_on_hit=False)
+    d = _on_disk_only(daemons, "t12", cfg, 2)
+    path = Path(block_path(str(root), (NS, key(0))))
+    raw = bytearray(path.read_bytes())
+    raw[7] ^= 0x5A
+    path.write_bytes(raw)
+    with TierClient(d.socket, NS, BB) as a, TierClient(d.socket, NS, BB) as b:
+        on_disk = b.stats()["disk"]["blocks"]
+        held = a._ask(wire.TierPin(NS, 36, key(0), files=True), wire.TierSlots, 5.0)
+        assert held.slots == (wire.SLOT_FILE,)
+        # b reads the file, finds it bad, loads it through the pool: the daemon finds it
+        # bad too, with a's pin on it
+        assert load_check(b, [0, 1], bad_files=frozenset({0})) == [False, True]
+        assert b.files_failed == 1
+        assert b.batch_lookup([key(0)]) == [False]  # condemned: a miss from now on
+        assert path.exists()  # a still has it
+        assert b.stats()["counters"]["disk_corrupt"] == 1
+        a._release(held.op, store=False)
+        _wait(lambda: not path.exists())
+        assert b.stats()["disk"]["blocks"] == on_disk - 1
+        assert load_check(b, [0]) == [False]
+
+
 @pytest.mark.parametrize("why", ["daemon-says-no", "client-cannot-open"])
 def test_loads_go_through_the_pool_where_files_cannot_be_read(
     daemons: StartDaemon, workdir: Path, why: str
