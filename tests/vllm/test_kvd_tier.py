@@ -337,4 +337,13 @@ def test_blocks_demoted_to_the_disk_tier_are_served_after_a_daemon_restart(
     b.run()
     assert matched(b, "r1")[-1] == 4 * BLOCK_SIZE, matched(b, "r1")
     assert b.loaded["r1"] == 4 * BLOCK_SIZE and not b.errors, b.errors
+    # the engine read r1's blocks from the daemon's files itself (one pass into vLLM's
+    # primary tier), then the daemon promoted them into its host tier
+    out = subprocess.run(
+        [sys.executable, "-m", "kvd", "tiers", "--socket", d2.socket, "--json"],
+        capture_output=True,
+        check=True,
+    )
+    counters = json.loads(out.stdout)["counters"]
+    assert counters.get("disk_client_reads", 0) >= 4, counters
     b.assert_idle()
