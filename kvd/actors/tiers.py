@@ -14,7 +14,12 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
 - Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
   slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
   its length and checksum checked (a bad or truncated file is a miss: removed and counted,
-  never a crash); the client copies out and sends `TierUnpin`.
+  never a crash); the client copies out and sends `TierUnpin`. With `TierPin.files`
+  (`tiers.disk_client_reads`) a disk hit is answered SLOT_FILE instead: its file is
+  pinned (never deleted meanwhile) and the client reads it into its own memory and checks
+  it (`kvd_client.tierfiles`); after the unpin the daemon promotes it in the background
+  (`promote_on_hit`). A file found bad while pinned so is condemned: a miss at once,
+  deleted by its last reader's unpin.
 A reservation or pin belongs to an operation of the client's session: it is dropped when
 the client ends it, when the session ends (goodbye; a killed client's lost connection;
 no keep-alive for `daemon.client_timeout`: a frozen client), or after
@@ -40,7 +45,7 @@ restarted (a new incarnation): nothing stays pinned for a reader that is gone.
 
 Disk tier. A block is a file `<disk_path>/<hh>/<digest>.blk`: the block's bytes, then the
 namespace and the key, then a trailer (magic, length, checksum kind, and the checksum
-of all before it: `tiers.disk_checksum`).
+of all before it: `tiers.disk_checksum`; `kvd_client.tierfiles`, shared with clients).
 It is written as a temp file (NIXL WRITE from its pinned host slot, then the trailer)
 and renamed into place only when complete, so a crash or a full disk never leaves a
 file that is served; temp files found at start are removed. At start the index is
@@ -133,9 +138,9 @@ DISK_IO_TIMEOUT: Final = 60.0
 UNSETTLED: Final = "unsettled"
 """Why a disk transfer failed when NIXL still had it in flight (`Unsettled`)."""
 PEER_SESSION: Final = "\0peer:"
+"""Prefix of the session a peer's pins belong to (no client's session starts so)."""
 PROMOTE_SESSION: Final = "\0promote"
 """The session of the daemon's own promotions of blocks that clients read from files."""
-"""Prefix of the session a peer's pins belong to (no client's session starts so)."""
 PEER_HINTS: Final = 1 << 16
 """Keys remembered with the peer a lookup found them on."""
 PEER_DIAL_INTERVAL: Final = 1.0
