@@ -576,6 +576,7 @@ def run_demo(requests: int, modes: list[str], as_json: bool, seed: int) -> int:
         out.print(
             f"tiers daemon: host blocks {c['host']['blocks']}, disk blocks "
             f"{c['disk']['blocks']}, demoted {c['counters'].get('blocks_demoted', 0)}, "
+            f"read from disk by the engine {c['counters'].get('disk_client_reads', 0)}, "
             f"promoted {c['counters'].get('blocks_promoted', 0)}"
         )
     for s in summaries:
