@@ -4,7 +4,8 @@ a second engine finds and loads them; every loaded byte is checked.
 Requests share prefixes (the first blocks of a request come from a few shared "system
 prompts"), as prefix caching sees them. The host tier is kept smaller than what is
 stored, so blocks are demoted to the disk tier; the second engine reads those straight
-from their files (`tiers.disk_client_reads`) and the daemon promotes them back. Keys are vLLM's OffloadKeys (a block hash and the group, 4 bytes).
+from their files (`tiers.disk_client_reads`) and the daemon promotes them back. Keys are
+vLLM's OffloadKeys (a block hash and the group, 4 bytes).
 """
 
 from __future__ import annotations
