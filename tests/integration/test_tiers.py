@@ -137,6 +137,9 @@ def test_disk_tier_demote_promote_and_warm_restart(
         s2 = c.stats()
         assert s2["disk"]["bytes_out"] > 0  # some came back from disk (promoted)
         assert s2["ops_open"] == 0
+        # blocks the client read from files are promoted after the load, which may demote
+        # others: the files are counted once the daemon is quiet
+        _wait(lambda: _quiet(c) and _quiet(c))
     files = disk_files(root)
     assert files and not list(root.rglob(f"*{TMP_SUFFIX}"))
     d.stop()
@@ -523,6 +526,13 @@ def test_pool_segment_removed_at_stop(daemons: StartDaemon) -> None:
 def _in_ns(pid: int, path: str) -> bool:
     """Does `path` exist in the mount namespace of process `pid`?"""
     return (Path(f"/proc/{pid}/root") / path.lstrip("/")).exists()
+
+
+def _quiet(c: TierClient) -> bool:
+    """No demotion and no disk read under way (a promotion's included)."""
+    time.sleep(0.05)
+    s = c.stats()
+    return bool(s["host"]["demoting"] == 0 and s["disk"]["reading"] == 0)
 
 
 def _wait(cond: Any, timeout: float = 10.0) -> None:
