@@ -534,15 +534,15 @@ class Tiers:
     def _lookup(self, keys: list[TierKey]) -> bytes:
         host, disk = self.host, self.disk
         assert host is not None
-        out = bytearray(len(keys))
-        hits = dhits = 0
-        for i, k in enumerate(keys):
-            if host.ready(k):
-                out[i] = wire.TIER_HOST
-                hits += 1
-            elif disk is not None and disk.ready(k):
-                out[i] = wire.TIER_DISK
-                dhits += 1
+        in_host = host.ready_many(keys)
+        out = bytearray(wire.TIER_HOST if h else wire.TIER_MISS for h in in_host)
+        hits, dhits = sum(in_host), 0
+        if disk is not None and hits < len(keys):
+            rest = [i for i, h in enumerate(in_host) if not h]
+            for i, d in zip(rest, disk.ready_many([keys[i] for i in rest]), strict=True):
+                if d:
+                    out[i] = wire.TIER_DISK
+                    dhits += 1
         self._count("tiers_host_hits", hits)
         self._count("tiers_host_misses", len(keys) - hits)
         if disk is not None:

@@ -318,6 +318,8 @@ class HostMachine(RuleBasedStateMachine):
             assert self.h.slot_of(key) == r.slot
             assert self.h.pins(key) == r.pins
             assert self.h.ready(key) == (not r.reserved)
+        probe = [k(i) for i in range(12)]
+        assert self.h.ready_many(probe) == [self.h.ready(x) for x in probe]
         assert self.h.evictable == len(self._lru(True)) + len(self._lru(False))
 
 
@@ -426,6 +428,8 @@ class DiskMachine(RuleBasedStateMachine):
         for key, v in self.ref.items():
             assert self.d.ready(key) == (not v[1] and not v[4])
             assert self.d.nbytes(key) == v[0]
+        probe = [k(i) for i in range(12)]
+        assert self.d.ready_many(probe) == [self.d.ready(x) for x in probe]
 
 
 DiskMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
