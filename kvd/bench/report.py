@@ -721,6 +721,13 @@ def tiers_table(tr: dict[str, Any]) -> Table:
         f"{h['memcpy_gbps']:.2f}",
         f"{h['load_vs_memcpy']:.2f}x",
     )
+    if "copies_into_pool_vs_memcpy" in h:
+        t.add_row(
+            "  floor: the same block copies into / out of shared memory, no daemon (vs memcpy)",
+            "",
+            "",
+            f"{h['copies_into_pool_vs_memcpy']:.2f}x / {h['copies_out_of_pool_vs_memcpy']:.2f}x",
+        )
     if "load_gbps_warm" not in d:  # (results of an older run)
         return t
     cache = d["page_cache"]

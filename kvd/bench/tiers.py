@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvd_client.shm import SharedRegion, staging_name
 from kvd_client.tiers import TierClient
 
 from kvd.bench.common import Env, Progress, median
@@ -172,8 +173,11 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
     dview = memoryview(dst)
     dests = [dview[i * bb : (i + 1) * bb] for i in range(n)]
     src_all = blocks[0].obj  # the one buffer the blocks are views of
-    store_t, load_t, copy_t = [], [], []
+    store_t, load_t, copy_t, into_t, out_t = [], [], [], [], []
+    # the floor: the same block copies into and out of shared memory, with no daemon
+    shm = SharedRegion(staging_name("bench-tier-floor"), cfg.request_bytes, populate=True)
     try:
+        pool = shm.buf
         with TierClient(d.socket, NS, bb, timeout=10.0) as c:
             for r in range(cfg.reps):
                 fresh = [hashlib.sha256(k + bytes([r])).digest() + b"\0\0\0\0" for k in keys]
@@ -192,8 +196,19 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                 load_t.append(time.perf_counter() - t0)
                 if not all(got) or dst != src_all:
                     raise RuntimeError("a load returned wrong bytes")
+                # the same block copies into and out of a shared-memory segment (written
+                # before), with no daemon: what any path through the pool costs here
+                t0 = time.perf_counter()
+                for i, b in enumerate(blocks):
+                    pool[i * bb : (i + 1) * bb] = b
+                into_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                for i, dest in enumerate(dests):
+                    dest[:] = pool[i * bb : (i + 1) * bb]
+                out_t.append(time.perf_counter() - t0)
     finally:
         d.stop()
+        shm.close()
     mc, st, ld = median(copy_t), median(store_t), median(load_t)
     gb = cfg.request_bytes / 1e9
     return {
@@ -204,6 +219,8 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
         "load_gbps": round(gb / ld, 2),
         "store_vs_memcpy": round(mc / st, 3),
         "load_vs_memcpy": round(mc / ld, 3),
+        "copies_into_pool_vs_memcpy": round(mc / median(into_t), 3),
+        "copies_out_of_pool_vs_memcpy": round(mc / median(out_t), 3),
     }
 
 
