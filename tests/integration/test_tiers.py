@@ -326,7 +326,7 @@ def test_a_killed_readers_file_pins_are_dropped(daemons: StartDaemon, workdir: P
             p.wait()
             t_kill = time.monotonic()
             _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
-            assert time.monotonic() - t_kill < 2.0
+            assert time.monotonic() - t_kill < 5.0  # (far under the 60 s bounds)
             assert c.stats()["counters"].get("pins_expired", 0) == 0
             # unpinned: newer blocks push the four files out of the disk tier
             more = iter(range(300, 340))
@@ -503,7 +503,7 @@ def test_killed_client_pins_released(daemons: StartDaemon) -> None:
             p.wait()
             t_kill = time.monotonic()
             _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
-            assert time.monotonic() - t_kill < 2.0
+            assert time.monotonic() - t_kill < 5.0  # (far under the 60 s bounds)
             counters = c.stats()["counters"]
             assert counters.get("pins_expired", 0) == 0
             assert c.store([key(99)], [memoryview(block(99))]) == [True]
