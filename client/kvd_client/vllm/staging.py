@@ -479,15 +479,7 @@ class HostStaging:
         if self._layer_ids is not None and self._layer_ids[:2] == (key, width):
             return self._layer_ids[2]
         self._index(ids)  # (range check)
-        per = max(1, LAYER_SLAB_BYTES // width)
-        host = torch.tensor(ids, dtype=torch.long)
-        dev_all = host
-        if self.device.type == "cuda":
-            dev_all = host.pin_memory().to(self.device, non_blocking=True)
-        pieces = [
-            _IdChunk(ids[i : i + per], host[i : i + per], dev_all[i : i + per])
-            for i in range(0, len(ids), per)
-        ]
+        pieces = self._chunks(ids, width, LAYER_SLAB_BYTES)
         self._layer_ids = (key, width, pieces)
         return pieces
 
@@ -605,16 +597,20 @@ class HostStaging:
             )
         return self._bounce[:need].view(rows, width)
 
-    def _chunks(self, block_ids: list[int], width: int) -> list[tuple[list[int], torch.Tensor]]:
-        """The ids in pieces of at most DEVICE_CHUNK_BYTES, each with its ids on the device.
-        The ids cross to the device once, from page-locked memory (a copy from pageable
-        memory would wait for every copy queued before it: no chunk would overlap)."""
-        per = max(1, DEVICE_CHUNK_BYTES // width)
+    def _chunks(self, block_ids: list[int], width: int, piece_bytes: int) -> list[_IdChunk]:
+        """The ids in pieces of at most `piece_bytes` (of `width` bytes per block), each
+        with its ids on the host and on the device. The ids cross to the device once, from
+        page-locked memory (a copy from pageable memory would wait for every copy queued
+        before it: no chunk would overlap)."""
+        per = max(1, piece_bytes // width)
         host = torch.tensor(block_ids, dtype=torch.long)
+        dev = host
         if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        return [(block_ids[i : i + per], dev[i : i + per]) for i in range(0, len(block_ids), per)]
+            dev = host.pin_memory().to(self.device, non_blocking=True)
+        return [
+            _IdChunk(block_ids[i : i + per], host[i : i + per], dev[i : i + per])
+            for i in range(0, len(block_ids), per)
+        ]
 
     def _direct(self, ids: list[int], runs: list[tuple[int, int, int]], width: int) -> bool:
         return (self.pinned or self.device.type != "cuda") and len(
@@ -643,7 +639,8 @@ class HostStaging:
         stage = self.stage
         width = sum(self.layers[i].nbytes for i in sel)
         whole = sel == list(range(len(self.layers)))
-        for ids, idx_dev in self._chunks(block_ids, width):
+        for piece in self._chunks(block_ids, width, DEVICE_CHUNK_BYTES):
+            ids, idx_dev = piece.ids, piece.dev
             m = len(ids)
             parts = [
                 self._chunk_view(self.layers[i].blocks)
@@ -678,7 +675,8 @@ class HostStaging:
     def _load_chunked(self, block_ids: list[int]) -> None:
         stage = self.stage
         width = self.block_bytes
-        for ids, idx_dev in self._chunks(block_ids, width):
+        for piece in self._chunks(block_ids, width, DEVICE_CHUNK_BYTES):
+            ids, idx_dev = piece.ids, piece.dev
             m = len(ids)
             runs = block_runs(ids)
             bounced = not self._direct(ids, runs, width)
