@@ -25,9 +25,16 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
   the file removed, counted).
 A reservation or pin is held for the session only: if the client dies, its session ends
 (its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
-daemon drops its pins; one left longer
-than the daemon's pin timeout is dropped too. Nothing stays pinned for a party that is
-gone.
+daemon drops its pins; one left longer than the daemon's pin timeout is dropped too.
+Nothing stays pinned for a party that is gone. A client that was only slow or frozen is
+never served wrong bytes and never writes into another block for it:
+- a load's answer names each slot's generation; the daemon bumps a slot's generation
+  (in a read-only shared-memory array) before the slot takes any new bytes, and the
+  client checks it after its copies: a block copied from a slot reused meanwhile is a
+  miss (`stale_reads`; its destination then holds those bytes, as after a bad file);
+- a store's slots whose operation the daemon dropped before this client said it was done
+  with them are not reused until it is: its commit or unpin of that operation, its next
+  session (`TierOpen.prev`: every copy of the old one is over), or its process's end.
 
 Every call blocks until the daemon answered or `timeout` passed. Failures raise
 `KvdError` (a subclass): the caller treats a failed lookup as all-miss and a failed
@@ -117,6 +124,9 @@ class TierClient:
         self._opened: wire.TierOpened | None = None
         self._pool_mm: mmap.mmap | None = None
         self._pool: memoryview | None = None
+        self._gens_mm: mmap.mmap | None = None
+        self._gens: memoryview | None = None
+        """The slots' generations (uint64 each), mapped read-only."""
         self._ka_stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self._keepalive_s = 1.0
@@ -135,6 +145,9 @@ class TierClient:
         every load goes through the pool)."""
         self.files_read = 0
         """Disk-tier blocks read straight from their files into the destination."""
+        self.stale_reads = 0
+        """Blocks copied out of a slot that was reused meanwhile (this client was too slow:
+        frozen, or past the pin timeout): misses, never reported loaded."""
         self.files_failed = 0
         """Of those, reads that failed (loaded through the pool instead: a bad file is
         then found bad by the daemon, removed and a miss)."""
@@ -297,6 +310,8 @@ class TierClient:
                     sb = self._slot_bytes()
                     bb = self.block_bytes
                     _check_slots(slots.slots, num_slots, files=bool(root))
+                    if len(slots.gens) != 8 * len(idx) or self._gens is None:
+                        raise ProtocolError("pin answer without the slots' generations")
                     verify = self._info().disk_verify
                     for i, s in zip(idx, slots.slots, strict=True):
                         j = base + i
@@ -313,6 +328,14 @@ class TierClient:
                             else:
                                 self.files_read += 1
                                 out[j] = True
+                    # after the copies (loads are not reordered with later loads on x86-64:
+                    # the seqlock argument of kvd_client.ecindex): a slot reused meanwhile
+                    # shows a newer generation, and what was copied from it is a miss
+                    want, now = memoryview(slots.gens).cast("Q"), self._gens
+                    for pos, (i, s) in enumerate(zip(idx, slots.slots, strict=True)):
+                        if s >= 0 and now[s] != want[pos]:
+                            out[base + i] = False
+                            self.stale_reads += 1
                 finally:
                     self._release(slots.op, store=False, wait=False)
         finally:
@@ -376,6 +399,9 @@ class TierClient:
             raise ProtocolError("this TierClient is closed")
         self._close_socket()
         self._unmap()
+        # every copy of the old session is over (calls hold the lock): the daemon may
+        # reuse the slots it kept out of use in case this client still wrote into them
+        prev = self._session
         self._session = f"{ROLE}-{os.getpid()}-{secrets.token_hex(6)}"
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -386,7 +412,7 @@ class TierClient:
         welcome = self._ask(hello, wire.Welcome, self.timeout)
         self._keepalive_s = max(0.05, welcome.client_timeout / 4)
         opened = self._ask(
-            wire.TierOpen(self.namespace, self.block_bytes), wire.TierOpened, self.timeout
+            wire.TierOpen(self.namespace, self.block_bytes, prev), wire.TierOpened, self.timeout
         )
         if opened.slot_bytes < self.block_bytes:
             raise ProtocolError(f"pool slots of {opened.slot_bytes} bytes hold no block")
@@ -409,8 +435,24 @@ class TierClient:
         finally:
             os.close(fd)
         self._pool = memoryview(self._pool_mm)
+        if not opened.gens:
+            raise ProtocolError("the daemon names no slot generations")
+        fd = os.open(os.path.join(SHM_DIR, check_name(opened.gens)), os.O_RDONLY)
+        try:
+            if os.fstat(fd).st_size < opened.num_slots * 8:
+                raise ProtocolError(f"the tier generations {opened.gens} are too small")
+            self._gens_mm = mmap.mmap(fd, opened.num_slots * 8, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self._gens = memoryview(self._gens_mm).cast("Q")
 
     def _unmap(self) -> None:
+        if self._gens is not None:
+            self._gens.release()
+            self._gens = None
+        if self._gens_mm is not None:
+            self._gens_mm.close()
+            self._gens_mm = None
         if self._pool is not None:
             self._pool.release()
             self._pool = None

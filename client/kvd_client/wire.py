@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 5
+PROTOCOL_VERSION: Final = 6
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
@@ -1128,16 +1128,22 @@ TierKeys = Annotated[bytes, Len(0, 8 * 1024 * 1024)]
 as one memcpy, not 1,000 items)."""
 KeyBytes = Annotated[int, Range(1, 256)]
 Flags = Annotated[bytes, Len(0, MAX_TIER_KEYS)]
+Gens = Annotated[bytes, Len(0, 8 * MAX_TIER_KEYS)]
+"""Slot generations: one little-endian uint64 per slot (`TierSlots.gens`)."""
 """One byte per key of the batch it answers."""
 
 
 @message(100)
 @dataclasses.dataclass(frozen=True)
 class TierOpen(Record):
-    """Use the daemon's tiers for blocks of `block_bytes` under `namespace`."""
+    """Use the daemon's tiers for blocks of `block_bytes` under `namespace`. `prev`: the
+    session this client had before this one (it reopened): it is done with every slot
+    that session was given, so slots the daemon kept out of use for it (its session
+    ended while it might still write into them) are free again."""
 
     namespace: Namespace
     block_bytes: Annotated[int, Range(1, 1 << 34)]
+    prev: OptId = ""
 
 
 @message(101)
@@ -1162,6 +1168,10 @@ class TierOpened(Record):
     (`TierPin.files`); "" = it may not (no disk tier, or `tiers.disk_client_reads` off)."""
     disk_verify: bool
     """Whether loads check a block file's checksum (`tiers.disk_checksum` is not "none")."""
+    gens: Annotated[str, Len(0, 255)] = ""
+    """The shared-memory segment of the slots' generations (one uint64 per slot, mapped
+    read-only): a load checks, after copying a slot out, that its generation is still
+    the one `TierSlots.gens` named (the slot was not reused meanwhile)."""
 
 
 @message(102)
@@ -1218,6 +1228,8 @@ class TierSlots(Record):
 
     op: U64
     slots: BlockIds
+    gens: Gens = b""
+    """(Loads) per key, the generation of its slot when pinned (0 where no slot)."""
 
 
 @message(106)

@@ -531,7 +531,9 @@ class Gateway:
             if self.tiers is not None:
                 boxes.append(self.tiers)
             for box in boxes:
-                call = SessionClosed(s.session, client_gone)
+                call = SessionClosed(
+                    s.session, client_gone, timed_out=s.closing == "timeout", pid=s.pid
+                )
                 box.post(call)  # a notice between actors: never refused
                 calls.append(call)
         with anyio.move_on_after(self.close_bound) as scope:

@@ -128,6 +128,11 @@ class SessionClosed(Call[None]):
 
     session: str
     client_gone: bool = False
+    timed_out: bool = False
+    """It stopped pinging: its process may still run (frozen, or starved) and touch what
+    it was given (the tiers keep slots it may write into out of use: `kvd.actors.tiers`)."""
+    pid: int = 0
+    """The client's process (its Hello), 0 if unknown."""
 
 
 @dataclass

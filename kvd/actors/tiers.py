@@ -23,7 +23,14 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
 A reservation or pin belongs to an operation of the client's session: it is dropped when
 the client ends it, when the session ends (goodbye; a killed client's lost connection;
 no keep-alive for `daemon.client_timeout`: a frozen client), or after
-`tiers.pin_timeout`.
+`tiers.pin_timeout`. A client dropped so may only have been slow or frozen, and may
+still copy. Readers: every slot has a generation, bumped (in a shared-memory array the
+clients map read-only) before the slot takes new bytes; a load's answer names them and
+the client checks them after copying (a reused slot: a miss). Writers cannot be checked
+after the fact, so a store's slots dropped that way are not reused (quarantined, lent in
+`HostIndex`) until the client is known to be done with them: its commit or unpin of that
+operation, its next session (`TierOpen.prev`), its session's safe end (goodbye, lost
+connection), or its process's end (checked every `QUARANTINE_CHECK` seconds).
 
 Across nodes (`tiers.peers`, `tiers.ask_known_peers`). A lookup whose keys all hit locally
 is answered at once. Otherwise the keys that missed go, one `PeerTierLookup` per peer, to
@@ -64,6 +71,7 @@ import errno
 import math
 import os
 import secrets
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,6 +118,7 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.peerlink import PeerLink
+from kvd.adapters.shm import pid_alive
 from kvd.config import TiersConfig
 from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
@@ -141,6 +150,8 @@ PEER_SESSION: Final = "\0peer:"
 """Prefix of the session a peer's pins belong to (no client's session starts so)."""
 PROMOTE_SESSION: Final = "\0promote"
 """The session of the daemon's own promotions of blocks that clients read from files."""
+QUARANTINE_CHECK: Final = 1.0
+"""Seconds between checks whether a timed-out session's process is gone."""
 PEER_HINTS: Final = 1 << 16
 """Keys remembered with the peer a lookup found them on."""
 PEER_DIAL_INTERVAL: Final = 1.0
@@ -189,6 +200,19 @@ class _PeerDialed:
 @dataclass
 class _Opened:
     namespaces: set[bytes] = field(default_factory=set)
+
+
+@dataclass
+class _Quarantine:
+    """Slots a session's client may still write into, kept out of use (lent): its store
+    operation was dropped (pin timeout, or its session timed out) before the client said
+    it was done with them. Given back by that operation's own commit or unpin (the
+    client sends it after its copies), the session's safe end (goodbye, lost connection),
+    the client's next session (`TierOpen.prev`), or its process's end."""
+
+    by_op: dict[int, list[int]] = field(default_factory=dict)
+    pid: int = 0
+    timed_out: bool = False
 
 
 def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
@@ -307,6 +331,12 @@ class Tiers:
         self.rejects = rejects
         self.disk_root = os.path.abspath(cfg.disk_path) if cfg.disk_path else ""
         self.pool: SharedRegion | None = None
+        self.gens_region: SharedRegion | None = None
+        self.gens: memoryview | None = None
+        """The slots' generations (`HostIndex`), published read-only to clients."""
+        self.quarantine: dict[str, _Quarantine] = {}
+        """Slots kept out of use for sessions whose client may still write into them."""
+        self._quarantine_check = 0.0
         self.pool_addr = 0
         self._pool_reg: Any = None
         self.host: HostIndex | None = None
@@ -353,15 +383,27 @@ class Tiers:
                 tg.start_soon(self._dial_peers)
             task_status.started()
             while True:
-                msg: Any = await self.mailbox.receive_before(self.ops.next_deadline())
+                msg: Any = await self.mailbox.receive_before(self._next_deadline())
                 if msg is not None:
                     self._dispatch(msg)
-                for op in self.ops.expired(self.clock.now()):
+                now = self.clock.now()
+                for op in self.ops.expired(now):
                     got = self.ops.get(op)
                     if got is not None and got.session.startswith(PEER_SESSION):
                         self._count("tiers_peer_pins_expired")
                     self._count("tiers_pins_expired")
-                    self._release(op)
+                    # its client may still be copying into a store's slots: kept out of
+                    # use until it is known to be done
+                    self._release(op, quarantine=True)
+                if self.quarantine and now >= self._quarantine_check:
+                    self._quarantine_check = now + QUARANTINE_CHECK
+                    self._check_quarantine()
+
+    def _next_deadline(self) -> float | None:
+        ops = self.ops.next_deadline()
+        if not any(q.timed_out for q in self.quarantine.values()):
+            return ops
+        return self._quarantine_check if ops is None else min(ops, self._quarantine_check)
 
     async def _start(self) -> None:
         reap_stale_pools()
@@ -410,6 +452,15 @@ class Tiers:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+        self._close_gens()
+
+    def _close_gens(self) -> None:
+        if self.gens is not None:
+            self.gens.release()
+            self.gens = None
+        if self.gens_region is not None:
+            self.gens_region.close()
+            self.gens_region = None
 
     # ---------------------------------------------------------------- dispatch
 
@@ -458,7 +509,14 @@ class Tiers:
         elif isinstance(msg, SessionClosed):
             self.sessions.pop(msg.session, None)
             for op in self.ops.of_session(msg.session):
-                self._release(op)
+                self._release(op, quarantine=msg.timed_out)
+            q = self.quarantine.get(msg.session)
+            if q is not None:
+                if msg.timed_out:  # (it may thaw and write: until its process is gone)
+                    q.timed_out, q.pid = True, msg.pid
+                    self._quarantine_check = self.clock.now() + QUARANTINE_CHECK
+                else:  # goodbye (after its calls), or its connection lost (it is gone)
+                    self._end_quarantine(msg.session)
             msg.resolve(None)
         elif isinstance(msg, Snapshot):
             msg.resolve(self.snapshot())
@@ -470,6 +528,8 @@ class Tiers:
         if not self.enabled or self.pool is None:
             raise InvalidRequest("this daemon keeps no KV tiers (tiers.enabled = false)")
         if isinstance(m, wire.TierOpen):
+            if m.prev and m.prev != req.session:  # its previous session is over for good
+                self._end_quarantine(m.prev)
             req.resolve(self._open(req.session, m))
             return
         if isinstance(m, (wire.TierUnpin, wire.TierCommit)):
@@ -502,16 +562,20 @@ class Tiers:
                 f"a block of {m.block_bytes} bytes exceeds tiers.host_bytes ({self.cfg.host_bytes})"
             )
         if self.host is None or (
-            self.slot_bytes != m.block_bytes and len(self.host) == 0 and len(self.ops) == 0
+            self.slot_bytes != m.block_bytes
+            and len(self.host) == 0
+            and len(self.ops) == 0
+            and self.host.lent == 0
+            and not (self.sessions.keys() - {session})  # (they map the old slots)
         ):
-            self.slot_bytes = m.block_bytes
-            self.host = HostIndex(self.cfg.host_bytes // m.block_bytes)
+            self._new_host_index(m.block_bytes)
         elif self.slot_bytes != m.block_bytes:
             raise Incompatible(
                 f"the host tier holds blocks of {self.slot_bytes} bytes; this client's "
                 f"are {m.block_bytes} (one block size per daemon while blocks are held)"
             )
         self.sessions.setdefault(session, _Opened()).namespaces.add(m.namespace)
+        assert self.host is not None
         return wire.TierOpened(
             self.pool.name,
             self.cfg.host_bytes,
@@ -522,7 +586,19 @@ class Tiers:
             self.disk is not None,
             self._client_files,
             self.cfg.disk_checksum != "none",
+            self.gens_region.name if self.gens_region is not None else "",
         )
+
+    def _new_host_index(self, block_bytes: int) -> None:
+        """The host index for slots of `block_bytes`, with its generations in a new
+        shared-memory segment beside the pool."""
+        assert self.pool is not None
+        num_slots = self.cfg.host_bytes // block_bytes
+        self._close_gens()
+        self.gens_region = SharedRegion(f"{self.pool.name}-gens", num_slots * 8)
+        self.gens = self.gens_region.buf.cast("Q")
+        self.slot_bytes = block_bytes
+        self.host = HostIndex(num_slots, self.gens)
 
     @property
     def _client_files(self) -> str:
@@ -570,6 +646,9 @@ class Tiers:
     def _finish(self, session: str, m: wire.TierUnpin | wire.TierCommit) -> wire.Record:
         op = self.ops.get(m.op)
         if op is None or op.session != session:
+            q = self.quarantine.get(session)
+            if q is not None and m.op in q.by_op:  # its client is done with those slots
+                self._give_back(session, q.by_op.pop(m.op))
             raise NotFound(f"no tier operation {m.op} (expired, or its pins were dropped)")
         if isinstance(m, wire.TierUnpin):
             self._release(m.op)
@@ -716,6 +795,10 @@ class Tiers:
             return
         if op.released:
             req.fail(NotFound("the operation's pins were dropped (pin timeout, session end)"))
+        elif op.kind is OpKind.LOAD and self.host is not None:
+            gen = self.host.gen
+            gens = struct.pack(f"<{len(op.slots)}Q", *(gen(s) if s >= 0 else 0 for s in op.slots))
+            req.resolve(wire.TierSlots(op.op, tuple(op.slots), gens))
         else:
             req.resolve(wire.TierSlots(op.op, tuple(op.slots)))
 
@@ -733,9 +816,13 @@ class Tiers:
             if not victim.on_disk:
                 self._count("tiers_host_dropped")
 
-    def _release(self, op_id: int) -> None:
+    def _release(self, op_id: int, *, quarantine: bool = False) -> None:
         """Drop what an operation holds: a store's uncommitted reservations, a load's pins
-        (blocks still being read from disk are released when the read ends)."""
+        (blocks still being read from disk are released when the read ends).
+        `quarantine`: its client may still write into the store's slots (the operation
+        expired, or its session timed out): they are kept out of use (`_Quarantine`).
+        A load's pins go in any case: a reader that copies out later sees the slots'
+        generations changed (`kvd_client.tiers`)."""
         op = self.ops.close(op_id)
         host = self.host
         if op is None or host is None:
@@ -745,6 +832,7 @@ class Tiers:
         op.waiting = []
         self.waiters.pop(op.op, None)
         read_by_client: list[TierKey] = []
+        lent: list[int] = []
         for i, (k, slot) in enumerate(zip(op.keys, op.slots, strict=True)):
             if slot == wire.SLOT_FILE:
                 if self.disk is not None and self.disk.unpin(k):
@@ -755,14 +843,45 @@ class Tiers:
             if slot < 0 or i in waiting or (k, slot) in op.pending:
                 continue
             if op.kind is OpKind.STORE:
-                host.abort(k)
+                if quarantine and op.answered:
+                    lent.append(host.detach(k))
+                else:
+                    host.abort(k)
             else:
                 host.unpin(k)
+        if lent:
+            self.quarantine.setdefault(op.session, _Quarantine()).by_op[op.op] = lent
+            self._count("tiers_quarantined", len(lent))
+            log.warning("tiers_slots_quarantined", session=op.session, op=op.op, slots=len(lent))
         self._answer(op)
         if read_by_client and self.cfg.promote_on_hit:
             self._promote(read_by_client)
         self._keep_free()
         self._retry_waiters()
+
+    def _give_back(self, session: str, slots: list[int]) -> None:
+        host = self.host
+        assert host is not None
+        for slot in slots:
+            host.give_back(slot)
+        self._count("tiers_quarantine_released", len(slots))
+        q = self.quarantine.get(session)
+        if q is not None and not q.by_op:
+            del self.quarantine[session]
+        self._retry_waiters()
+
+    def _end_quarantine(self, session: str) -> None:
+        """The session's client is done with every slot it was given (or gone)."""
+        q = self.quarantine.pop(session, None)
+        if q is not None:
+            self._give_back(session, [s for slots in q.by_op.values() for s in slots])
+
+    def _check_quarantine(self) -> None:
+        """Give back the slots of timed-out sessions whose process is gone."""
+        for session, q in list(self.quarantine.items()):
+            if q.timed_out and q.pid > 0 and not pid_alive(q.pid):
+                log.info("tiers_quarantine_process_gone", session=session, pid=q.pid)
+                self._end_quarantine(session)
 
     def _promote(self, keys: list[TierKey]) -> None:
         """Bring disk blocks that a client read from their files into the host tier
@@ -1477,6 +1596,7 @@ class Tiers:
             "used": used,
             "blocks": len(host) if host is not None else 0,
             "free_slots": host.free_slots if host is not None else 0,
+            "quarantined": host.lent if host is not None else 0,
             "hits": c.get("tiers_host_hits", 0),
             "misses": c.get("tiers_host_misses", 0),
             "evictions": c.get("tiers_host_evictions", 0),

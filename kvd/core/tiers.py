@@ -12,6 +12,18 @@ entry is never evicted. A READY entry knows whether the disk tier holds a copy
 dirty one loses the block unless it is demoted first, which the actor does ahead of
 need (`victims`, then `evict` once the copy is on disk).
 
+Slot generations (`gens`, one counter per slot, published by the daemon in shared
+memory): a slot's counter is bumped whenever the slot is given to a new use (a new
+entry, or lent out), before any new byte can be written into it. A load's answer names
+each slot's generation; a client that copied a slot out checks the counter afterwards,
+so a copy from a slot reused meanwhile (its pins dropped: a frozen or slow reader) is
+seen and is a miss (the seqlock argument of `kvd_client.ecindex`).
+
+Lent slots: a RESERVED entry whose writer may still write into it after its operation
+was dropped (a frozen or slow client) is `detach`ed: its key is forgotten (a miss; the
+key may be stored again elsewhere) but the slot stays out of use, lent, until the actor
+knows that writer is done (`give_back`).
+
 `DiskIndex`: files bounded by `capacity` bytes. An entry is RESERVED (a temp file being written, not
 yet renamed: never served) or READY; READY entries with no readers sit in an LRU list,
 and making room for a new file evicts from its old end (the actor deletes those files).
@@ -35,7 +47,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
 from kvd_client import wire
 
@@ -43,6 +55,14 @@ from kvd.core.timers import TimerHeap
 
 TierKey = tuple[bytes, bytes]
 """(namespace, key)."""
+
+
+class SlotGens(Protocol):
+    """One counter per slot (a list in tests; a uint64 view of shared memory in the daemon)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int, /) -> int: ...
+    def __setitem__(self, i: int, v: int, /) -> None: ...
 
 
 class State(enum.Enum):
@@ -89,13 +109,17 @@ class HostIndex:
     least recently used dirty one (whose block then leaves the tiers): where a disk tier
     takes demoted blocks, the actor writes dirty entries out (`victims`) instead."""
 
-    __slots__ = ("_clean", "_dirty", "_entries", "_free", "num_slots")
+    __slots__ = ("_clean", "_dirty", "_entries", "_free", "_gens", "_lent", "num_slots")
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, gens: SlotGens | None = None) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
+        if gens is not None and len(gens) < num_slots:
+            raise ValueError(f"{len(gens)} generation counters for {num_slots} slots")
         self.num_slots: Final = num_slots
+        self._gens: SlotGens = [0] * num_slots if gens is None else gens
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: 0 first
+        self._lent: set[int] = set()
         self._entries: dict[TierKey, _HostEntry] = {}
         # READY and unpinned, oldest first
         self._clean: OrderedDict[TierKey, None] = OrderedDict()
@@ -114,6 +138,15 @@ class HostIndex:
     @property
     def evictable(self) -> int:
         return len(self._clean) + len(self._dirty)
+
+    @property
+    def lent(self) -> int:
+        """Slots out of use until their writer is known to be done (`detach`)."""
+        return len(self._lent)
+
+    def gen(self, slot: int) -> int:
+        """The slot's generation (bumped each time it is given to a new use)."""
+        return self._gens[slot]
 
     @property
     def clean(self) -> int:
@@ -165,6 +198,7 @@ class HostIndex:
             slot = e.slot
         else:
             return Reserve.FULL
+        self._gens[slot] += 1  # before any byte of the new use is written
         self._entries[key] = _HostEntry(slot, State.RESERVED, 1, on_disk, transient)
         return slot, victim
 
@@ -186,6 +220,23 @@ class HostIndex:
         del self._entries[key]
         self._free.append(e.slot)
         return e.slot
+
+    def detach(self, key: TierKey) -> int:
+        """Forget a RESERVED entry but keep its slot out of use (lent): its writer may
+        still write into it. Returns the slot (for `give_back`)."""
+        e = self._entry(key)
+        if e.state is not State.RESERVED:
+            raise ValueError(f"{key!r} is not reserved")
+        del self._entries[key]
+        self._lent.add(e.slot)
+        return e.slot
+
+    def give_back(self, slot: int) -> None:
+        """A lent slot is free again (its writer is known to be done)."""
+        if slot not in self._lent:
+            raise ValueError(f"slot {slot} is not lent")
+        self._lent.discard(slot)
+        self._free.append(slot)
 
     def pin(self, key: TierKey) -> int | None:
         """Pin a READY entry (a use: it becomes the most recently used); its slot."""

@@ -97,6 +97,25 @@ def test_abort_and_bad_transitions() -> None:
         h.unpin(k(1))
     with pytest.raises(ValueError):
         HostIndex(0)
+    with pytest.raises(ValueError, match="not reserved"):
+        h.detach(k(1))
+    with pytest.raises(ValueError, match="not lent"):
+        h.give_back(0)
+    with pytest.raises(ValueError, match="generation counters"):
+        HostIndex(4, [0, 0])
+
+
+def test_a_detached_slot_stays_out_of_use_until_given_back() -> None:
+    gens = [0, 0]
+    h = HostIndex(2, gens)
+    got = h.reserve(k(1))
+    assert not isinstance(got, Reserve) and got[0] == 0 and gens == [1, 0]
+    assert h.detach(k(1)) == 0
+    assert k(1) not in h and h.lent == 1 and h.free_slots == 1
+    assert h.reserve(k(1)) == (1, None)  # the key may be stored again, elsewhere
+    assert h.reserve(k(2)) is Reserve.FULL  # the lent slot is never handed out
+    h.give_back(0)
+    assert h.reserve(k(2)) == (0, None) and gens == [2, 1]
 
 
 def test_namespaces_never_share() -> None:
@@ -190,8 +209,11 @@ class HostMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = HostIndex(self.N)
+        self.gens = [0] * self.N
+        self.h = HostIndex(self.N, self.gens)
         self.ref: dict[TierKey, _Ref] = {}
+        self.lent: set[int] = set()
+        self.gen = [0] * self.N  # the model's own count of each slot's new uses
         self.clock = 0
 
     def _tick(self) -> int:
@@ -214,7 +236,7 @@ class HostMachine(RuleBasedStateMachine):
             assert got is Reserve.HELD
             return
         clean, dirty = self._lru(True), self._lru(False)
-        if len(self.ref) < self.N:
+        if len(self.ref) + len(self.lent) < self.N:
             assert not isinstance(got, Reserve) and got[1] is None
         elif clean or (evict_dirty and dirty):
             expect = clean[0] if clean else dirty[0]
@@ -227,7 +249,24 @@ class HostMachine(RuleBasedStateMachine):
             assert got is Reserve.FULL
             return
         assert not isinstance(got, Reserve)
+        assert got[0] not in self.lent
+        self.gen[got[0]] += 1
         self.ref[key] = _Ref(got[0], True, 1, False, transient, 0)
+
+    @precondition(lambda self: any(r.reserved for r in self.ref.values()))
+    @rule(data=st.data())
+    def detach(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(kk for kk, r in self.ref.items() if r.reserved)))
+        slot = self.h.detach(key)
+        assert slot == self.ref.pop(key).slot
+        self.lent.add(slot)
+
+    @precondition(lambda self: bool(self.lent))
+    @rule(data=st.data())
+    def give_back(self, data: st.DataObject) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.lent)))
+        self.h.give_back(slot)
+        self.lent.discard(slot)
 
     @precondition(lambda self: any(r.reserved for r in self.ref.values()))
     @rule(data=st.data(), keep=st.booleans())
@@ -311,9 +350,12 @@ class HostMachine(RuleBasedStateMachine):
     @invariant()
     def agrees(self) -> None:
         assert len(self.h) == len(self.ref)
-        assert self.h.free_slots == self.N - len(self.ref)
-        slots = [r.slot for r in self.ref.values()]
+        assert self.h.free_slots == self.N - len(self.ref) - len(self.lent)
+        assert self.h.lent == len(self.lent)
+        slots = [r.slot for r in self.ref.values()] + sorted(self.lent)
         assert len(set(slots)) == len(slots) and all(0 <= s < self.N for s in slots)
+        # every new use of a slot bumped its published generation
+        assert self.gens == self.gen and all(self.h.gen(s) == self.gen[s] for s in range(self.N))
         for key, r in self.ref.items():
             assert self.h.slot_of(key) == r.slot
             assert self.h.pins(key) == r.pins

@@ -700,9 +700,149 @@ def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemo
         assert load_check(other, [1]) == [False]
         # the reservation expires before the commit arrives: refused, nothing stored
         _wait(lambda: other.stats()["counters"].get("pins_expired", 0) == 1, timeout=15)
+        # (its slot stays out of use: the client may still be copying into it)
+        assert other.stats()["host"]["quarantined"] == 1
         c._commit(got.op, b"\x01")
         assert c.batch_lookup([key(1)]) == [False]
+        assert other.stats()["host"]["quarantined"] == 0  # its commit: it is done
         assert c.commits_refused == 1
         assert load_check(other, [1]) == [False]
         assert c.commits_refused == 1 and c.store([key(2)], [memoryview(block(2))]) == [True]
         assert load_check(other, [0, 2]) == [True, True]
+
+
+def _frozen_client(d: Any, call: str) -> subprocess.Popen[bytes]:
+    """A client process that stops itself (SIGSTOP) once the daemon answered its store's
+    or load's slots, before it copies a byte; thawed, it finishes `call`, prints what it
+    got, then makes one more call (a lookup) and exits."""
+    code = textwrap.dedent(
+        f"""
+        import hashlib, json, os, signal
+        from kvd_client import tiers as T
+        real = T._check_slots
+        stopped = []
+        def frozen(*a, **k):
+            if not stopped:
+                stopped.append(1)
+                print("answered", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*a, **k)
+        T._check_slots = frozen
+        def key(i):
+            return hashlib.sha256(f"block-{{i}}".encode()).digest() + bytes(4)
+        def block(i):
+            seed = hashlib.sha256({NS!r} + i.to_bytes(8, "little")).digest()
+            return (seed * ({BB} // len(seed) + 1))[:{BB}]
+        c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        keys = [key(0), key(1)]
+        if {call!r} == "store":
+            got = c.store(keys, [memoryview(block(i)) for i in range(2)])
+            sums = []
+        else:
+            dests = [bytearray({BB}) for _ in keys]
+            got = c.load(keys, [memoryview(x) for x in dests])
+            sums = [hashlib.sha256(x).hexdigest() for x in dests]
+        print(json.dumps({{"got": got, "sums": sums, "stale": c.stale_reads}}), flush=True)
+        c.batch_lookup(keys)
+        print(json.dumps({{"reopened": c.reopened}}), flush=True)
+        c.close()
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    assert p.stdout.readline().strip() == b"answered"
+    _wait(lambda: Path(f"/proc/{p.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+    return p
+
+
+def test_a_reader_frozen_past_its_session_never_loads_reused_slots(daemons: StartDaemon) -> None:
+    """A reader frozen between the daemon's answer (its pool slots) and its copies, past
+    `client_timeout`: its session ends, its pins go, and other blocks are stored in those
+    slots. Thawed, its copies see the slots changed: misses, never another block's bytes
+    reported loaded."""
+    cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
+    d = daemons("t20", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
+    p = _frozen_client(d, "load")
+    try:
+        with TierClient(d.socket, NS, BB) as c:
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)  # its pins went
+            ids = list(range(100, 104))  # fill every slot: 0 and 1 are evicted
+            assert all(c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]))
+            assert c.batch_lookup([key(0), key(1)]) == [False, False]
+            p.send_signal(signal.SIGCONT)
+            rest, _ = p.communicate(timeout=30)
+            assert p.returncode == 0
+            out = json.loads(rest.splitlines()[0])
+            want = [hashlib.sha256(block(i)).hexdigest() for i in range(2)]
+            for i, ok in enumerate(out["got"]):
+                if ok:
+                    assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
+            assert out["got"] == [False, False]
+            assert out["stale"] == 2  # its copies saw the slots' generations move on
+            assert load_check(c, ids) == [True] * 4
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def test_a_writer_frozen_past_its_session_never_overwrites_other_blocks(
+    daemons: StartDaemon,
+) -> None:
+    """A writer frozen between the daemon's answer (its reserved slots) and its copies,
+    past `client_timeout`: its session ends, but the slots it was given are not reused
+    while it may still write into them (quarantined); other stores go elsewhere and are
+    never overwritten when it thaws and copies. Its own store is refused (nothing
+    visible); the slots come back once it is known to be done (it reopened a session)."""
+    cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
+    d = daemons("t21", overrides=cfg)
+    p = _frozen_client(d, "store")
+    try:
+        with TierClient(d.socket, NS, BB) as c:
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)
+            assert c.stats()["host"]["quarantined"] == 2
+            ids = [100, 101, 102]
+            for i in ids:
+                assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            # two slots are out of use: the third store evicted the first block instead
+            assert c.batch_lookup([key(i) for i in ids]) == [False, True, True]
+            p.send_signal(signal.SIGCONT)
+            rest, _ = p.communicate(timeout=30)
+            assert p.returncode == 0
+            lines = rest.splitlines()
+            assert json.loads(lines[1])["reopened"] == 1
+            assert load_check(c, [101, 102]) == [True, True]  # never overwritten
+            assert c.batch_lookup([key(0), key(1)]) == [False, False]
+            assert c.stats()["host"]["quarantined"] == 0  # given back by its next session
+            more = [103, 104]
+            assert all(c.store([key(i) for i in more], [memoryview(block(i)) for i in more]))
+            assert load_check(c, [101, 102, 103, 104]) == [True] * 4
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def test_a_frozen_writer_killed_gives_its_slots_back(daemons: StartDaemon) -> None:
+    """The slots kept out of use for a frozen writer come back once its process is gone."""
+    cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
+    d = daemons("t22", overrides=cfg)
+    p = _frozen_client(d, "store")
+    try:
+        with TierClient(d.socket, NS, BB) as c:
+            _wait(lambda: c.stats()["host"]["quarantined"] == 2, timeout=10)
+            p.kill()
+            p.wait()
+            _wait(lambda: c.stats()["host"]["quarantined"] == 0, timeout=10)
+            ids = list(range(100, 104))  # every slot usable again: nothing evicted
+            assert all(c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]))
+            assert load_check(c, ids) == [True] * 4
+            assert c.stats()["host"]["evictions"] == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

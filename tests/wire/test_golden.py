@@ -101,7 +101,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 5
+    assert wire.PROTOCOL_VERSION == 6
 
 
 def test_type_ids_are_pinned() -> None:
