@@ -234,6 +234,12 @@ def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         row["hit_rate"] = f"{row['hits'] / total:.1%}" if total else "-"
     cols = ["tier", "capacity", "used", "blocks", "hits", "misses", "hit_rate", "evictions"]
     console.print(_table("tiers", rows, [*cols, "bytes_in", "bytes_out"]))
+    host = data.get("host") or {}
+    console.print(
+        f"host slots: {host.get('free_slots', 0)} free, {host.get('lent', 0)} lent to clients "
+        f"ahead of their stores, {host.get('quarantined', 0)} out of use until a frozen or "
+        "slow client is done with them"
+    )
     if peer:
         console.print(
             f"peers asked {', '.join(peer['asked']) or '-'}  "

@@ -8,10 +8,15 @@ the KV group index, 4 bytes big-endian); one key is one block of `block_bytes`.
 The daemon owns the host tier: a shared-memory pool cut into slots. The client maps it
 read-write and moves the bytes itself, so a block crosses memory once each way:
 - `batch_lookup`: one round trip for the whole batch.
-- `store`: the daemon reserves (and pins) a slot per key it does not hold yet; the
-  client copies each block into its slot; a commit makes them visible (one round trip:
-  the commit is sent without waiting for its answer; the daemon handles a session's
-  messages in order, and a block is visible only once committed, so only whole).
+- `store`: the client copies each block into a pool slot the daemon lent it ahead
+  (`TierGrant`, asked for at the end of the previous store and answered meanwhile) and
+  names the blocks' keys (`TierPut`, sent without waiting for its answer): no round trip.
+  Where it holds too few lent slots (its first store, a larger one, a pool with none
+  free), the daemon reserves (and pins) a slot per key it does not hold yet, the client
+  copies, and a commit makes them visible (one round trip; the commit is one-way). The
+  daemon handles a session's messages in order, and a block is visible only once put or
+  committed, so only whole. A key the daemon holds already is not stored again (on the
+  lent path it was copied for nothing, and its slot goes back).
 - `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
   the client copies each block out; an unpin releases them (sent without waiting for
   its answer). With a disk tier, a load is pinned in parts of about `PART_BYTES`,
@@ -134,10 +139,14 @@ class TierClient:
         """Correlation ids of calls whose replies are awaited."""
         self._replies: dict[int, wire.Record] = {}
         """Replies that arrived while another call's reply was awaited."""
-        self._commits: set[int] = set()
-        """Correlation ids of one-way commits whose answers have not arrived yet."""
+        self._spare: list[int] = []
+        """Pool slots the daemon lent this session ahead of its stores (`TierGrant`)."""
+        self._granting: int | None = None
+        """The correlation id of our grant request under way."""
+        self._commits: dict[int, int] = {}
+        """One-way commits and puts whose answers have not arrived yet: corr -> blocks."""
         self.commits_refused = 0
-        """One-way commits the daemon refused (their blocks were not stored)."""
+        """Blocks whose one-way commit or put the daemon refused (they were not stored)."""
         self.reopened = 0
         """Sessions opened again after the daemon forgot ours (restart, timeout)."""
         self.read_files = True
@@ -191,9 +200,17 @@ class TierClient:
             if v.nbytes != self.block_bytes:
                 raise InvalidRequest(f"block {i} has {v.nbytes} bytes, not {self.block_bytes}")
         with self._lock:
+            if self._sock is None:
+                self._open_session()
+            self._take_grant()
             out = [False] * len(keys)
             for base, part in _indexed_parts(keys):
                 for key_bytes, idx, blob in _by_length(part):
+                    if len(self._spare) >= len(idx):  # copies, then a one-way put
+                        self._put(key_bytes, idx, blob, [views[base + i] for i in idx])
+                        for i in idx:
+                            out[base + i] = True
+                        continue
                     reserve = wire.TierReserve(self.namespace, key_bytes, blob)
                     slots = self._retrying(reserve, wire.TierSlots, self.io_timeout)
                     if len(slots.slots) != len(idx):
@@ -215,7 +232,60 @@ class TierClient:
                     self._commit(slots.op, bytes(ok))
                     for i, s, c in zip(idx, slots.slots, ok, strict=True):
                         out[base + i] = bool(c) or s == wire.SLOT_HELD
+            self._ask_grant(min(len(keys), MAX_BATCH))
             return out
+
+    def _put(self, key_bytes: int, idx: list[int], blob: bytes, blocks: list[memoryview]) -> None:
+        """Copy `blocks` into slots lent ahead (`TierGrant`) and name their keys, one-way:
+        a store without a round trip. The daemon handles our messages in order, so our
+        next request sees them; a refusal is counted when its answer arrives."""
+        n = len(idx)
+        slots, self._spare = self._spare[:n], self._spare[n:]
+        try:
+            pool = self._need_pool()
+            sb = self._slot_bytes()
+            for s, b in zip(slots, blocks, strict=True):
+                off = s * sb
+                pool[off : off + self.block_bytes] = b
+        except BaseException:
+            self._spare[:0] = slots  # still lent to us: used for the next store
+            raise
+        if self._sock is None:
+            raise ProtocolError("not connected")
+        corr = next(self._corr)
+        put = wire.TierPut(self.namespace, key_bytes, blob, tuple(slots))
+        try:
+            self._sock.send(wire.encode(put, corr), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
+        self._remember_commit(corr, n)
+
+    def _ask_grant(self, n: int) -> None:
+        """Ask the daemon to lend us slots for our next store (`n` blocks' worth), unless
+        we hold that many or asked already; the answer is taken by the next store."""
+        want = n - len(self._spare)
+        if want <= 0 or self._granting is not None or self._sock is None:
+            return
+        with contextlib.suppress(KvdError, zmq.ZMQError):
+            self._granting = self._send(wire.TierGrant(min(want, MAX_BATCH)))
+
+    def _take_grant(self) -> None:
+        """The answer to our grant request, if one is under way (it is there already
+        unless the daemon is slow: it was asked at the end of the previous store)."""
+        corr, self._granting = self._granting, None
+        if corr is None:
+            return
+        try:
+            got = self._wait(corr, wire.TierGranted, self.io_timeout)
+        except KvdError:
+            return  # (a store without lent slots reserves them: nothing is lost)
+        self._granted(got)
+
+    def _granted(self, got: wire.TierGranted) -> None:
+        _check_slots(got.slots, self._num_slots())
+        if any(s < 0 for s in got.slots):
+            raise ProtocolError("a lent slot outside the pool")
+        self._spare.extend(got.slots)
 
     def load(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
         """Per key: its block was copied into its dest (`block_bytes` long). A miss
@@ -402,6 +472,7 @@ class TierClient:
         # every copy of the old session is over (calls hold the lock): the daemon may
         # reuse the slots it kept out of use in case this client still wrote into them
         prev = self._session
+        self._spare, self._granting = [], None  # (lent to the old session: gone with it)
         self._session = f"{ROLE}-{os.getpid()}-{secrets.token_hex(6)}"
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -528,9 +599,12 @@ class TierClient:
             self._sock.send(wire.encode(wire.TierCommit(op, ok), corr), flags=zmq.NOBLOCK)
         except zmq.Again:
             raise DaemonUnavailable(f"kvd at {self.socket_path} does not take messages") from None
-        self._commits.add(corr)
+        self._remember_commit(corr, ok.count(1))
+
+    def _remember_commit(self, corr: int, blocks: int) -> None:
+        self._commits[corr] = blocks
         if len(self._commits) > 4096:  # answers lost with a session: keep the newest
-            self._commits.discard(min(self._commits))
+            del self._commits[min(self._commits)]
 
     def _release(self, op: int, *, store: bool, wait: bool = True) -> None:
         """Drop an operation's pins, best effort (the session's end or the pin timeout
@@ -595,10 +669,16 @@ class TierClient:
     def _late(self, corr: int, reply: wire.Record) -> None:
         """A reply to a call that timed out (release what it pinned for us), or to a
         one-way commit (count a refusal)."""
-        if corr in self._commits:
-            self._commits.discard(corr)
+        blocks = self._commits.pop(corr, None)
+        if blocks is not None:
             if isinstance(reply, wire.ErrorReply):
-                self.commits_refused += 1
+                self.commits_refused += blocks
+            elif isinstance(reply, wire.TierFlags):  # (a put: 0 = refused)
+                self.commits_refused += reply.flags.count(0)
+            return
+        if isinstance(reply, wire.TierGranted):  # (lent to this session all the same)
+            with contextlib.suppress(ProtocolError):
+                self._granted(reply)
             return
         if isinstance(reply, wire.TierSlots) and self._sock is not None:
             with contextlib.suppress(zmq.ZMQError):

@@ -1272,6 +1272,39 @@ class TierUnpin(Record):
     op: U64
 
 
+@message(110)
+@dataclasses.dataclass(frozen=True)
+class TierGrant(Record):
+    """Store ahead: lend this session up to `n` free host slots (answered by
+    `TierGranted`, possibly fewer, never by evicting a block the disk tier lacks, never
+    waiting). The client copies blocks into them and names them in `TierPut`: a store
+    without a round trip. Lent slots stay the session's until put, or its end."""
+
+    n: Annotated[int, Range(1, MAX_TIER_KEYS)]
+
+
+@message(111)
+@dataclasses.dataclass(frozen=True)
+class TierGranted(Record):
+    """The slots lent to the session by a `TierGrant` (maybe none)."""
+
+    slots: BlockIds
+
+
+@message(112)
+@dataclasses.dataclass(frozen=True)
+class TierPut(Record):
+    """Store into lent slots: key i's bytes are in place in `slots[i]`, a slot lent to
+    this session; make them visible (answered by `TierFlags`: 1 stored or already held,
+    0 refused). Every slot named here goes back to the daemon (used, or freed where its
+    key was held already)."""
+
+    namespace: Namespace
+    key_bytes: KeyBytes
+    keys: TierKeys
+    slots: BlockIds
+
+
 # ------------------------------------------------------------------ tiers across nodes
 # A daemon asks its peers' tiers on their side channel (sealed under the session key
 # when a shared secret is set) and READs the hits out of their host pools over NIXL.

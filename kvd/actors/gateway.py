@@ -185,6 +185,8 @@ class Gateway:
                 wire.TierCommit,
                 wire.TierPin,
                 wire.TierUnpin,
+                wire.TierGrant,
+                wire.TierPut,
             ):
                 self._routes[tier_msg] = tiers
 

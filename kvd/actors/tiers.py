@@ -11,6 +11,11 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
   makes the blocks visible; a block is never visible before its bytes are in place.
   Clients send the commit one-way; it is answered all the same (a refusal is counted
   there), and a session's messages are handled in order.
+- Store ahead: `TierGrant` lends a session free slots (or those of clean blocks, never
+  of a block the disk tier lacks; at most an eighth of the pool per session), the client
+  copies blocks into them and names the keys in `TierPut` (one-way): a store without a
+  round trip. A slot named by a put goes back to the pool whatever happens to its key
+  (stored, or held already); lent slots not put go back when the session ends.
 - Load: `TierPin` pins the keys' slots; a disk-tier hit is first read into a reserved
   slot (promoted: kept in the host tier afterwards, unless `promote_on_hit` is off) and
   its length and checksum checked (a bad or truncated file is a miss: removed and counted,
@@ -150,6 +155,9 @@ PEER_SESSION: Final = "\0peer:"
 """Prefix of the session a peer's pins belong to (no client's session starts so)."""
 PROMOTE_SESSION: Final = "\0promote"
 """The session of the daemon's own promotions of blocks that clients read from files."""
+LENT: Final = 0
+"""The key under which a session's lent slots sit in its `_Quarantine.by_op` (op ids start
+at 1)."""
 QUARANTINE_CHECK: Final = 1.0
 """Seconds between checks whether a timed-out session's process is gone."""
 PEER_HINTS: Final = 1 << 16
@@ -200,6 +208,8 @@ class _PeerDialed:
 @dataclass
 class _Opened:
     namespaces: set[bytes] = field(default_factory=set)
+    lent: set[int] = field(default_factory=set)
+    """Host slots lent to the session ahead of its stores (`TierGrant`), not put yet."""
 
 
 @dataclass
@@ -507,7 +517,9 @@ class Tiers:
             else:
                 self._write_done(msg)
         elif isinstance(msg, SessionClosed):
-            self.sessions.pop(msg.session, None)
+            opened = self.sessions.pop(msg.session, None)
+            if opened is not None and opened.lent:
+                self._return_lent(msg.session, opened.lent, quarantine=msg.timed_out)
             for op in self.ops.of_session(msg.session):
                 self._release(op, quarantine=msg.timed_out)
             q = self.quarantine.get(msg.session)
@@ -535,7 +547,10 @@ class Tiers:
         if isinstance(m, (wire.TierUnpin, wire.TierCommit)):
             req.resolve(self._finish(req.session, m))
             return
-        assert isinstance(m, (wire.TierLookup, wire.TierReserve, wire.TierPin))
+        if isinstance(m, wire.TierGrant):
+            req.resolve(self._grant(req.session, m.n))
+            return
+        assert isinstance(m, (wire.TierLookup, wire.TierReserve, wire.TierPin, wire.TierPut))
         opened = self.sessions.get(req.session)
         if opened is None or m.namespace not in opened.namespaces:
             raise InvalidRequest("TierOpen this namespace first")
@@ -550,6 +565,8 @@ class Tiers:
             self._lookup_with_peers(req, m, keys, self._lookup(keys))
         elif isinstance(m, wire.TierReserve):
             self._reserve(req, keys)
+        elif isinstance(m, wire.TierPut):
+            req.resolve(self._put(opened, keys, m.slots))
         else:
             self._pin(req, keys, files=m.files)
 
@@ -643,11 +660,66 @@ class Tiers:
         self.op_reqs[op.op] = req
         self._place(op)
 
+    def _grant(self, session: str, n: int) -> wire.TierGranted:
+        """Lend the session free host slots for its next store (`HostIndex.lend`: never a
+        block the disk tier lacks; never waiting), at most `_max_lent` at a time."""
+        host = self.host
+        opened = self.sessions.get(session)
+        if opened is None or host is None:
+            raise InvalidRequest("TierOpen first")
+        n = min(n, self._max_lent - len(opened.lent))
+        if n <= 0:
+            return wire.TierGranted(())
+        slots, evicted = host.lend(n)
+        for victim in evicted:
+            self._evicted(victim)
+        opened.lent.update(slots)
+        self._count("tiers_slots_lent", len(slots))
+        self._keep_free()
+        return wire.TierGranted(tuple(slots))
+
+    @property
+    def _max_lent(self) -> int:
+        """Slots one session may hold lent: an eighth of the pool, at most a batch."""
+        assert self.host is not None
+        return min(wire.MAX_TIER_KEYS, self.host.num_slots // 8)
+
+    def _put(self, opened: _Opened, keys: list[TierKey], slots: tuple[int, ...]) -> wire.TierFlags:
+        """A store into lent slots (`TierPut`): each key's block is in its slot. A slot
+        not lent to this session is refused (counted); a key held already gives its
+        slot back."""
+        host, disk = self.host, self.disk
+        assert host is not None
+        if len(slots) != len(keys):
+            raise InvalidRequest(f"{len(keys)} keys but {len(slots)} slots")
+        flags = bytearray(len(keys))
+        stored = back = refused = 0
+        for j, (k, slot) in enumerate(zip(keys, slots, strict=True)):
+            if slot not in opened.lent:
+                refused += 1
+                continue
+            opened.lent.discard(slot)
+            flags[j] = 1
+            if (disk is not None and disk.ready(k)) or not host.fill(k, slot):
+                host.give_back(slot)  # held already (or earlier in this batch)
+                back += 1
+            else:
+                stored += 1
+        if refused:
+            self._count("tiers_put_refused", refused)
+            log.warning("tiers_put_refused", slots=refused, why="not lent to this session")
+        self._count("tiers_host_bytes_in", stored * self.slot_bytes)
+        self._count("tiers_blocks_stored", stored)
+        self._keep_free()
+        if back:
+            self._retry_waiters()
+        return wire.TierFlags(bytes(flags))
+
     def _finish(self, session: str, m: wire.TierUnpin | wire.TierCommit) -> wire.Record:
         op = self.ops.get(m.op)
         if op is None or op.session != session:
             q = self.quarantine.get(session)
-            if q is not None and m.op in q.by_op:  # its client is done with those slots
+            if q is not None and m.op != LENT and m.op in q.by_op:  # it is done with them
                 self._give_back(session, q.by_op.pop(m.op))
             raise NotFound(f"no tier operation {m.op} (expired, or its pins were dropped)")
         if isinstance(m, wire.TierUnpin):
@@ -857,6 +929,20 @@ class Tiers:
         if read_by_client and self.cfg.promote_on_hit:
             self._promote(read_by_client)
         self._keep_free()
+        self._retry_waiters()
+
+    def _return_lent(self, session: str, lent: set[int], *, quarantine: bool) -> None:
+        """The slots lent to a session that ended: free, or (it may still be copying into
+        them: timed out) quarantined."""
+        if quarantine:
+            self.quarantine.setdefault(session, _Quarantine()).by_op[LENT] = sorted(lent)
+            self._count("tiers_quarantined", len(lent))
+            log.warning("tiers_slots_quarantined", session=session, lent=len(lent))
+            return
+        host = self.host
+        assert host is not None
+        for slot in lent:
+            host.give_back(slot)
         self._retry_waiters()
 
     def _give_back(self, session: str, slots: list[int]) -> None:
@@ -1582,6 +1668,7 @@ class Tiers:
             return out
         c = self.counters
         slots = host.num_slots if host is not None else 0
+        quarantined = sum(len(s) for q in self.quarantine.values() for s in q.by_op.values())
         used = (len(host) if host is not None else 0) * self.slot_bytes
         out["pool"] = self.pool.name if self.pool is not None else ""
         out["block_bytes"] = self.slot_bytes
@@ -1596,7 +1683,8 @@ class Tiers:
             "used": used,
             "blocks": len(host) if host is not None else 0,
             "free_slots": host.free_slots if host is not None else 0,
-            "quarantined": host.lent if host is not None else 0,
+            "quarantined": quarantined,
+            "lent": (host.lent if host is not None else 0) - quarantined,
             "hits": c.get("tiers_host_hits", 0),
             "misses": c.get("tiers_host_misses", 0),
             "evictions": c.get("tiers_host_evictions", 0),

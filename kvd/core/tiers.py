@@ -19,10 +19,11 @@ each slot's generation; a client that copied a slot out checks the counter after
 so a copy from a slot reused meanwhile (its pins dropped: a frozen or slow reader) is
 seen and is a miss (the seqlock argument of `kvd_client.ecindex`).
 
-Lent slots: a RESERVED entry whose writer may still write into it after its operation
-was dropped (a frozen or slow client) is `detach`ed: its key is forgotten (a miss; the
-key may be stored again elsewhere) but the slot stays out of use, lent, until the actor
-knows that writer is done (`give_back`).
+Lent slots belong to no key: slots `lend` gives a client ahead of its stores (it copies
+blocks in, then names their keys: `fill`), and a RESERVED entry whose writer may still
+write into it after its operation was dropped (a frozen or slow client), `detach`ed: its
+key is forgotten (a miss; the key may be stored again elsewhere) but the slot stays out
+of use until the actor knows that writer is done (`give_back`).
 
 `DiskIndex`: files bounded by `capacity` bytes. An entry is RESERVED (a temp file being written, not
 yet renamed: never served) or READY; READY entries with no readers sit in an LRU list,
@@ -230,6 +231,39 @@ class HostIndex:
         del self._entries[key]
         self._lent.add(e.slot)
         return e.slot
+
+    def lend(self, n: int) -> tuple[list[int], list[Evicted]]:
+        """Up to `n` slots lent out (a store ahead of its keys: `fill`): free ones first,
+        then those of the least recently used unpinned clean entries (evicted, returned),
+        never a dirty one (its block would leave the tiers for a store not made yet)."""
+        slots: list[int] = []
+        evicted: list[Evicted] = []
+        while len(slots) < n:
+            if self._free:
+                slot = self._free.pop()
+            elif self._clean:
+                old, _ = self._clean.popitem(last=False)
+                e = self._entries.pop(old)
+                evicted.append(Evicted(old, e.slot, True))
+                slot = e.slot
+            else:
+                break
+            self._gens[slot] += 1  # before any byte of the new use is written
+            self._lent.add(slot)
+            slots.append(slot)
+        return slots, evicted
+
+    def fill(self, key: TierKey, slot: int) -> bool:
+        """A lent slot holds `key`'s block now: a READY entry, unpinned, the most recently
+        used dirty one. False (the slot stays lent) where the key is held already."""
+        if slot not in self._lent:
+            raise ValueError(f"slot {slot} is not lent")
+        if key in self._entries:
+            return False
+        self._lent.discard(slot)
+        self._entries[key] = _HostEntry(slot, State.READY, 0)
+        self._dirty[key] = None
+        return True
 
     def give_back(self, slot: int) -> None:
         """A lent slot is free again (its writer is known to be done)."""

@@ -261,6 +261,32 @@ class HostMachine(RuleBasedStateMachine):
         assert slot == self.ref.pop(key).slot
         self.lent.add(slot)
 
+    @rule(n=st.integers(0, 3))
+    def lend(self, n: int) -> None:
+        free = self.N - len(self.ref) - len(self.lent)
+        clean = self._lru(True)
+        expect_evicted = clean[: max(0, min(n - free, len(clean)))]
+        slots, evicted = self.h.lend(n)
+        assert [e.key for e in evicted] == expect_evicted
+        assert len(slots) == min(n, free + len(clean))
+        for e in evicted:
+            assert e.on_disk and e.slot == self.ref.pop(e.key).slot
+        for slot in slots:
+            assert slot not in self.lent and all(r.slot != slot for r in self.ref.values())
+            self.gen[slot] += 1
+            self.lent.add(slot)
+
+    @precondition(lambda self: bool(self.lent))
+    @rule(data=st.data(), i=st.integers(0, 9))
+    def fill(self, data: st.DataObject, i: int) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.lent)))
+        key = k(i)
+        got = self.h.fill(key, slot)
+        assert got == (key not in self.ref)
+        if got:
+            self.lent.discard(slot)
+            self.ref[key] = _Ref(slot, False, 0, False, False, self._tick())
+
     @precondition(lambda self: bool(self.lent))
     @rule(data=st.data())
     def give_back(self, data: st.DataObject) -> None:

@@ -617,6 +617,7 @@ def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:
     assert data["disk"]["capacity"] == 64 * BB and data["disk"]["path"] == str(root)
     table = subprocess.run([*run, "tiers", "--socket", d.socket], capture_output=True, check=True)
     assert b"host" in table.stdout and b"disk" in table.stdout
+    assert b"lent to clients" in table.stdout
     status = subprocess.run(
         [*run, "status", "--socket", d.socket, "--json"], capture_output=True, check=True
     )
@@ -844,5 +845,121 @@ def test_a_frozen_writer_killed_gives_its_slots_back(daemons: StartDaemon) -> No
             assert c.stats()["host"]["evictions"] == 0
     finally:
         if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_stores_into_slots_lent_ahead(daemons: StartDaemon) -> None:
+    """After its first store, a client holds slots the daemon lent it ahead (`TierGrant`)
+    and its next stores copy into them and name their keys one-way (`TierPut`): no round
+    trip. Every byte arrives; a key held already gives its slot back; a session's end
+    gives back what it still holds."""
+    d = daemons("t23", overrides=tiers_cfg(host_bytes=64 * BB))  # 64 slots: 8 lent at most
+    with TierClient(d.socket, NS, BB) as c, TierClient(d.socket, NS, BB) as other:
+        assert c.store([key(0)], [memoryview(block(0))]) == [True]  # (reserved: none lent)
+        assert c.store([key(1)], [memoryview(block(1))]) == [True]  # into a lent slot
+        c._take_grant()
+        assert len(c._spare) == 1
+        ids = list(range(2, 6))  # more than it holds: reserved, and 3 more asked for
+        assert c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]) == [True] * 4
+        c._take_grant()
+        assert len(c._spare) == 4 and other.stats()["host"]["lent"] == 4
+        ids = list(range(6, 10))  # into lent slots
+        assert c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]) == [True] * 4
+        assert c._spare == []
+        assert load_check(other, list(range(10))) == [True] * 10  # (the puts came first)
+        # a key held already: its lent slot comes back, its bytes stay the first store's
+        c._take_grant()
+        spare = len(c._spare)
+        assert spare == 4
+        assert c.store([key(3)], [memoryview(block(7))]) == [True]
+        assert load_check(other, [3]) == [True]
+        s = other.stats()
+        assert s["host"]["blocks"] == 10 and s["host"]["lent"] == spare - 1
+        assert s["counters"]["slots_lent"] == 1 + 1 + 3 + 4
+        assert c.commits_refused == 0
+    with TierClient(d.socket, NS, BB) as c:
+        s = c.stats()
+        assert s["host"]["lent"] == 0 and s["host"]["quarantined"] == 0  # (goodbye)
+        assert s["host"]["free_slots"] == 64 - 10
+
+
+def test_a_put_naming_slots_not_lent_is_refused(daemons: StartDaemon) -> None:
+    d = daemons("t24", overrides=tiers_cfg(host_bytes=64 * BB))
+    with TierClient(d.socket, NS, BB) as c, TierClient(d.socket, NS, BB) as other:
+        got = other._ask(wire.TierGrant(2), wire.TierGranted, 5.0)
+        assert len(got.slots) == 2
+        # another session's lent slot, and one never lent: refused, nothing stored
+        put = wire.TierPut(NS, 36, key(0) + key(1), (got.slots[0], 60))
+        assert c._ask(put, wire.TierFlags, 5.0).flags == b"\x00\x00"
+        assert c.batch_lookup([key(0), key(1)]) == [False, False]
+        assert c.stats()["counters"]["put_refused"] == 2
+        with pytest.raises(Exception, match="2 keys but 1 slots"):
+            c._ask(wire.TierPut(NS, 36, key(0) + key(1), (1,)), wire.TierFlags, 5.0)
+        # the owner's put of the same slot still works
+        pool = other._need_pool()
+        pool[got.slots[0] * BB : (got.slots[0] + 1) * BB] = block(0)
+        put = wire.TierPut(NS, 36, key(0), (got.slots[0],))
+        assert other._ask(put, wire.TierFlags, 5.0).flags == b"\x01"
+        assert load_check(c, [0]) == [True]
+
+
+def test_a_writer_frozen_with_lent_slots_never_overwrites_other_blocks(
+    daemons: StartDaemon,
+) -> None:
+    """A client frozen while it holds slots lent ahead (here: as its store takes them,
+    before it copies), past `client_timeout`: those slots stay out of use until it is
+    known to be done; other stores never get them, and its late put is refused."""
+    cfg = {**tiers_cfg(host_bytes=16 * BB), "daemon": {"client_timeout": 1.0}}  # 2 lent
+    d = daemons("t25", overrides=cfg)
+    code = textwrap.dedent(
+        f"""
+        import hashlib, json, os, signal
+        from kvd_client import tiers as T
+        def key(i):
+            return hashlib.sha256(f"block-{{i}}".encode()).digest() + bytes(4)
+        def block(i):
+            seed = hashlib.sha256({NS!r} + i.to_bytes(8, "little")).digest()
+            return (seed * ({BB} // len(seed) + 1))[:{BB}]
+        c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        assert c.store([key(0), key(1)], [memoryview(block(i)) for i in range(2)]) == [True] * 2
+        real = c._granted
+        def frozen(got):
+            real(got)
+            print(json.dumps({{"lent": list(c._spare)}}), flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        c._granted = frozen
+        got = c.store([key(2), key(3)], [memoryview(block(i)) for i in (2, 3)])
+        print(json.dumps({{"got": got, "refused": c.commits_refused}}), flush=True)
+        c.batch_lookup([key(2)])
+        print(json.dumps({{"reopened": c.reopened, "refused": c.commits_refused}}), flush=True)
+        c.close()
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None
+        lent = json.loads(p.stdout.readline())["lent"]
+        assert len(lent) == 2
+        _wait(lambda: Path(f"/proc/{p.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+        with TierClient(d.socket, NS, BB) as c:
+            c.read_files = False
+            _wait(lambda: c.stats()["host"]["quarantined"] == 2, timeout=10)
+            ids = list(range(100, 110))  # 2 quarantined, 2 held, 10, 1 lent to c: 15 of 16
+            for i in ids:
+                assert c.store([key(i)], [memoryview(block(i))]) == [True]
+            assert c.batch_lookup([key(0), key(1)]) == [True, True]
+            p.send_signal(signal.SIGCONT)
+            rest, _ = p.communicate(timeout=30)
+            assert p.returncode == 0
+            lines = [json.loads(x) for x in rest.splitlines()]
+            assert lines[-1]["reopened"] == 1 and lines[-1]["refused"] == 2
+            assert c.stats()["host"]["evictions"] == 0
+            assert load_check(c, [*ids, 0, 1]) == [True] * 12  # never overwritten
+            assert c.batch_lookup([key(2), key(3)]) == [False, False]  # its put: refused
+            _wait(lambda: c.stats()["host"]["quarantined"] == 0, timeout=10)
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
             p.kill()
             p.wait()

@@ -438,7 +438,12 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             mac=bytes(range(200, 232)),
         ),
     ),
-    "TierOpen": (60, wire.TierOpen(namespace=b"compat-\x00\xffA", block_bytes=2 * 1024 * 1024)),
+    "TierOpen": (
+        60,
+        wire.TierOpen(
+            namespace=b"compat-\x00\xffA", block_bytes=2 * 1024 * 1024, prev="tiers-77-0a1b2c"
+        ),
+    ),
     "TierOpened": (
         60,
         wire.TierOpened(
@@ -451,6 +456,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             disk=True,
             disk_files="/var/lib/kvd/tiers",
             disk_verify=True,
+            gens="kvd-tiers-123-0a1b2c3d-gens",
         ),
     ),
     "TierLookup": (
@@ -459,11 +465,20 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "TierFound": (61, wire.TierFound(found=bytes([1, 0, 2]))),
     "TierReserve": (62, wire.TierReserve(namespace=b"compat-A", key_bytes=2, keys=b"k1k2")),
-    "TierSlots": (62, wire.TierSlots(op=7, slots=(5, -1, -2, 1 << 20))),
+    "TierSlots": (
+        62,
+        wire.TierSlots(op=7, slots=(5, -1, -2, 1 << 20), gens=bytes(range(32))),
+    ),
     "TierCommit": (63, wire.TierCommit(op=7, ok=bytes([1, 0, 1]))),
     "TierFlags": (63, wire.TierFlags(flags=bytes([1, 1, 0]))),
     "TierPin": (64, wire.TierPin(namespace=b"compat-A", key_bytes=3, keys=b"abc", files=True)),
     "TierUnpin": (65, wire.TierUnpin(op=(1 << 64) - 1)),
+    "TierGrant": (69, wire.TierGrant(n=32)),
+    "TierGranted": (69, wire.TierGranted(slots=(3, 4, 5, 1 << 20))),
+    "TierPut": (
+        70,
+        wire.TierPut(namespace=b"compat-A", key_bytes=2, keys=b"k1k2", slots=(3, 4)),
+    ),
     "PeerTierLookup": (
         66,
         wire.PeerTierLookup(
