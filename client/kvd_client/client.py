@@ -646,12 +646,14 @@ class KvdClient:
         remote_request_id: str = "",
         remote_incarnation: int = 0,
         remote_session: str = "",
+        num_tokens: int = 0,
     ) -> None:
         """D (push): P will WRITE into these logical blocks; ends in RecvFinished or RecvFailed.
 
         `remote_incarnation` and `remote_session` (from kv_transfer_params) let the daemons
         fail the request at once if P's daemon restarted, or P's client session ended,
-        since the blocks were leased."""
+        since the blocks were leased. `num_tokens`: the tokens the blocks receive (what P
+        computes); needed where a sliding-window group's block sizes differ."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
@@ -665,6 +667,7 @@ class KvdClient:
                 remote_request_id,
                 remote_incarnation,
                 remote_session,
+                num_tokens,
             ),
             _Pending("recv", request_id, blocks),
         )
@@ -681,8 +684,10 @@ class KvdClient:
         remote_engine_id: str = "",
         remote_incarnation: int = 0,
         remote_session: str = "",
+        num_tokens: int = 0,
     ) -> None:
-        """D (pull): READ P's blocks into ours; empty lists just tell P to free."""
+        """D (pull): READ P's blocks into ours; empty lists just tell P to free.
+        `num_tokens`: as for `register_push`."""
         blocks = tuple(block_ids)
         self._announced_recv[request_id] = blocks
         self._send(
@@ -697,12 +702,14 @@ class KvdClient:
                 tuple(remote_block_ids),
                 remote_incarnation,
                 remote_session,
+                num_tokens,
             ),
             _Pending("recv", request_id, blocks),
         )
 
-    def finished(self, request_id: str, block_ids: Sequence[int]) -> bool:
-        """P: prefill done; the daemon leases these blocks until they are sent.
+    def finished(self, request_id: str, block_ids: Sequence[int], num_tokens: int = 0) -> bool:
+        """P: prefill done; the daemon leases these blocks until they are sent. `num_tokens`:
+        the tokens they hold (needed where a sliding-window group's block sizes differ).
 
         Ends in SendFinished, SendFailed or SendExpired. Returns False when it was not sent
         (no live session: it has already ended, SendFailed is queued): then no D should be
@@ -710,7 +717,8 @@ class KvdClient:
         """
         self._announced_send.add(request_id)
         self._send(
-            wire.Finish(request_id, self.engine_id, tuple(block_ids)), _Pending("send", request_id)
+            wire.Finish(request_id, self.engine_id, tuple(block_ids), 0.0, num_tokens),
+            _Pending("send", request_id),
         )
         return request_id in self._announced_send
 

@@ -552,6 +552,10 @@ class RegisterPush(Record):
     remote_session: OptId = ""
     """P client session that finished the request (kv_transfer_params); "" = not known. P's
     daemon fails the request at once if that session has ended."""
+    num_tokens: U64 = 0
+    """The request's tokens the blocks hold (what P computed; 0 = not said). Needed only
+    by a sliding-window group whose block sizes differ between P and D (it places the
+    window's blocks, `kvd.core.hybrid`)."""
 
 
 @message(22)
@@ -573,6 +577,10 @@ class Pull(Record):
     remote_session: OptId = ""
     """P client session that finished the request (kv_transfer_params); "" = not known. P's
     daemon fails the request at once if that session has ended."""
+    num_tokens: U64 = 0
+    """The request's tokens the blocks hold (what P computed; 0 = not said). Needed only
+    by a sliding-window group whose block sizes differ between P and D (it places the
+    window's blocks, `kvd.core.hybrid`)."""
 
 
 @message(23)
@@ -589,6 +597,10 @@ class Finish(Record):
     engine_id: Id
     block_ids: BlockIds
     keep_for: Annotated[float, Range(0.0, 86400.0)] = 0.0
+    num_tokens: U64 = 0
+    """The request's tokens the blocks hold (what P computed; 0 = not said). Needed only
+    by a sliding-window group whose block sizes differ between P and D (it places the
+    window's blocks, `kvd.core.hybrid`)."""
 
 
 @message(24)
@@ -781,6 +793,8 @@ class PushRegistration(Record):
     p_session: OptId
     """P's client session that finished the request ("" = not known): if it has ended, the
     request will never be finished, and P fails the registration at once."""
+    num_tokens: U64 = 0
+    """D's `RegisterPush.num_tokens` (0 = not said)."""
 
 
 @message(62)

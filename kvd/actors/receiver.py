@@ -216,6 +216,7 @@ class Receiver(TransferActor):
             remote_block_ids=remote_blocks,
             remote_incarnation=m.remote_incarnation,
             remote_session=m.remote_session,
+            num_tokens=m.num_tokens,
         )
 
     def _notif(self, agent: str, msg: wire.Record, now: float) -> None:
@@ -315,7 +316,7 @@ class Receiver(TransferActor):
             staged: Staged | None = None
             replan: Callable[[], RequestPlan] | None = None
             # refuses a pair that cannot map, naming both sides' values
-            pairs, permutes = permutes_any(remote, local, load.block_ids)
+            pairs, permutes = permutes_any(remote, local, load.block_ids, load.num_tokens)
             if load.mode == "push":
                 first = wire.PushRegistration(
                     request_id=load.request_id,
@@ -329,6 +330,7 @@ class Receiver(TransferActor):
                     incarnation=self.incarnation,
                     generations=tuple(r.generation for r in local),
                     p_session=load.remote_session,
+                    num_tokens=load.num_tokens,
                 )
             else:
                 n = len(load.block_ids)
@@ -340,6 +342,7 @@ class Receiver(TransferActor):
                         local,
                         load.block_ids,
                         local_is_p=False,
+                        num_tokens=load.num_tokens,
                     )
                     if self.staging is not None and not is_hybrid(remote, local):
                         # staged whole: the direct plan is built only if no slot is free

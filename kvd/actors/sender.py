@@ -193,7 +193,9 @@ class Sender(TransferActor):
         m = req.msg
         if isinstance(m, wire.Finish):
             self._check_blocks(m.engine_id, m.block_ids)
-            return proto.Finish(m.request_id, m.engine_id, m.block_ids, req.session, m.keep_for)
+            return proto.Finish(
+                m.request_id, m.engine_id, m.block_ids, req.session, m.keep_for, m.num_tokens
+            )
         if isinstance(m, wire.Abort):
             return proto.AbortSend(m.request_id, req.session)
         raise TypeError(f"sender got {type(m).__name__}")
@@ -345,8 +347,9 @@ class Sender(TransferActor):
                     f"D registered for {reg.tp_size} ranks, its daemon announces {len(remote)}"
                 )
             # a shape whose pushes are gathered on P skips the direct plans (`template`)
+            tokens = _num_tokens(eff.p_tokens, reg.num_tokens)
             how: GatherTemplate | RequestPlan = self._template(local, remote) or plan_any(
-                local, eff.p_blocks, remote, reg.block_ids, local_is_p=True
+                local, eff.p_blocks, remote, reg.block_ids, local_is_p=True, num_tokens=tokens
             )
             locs = [local[x.p] for x in how.pairs]
             rems = [remote[x.d] for x in how.pairs]
@@ -370,7 +373,14 @@ class Sender(TransferActor):
 
             else:  # WRITTEN by the direct plans
                 if not isinstance(how, RequestPlan):  # the template's gather was not made
-                    how = plan_any(local, eff.p_blocks, remote, reg.block_ids, local_is_p=True)
+                    how = plan_any(
+                        local,
+                        eff.p_blocks,
+                        remote,
+                        reg.block_ids,
+                        local_is_p=True,
+                        num_tokens=tokens,
+                    )
                 plans = list(how.plans)
 
             await self.book.run(
@@ -647,6 +657,16 @@ class Sender(TransferActor):
 
 class _CannotCut(Exception):
     """This request's transfer cannot be cut by layer (it goes whole at P's finish)."""
+
+
+def _num_tokens(p_tokens: int, d_tokens: int) -> int:
+    """The request's token count as P's finish and D's registration say it (0: neither);
+    they must agree where both say it."""
+    if p_tokens and d_tokens and p_tokens != d_tokens:
+        raise InvalidRequest(
+            f"P finished the request with {p_tokens} tokens, D registered for {d_tokens}"
+        )
+    return p_tokens or d_tokens
 
 
 def _layer_plan(

@@ -16,9 +16,12 @@ What each kind moves (`plan_groups`):
   hash equal TP and formats only).
 * window: only the blocks inside the window: of the tail blocks each side names, the
   last ``min(D's, P's, window_blocks(window, block size))`` (P holds every block the
-  window touches, so a D block P does not hold is outside it). Both sides need the same
-  block size (lists are tails; without the token count a tail cannot be aligned across
-  block sizes); TP and token layouts map as for full groups.
+  window touches, so a D block P does not hold is outside it). TP and token layouts map
+  as for full groups. Where the block sizes differ, a tail alone does not say where its
+  blocks lie, so the request's token count places them (`num_tokens`: each side's list
+  ends with the block holding the last token): the tokens both hold, from the window's
+  first block on, move in units of the smaller block (`_window_plan`); without a token
+  count such a pair is refused.
 * state: per layer, one slot per state id (not paged by tokens): the request's slots
   move whole, P's i-th slot into D's i-th; only at equal TP, rank i to rank i (the
   state's inner shape is the model's), with equal slot sizes (`StateSpec`).
@@ -55,11 +58,14 @@ from kvd.core.planner import (
     RankView,
     RequestPlan,
     check_blocks,
+    check_logical,
+    plan_heads,
     plan_request,
     plan_transfer,
+    rank_kv,
     receive_permutes,
 )
-from kvd.core.topology import Pair, check_region
+from kvd.core.topology import Pair, check_region, map_ranks
 
 MAX_GROUPS: Final = 64
 
@@ -256,30 +262,106 @@ def split_ids(groups: Sequence[Group], ids: Sequence[int]) -> list[Int64Array]:
     return [arr[which == i] - groups[i].first_id for i in range(len(groups))]
 
 
-def _window_size(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> int:
-    """The block size of window group g, the same on both sides (else Incompatible)."""
-    pt = p[0].groups[g].layout.tokens_per_block
-    dt = d[0].groups[g].layout.tokens_per_block
-    if pt != dt:
+def _logical_tokens(side: Sequence[HybridView], g: int) -> int:
+    lay = side[0].groups[g].layout
+    return lay.tokens_per_block * lay.physical_per_logical
+
+
+def _window_size(g: int, p: Sequence[HybridView], d: Sequence[HybridView], num_tokens: int) -> int:
+    """The block size of window group g where it is the same on both sides, else 0 (then
+    the request's token count places the tails: Incompatible without it)."""
+    pt, dt = _logical_tokens(p, g), _logical_tokens(d, g)
+    if pt == dt:
+        return pt
+    if num_tokens <= 0:
         raise Incompatible(
-            f"sliding-window group {g}: block sizes differ, P {pt} tokens, D {dt} (a window "
-            "group maps only at equal block size)"
+            f"sliding-window group {g}: block sizes differ, P {pt} tokens, D {dt}: the "
+            "request's token count is needed to align the window (its client sent none)"
         )
-    return pt
+    return 0
+
+
+def _window_plan(
+    g: int,
+    p: Sequence[HybridView],
+    pb: Int64Array,
+    d: Sequence[HybridView],
+    db: Int64Array,
+    num_tokens: int,
+    local_is_p: bool,
+) -> RequestPlan:
+    """A window group whose block sizes differ. Each side's (logical) list is a tail
+    ending with the block that holds token `num_tokens - 1`; the tokens both hold, from
+    the first block the window reaches (its last window - 1 tokens) on, move in units of
+    the smaller block size, each side in its own layout and block size."""
+    n = num_tokens
+    pl, dl = _logical_tokens(p, g), _logical_tokens(d, g)
+    starts = []
+    for side, blocks, size in (("P", pb, pl), ("D", db, dl)):
+        start = (-(-n // size) - len(blocks)) * size
+        if start < 0:
+            raise InvalidRequest(
+                f"sliding-window group {g}: {side} names {len(blocks)} blocks of {size} "
+                f"tokens for a request of {n} tokens"
+            )
+        starts.append(start)
+    pv, dv = _views(p, g), _views(d, g)
+    pairs = map_ranks(pv, dv)
+    if not pairs or pairs[0].heads == 0:
+        raise Incompatible(
+            f"sliding-window group {g}: block sizes differ (P {pl}, D {dl} tokens) and the "
+            "group states no KV format to map them by"
+        )
+    pk, dk = [rank_kv(r) for r in pv], [rank_kv(r) for r in dv]
+    small = min(pk[0].tokens_per_block, dk[0].tokens_per_block)
+    large = max(pk[0].tokens_per_block, dk[0].tokens_per_block)
+    if large % small:
+        raise Incompatible(
+            f"sliding-window group {g}: block sizes differ by a non-integer factor: "
+            f"P {pk[0].tokens_per_block}, D {dk[0].tokens_per_block} tokens"
+        )
+    window = p[0].groups[g].window_tokens
+    first = max(*starts, max(0, n - (window - 1)) // small * small)
+    units = max(0, -(-(n - first) // small))
+    plans: list[Plan] = []
+    for pair in pairs:
+        a, b = pk[pair.p], dk[pair.d]
+        p_phys = check_logical(pv[pair.p].geometry, pb.tolist())
+        d_phys = check_logical(dv[pair.d].geometry, db.tolist())
+        p_off, d_off = first - starts[0], first - starts[1]
+        p_blocks = p_phys[p_off // a.tokens_per_block :]
+        d_blocks = d_phys[d_off // b.tokens_per_block :]
+        p_first, d_first = p_off % a.tokens_per_block, d_off % b.tokens_per_block
+        pg, dg = pv[pair.p].geometry, dv[pair.d].geometry
+        if local_is_p:
+            plan = plan_heads(
+                pg, a, p_blocks, dg, b, d_blocks, unit=small, units=units,
+                local_head=pair.p_head, remote_head=pair.d_head, heads=pair.heads,
+                local_first=p_first, remote_first=d_first,
+            )  # fmt: skip
+        else:
+            plan = plan_heads(
+                dg, b, d_blocks, pg, a, p_blocks, unit=small, units=units,
+                local_head=pair.d_head, remote_head=pair.p_head, heads=pair.heads,
+                local_first=d_first, remote_first=p_first,
+            )  # fmt: skip
+        plans.append(plan)
+    return RequestPlan(pairs, tuple(plans))
 
 
 def _window_tail(
     g: int, p: Sequence[HybridView], pb: Int64Array, d: Sequence[HybridView], db: Int64Array
 ) -> tuple[Int64Array, Int64Array]:
-    """The blocks of a window group that move: the last of both tails, within the window."""
-    size = _window_size(g, p, d)
+    """The blocks of a window group (equal block sizes) that move: the last of both tails,
+    within the window."""
+    size = _logical_tokens(p, g)
     k = min(len(pb), len(db), window_blocks(p[0].groups[g].window_tokens, size))
     return pb[len(pb) - k :], db[len(db) - k :]
 
 
 def _d_window(g: int, d: Sequence[HybridView], db: Int64Array) -> Int64Array:
     grp = d[0].groups[g]
-    k = min(len(db), window_blocks(grp.window_tokens, grp.layout.tokens_per_block))
+    k = min(len(db), window_blocks(grp.window_tokens, _logical_tokens(d, g)))
     return db[len(db) - k :]
 
 
@@ -337,11 +419,14 @@ def plan_groups(
     d_logical: Sequence[int],
     *,
     local_is_p: bool,
+    num_tokens: int = 0,
 ) -> RequestPlan:
     """`plan_request` of a hybrid pair: every group's transfers (module docstring), one
-    after the other. A rank pair appears once per group; its descriptors go in the same
-    NIXL transfer as the others of its memory types (`transfer_groups`), so D still counts
-    one completion per transfer. Permutes name their group's geometry."""
+    after the other. `num_tokens`: the request's token count (0: not known), needed by a
+    window group whose block sizes differ. A rank pair appears once per group; its
+    descriptors go in the same NIXL transfer as the others of its memory types
+    (`transfer_groups`), so D still counts one completion per transfer. Permutes name
+    their group's geometry."""
     check_structure(p, d)
     p_ids = split_ids(p[0].groups, p_logical)
     d_ids = split_ids(d[0].groups, d_logical)
@@ -352,6 +437,8 @@ def plan_groups(
         pb, db = p_ids[g], d_ids[g]
         if grp.kind == "state":
             rp = _state_plans(g, p, pb, d, db, local_is_p)
+        elif grp.kind == "window" and not _window_size(g, p, d, num_tokens):
+            rp = _window_plan(g, p, pb, d, db, num_tokens, local_is_p)
         else:
             if grp.kind == "window":
                 pb, db = _window_tail(g, p, pb, d, db)
@@ -365,7 +452,10 @@ def plan_groups(
 
 
 def group_permutes(
-    p: Sequence[HybridView], d: Sequence[HybridView], d_logical: Sequence[int]
+    p: Sequence[HybridView],
+    d: Sequence[HybridView],
+    d_logical: Sequence[int],
+    num_tokens: int = 0,
 ) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
     """`receive_permutes` of a hybrid pair (D's side of push: P's blocks unknown): the
     pairs in `plan_groups`' order, and the permutes of D's attention groups (a window
@@ -380,10 +470,11 @@ def group_permutes(
         if grp.kind == "state":
             got: tuple[Pair, ...] = _state_pairs(g, p, d)
             jobs: tuple[Permute, ...] = ()
+        elif grp.kind == "window" and not _window_size(g, p, d, num_tokens):
+            got, jobs = map_ranks(_views(p, g), _views(d, g)), ()  # (no permute: sizes differ)
         else:
             db = d_ids[g]
             if grp.kind == "window":
-                _window_size(g, p, d)
                 db = _d_window(g, d, db)
             got, jobs = receive_permutes(_views(p, g), _views(d, g), db.tolist())
         permutes += _rebased(jobs, got, len(pairs), d, g)
@@ -409,18 +500,22 @@ def plan_any(
     d_logical: Sequence[int],
     *,
     local_is_p: bool,
+    num_tokens: int = 0,
 ) -> RequestPlan:
     """The plan of a request between any two regions: `plan_groups` for hybrid ones,
     `plan_request` otherwise (a hybrid side facing a plain one is refused)."""
     if is_hybrid(p, d):
-        return plan_groups(p, p_logical, d, d_logical, local_is_p=local_is_p)
+        return plan_groups(p, p_logical, d, d_logical, local_is_p=local_is_p, num_tokens=num_tokens)
     return plan_request(p, p_logical, d, d_logical, local_is_p=local_is_p)
 
 
 def permutes_any(
-    p: Sequence[HybridView], d: Sequence[HybridView], d_logical: Sequence[int]
+    p: Sequence[HybridView],
+    d: Sequence[HybridView],
+    d_logical: Sequence[int],
+    num_tokens: int = 0,
 ) -> tuple[tuple[Pair, ...], tuple[Permute, ...]]:
     """`group_permutes` for hybrid regions, `receive_permutes` otherwise."""
     if is_hybrid(p, d):
-        return group_permutes(p, d, d_logical)
+        return group_permutes(p, d, d_logical, num_tokens)
     return receive_permutes(p, d, d_logical)

@@ -821,9 +821,15 @@ def align_tokens(
 
 
 def _unit_offsets(
-    blocks: Int64Array, geo: Geometry, tokens: int, unit: int, units: int, token_step: int
+    blocks: Int64Array,
+    geo: Geometry,
+    tokens: int,
+    unit: int,
+    units: int,
+    token_step: int,
+    first: int = 0,
 ) -> Int64Array:
-    tok = np.arange(units, dtype=np.int64) * unit
+    tok = first + np.arange(units, dtype=np.int64) * unit
     out: Int64Array = blocks[tok // tokens] * geo.block_stride + (tok % tokens) * token_step
     return out
 
@@ -841,16 +847,19 @@ def plan_heads(
     local_head: int,
     remote_head: int,
     heads: int,
+    local_first: int = 0,
+    remote_first: int = 0,
 ) -> Plan:
     """Descriptors moving `heads` heads (from local head `local_head` and remote head
     `remote_head`) of `units` token units of `unit` tokens, each side in its own block
     size and token layout (NHD/HND): bytes land in the destination's layout.
 
     Block ids are physical and validated; the i-th unit lies in block
-    ``blocks[i*unit // tokens_per_block]`` on each side. Neighbours contiguous on both
-    sides merge, so matching layouts and whole heads cost what whole chunks cost; a head
-    slice costs one descriptor per token run in NHD and per head run in HND; a layout
-    conversion costs one per (token, head).
+    ``blocks[(first + i*unit) // tokens_per_block]`` on each side (`local_first`,
+    `remote_first`: the first unit's token offset from the start of `blocks[0]`).
+    Neighbours contiguous on both sides merge, so matching layouts and whole heads cost
+    what whole chunks cost; a head slice costs one descriptor per token run in NHD and per
+    head run in HND; a layout conversion costs one per (token, head).
     """
     _validate_once(local)
     _validate_once(remote)
@@ -859,10 +868,22 @@ def plan_heads(
         return Plan(_frozen(empty), _frozen(empty.copy()), _frozen(empty.copy()))
     hb = local_kv.head_bytes
     lu = _unit_offsets(
-        local_blocks, local, local_kv.tokens_per_block, unit, units, local_kv.token_step
+        local_blocks,
+        local,
+        local_kv.tokens_per_block,
+        unit,
+        units,
+        local_kv.token_step,
+        local_first,
     )
     ru = _unit_offsets(
-        remote_blocks, remote, remote_kv.tokens_per_block, unit, units, remote_kv.token_step
+        remote_blocks,
+        remote,
+        remote_kv.tokens_per_block,
+        unit,
+        units,
+        remote_kv.token_step,
+        remote_first,
     )
     layers = np.arange(local.num_layers, dtype=np.int64)
     parts = np.arange(local.kv_parts, dtype=np.int64)

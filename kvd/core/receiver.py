@@ -178,6 +178,8 @@ class Load:
     remote_block_ids: tuple[int, ...]
     remote_incarnation: int
     remote_session: str
+    num_tokens: int = 0
+    """The request's token count (`wire.RegisterPush.num_tokens`; 0 = not said)."""
 
     @property
     def hb_id(self) -> str:

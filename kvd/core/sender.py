@@ -136,6 +136,7 @@ class Finish:
     block_ids: tuple[int, ...]
     session: str
     keep_for: float = 0.0
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -324,6 +325,8 @@ class PostWrite:
     p_blocks: tuple[int, ...]
     registration: wire.PushRegistration
     view: object
+    p_tokens: int = 0
+    """P's token count of the request (its finish's `num_tokens`; 0 = not said)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +428,8 @@ class SendRequest:
     engine_id: str = ""
     blocks: tuple[int, ...] = ()
     session: str = ""
+    tokens: int = 0
+    """The token count P's engine finished it with (0 = not said)."""
     agent: str = ""
     """D's agent: whoever registered for it or pulled it."""
     registration: wire.PushRegistration | None = None
@@ -712,7 +717,7 @@ class Sender:
             self._count("kv_kept")
         if waiting is None:
             held = SendRequest(ev.request_id, S.HELD, now, ev.engine_id, ev.block_ids, ev.session)
-            held.cost, held.kept = cost, ev.keep_for > 0
+            held.cost, held.kept, held.tokens = cost, ev.keep_for > 0, ev.num_tokens
             self._add(held)
             return
         # D came first: the request takes P's id, and what waited is served now
@@ -722,7 +727,7 @@ class Sender:
             ev.block_ids,
             ev.session,
         )
-        waiting.cost, waiting.kept = cost, ev.keep_for > 0
+        waiting.cost, waiting.kept, waiting.tokens = cost, ev.keep_for > 0, ev.num_tokens
         self._add(waiting)
         if waiting.early_pull is not None:
             self._count("early_pulls_served")
@@ -1133,7 +1138,9 @@ class Sender:
         reg = req.registration
         assert reg is not None
         p_blocks = req.blocks if reg.block_ids else ()
-        self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
+        self._out.append(
+            PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view, req.tokens)
+        )
 
     def _on_write_done(self, ev: WriteDone, now: float) -> None:
         req = self.reqs.get(ev.key)
@@ -1365,7 +1372,9 @@ class Sender:
             return
         self._goto(req, S.WRITING)
         p_blocks = req.blocks if reg.block_ids else ()
-        self._out.append(PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view))
+        self._out.append(
+            PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view, req.tokens)
+        )
 
     def _settle(self, req: SendRequest, now: float) -> None:
         """End a streaming request once nothing of it is in flight and its fate is known."""

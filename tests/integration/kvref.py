@@ -120,16 +120,21 @@ def expected(
     blocks: list[int],
     first_token: int,
     kv: np.ndarray,
+    only: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """D rank's region after the transfer: `blocks` hold the request's tokens from
-    `first_token` on (as far as `kv` goes); every other byte as `before`."""
+    `first_token` on (as far as `kv` goes); every other byte as `before`. `only`: just
+    the tokens in [lo, hi) are written (the rest of those blocks as `before`)."""
     out = before.copy()
     hs = heads_of(spec, tp, rank)
     view = kv_view(out, lay, len(hs), spec.head_bytes)
     t = lay.tokens_per_block
+    lo_tok, hi_tok = only if only is not None else (0, kv.shape[0])
     for i, b in enumerate(blocks):
-        lo = first_token + i * t
-        part = kv[lo : lo + t, :, :, hs.start : hs.stop]
-        if part.shape[0]:
-            view[b, :, :, : part.shape[0]] = part.transpose(1, 2, 0, 3, 4)
+        lo = max(first_token + i * t, lo_tok)
+        hi = min(first_token + (i + 1) * t, hi_tok, kv.shape[0])
+        if hi > lo:
+            part = kv[lo:hi, :, :, hs.start : hs.stop]
+            at = lo - (first_token + i * t)
+            view[b, :, :, at : at + part.shape[0]] = part.transpose(1, 2, 0, 3, 4)
     return out

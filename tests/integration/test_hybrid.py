@@ -330,12 +330,135 @@ def test_hybrid_layerwise_push_goes_whole(pair: Pair) -> None:
     assert grew == {"streams_started": 3, "sends_layered": 0, "streams_whole": 3}, grew
 
 
+WINDOW_SIZES = [
+    # a sliding-window group whose block sizes differ, placed by the request's token count
+    (HSide(1, 16, kinds=("full", "window")), HSide(1, 32, kinds=("full", "window"))),
+    (HSide(2, 32, kinds=("full", "window")), HSide(1, 16, "HND", kinds=("full", "window"))),
+    (HSide(1, 16, "HND", kinds=("full", "window")), HSide(2, 32, kinds=("full", "window"))),
+]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(
+    ("ps", "ds"), WINDOW_SIZES, ids=[f"{a.label()}_{b.label()}" for a, b in WINDOW_SIZES]
+)
+def test_window_groups_at_other_block_sizes(pair: Pair, mode: str, ps: HSide, ds: HSide) -> None:
+    """Each side names its window group's blocks holding the window's tokens (its last
+    window - 1 before the end, as the vLLM connector does; P sometimes one block more, not
+    freed yet) in its own block size. With the request's token count, D's blocks get
+    every token of the window from P, each in D's layout: exactly the tokens from the
+    first block both hold (within the window) to the end of the request's last unit of
+    the smaller block size; every other byte of D keeps its value."""
+    rng = np.random.default_rng(31 + ps.tokens + ds.tp)
+    pair.n += 1
+    tag = f"{pair.n}{mode}w"
+    p = engine(pair.p.socket, f"p{tag}", ps, rng)
+    d = engine(pair.d.socket, f"d{tag}", ds, rng)
+    small = min(ps.tokens, ds.tokens)
+    try:
+        free = {
+            (side, kind): list(rng.permutation(eng.hs.num_blocks))
+            for side, eng in (("p", p), ("d", d))
+            for kind in eng.hs.kinds
+        }
+        for i, (n_tok, extra) in enumerate(((7 * 16 + 5, 1), (6 * 16, 0), (17, 0), (100, 1))):
+            rid = f"{tag}-{i}"
+            m, n = -(-n_tok // ps.tokens), -(-n_tok // ds.tokens)
+            win_lo = max(0, n_tok - (WINDOW - 1))  # the window's tokens: [win_lo, n_tok)
+            before = [d.buf(r).copy() for r in range(ds.tp)]
+            want = [b.copy() for b in before]
+            pb: list[int] = []
+            db: list[int] = []
+            for kind in ps.kinds:
+                spec = FULL if kind == "full" else WIN
+                kv = request_kv(spec, m * ps.tokens, rng)
+                p_first = 0 if kind == "full" else max(0, win_lo // ps.tokens - extra)
+                d_first = 0 if kind == "full" else win_lo // ds.tokens
+                p_ids = [int(free[("p", kind)].pop()) for _ in range(m - p_first)]
+                d_ids = [int(free[("d", kind)].pop()) for _ in range(n - d_first)]
+                for r in range(ps.tp):
+                    lay = p.glayout(r, kind)
+                    fill(p.gbuf(r, kind), lay, spec, ps.tp, r, p_ids, kv[p_first * ps.tokens :])
+                only = None
+                if kind == "window":
+                    lo = max(p_first * ps.tokens, d_first * ds.tokens, win_lo // small * small)
+                    hi = -(-n_tok // small) * small
+                    assert lo <= win_lo  # (the window's every token is among them)
+                    only = (lo, hi)
+                for r in range(ds.tp):
+                    lay = d.glayout(r, kind)
+                    gb = d.gbuf(r, kind, want[r])
+                    gb[:] = expected(
+                        gb, lay, spec, ds.tp, r, d_ids, d_first * ds.tokens, kv, only=only
+                    )
+                pb += [p.base(kind) + b for b in p_ids]
+                db += [d.base(kind) + b for b in d_ids]
+            kw = {"remote_engine_id": p.name, "remote_request_id": f"p-{rid}"}
+            d.client.track(f"d-{rid}", HOST, pair.p.side_port, **kw)
+            if mode == "push":
+                d.client.register_push(
+                    f"d-{rid}", db, HOST, pair.p.side_port, num_tokens=n_tok, **kw
+                )
+                assert p.client.finished(f"p-{rid}", pb, n_tok)
+            else:
+                assert p.client.finished(f"p-{rid}", pb, n_tok)
+                d.client.pull(
+                    f"d-{rid}",
+                    db,
+                    HOST,
+                    pair.p.side_port,
+                    remote_block_ids=pb,
+                    num_tokens=n_tok,
+                    **kw,
+                )
+            dev = wait_terminal(d.client, f"d-{rid}")
+            assert isinstance(dev, wire.RecvFinished), dev
+            assert isinstance(wait_terminal(p.client, f"p-{rid}"), wire.SendFinished)
+            for r in range(ds.tp):
+                if not np.array_equal(d.buf(r), want[r]):
+                    bad = np.flatnonzero(d.buf(r) != want[r])
+                    pytest.fail(f"{rid}: D rank {r} differs at {bad.size} bytes, first {bad[0]}")
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_token_count_p_and_d_disagree_on_fails_the_request(pair: Pair) -> None:
+    """P's finish and D's registration naming different token counts: the request fails
+    on both sides (nothing is guessed), D's bytes untouched."""
+    ps = HSide(1, 16, kinds=("full", "window"))
+    ds = HSide(1, 32, kinds=("full", "window"))
+    rng = np.random.default_rng(5)
+    pair.n += 1
+    tag = f"{pair.n}tok"
+    p = engine(pair.p.socket, f"p{tag}", ps, rng)
+    d = engine(pair.d.socket, f"d{tag}", ds, rng)
+    try:
+        before = [d.buf(r).copy() for r in range(ds.tp)]
+        pb = [p.base("full") + b for b in range(4)] + [p.base("window") + b for b in (5, 6, 7)]
+        db = [d.base("full") + b for b in range(2)] + [d.base("window") + b for b in (1, 2)]
+        rid = f"{tag}-x"
+        kw = {"remote_engine_id": p.name, "remote_request_id": f"p-{rid}"}
+        d.client.track(f"d-{rid}", HOST, pair.p.side_port, **kw)
+        d.client.register_push(f"d-{rid}", db, HOST, pair.p.side_port, num_tokens=60, **kw)
+        assert p.client.finished(f"p-{rid}", pb, 64)
+        dev = wait_terminal(d.client, f"d-{rid}")
+        assert isinstance(dev, wire.RecvFailed), dev
+        assert isinstance(wait_terminal(p.client, f"p-{rid}"), wire.SendFailed)
+        assert "64 tokens" in dev.reason and "60" in dev.reason, dev.reason
+        for r in range(ds.tp):
+            assert np.array_equal(d.buf(r), before[r])
+    finally:
+        p.close()
+        d.close()
+
+
 REFUSED = [
     (
         "window-block-sizes",
         HSide(1, 16, kinds=("full", "window")),
         HSide(1, 32, kinds=("full", "window")),
-        ["sliding-window group 1", "P 16 tokens, D 32"],
+        ["sliding-window group 1", "P 16 tokens, D 32", "token count is needed"],
     ),
     ("state-tp", HSide(2), HSide(1), ["state group 2", "P 2 ranks, D 1"]),
     (

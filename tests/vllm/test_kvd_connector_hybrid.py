@@ -187,5 +187,10 @@ def test_groups_pick_what_moves_and_both_sides_agree() -> None:
     # slot (scratch slots dropped)
     d = g.loading([[21, 22, 23, 24, 25], [31, 32, 33, 34, 35], [41, 42, 43]], 32, 69, null)
     assert d == ([23, 24, 25], [133, 134, 135], [241])
-    assert g.remote_for(p, 32, d) == [3, 4, 5, 106, 107, 108, 109, 211]
+    assert g.remote_for(p, 32, 69, 16) == [3, 4, 5, 106, 107, 108, 109, 211]
+    assert g.remote_for(p, 32, 69, 0) == g.remote_for(p, 32, 69, 16)  # (P's = D's size)
+    # P's blocks of 32 tokens (its own lists): tokens 32..68 are in its blocks 1 and 2
+    assert g.remote_for([[1, 2, 3], [6, 7], [11]], 32, 69, 32) == [2, 3, 6, 7, 11]
+    # a hit inside P's first block cannot pair
+    assert g.remote_for([[1, 2, 3], [6, 7], [11]], 16, 69, 32) is None
     assert g.backoff == 1

@@ -269,10 +269,7 @@ def test_hybrid_at_tp2_arrives_byte_exact(
 
 @pytest.mark.parametrize(
     ("state", "d_tp", "d_bs", "says"),
-    [
-        (True, 1, 16, "state group 2: TP differs, P 2 ranks, D 1"),
-        (False, 2, 32, "sliding-window group 1: block sizes differ, P 16 tokens, D 32"),
-    ],
+    [(True, 1, 16, "state group 2: TP differs, P 2 ranks, D 1")],
 )
 def test_hybrid_refusals_name_both_sides(
     state: bool,
@@ -284,8 +281,8 @@ def test_hybrid_refusals_name_both_sides(
     instances: list[TPInstance],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Kept refusals (README): a state group at another TP, a window group at another
-    block size. D's load fails (vLLM's policy applies) and P frees at once."""
+    """Kept refusal (README): a state group at another TP. D's load fails (vLLM's policy
+    applies) and P frees at once."""
     pd, dd = pair
     p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True, state=state)
     d = make_tp_instance("d", dd.socket, model, tp=d_tp, block_size=d_bs, hybrid=True, state=state)
@@ -350,6 +347,41 @@ def test_hybrid_attention_groups_map_across_tp(
     instances += [p, d]
     lengths = [20, 70]
     reqs = transfer(p, d, mode, lengths, "w")
+    assert not p.errors and not d.errors, p.errors + d.errors
+    for pid, did, n in reqs:
+        assert did in d.received and did not in d.failed_recv, did
+        assert pid in p.sent
+        window = min(n, WINDOW - 1)
+        assert d.checked[did] == 2 * (n + window) * KV_HEADS, (d.checked[did], n)
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(("p_bs", "d_bs"), [(16, 32), (32, 16)])
+def test_hybrid_window_group_at_another_block_size(
+    p_bs: int,
+    d_bs: int,
+    mode: str,
+    pair: tuple[DaemonProc, DaemonProc],
+    model: str,
+    instances: list[TPInstance],
+) -> None:
+    """Full attention + sliding window with different block sizes on P and D: the
+    connectors send the request's token count, which places each side's window blocks;
+    every token of the window (and of the full group) arrives, byte for byte."""
+    pd, dd = pair
+    p = make_tp_instance(
+        "p", pd.socket, model, tp=2, mode=mode, hybrid=True, state=False, block_size=p_bs
+    )
+    d = make_tp_instance(
+        "d", dd.socket, model, tp=2, mode=mode, hybrid=True, state=False, block_size=d_bs
+    )
+    instances += [p, d]
+    lengths = [20, 45, 70, 130]
+    reqs = transfer(p, d, mode, lengths, "b")
     assert not p.errors and not d.errors, p.errors + d.errors
     for pid, did, n in reqs:
         assert did in d.received and did not in d.failed_recv, did

@@ -165,6 +165,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             remote_request_id=REMOTE_REQ,
             remote_incarnation=(1 << 64) - 1,
             remote_session="scheduler-1-abcdef012345",
+            num_tokens=1023,
         ),
     ),
     "Pull": (
@@ -184,7 +185,9 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "Finish": (
         10,
-        wire.Finish(request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS, keep_for=479.5),
+        wire.Finish(
+            request_id=REQ, engine_id=ENGINE, block_ids=BLOCKS, keep_for=479.5, num_tokens=77
+        ),
     ),
     "Abort": (11, wire.Abort(request_id=REQ, engine_id=ENGINE, side="send")),
     "LayersSaved": (
@@ -275,6 +278,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             incarnation=0x1122334455667788,
             generations=(7, 8, 0xFFFFFFFF, 0),
             p_session="scheduler-4242-a1b2c3d4e5f6",
+            num_tokens=1 << 40,
         ),
     ),
     "Heartbeat": (0, wire.Heartbeat(request_ids=(REQ, REMOTE_REQ, "r-3"))),

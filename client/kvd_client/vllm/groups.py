@@ -152,16 +152,23 @@ class KvGroups:
         )
 
     def remote_for(
-        self, remote: Sequence[Sequence[int]], start: int, local: Sequence[Sequence[int]]
-    ) -> list[int]:
-        """D (pull): P's region ids for D's blocks (`local`, per group, from `loading`):
-        full groups by position (D's first block is at token `start`), window and state
-        groups whole (the daemon aligns their tails)."""
+        self,
+        remote: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+        remote_block_size: int,
+    ) -> list[int] | None:
+        """D (pull): P's region ids for D's blocks of tokens [start, end): full groups P's
+        blocks holding those tokens, in P's block size (`remote_block_size`, 0: D's; None
+        where `start` is not on a boundary of P's blocks: they cannot pair), window and
+        state groups whole (the daemon aligns their tails)."""
         out: list[int] = []
-        for info, ids, mine in zip(self.groups, remote, local, strict=True):
+        for info, ids in zip(self.groups, remote, strict=True):
             if info.kind == "full":
-                first = start // info.block_size
-                out += list(ids[first : first + len(mine)])
+                pbs = remote_block_size or info.block_size
+                if start % pbs:
+                    return None
+                out += list(ids[start // pbs : _cdiv(end, pbs)])
             else:
                 out += list(ids)
         return out

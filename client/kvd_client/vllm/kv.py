@@ -417,11 +417,7 @@ class _SchedulerSide:
             st.computed = num_computed_tokens
         if count <= 0:
             return 0, False
-        if (
-            self.groups is None
-            and num_computed_tokens
-            and not self._aligned(request.request_id, st, num_computed_tokens)
-        ):
+        if num_computed_tokens and not self._aligned(request.request_id, st, num_computed_tokens):
             return 0, False
         if self.groups is None and st.mode == "pull" and st.remote.block_ids is not None:
             pb = st.remote.block_size or self.block_size
@@ -526,14 +522,25 @@ class _SchedulerSide:
             if info.kind == "full"
         )
         if whole and st.mode == "pull":
+            remote = None
             if r.group_ids is not None and len(r.group_ids) == len(local):
-                remote = self.groups.remote_for(r.group_ids, start, local)
+                remote = self.groups.remote_for(r.group_ids, start, end, r.block_size)
+            if remote is not None:
                 self.shared.call(
-                    c.pull, rid, flat, r.host, r.port, remote_block_ids=remote, **r.load_ids()
+                    c.pull,
+                    rid,
+                    flat,
+                    r.host,
+                    r.port,
+                    remote_block_ids=remote,
+                    num_tokens=end,  # (places window groups whose block sizes differ)
+                    **r.load_ids(),
                 )
                 return
         elif whole:
-            self.shared.call(c.register_push, rid, flat, r.host, r.port, **r.load_ids())
+            self.shared.call(
+                c.register_push, rid, flat, r.host, r.port, num_tokens=end, **r.load_ids()
+            )
             return
         log.warning(
             "kvd: request %s: cannot map its KV cache groups onto P's, failing the load", rid
@@ -608,7 +615,7 @@ class _SchedulerSide:
                 n_prompt,
             )
             return False, None
-        if not self.shared.call(c.finished, rid, blocks):
+        if not self.shared.call(c.finished, rid, blocks, n_prompt):
             # no live session with the daemon (it restarted or ended ours): the send ended
             # already (SendFailed); do not send D after blocks nobody leased
             log.warning("kvd: request %s not offered to D: the daemon is unavailable", rid)
