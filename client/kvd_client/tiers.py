@@ -184,6 +184,9 @@ class TierClient:
                     found = self._retrying(msg, wire.TierFound, self.timeout).found
                     if len(found) != len(idx):
                         raise ProtocolError("lookup answer does not match the batch")
+                    if len(idx) == len(part):  # one key length: the answer in order
+                        res = [f != wire.TIER_MISS for f in found]
+                        continue
                     for i, f in zip(idx, found, strict=True):
                         res[i] = f != wire.TIER_MISS
                 out.extend(res)
@@ -712,7 +715,7 @@ def _by_length(keys: Sequence[bytes]) -> Iterator[tuple[int, list[int], bytes]]:
     if not keys:
         return
     n = len(keys[0])
-    if all(len(k) == n for k in keys):
+    if len(set(map(len, keys))) == 1:
         if not 1 <= n <= 256:
             raise InvalidRequest(f"keys must be 1..256 bytes, got {n}")
         yield n, list(range(len(keys))), b"".join(keys)

@@ -628,7 +628,7 @@ class Tiers:
         host, disk = self.host, self.disk
         assert host is not None
         in_host = host.ready_many(keys)
-        out = bytearray(wire.TIER_HOST if h else wire.TIER_MISS for h in in_host)
+        out = bytearray(in_host)  # (bools as bytes: TIER_HOST is 1, TIER_MISS 0)
         hits, dhits = sum(in_host), 0
         if disk is not None and hits < len(keys):
             rest = [i for i, h in enumerate(in_host) if not h]
