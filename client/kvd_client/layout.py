@@ -330,6 +330,26 @@ def parse_state_spec(compat: str) -> StateSpec:
     return StateSpec(model, dtype, nums[0], nums[1])
 
 
+def shard_units(units: int, tp: int, rank: int) -> range:
+    """The units of a `wire.StateShard` of `units` that rank `rank` of `tp` holds: an even
+    split, or (units < tp) one replicated unit. ValueError where neither divides."""
+    if units >= tp:
+        if units % tp:
+            raise ValueError(f"{units} units do not split over {tp} ranks")
+        n = units // tp
+        return range(rank * n, (rank + 1) * n)
+    if tp % units:
+        raise ValueError(f"{units} units cannot be replicated over {tp} ranks")
+    u = rank // (tp // units)
+    return range(u, u + 1)
+
+
+def state_part_bytes(part: wire.StatePart, tp: int) -> int:
+    """Bytes of a rank's chunk of a state part cut as `part` at TP `tp`."""
+    row = sum(len(shard_units(s.units, tp, 0)) * s.unit_bytes for s in part.shards)
+    return part.rows * row
+
+
 def hybrid_compat(model: str) -> str:
     """The compat string of a hybrid region itself (its groups carry their own)."""
     text = f"{HYBRID_PREFIX}|{model}"

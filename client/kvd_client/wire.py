@@ -371,6 +371,28 @@ class RegionLayout(Record):
 
 
 @dataclasses.dataclass(frozen=True)
+class StateShard(Record):
+    """One TP-sharded piece of a state part: `units` units of the model's whole state (heads,
+    groups, channels), each `unit_bytes` bytes in a rank's chunk. Split over the ranks
+    evenly (units >= TP: rank r holds units [r*units/TP, (r+1)*units/TP)) or replicated
+    (units < TP: rank r holds unit r // (TP/units)), as vLLM shards heads and groups."""
+
+    units: Annotated[int, Range(1, 1 << 24)]
+    unit_bytes: Annotated[int, Range(1, 1 << 32)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePart(Record):
+    """How TP cuts one part of a state group's chunk (a conv state, an SSM state): its
+    `shards` one after another, repeated `rows` times (a conv state stored as
+    [kernel - 1][channels] has rows = kernel - 1; stored [channels][kernel - 1], rows = 1
+    and the history inside `unit_bytes`)."""
+
+    rows: Annotated[int, Range(1, 1 << 16)]
+    shards: Annotated[tuple[StateShard, ...], Len(1, 16)]
+
+
+@dataclasses.dataclass(frozen=True)
 class KvGroup(Record):
     """One KV cache group of a hybrid region (a model with several groups: full attention,
     sliding window, Mamba/DeltaNet-style state). The group's chunks lie at `offset` bytes
@@ -390,6 +412,10 @@ class KvGroup(Record):
     compat: Annotated[str, Len(1, 128)]
     """The group's format: a KV spec (`kvd_client.layout.kv_spec`) for attention groups,
     a state spec (`kvd_client.layout.state_spec`) for state groups."""
+    parts: Annotated[tuple[StatePart, ...], Len(0, 8)] = ()
+    """(State groups) how TP cuts a chunk: these parts one after another (every chunk of
+    the group alike; e.g. a conv state, then an SSM state). With it, a state group maps
+    across TP (`kvd.core.hybrid`); without, only rank i to rank i at equal TP."""
 
 
 @dataclasses.dataclass(frozen=True)

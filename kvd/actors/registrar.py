@@ -641,6 +641,14 @@ class Registrar:
             if not dialed and not known.dialed_us:
                 # we dialed it first (not mended then): from now on the engine mends it
                 await self.engine.mend_from(hs.agent_name, hs.nixl_md)
+            current = {(ri.region_id, ri.generation) for ri in hs.regions}
+            if known.loaded_regions - current and await self.engine.refresh_remote(
+                hs.agent_name, hs.nixl_md
+            ):
+                # regions it dropped were loaded: their sections could shadow regions it
+                # registered since at the same addresses (NIXL refuses transfers there)
+                log.info("peer_metadata_refreshed", peer=hs.agent_name)
+                known.loaded_regions = current
             for ri in hs.regions:
                 key = (ri.region_id, ri.generation)
                 if key not in known.loaded_regions:

@@ -194,6 +194,11 @@ class NixlStats:
     """Broken peers whose fresh endpoint failed too (gone, not behind a cut link)."""
     removals_deferred: int = 0
     """Peers forgotten while transfers to them were in flight (removed once they ended)."""
+    peers_refreshed: int = 0
+    """Peers whose metadata was loaded afresh because regions of theirs we had loaded were
+    dropped (`refresh_remote`)."""
+    refreshes_deferred: int = 0
+    """Refreshes not made yet: a transfer to the peer was in flight."""
     notifs_expired: int = 0
     """Held notifications failed: no fresh endpoint within the hold bound."""
     notifs_dropped: int = 0
@@ -857,6 +862,31 @@ class NixlEngine:
             return self._add_remote(md, mend=mend)
 
         return await self.call(add)
+
+    async def refresh_remote(self, name: str, md: bytes) -> bool:
+        """Load `name`'s metadata afresh from `md` (its full metadata, as a handshake
+        sent it): NIXL only ever adds a peer's regions, so sections of regions the peer
+        has since dropped stay loaded, and one that overlaps a region it registered later
+        at the same addresses makes NIXL refuse transfers there (NOT_FOUND). Done only
+        while no transfer to it is in flight (a removed peer's transfers are not looked
+        at); False: not done (the caller tries again at the next handshake)."""
+
+        def refresh(a: Any) -> bool:
+            if self._busy(name):
+                self.stats.refreshes_deferred += 1
+                return False
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:
+                self._count_error(exc)
+            self._agent.add_remote_agent(md)
+            if name in self._mds:
+                self._mds[name] = [md]
+            self._remove_later.discard(name)
+            self.stats.peers_refreshed += 1
+            return True
+
+        return await self.call(refresh)
 
     async def mend_from(self, name: str, md: bytes) -> None:
         """Mend `name` from now on (see `add_remote`), from `md`, its full metadata as it

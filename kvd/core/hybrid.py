@@ -47,6 +47,8 @@ from kvd_client.layout import (
     hybrid_layout,
     parse_state_spec,
     region_bytes,
+    shard_units,
+    state_part_bytes,
     window_blocks,
 )
 
@@ -60,6 +62,7 @@ from kvd.core.planner import (
     check_blocks,
     check_logical,
     plan_heads,
+    plan_pieces,
     plan_request,
     plan_transfer,
     rank_kv,
@@ -82,13 +85,17 @@ class Group:
     geometry: Geometry
     layout: wire.RegionLayout
     compat: str
+    parts: tuple[wire.StatePart, ...] = ()
+    """(State groups) how each part of a chunk is cut by TP (`wire.KvGroup.parts`)."""
 
     @property
     def num_blocks(self) -> int:
         return self.layout.num_blocks
 
     def to_wire(self) -> wire.KvGroup:
-        return wire.KvGroup(self.kind, self.window_tokens, self.offset, self.layout, self.compat)
+        return wire.KvGroup(
+            self.kind, self.window_tokens, self.offset, self.layout, self.compat, self.parts
+        )
 
     def describe(self) -> str:
         return f"window({self.window_tokens} tokens)" if self.kind == "window" else self.kind
@@ -150,12 +157,17 @@ def region_groups(
             geo = Geometry.from_layout(base_addr + g.offset, size, g.layout)
             if g.kind == "state":
                 _check_state(g.compat, g.layout)
+                _check_parts(g.parts, g.layout, tp_size)
             else:  # a KV spec must fit; an opaque compat maps only onto an equal one
+                if g.parts:
+                    raise InvalidRequest("parts describe a state group's chunks only")
                 check_region(g.compat, g.layout, tp_size, tp_rank)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{where}: {exc.message}") from None
         spans.append((g.offset, g.offset + size, i))
-        out.append(Group(g.kind, g.window_tokens, g.offset, first, geo, g.layout, g.compat))
+        out.append(
+            Group(g.kind, g.window_tokens, g.offset, first, geo, g.layout, g.compat, g.parts)
+        )
         first += g.layout.num_blocks
     spans.sort()
     for (_, end, a), (start, _, b) in pairwise(spans):
@@ -180,6 +192,20 @@ def _check_state(compat: str, layout: wire.RegionLayout) -> StateSpec:
             f"spec says {spec.slot_bytes}"
         )
     return spec
+
+
+def _check_parts(parts: Sequence[wire.StatePart], layout: wire.RegionLayout, tp_size: int) -> None:
+    """A state group's parts (if given) must cut exactly its chunks at this TP."""
+    if not parts:
+        return
+    try:
+        got = sum(state_part_bytes(part, tp_size) for part in parts)
+    except ValueError as exc:
+        raise InvalidRequest(f"its parts: {exc}") from None
+    if got != layout.chunk_bytes:
+        raise InvalidRequest(
+            f"its parts cut {got} bytes per rank at TP {tp_size}, a chunk has {layout.chunk_bytes}"
+        )
 
 
 # ------------------------------------------------------------------ structure
@@ -366,12 +392,10 @@ def _d_window(g: int, d: Sequence[HybridView], db: Int64Array) -> Int64Array:
 
 
 def _state_pairs(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> tuple[Pair, ...]:
-    """Rank i to rank i, when the two sides' state groups can map."""
+    """Rank i to rank i, when the two sides' state groups can map (at different TP: the
+    pairs `_state_pieces` finds)."""
     if len(p) != len(d):
-        raise Incompatible(
-            f"state group {g}: TP differs, P {len(p)} ranks, D {len(d)} (a state group maps "
-            "only at equal TP: its inner shape is the model's)"
-        )
+        return tuple(_state_pieces(g, p, d))
     for pr, dr in zip(p, d, strict=True):
         ps, ds = parse_state_spec(pr.groups[g].compat), parse_state_spec(dr.groups[g].compat)
         diffs = [
@@ -390,6 +414,71 @@ def _state_pairs(g: int, p: Sequence[HybridView], d: Sequence[HybridView]) -> tu
     return tuple(Pair(i, i, 0, 0, 0, True) for i in range(len(p)))
 
 
+def _state_pieces(
+    g: int, p: Sequence[HybridView], d: Sequence[HybridView]
+) -> dict[Pair, list[tuple[int, int, int, int]]]:
+    """A state group at different TP: per rank pair, the pieces of a chunk (part, P
+    offset, D offset, length) that D's rank takes from P's. Each unit a D rank holds comes
+    from one P rank (the first that holds it: a replicated unit moves once); the pairs
+    are in D rank order, then P's. Incompatible unless both sides describe their chunks'
+    cut (`wire.KvGroup.parts`) alike and the model, dtype and layers agree."""
+    ps, ds = p[0].groups[g], d[0].groups[g]
+    pspec, dspec = parse_state_spec(ps.compat), parse_state_spec(ds.compat)
+    diffs = [
+        f"{name} P={getattr(pspec, name)!r} D={getattr(dspec, name)!r}"
+        for name in ("model", "dtype", "num_layers")
+        if getattr(pspec, name) != getattr(dspec, name)
+    ]
+    if diffs:
+        raise Incompatible(f"state group {g} differs: " + ", ".join(diffs))
+    if not ps.parts or not ds.parts:
+        raise Incompatible(
+            f"state group {g}: TP differs, P {len(p)} ranks, D {len(d)}, and "
+            f"{'P' if not ps.parts else 'D'} does not describe how TP cuts its state "
+            "(KvGroup.parts): it maps only rank i to rank i at equal TP"
+        )
+    if ps.parts != ds.parts or any(r.groups[g].parts != ps.parts for r in (*p, *d)):
+        raise Incompatible(
+            f"state group {g}: its state is cut differently, P {ps.parts}, D {ds.parts}"
+        )
+    tp_p, tp_d = len(p), len(d)
+    # one chunk's pieces per pair, then the same for each of a slot's chunks (K/V parts)
+    cut: dict[Pair, list[tuple[int, int, int]]] = {}
+    for j in range(tp_d):
+        base_p = base_d = 0
+        for part in ps.parts:
+            row_p = state_part_bytes(part, tp_p) // part.rows
+            row_d = state_part_bytes(part, tp_d) // part.rows
+            for row in range(part.rows):
+                off_p, off_d = base_p + row * row_p, base_d + row * row_d
+                for shard in part.shards:
+                    mine = shard_units(shard.units, tp_d, j)
+                    for u in mine:
+                        i = next(r for r in range(tp_p) if u in shard_units(shard.units, tp_p, r))
+                        have = shard_units(shard.units, tp_p, i)
+                        piece = (
+                            off_p + (u - have.start) * shard.unit_bytes,
+                            off_d + (u - mine.start) * shard.unit_bytes,
+                            shard.unit_bytes,
+                        )
+                        pieces = cut.setdefault(Pair(i, j, 0, 0, 0, False), [])
+                        last = pieces[-1] if pieces else None
+                        if last and last[0] + last[2] == piece[0] and last[1] + last[2] == piece[1]:
+                            pieces[-1] = (last[0], last[1], last[2] + piece[2])
+                        else:
+                            pieces.append(piece)
+                    off_p += len(shard_units(shard.units, tp_p, 0)) * shard.unit_bytes
+                    off_d += len(mine) * shard.unit_bytes
+            base_p += state_part_bytes(part, tp_p)
+            base_d += state_part_bytes(part, tp_d)
+    chunks = ps.layout.kv_parts
+    out = {
+        pair: [(c, po, do, n) for c in range(chunks) for po, do, n in pieces]
+        for pair, pieces in cut.items()
+    }
+    return dict(sorted(out.items(), key=lambda kv: (kv[0].d, kv[0].p)))
+
+
 def _state_plans(
     g: int,
     p: Sequence[HybridView],
@@ -398,12 +487,24 @@ def _state_plans(
     db: Int64Array,
     local_is_p: bool,
 ) -> RequestPlan:
-    pairs = _state_pairs(g, p, d)
     if len(pb) != len(db):
         raise InvalidRequest(
             f"state group {g}: P names {len(pb)} state slots, D {len(db)} (they move slot for slot)"
         )
-    plans: list[Plan] = []
+    if len(p) != len(d):
+        plans: list[Plan] = []
+        cut = _state_pieces(g, p, d)
+        for pair, pieces in cut.items():
+            pg, dg = p[pair.p].groups[g].geometry, d[pair.d].groups[g].geometry
+            pbx, dbx = check_blocks(pg, pb), check_blocks(dg, db)
+            if local_is_p:
+                plans.append(plan_pieces(pg, pbx, dg, dbx, pieces))
+            else:
+                flipped = [(k, do, po, n) for k, po, do, n in pieces]
+                plans.append(plan_pieces(dg, dbx, pg, pbx, flipped))
+        return RequestPlan(tuple(cut), tuple(plans))
+    pairs = _state_pairs(g, p, d)
+    plans = []
     for pair in pairs:
         pg, dg = p[pair.p].groups[g].geometry, d[pair.d].groups[g].geometry
         check_blocks(pg, pb)

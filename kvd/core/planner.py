@@ -628,6 +628,43 @@ def _plan_checked(local: Geometry, lb: Int64Array, remote: Geometry, rb: Int64Ar
     return _finish(local, remote, Plan(_frozen(la), _frozen(ra), _frozen(lengths)))
 
 
+def plan_pieces(
+    local: Geometry,
+    local_blocks: Int64Array,
+    remote: Geometry,
+    remote_blocks: Int64Array,
+    pieces: Sequence[tuple[int, int, int, int]],
+) -> Plan:
+    """Descriptors for the same pieces of every (block pair, layer): a piece is (part,
+    offset in the local chunk, offset in the remote chunk, length). Blocks are physical
+    and validated; every descriptor is checked to lie inside its chunk's region. Order:
+    block pair, layer, piece (nothing merged: pieces are what a TP split cuts apart)."""
+    if local_blocks.shape != remote_blocks.shape:
+        raise InvalidRequest(f"{local_blocks.shape[0]} local blocks for {remote_blocks.shape[0]}")
+    empty = np.empty(0, dtype=np.int64)
+    if not pieces or local_blocks.shape[0] == 0:
+        return Plan(_frozen(empty), _frozen(empty.copy()), _frozen(empty.copy()))
+    part, lo, ro, ln = (np.array(col, dtype=np.int64) for col in zip(*pieces, strict=True))
+    if bool((lo + ln > local.chunk_bytes).any()) or bool((ro + ln > remote.chunk_bytes).any()):
+        raise InvalidRequest("a piece runs past its chunk")
+    layers = np.arange(local.num_layers, dtype=np.int64)
+    la = (
+        local.base_addr
+        + (local_blocks * local.block_stride)[:, None, None]
+        + (layers * local.layer_stride)[None, :, None]
+        + (part * local.kv_stride + lo)[None, None, :]
+    ).ravel()
+    ra = (
+        remote.base_addr
+        + (remote_blocks * remote.block_stride)[:, None, None]
+        + (layers * remote.layer_stride)[None, :, None]
+        + (part * remote.kv_stride + ro)[None, None, :]
+    ).ravel()
+    lengths = np.broadcast_to(ln, (local_blocks.shape[0], local.num_layers, ln.shape[0])).ravel()
+    plan = Plan(_frozen(la), _frozen(ra), _frozen(np.ascontiguousarray(lengths)))
+    return _finish(local, remote, plan)
+
+
 def plan_per_chunk(
     local: Geometry,
     local_blocks: Sequence[int] | npt.NDArray[np.integer],

@@ -9,6 +9,7 @@ and every byte outside the request's blocks must keep their values.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -45,18 +46,69 @@ class HSide:
     major: str = "block"
     kinds: tuple[str, ...] = ("full", "window", "state")
     num_blocks: int = 40
+    cut: bool = False
+    """The state group describes how TP cuts it (`CUT`), so it maps across TP."""
 
     def side(self) -> Side:
         return Side(self.tp, self.tokens, self.kv_layout, self.major, self.num_blocks)
 
     def label(self) -> str:
-        return f"tp{self.tp}-b{self.tokens}-{self.kv_layout}-{self.major[0]}-{'+'.join(self.kinds)}"
+        cut = "-cut" if self.cut else ""
+        kinds = "+".join(self.kinds)
+        return f"tp{self.tp}-b{self.tokens}-{self.kv_layout}-{self.major[0]}-{kinds}{cut}"
 
 
 def state_layout(tp: int) -> wire.RegionLayout:
     """Per rank and layer, a slot of a conv part and an SSM part, split over TP."""
     return kvlayout.block_major(
         STATE_SLOTS, STATE_LAYERS, 512 // tp, kv_parts=2, tokens_per_block=1, dtype="float32"
+    )
+
+
+CUT = (
+    # a conv state stored [kernel - 1][channels]: x by heads, B and C by groups (2 groups:
+    # replicated at TP 4), then an SSM state by heads, as Mamba2 shards them
+    wire.StatePart(3, (wire.StateShard(8, 4), wire.StateShard(2, 4), wire.StateShard(2, 4))),
+    wire.StatePart(1, (wire.StateShard(8, 16),)),
+)
+
+
+def rank_units(units: int, tp: int, rank: int) -> list[int]:
+    """The units a rank holds (written here, apart from the daemon's `shard_units`)."""
+    if units >= tp:
+        return list(range(rank * units // tp, (rank + 1) * units // tp))
+    return [rank * units // tp]
+
+
+def rank_chunk(whole: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """A rank's chunk of `CUT` from the whole model's chunk (`whole`: every part's rows of
+    every shard's units, in order)."""
+    out: list[np.ndarray] = []
+    at = 0
+    for part in CUT:
+        for _ in range(part.rows):
+            for sh in part.shards:
+                units = whole[at : at + sh.units * sh.unit_bytes].reshape(sh.units, sh.unit_bytes)
+                out.append(units[rank_units(sh.units, tp, rank)].ravel())
+                at += sh.units * sh.unit_bytes
+    return np.concatenate(out)
+
+
+def cut_layout(tp: int) -> wire.RegionLayout:
+    chunk = int(rank_chunk(np.zeros(cut_whole_bytes(), np.uint8), tp, 0).size)
+    return kvlayout.block_major(
+        STATE_SLOTS, STATE_LAYERS, chunk, kv_parts=2, tokens_per_block=1, dtype="float32"
+    )
+
+
+def cut_whole_bytes() -> int:
+    return sum(p.rows * sum(s.units * s.unit_bytes for s in p.shards) for p in CUT)
+
+
+def cut_compat(tp: int) -> str:
+    lay = cut_layout(tp)
+    return kvlayout.state_spec(
+        model=MODEL, dtype="float32", slot_bytes=2 * lay.chunk_bytes, num_layers=STATE_LAYERS
     )
 
 
@@ -121,6 +173,8 @@ def hybrid_parts(hs: HSide, rank: int) -> list[tuple[str, wire.RegionLayout, str
             parts.append(("full", rank_layout(FULL, hs.side(), rank), compat(FULL), 0))
         elif kind == "window":
             parts.append(("window", rank_layout(WIN, hs.side(), rank), compat(WIN), WINDOW))
+        elif hs.cut:
+            parts.append(("state", cut_layout(hs.tp), cut_compat(hs.tp), 0))
         else:
             parts.append(("state", state_layout(hs.tp), state_compat(hs.tp), 0))
     return parts
@@ -133,6 +187,10 @@ def engine(sock: str, name: str, hs: HSide, rng: np.random.Generator) -> Eng:
     try:
         for rank in range(hs.tp):
             lay, groups, nbytes = kvlayout.hybrid_region(hybrid_parts(hs, rank))
+            if hs.cut:
+                groups = tuple(
+                    dataclasses.replace(g, parts=CUT) if g.kind == "state" else g for g in groups
+                )
             region = SharedRegion(staging_name(f"hyb-{name}-r{rank}"), nbytes)
             eng.regions.append(region)
             eng.groups.append(groups)
@@ -169,7 +227,19 @@ def fill_state(
     p: Eng, d: Eng, want: list[np.ndarray], p_slot: int, d_slot: int, rng: np.random.Generator
 ) -> None:
     """Random state in P's slot of every rank; D rank r's slot is to hold P rank r's (equal
-    TP). (A function, so that no view of the shared memory outlives it.)"""
+    TP), or with `CUT` its share of the whole state P's ranks hold between them. (A
+    function, so that no view of the shared memory outlives it.)"""
+    if p.hs.cut:
+        for layer in range(STATE_LAYERS):
+            for part in range(2):
+                whole = rng.integers(0, 256, cut_whole_bytes(), np.uint8)
+                for r in range(p.hs.tp):
+                    pv = state_view(p.gbuf(r, "state"), p.glayout(r, "state"))
+                    pv[p_slot, layer, part] = rank_chunk(whole, p.hs.tp, r)
+                for r in range(d.hs.tp):
+                    dv = state_view(d.gbuf(r, "state", want[r]), d.glayout(r, "state"))
+                    dv[d_slot, layer, part] = rank_chunk(whole, d.hs.tp, r)
+        return
     for r in range(p.hs.tp):
         pv = state_view(p.gbuf(r, "state"), p.glayout(r, "state"))
         pv[p_slot] = rng.integers(0, 256, pv[p_slot].shape, np.uint8)
@@ -291,6 +361,25 @@ def run_case(
     finally:
         p.close()
         d.close()
+
+
+STATE_TP = [
+    # a state group that describes how TP cuts it (Mamba2-like: x by heads, B/C by groups,
+    # replicated at TP 4; the SSM state by heads) maps across TP like attention does
+    (HSide(2, cut=True), HSide(1, cut=True)),
+    (HSide(1, cut=True), HSide(2, cut=True)),
+    (HSide(4, kinds=("full", "state"), cut=True), HSide(2, kinds=("full", "state"), cut=True)),
+    (HSide(1, kinds=("full", "state"), cut=True), HSide(4, kinds=("full", "state"), cut=True)),
+    (HSide(2, cut=True), HSide(2, cut=True)),
+]
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(
+    ("ps", "ds"), STATE_TP, ids=[f"{a.label()}_{b.label()}" for a, b in STATE_TP]
+)
+def test_state_groups_across_tp(pair: Pair, mode: str, ps: HSide, ds: HSide) -> None:
+    run_case(pair, ps, ds, mode, seed=ps.tp * 13 + ds.tp)
 
 
 CASES = [
@@ -544,6 +633,13 @@ BAD = [
     ("window", {"window_tokens": 0, "kind": "window"}, "a window group needs > 0"),
     ("offset", {"offset": 1 << 30}, "ends at byte"),
     ("state-spec", {"compat": compat(FULL), "kind": "state"}, "is not a state spec"),
+    ("parts-on-full", {"parts": CUT}, "parts describe a state group's chunks only"),
+    ("state-parts-size", {"parts": CUT}, "its parts cut 272 bytes per rank at TP 1"),
+    (
+        "state-parts-split",
+        {"parts": (wire.StatePart(1, (wire.StateShard(3, 4),)),)},
+        "3 units do not split over 2 ranks",
+    ),
 ]
 
 
@@ -553,19 +649,24 @@ def test_a_bad_group_is_refused_at_registration(
 ) -> None:
     name = f"bad{pair.n}{case}"
     pair.n += 1
+    tp = 2 if case == "state-parts-split" else 1
     c = KvdClient(pair.d.socket, role="worker", engine_id=name, tp_rank=0)
     c.connect()
-    lay, groups, nbytes = kvlayout.hybrid_region(hybrid_parts(HSide(1), 0))
+    lay, groups, nbytes = kvlayout.hybrid_region(hybrid_parts(HSide(tp), 0))
     region = SharedRegion(staging_name(f"hyb-{name}"), nbytes)
     try:
-        g = groups[2] if case == "state-spec" else groups[0]
+        g = groups[2] if case.startswith("state") else groups[0]
         fields = {**g.__dict__, **change}
         bad = wire.KvGroup(**fields)
         at = groups.index(g)
         groups = (*groups[:at], bad, *groups[at + 1 :])
         with pytest.raises(Exception, match=says):
             c.register_region(
-                region, layout=lay, compat=kvlayout.hybrid_compat(MODEL), groups=groups
+                region,
+                layout=lay,
+                compat=kvlayout.hybrid_compat(MODEL),
+                groups=groups,
+                tp_size=tp,
             )
     finally:
         c.close()

@@ -56,9 +56,19 @@ LAYOUT_MLA: Final = wire.RegionLayout(
 
 
 GROUPS: Final = (
+    wire.KvGroup(
+        "state",
+        0,
+        (1 << 48) - 1,
+        LAYOUT_MLA,
+        "statespec1|float32|65536|30|model-ä",
+        (
+            wire.StatePart(3, (wire.StateShard(64, 8), wire.StateShard(8, 512))),
+            wire.StatePart(1, (wire.StateShard(1 << 24, (1 << 32) - 1),)),
+        ),
+    ),
     wire.KvGroup("full", 0, 0, LAYOUT, "kvspec1|bfloat16|8|128|61|0|model-ä"),
     wire.KvGroup("window", 4096, 1 << 40, LAYOUT, "kvspec1|bfloat16|8|128|61|0|model-ä"),
-    wire.KvGroup("state", 0, (1 << 48) - 1, LAYOUT_MLA, "statespec1|float32|65536|30|model-ä"),
 )
 """A hybrid region's KV cache groups (RegionInfo.groups pins KvGroup's encoding)."""
 
