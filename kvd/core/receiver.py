@@ -962,7 +962,8 @@ class Receiver:
         self._goto(req, R.REGISTERED)
         self.watchdogs.set(req.request_id, now + self.push_registration_timeout)
         req.resend_gap = self.intervals.get(req.peer, max(self.lease_duration / 6.0, 0.01))
-        self._resend_later(req, now)
+        if not req.layer_bits and not req.done_ranks:  # (P may have answered already)
+            self._resend_later(req, now)
         if req.aborted:
             self._cancel_registered(req, now)
 

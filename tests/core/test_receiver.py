@@ -1979,3 +1979,17 @@ def test_layerwise_and_push_done_ranks_add_up() -> None:
     rx.handle(pushed(0, ("r2", 0, 1)), 0.1)
     out = rx.handle(push_done("r2", ok=False, code=TRANSFER), 0.2)
     assert one_failure(out, "r2").code == TRANSFER
+
+
+def test_no_registration_repeat_once_p_answered_before_the_send_completed() -> None:
+    """P's first layers can arrive before the local completion of the registration's
+    send: P has it, so it is never sent again (found by the model above)."""
+    m = ReceiverModel()
+    m.structure()
+    m.load(blocks=(), mode="push", p_id=False, peer="p1:5001", rid="r0", session="s0")
+    m.resolve_done(i=0, ok=True, ranks=1, reached=False)
+    m.p_pushes_layers(first=0, i=0, rank=0, span=1)
+    m.send_done(i=0, ok=False, stale=False)
+    m.advance(dt=1.0)
+    m.advance(dt=30.0)
+    m.teardown()
