@@ -867,12 +867,16 @@ def test_stores_into_slots_lent_ahead(daemons: StartDaemon) -> None:
         ids = list(range(6, 10))  # into lent slots
         assert c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]) == [True] * 4
         assert c._spare == []
-        assert load_check(other, list(range(10))) == [True] * 10  # (the puts came first)
+        # (a put is one-way: the storing session's next request sees it; another session
+        # once the daemon handled it, which that round trip makes sure of)
+        assert c.batch_lookup([key(i) for i in range(10)]) == [True] * 10
+        assert load_check(other, list(range(10))) == [True] * 10
         # a key held already: its lent slot comes back, its bytes stay the first store's
         c._take_grant()
         spare = len(c._spare)
         assert spare == 4
         assert c.store([key(3)], [memoryview(block(7))]) == [True]
+        assert c.batch_lookup([key(3)]) == [True]  # (the put handled: see above)
         assert load_check(other, [3]) == [True]
         s = other.stats()
         assert s["host"]["blocks"] == 10 and s["host"]["lent"] == spare - 1
