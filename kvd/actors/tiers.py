@@ -705,9 +705,11 @@ class Tiers:
                 back += 1
             else:
                 stored += 1
-        if refused:
+        if refused:  # (counted per slot; logged per put, rate-limited: client input)
             self._count("tiers_put_refused", refused)
-            log.warning("tiers_put_refused", slots=refused, why="not lent to this session")
+            self.rejects.reject(
+                "tiers", "tiers_puts_rejected", "tiers_put_refused", "not_lent", slots=refused
+            )
         self._count("tiers_host_bytes_in", stored * self.slot_bytes)
         self._count("tiers_blocks_stored", stored)
         self._keep_free()
