@@ -341,6 +341,24 @@ def test_a_killed_readers_file_pins_are_dropped(daemons: StartDaemon, workdir: P
             p.wait()
 
 
+def _freeze_at(name: str, marker: str) -> str:
+    """Child-script lines (in a textwrap.dedent'ed f-string, 8 spaces in) that make the
+    process stop itself (SIGSTOP) the first time `kvd_client.tiers.<name>` is called,
+    after printing `marker`."""
+    lines = [
+        f"real = T.{name}",
+        "stopped = []",
+        "def frozen(*a, **k):",
+        "    if not stopped:",
+        "        stopped.append(1)",
+        f"        print({marker!r}, flush=True)",
+        "        os.kill(os.getpid(), signal.SIGSTOP)",
+        "    return real(*a, **k)",
+        f"T.{name} = frozen",
+    ]
+    return "\n        ".join(lines)
+
+
 def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
     daemons: StartDaemon, workdir: Path
 ) -> None:
@@ -360,15 +378,7 @@ def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
         f"""
         import hashlib, json, os, signal
         from kvd_client import tiers as T
-        real = T.read_block
-        stopped = []
-        def frozen_read(*a, **k):
-            if not stopped:
-                stopped.append(1)
-                print("reading", flush=True)
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return real(*a, **k)
-        T.read_block = frozen_read
+        {_freeze_at("read_block", "reading")}
         c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
         keys = [{", ".join(repr(key(i)) for i in range(4))}]
         dests = [bytearray({BB}) for _ in keys]
@@ -720,15 +730,7 @@ def _frozen_client(d: Any, call: str) -> subprocess.Popen[bytes]:
         f"""
         import hashlib, json, os, signal
         from kvd_client import tiers as T
-        real = T._check_slots
-        stopped = []
-        def frozen(*a, **k):
-            if not stopped:
-                stopped.append(1)
-                print("answered", flush=True)
-                os.kill(os.getpid(), signal.SIGSTOP)
-            return real(*a, **k)
-        T._check_slots = frozen
+        {_freeze_at("_check_slots", "answered")}
         def key(i):
             return hashlib.sha256(f"block-{{i}}".encode()).digest() + bytes(4)
         def block(i):
