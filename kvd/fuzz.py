@@ -25,8 +25,8 @@ notification) are counted as such and withheld. The rules:
   TraceQuery fails authentication (`auth_rejected`); a RegionDropped, a peer's tier
   request or a Sealed envelope is not an authentic envelope of a peer that handshook
   (`side_auth_rejected`);
-- ec: undecodable or not an ECXferReq: `ec_xfer_rejected`; an ECXferReq fails
-  authentication (`ec_auth_rejected`);
+- ec: undecodable or neither an ECXferReq nor an ECXferCancel: `ec_xfer_rejected`; either
+  of those fails authentication (`ec_auth_rejected`);
 - notif: undecodable: `notifs_malformed`; any message from an agent that never
   handshook: `notifs_rejected` (or `notifs_dropped_busy` when its actor's mailbox is
   full; any counter named `notifs_*auth*` also counts, for peers whose every message
@@ -212,7 +212,7 @@ def classify(surface: str, frame: bytes) -> tuple[str, ...]:
             return ("side_auth_rejected",)  # not an authentic envelope of a known peer
         return ("side_rejected",)
     if surface == "ec":
-        if isinstance(msg, wire.ECXferReq):
+        if isinstance(msg, (wire.ECXferReq, wire.ECXferCancel)):
             return ("ec_auth_rejected",)
         return ("ec_xfer_rejected",)
     assert surface == "notif"

@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 6
+PROTOCOL_VERSION: Final = 7
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
@@ -1145,14 +1145,39 @@ class ECXferReq(Record):
 @message(89)
 @dataclasses.dataclass(frozen=True)
 class ECXferAck(Record):
+    """Producer daemon -> consumer daemon: the answer to one `ECXferReq` (after its WRITE
+    ended, or at once when refused), or to an `ECXferCancel` of a request that is not being
+    served (refused TIMEOUT: nothing of that request can be written any more)."""
+
     mm_hash: Id
     ok: bool
     code: U16
     reason: Text
     nbytes: U64
+    nonce: Annotated[bytes, Len(0, 64)] = b""
+    """The nonce of the request answered: a consumer takes an ack only for the request it
+    has in flight (or quarantined) under that nonce, never an older one's for a newer."""
     mac: Annotated[bytes, Len(0, 64)] = b""
     """With a shared secret: HMAC-SHA256 over b"ecack", the request's nonce and the ack with
     an empty mac, so an ack answers exactly one request and only the producer can say ok."""
+
+
+@message(90)
+@dataclasses.dataclass(frozen=True)
+class ECXferCancel(Record):
+    """Consumer daemon -> producer daemon: I gave up on the request with this nonce (its
+    `serve_by_ns` has passed on my clock) and keep its blocks quarantined until you say
+    nothing of it will be written. A producer serving it says nothing now (its ack comes
+    when its WRITE ended); one that is not answers with a TIMEOUT `ECXferAck` naming the
+    nonce: it will never serve it (its deadline has passed: `ECXferReq.serve_by_ns`).
+    Sent again every second while the blocks stay quarantined (a restarted producer
+    answers the first one that reaches it)."""
+
+    mm_hash: Id
+    nonce: Annotated[bytes, Len(0, 64)]
+    mac: Annotated[bytes, Len(0, 64)] = b""
+    """HMAC-SHA256 over b"eccancel" and the cancel with an empty mac, when a shared secret
+    is configured."""
 
 
 # --------------------------------------------------------------------------------------

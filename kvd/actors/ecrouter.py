@@ -51,7 +51,16 @@ Consumer (role consumer/both):
   a lazily created DEALER per producer. The answer is an event:
   `ECReady` (the output is pinned for the caller until `ECRelease`) or `ECUnavailable`
   (unknown, refused, or no answer within `ec.xfer_timeout`). A client that goes away has
-  its pins dropped.
+  its pins dropped. Every ack names its request's nonce: one for another request (given
+  up on earlier) is never taken for the fetch in flight.
+- A fetch given up on keeps its blocks quarantined: the producer may still WRITE them.
+  They are freed by the producer's answer to that request, or to a cancel
+  (`ECXferCancel`, sent once our clock passed the request's `serve_by_ns`, then every
+  `CANCEL_EVERY_S`): a producer that is not serving it (it never got it, or it is a new
+  incarnation of a producer that died with it) answers that it never will, which it can
+  say because it would refuse the request as too old; one serving it answers when its
+  WRITE ended, one that gave up on a WRITE UCX had not ended never does. Without an
+  answer the blocks are freed at the WRITE's bound (`quarantine_s`).
 - The cache is also published in an index segment (`kvd_client.ecindex`, a seqlock per
   slot) so that clients serve warm hits without a round trip (`KvdClient.ec_read`): an
   output is published once its fetch is acked, and retracted (its slot's sequence made
@@ -91,6 +100,7 @@ from kvd_client.ecindex import ECIndexWriter, index_slots
 from kvd_client.errors import (
     AuthError,
     Busy,
+    ErrorCode,
     Incompatible,
     InvalidRequest,
     KvdError,
@@ -156,6 +166,17 @@ EC_XFER_CONTEXT: Final = b"ecxfer"
 EC_ACK_CONTEXT: Final = b"ecack"
 """Domain separation of an `ECXferAck`'s MAC (followed by its request's nonce)."""
 
+EC_CANCEL_CONTEXT: Final = b"eccancel"
+"""Domain separation of an `ECXferCancel`'s MAC."""
+
+CANCEL_EVERY_S: Final = 1.0
+"""A consumer sends an `ECXferCancel` for each quarantined fetch this often, until the
+producer answers or the quarantine's bound passes."""
+
+EC_UNSETTLED_MAX: Final = 4096
+"""Requests whose WRITE UCX had not ended when given up on, remembered by a producer so
+that it never answers a cancel of one (beyond this many it answers no cancel at all)."""
+
 CLOCK_MAX_AGE_S: Final = 300.0
 """A consumer's clock offset older than this is measured again before a request of its is
 judged (the drift allowed for it grows with its age: `kvd.core.timeline.DRIFT_PPM`)."""
@@ -165,6 +186,8 @@ QUARANTINE_MARGIN_S: Final = 5.0
 """Room, past a producer's settle bound, for its answer to reach us."""
 _QUARANTINE: Final = "\0quarantine:"
 """Deadline keys of quarantined fetches (mm_hashes are the other keys)."""
+_CANCEL: Final = "\0cancel:"
+"""Timer keys of a quarantined fetch's next `ECXferCancel`."""
 EC_NONCES_MAX: Final = 1 << 18
 """Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
 until its request is stale (at most twice `AUTH_WINDOW_S`): room for over 1,000
@@ -239,7 +262,18 @@ class _Fetch:
     compat: str
     waiters: list[str] = field(default_factory=list)
     nonce: bytes = b""
-    """The nonce of our request: its ack must be MACed under it (with a shared secret)."""
+    """The nonce of our request: its ack names it (and is MACed under it with a secret)."""
+    serve_by_ns: int = 0
+    """Our request's `serve_by_ns`: the producer starts no WRITE for it after that."""
+
+
+@dataclass(frozen=True)
+class _Quarantined:
+    """A fetch given up on whose blocks a WRITE of the producer may still reach."""
+
+    nonce: bytes
+    producer: tuple[str, int]
+    serve_by_ns: int
 
 
 class ECRouter:
@@ -294,8 +328,14 @@ class ECRouter:
         # (`serve_by_ns`), and the producer refuses one it cannot prove younger (a
         # request queued in ZMQ behind a cut link).
         self.quarantine_s = xfer_timeout + 2 * settle_timeout + 1.0 + QUARANTINE_MARGIN_S
-        self.quarantined: dict[str, bytes] = {}
-        """Fetches given up on whose blocks may still be written: hash -> request nonce."""
+        self.quarantined: dict[str, _Quarantined] = {}
+        """Fetches given up on whose blocks may still be written, by hash."""
+        self.serving_nonces: set[bytes] = set()
+        """Producer: the nonces of the requests being served (read, not yet answered)."""
+        self.unsettled: dict[bytes, float] = {}
+        """Producer: nonces of requests given up on while UCX had not ended their WRITE
+        (never answered, nor their cancels), with when (mailbox clock); forgotten after
+        `quarantine_s`, past which no consumer of ours holds their blocks."""
         self.side_host = side_host
         self._side_port_ref = side_port_ref
         self.max_frame = max_frame
@@ -418,8 +458,10 @@ class ECRouter:
                     for key, _ in self.deadlines.pop_due(self.clock.now()):
                         if key.startswith(_QUARANTINE):
                             self._unquarantine(key[len(_QUARANTINE) :], "bound")
-                            continue
-                        self._fetch_timed_out(key)
+                        elif key.startswith(_CANCEL):
+                            self._send_cancel(key[len(_CANCEL) :])
+                        else:
+                            self._fetch_timed_out(key)
         finally:
             if self._router is not None:
                 self._router.close(0)
@@ -636,7 +678,7 @@ class ECRouter:
             nonce=os.urandom(NONCE_BYTES),
             serve_by_ns=self.mono_ns() + int(self.xfer_timeout * 1e9),
         )
-        f.nonce = req.nonce
+        f.nonce, f.serve_by_ns = req.nonce, req.serve_by_ns
         if self.secret is not None:
             req = replace(req, mac=message_mac(self.secret, req, EC_XFER_CONTEXT))
         self._send_req(f.producer, req)
@@ -680,13 +722,19 @@ class ECRouter:
 
     def _fetch_done(self, ack: wire.ECXferAck) -> None:
         f = self.fetches.get(ack.mm_hash)
-        if f is None:
-            if ack.mm_hash in self.quarantined:
-                # the producer's answer to a request we gave up on: its WRITE is over
-                nonce = self.quarantined[ack.mm_hash]
-                if self.secret is None or mac_valid(self.secret, ack, EC_ACK_CONTEXT + nonce):
-                    self._unquarantine(ack.mm_hash, "answered")
-                    return
+        if f is None or ack.nonce != f.nonce:
+            # the producer's answer to a request we gave up on (its WRITE is over), or to
+            # our cancel of it (it will never serve it)
+            q = self.quarantined.get(ack.mm_hash)
+            if (
+                q is not None
+                and ack.nonce == q.nonce
+                and (self.secret is None or mac_valid(self.secret, ack, EC_ACK_CONTEXT + q.nonce))
+            ):
+                self._unquarantine(ack.mm_hash, "answered")
+                return
+            # another request's answer (one given up on and released, under this hash
+            # or not), or a forged one: never taken for the fetch in flight
             self._count("ec_acks_unexpected")
             return
         if (
@@ -747,8 +795,10 @@ class ECRouter:
         if f is None:
             return
         self._count("ec_quarantined")
-        self.quarantined[mm_hash] = f.nonce
-        self.deadlines.set(_QUARANTINE + mm_hash, self.clock.now() + self.quarantine_s)
+        self.quarantined[mm_hash] = _Quarantined(f.nonce, f.producer, f.serve_by_ns)
+        now = self.clock.now()
+        self.deadlines.set(_QUARANTINE + mm_hash, now + self.quarantine_s)
+        self.deadlines.set(_CANCEL + mm_hash, now)
         exc = Timeout(f"no answer from the producer in {self.xfer_timeout}s")
         self._fetch_failed_entry(f, exc, free=False)
         self._check_drained()
@@ -757,12 +807,37 @@ class ECRouter:
         if self.quarantined.pop(mm_hash, None) is None:
             return
         self.deadlines.discard(_QUARANTINE + mm_hash)
+        self.deadlines.discard(_CANCEL + mm_hash)
         self._count(f"ec_quarantine_released_{why}")
         pool = self.cons_pool
         assert pool is not None
         if mm_hash in pool:
             pool.unpin(mm_hash)
             pool.free(mm_hash)
+
+    def _send_cancel(self, mm_hash: str) -> None:
+        """Ask the producer of a quarantined fetch to say that nothing of its request will
+        be written (`wire.ECXferCancel`), and again in `CANCEL_EVERY_S`. Only once our
+        clock has passed the request's `serve_by_ns`: from then on the producer refuses
+        it, so one that is not serving it may answer. A producer that is frozen, cut off
+        or gone gets them queued (or dropped when its queue is full) and answers when it
+        reads one; a restarted one answers at once (it serves nothing of the old one's)."""
+        q = self.quarantined.get(mm_hash)
+        if q is None:
+            return
+        early_s = (q.serve_by_ns - self.mono_ns()) / 1e9
+        self.deadlines.set(_CANCEL + mm_hash, self.clock.now() + max(early_s, CANCEL_EVERY_S))
+        sock = self.dealers.get(q.producer)
+        if early_s > 0 or sock is None:
+            return
+        cancel = wire.ECXferCancel(mm_hash, q.nonce)
+        if self.secret is not None:
+            cancel = replace(cancel, mac=message_mac(self.secret, cancel, EC_CANCEL_CONTEXT))
+        sent = cast("asyncio.Future[Any]", sock.send(wire.encode(cancel), flags=zmq.NOBLOCK))
+        if not sent.done():  # cannot happen with NOBLOCK; never leave it hanging
+            sent.cancel()
+        elif sent.exception() is None:
+            self._count("ec_cancels_sent")
 
     def _fetch_failed_entry(self, f: _Fetch, exc: KvdError, *, free: bool = True) -> None:
         pool = self.cons_pool
@@ -864,7 +939,9 @@ class ECRouter:
                 except RemoteProtocolError as exc:
                     self._xfer_rejected(type(exc).__name__, exc.message)
                 else:
-                    if not isinstance(req, wire.ECXferReq):
+                    if isinstance(req, wire.ECXferCancel):
+                        await self._cancel(frames[0], req)
+                    elif not isinstance(req, wire.ECXferReq):
                         why = f"{type(req).__name__} is not an ECXferReq"
                         self._xfer_rejected("not_a_request", why)
                     else:
@@ -877,6 +954,7 @@ class ECRouter:
                             refused = self._busy(req)
                         if refused is None:
                             self.serving += 1
+                            self.serving_nonces.add(req.nonce)
                             self._tg.start_soon(self._serve_one, frames[0], req)
                         else:
                             await self._ack(frames[0], refused, req.nonce)
@@ -1003,6 +1081,7 @@ class ECRouter:
     async def _ack(self, ident: bytes, ack: wire.ECXferAck, nonce: bytes) -> None:
         # A ROUTER never blocks a send: a consumer that does not read loses its acks.
         assert self._router is not None
+        ack = replace(ack, nonce=nonce)
         if self.secret is not None:
             ack = replace(ack, mac=message_mac(self.secret, ack, EC_ACK_CONTEXT + nonce))
         try:
@@ -1026,7 +1105,43 @@ class ECRouter:
             await self._serve(ident, req)
         finally:
             self.serving -= 1
+            self.serving_nonces.discard(req.nonce)
             self._check_drained()
+
+    async def _cancel(self, ident: bytes, cancel: wire.ECXferCancel) -> None:
+        """A consumer gave up on its request `cancel.nonce` and holds its blocks until we
+        say nothing of it will be written. Serving it: no answer now (its ack comes when
+        its WRITE ended). Given up on while UCX had not ended its WRITE: never answered
+        (the consumer's quarantine runs to its bound). Else, answered TIMEOUT: the
+        consumer sends a cancel only once its clock passed the request's `serve_by_ns`,
+        so we would refuse the request if it reached us now or later (`_check_age`).
+        With a secret, a cancel must carry a valid MAC (it needs no freshness: its
+        answer only tells what is true whenever it is asked)."""
+        if self.secret is not None and not mac_valid(self.secret, cancel, EC_CANCEL_CONTEXT):
+            self.rejects.reject(
+                "ecrouter",
+                "ec_auth_rejected",
+                "ec_cancel_auth_rejected",
+                "bad_mac" if cancel.mac else "no_mac",
+                mm_hash=cancel.mm_hash,
+            )
+            return
+        now = self.clock.now()
+        for nonce, at in list(self.unsettled.items()):
+            if now - at <= 2 * self.quarantine_s:
+                break  # in insertion (time) order
+            del self.unsettled[nonce]
+        if (
+            cancel.nonce in self.serving_nonces
+            or cancel.nonce in self.unsettled
+            or len(self.unsettled) >= EC_UNSETTLED_MAX
+        ):
+            self._count("ec_cancels_unanswered")
+            return
+        self._count("ec_cancels_answered")
+        why = "not served: its deadline has passed, it never will be (cancelled)"
+        ack = wire.ECXferAck(cancel.mm_hash, False, int(ErrorCode.TIMEOUT), why, 0)
+        await self._ack(ident, ack, cancel.nonce)
 
     async def _serve(self, ident: bytes, req: wire.ECXferReq) -> None:
         mm_hash = req.mm_hash
@@ -1095,6 +1210,7 @@ class ECRouter:
             # quarantined there until its bound
             self._xfer_failed(mm_hash, exc)
             self._count("ec_unsettled_unanswered")
+            self.unsettled[req.nonce] = self.clock.now()
             return
         except KvdError as exc:
             self._xfer_failed(mm_hash, exc)

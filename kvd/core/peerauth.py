@@ -53,6 +53,7 @@ Signed = (
     | wire.RegionDropped
     | wire.ECXferReq
     | wire.ECXferAck
+    | wire.ECXferCancel
     | wire.TraceQuery
     | wire.TraceAnswer
 )

@@ -1089,7 +1089,7 @@ def test_shared_secret_admits_peers_that_know_it_only(
 NOTIF_GARBAGE = {
     "garbage": (b"\xc1 not a message", "notifs_malformed"),
     "wrong-version": (
-        _msgpack(7, wire.PushDone.TYPE, 0, "kvdt-x", 0, True, 0, ""),
+        _msgpack(wire.PROTOCOL_VERSION + 90, wire.PushDone.TYPE, 0, "kvdt-x", 0, True, 0, ""),
         "notifs_malformed",
     ),
     "unknown-type": (_msgpack(wire.PROTOCOL_VERSION, 999, 0), "notifs_malformed"),

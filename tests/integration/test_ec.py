@@ -374,6 +374,78 @@ def test_a_fetch_given_up_on_keeps_its_blocks_until_the_producer_answers(
         cons.close()
 
 
+def test_a_quarantined_fetch_is_released_once_its_restarted_producer_answers_the_cancel(
+    daemons: StartDaemon,
+) -> None:
+    """The producer takes a request and dies before answering it (frozen, then SIGKILLed),
+    and systemd starts it again 2 s later on the same port. The consumer gave up on the
+    fetch and quarantined its blocks; the new producer never heard of the request, so no
+    answer to it will ever come: the consumer's cancels (`ECXferCancel`, one a second)
+    reach the new producer, which answers that it serves nothing under that nonce, and
+    the blocks are freed within seconds, not at the quarantine's bound (over a minute
+    with the default transfer timeout). The output, encoded again at the new producer,
+    is fetched and every byte checked; nothing stays pinned."""
+    import signal
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = int(sk.getsockname()[1])
+    xfer = 2.0
+    e_cfg = ec_cfg("producer", 16 * MiB).replace("5.0", str(xfer)) + f"port = {port}\n"
+    e = daemons("kvd-encr", e_cfg)
+    c = daemons("kvd-conr", ec_cfg("consumer", 16 * MiB).replace("5.0", str(xfer)))
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    old_pid = e.proc.pid
+    prod2: ECSide | None = None
+    try:
+        data = output_bytes(5, 2 * MiB)
+
+        def encode(side: ECSide) -> wire.ECParams:
+            blocks = side.client.ec_allocate("lost", len(data))
+            side.write(blocks.block_ids, data)
+            return side.client.ec_commit(
+                "lost", len(data), shape=(len(data),), dtype="uint8", compat="ec-r"
+            )
+
+        params = encode(prod)
+        prod.close()
+        e.proc.send_signal(signal.SIGSTOP)  # the request reaches its socket, never it
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(xfer + 10)
+        assert isinstance(ev, wire.ECUnavailable) and ev.code == ErrorCode.TIMEOUT, ev
+        assert cons.client.status("ec")["consumer"]["pinned"] == 2  # quarantined
+        e.kill()
+        time.sleep(2.0)
+        t_restart = time.monotonic()
+        e2 = daemons("kvd-encr", e_cfg)
+        deadline = t_restart + 10.0
+        while cons.client.status("ec")["consumer"]["pinned"]:
+            assert time.monotonic() < deadline, "quarantine not released after the restart"
+            time.sleep(0.1)
+        counters = cons.client.status()["counters"]
+        assert counters["ec_quarantine_released_answered"] == 1, counters
+        assert "ec_quarantine_released_bound" not in counters
+        assert counters["ec_cancels_sent"] >= 1
+        prod2 = ECSide(e2.socket, "encoder")
+        assert prod2.client.status()["counters"]["ec_cancels_answered"] >= 1
+        params = encode(prod2)
+        cons.client.ec_ensure(params)
+        (ev,) = cons.client.wait_events(10)
+        assert isinstance(ev, wire.ECReady), ev
+        assert cons.matches(ev.block_ids, data)
+        cons.client.ec_release("lost")
+        assert cons.client.status("ec")["consumer"]["pinned"] == 0
+    finally:
+        e.kill()
+        for side in (prod2, cons):
+            if side is not None:
+                side.close()
+        for n in shm_segments("kvd-ec-"):  # the killed daemon's region (reaping is off)
+            if ec_segment_creator(n) == old_pid:
+                os.unlink(f"/dev/shm/{n}")
+
+
 def test_a_drain_refuses_new_encoder_cache_transfers_and_waits_for_those_in_flight(
     daemons: StartDaemon,
 ) -> None:

@@ -440,7 +440,14 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             code=int(ErrorCode.NOT_FOUND),
             reason="unknown encoder output",
             nbytes=0,
+            nonce=bytes(range(100, 116)),
             mac=bytes(range(100, 132)),
+        ),
+    ),
+    "ECXferCancel": (
+        0,
+        wire.ECXferCancel(
+            mm_hash="mm-ï-9f8e", nonce=bytes(range(100, 116)), mac=bytes(range(64, 96))
         ),
     ),
     "Sealed": (

@@ -66,6 +66,7 @@ TYPE_IDS = {
     "ECUnavailable": 87,
     "ECXferReq": 88,
     "ECXferAck": 89,
+    "ECXferCancel": 90,
     "TierOpen": 100,
     "TierOpened": 101,
     "TierLookup": 102,
@@ -104,7 +105,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 6
+    assert wire.PROTOCOL_VERSION == 7
 
 
 def test_type_ids_are_pinned() -> None:
