@@ -1045,6 +1045,8 @@ class Chaos:
                         out.append(f"{node.name}: {ec[pool]['pinned']} pinned {pool} EC blocks")
                 if ec.get("fetching"):
                     out.append(f"{node.name}: EC fetches {ec['fetching']}")
+                if ec.get("quarantined"):
+                    out.append(f"{node.name}: EC fetches quarantined {ec['quarantined']}")
         return out
 
     def _teardown(self) -> None:

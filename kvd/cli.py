@@ -202,7 +202,7 @@ def ec(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
     total = data["hits"] + data["misses"]
     rate = f"{data['hits'] / total:.1%}" if total else "-"
     console.print(f"hits {data['hits']}  misses {data['misses']}  hit rate {rate}")
-    for key in ("produced", "cached", "fetching"):
+    for key in ("produced", "cached", "fetching", "quarantined"):
         if data[key]:
             console.print(
                 f"{key}: {', '.join(data[key][:20])}{' ...' if len(data[key]) > 20 else ''}"

@@ -1261,6 +1261,7 @@ class ECRouter:
             "produced": sorted(k for k, v in self.produced.items() if v.committed)[:100],
             "cached": sorted(self.cached_nbytes)[:100],
             "fetching": sorted(self.fetches)[:100],
+            "quarantined": sorted(self.quarantined)[:100],
             "hits": self.hits,
             "client_hits": self.client_hits,
             "misses": self.misses,
