@@ -22,7 +22,7 @@ import ctypes
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import anyio
@@ -65,6 +65,7 @@ from kvd.core.gather import (
     instantiate,
     plan_gather,
     plan_template,
+    split,
 )
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
@@ -79,6 +80,28 @@ MAX_COALESCED: Final = 1024
 """Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
 TEMPLATES: Final = 64
 """Region shapes whose gather templates are kept (least recently used dropped)."""
+PIPELINE_PARTS: Final = 4
+"""A push gathered on P is WRITten in at most this many parts (whole D regions each):
+each part's WRITE runs while the next part is gathered (`kvd.core.gather.split`)."""
+PIPELINE_MIN_BYTES: Final = 1 << 20
+"""A part of a pipelined gathered push holds at least this many bytes (a WRITE of its
+own costs a post and a completion)."""
+
+
+@dataclass(eq=False)
+class _StagedPush:
+    """A push being gathered into a slot of P's staging area (`SenderActor._gather`):
+    its first part gathered, the others to come (`_write_staged`)."""
+
+    base: int
+    """The slot's address."""
+    slot: npt.NDArray[np.uint8]
+    sources: list[npt.NDArray[np.uint8]]
+    parts: tuple[Gathered, ...]
+    free: Callable[[], None]
+    """Frees the slot (once nothing gathers into it and UCX ended every WRITE from it)."""
+    unhold: Callable[[], None]
+    """Lets a drain of P's regions go on (once nothing gathers from them any more)."""
 
 
 class Sender(TransferActor):
@@ -357,20 +380,11 @@ class Sender(TransferActor):
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
-            settled: Callable[[], None] = watch
             staged = await self._gather(
                 eff.key, local, remote, how, eff.p_blocks, reg.block_ids, len(notifs)
             )
             if staged is not None:
-                base, g, slot_settled = staged
-                locs = [local[w.local] for w in g.writes]
-                rems = [remote[w.remote] for w in g.writes]
-                plans: list[Plan] = [shifted(w.plan, base) for w in g.writes]
-
-                def settled() -> None:
-                    slot_settled()
-                    watch()
-
+                await self._write_staged(eff, local, remote, staged, notifs, watch, post_by)
             else:  # WRITTEN by the direct plans
                 if not isinstance(how, RequestPlan):  # the template's gather was not made
                     how = plan_any(
@@ -381,11 +395,17 @@ class Sender(TransferActor):
                         local_is_p=True,
                         num_tokens=tokens,
                     )
-                plans = list(how.plans)
-
-            await self.book.run(
-                "WRITE", eff.key, eff.agent, locs, rems, plans, notifs, settled, post_by=post_by
-            )
+                await self.book.run(
+                    "WRITE",
+                    eff.key,
+                    eff.agent,
+                    locs,
+                    rems,
+                    list(how.plans),
+                    notifs,
+                    watch,
+                    post_by=post_by,
+                )
         except Unsettled as exc:
             # still in flight in UCX: no word to D until it ends (D holds its blocks). The
             # adapter does not say whether it landed then: it is failed (if it landed, D
@@ -523,14 +543,14 @@ class Sender(TransferActor):
         p_blocks: tuple[int, ...],
         d_blocks: tuple[int, ...],
         transfers: int,
-    ) -> tuple[int, Gathered, Callable[[], None]] | None:
+    ) -> _StagedPush | None:
         """Stage a push on P (`kvd.core.gather`) where its direct plan has many small
         descriptors (head slices, token runs): the pieces laid out in a slot of the
         staging area exactly as D's regions want them, by a worker thread, so that the
-        WRITE moves a few contiguous runs. Returns (the slot's address, the gather, the
-        transfer's `settled` callback that frees the slot), or None (nothing done: the
-        caller WRITEs by the direct plans): not worth it, not all host memory, no
-        staging, or no slot free. The slot is freed only once UCX ended the WRITE."""
+        WRITE moves a few contiguous runs. The gather is cut into parts of whole D regions
+        (`split`); this gathers the first, `_write_staged` the others while it WRITEs.
+        Returns None (nothing done: the caller WRITEs by the direct plans) where it does
+        not pay, memory is not all host memory, there is no staging or no slot free."""
         staging = self.staging
         if staging is None or not how.pairs:
             return None
@@ -551,7 +571,7 @@ class Sender(TransferActor):
         bases = [r.geometry.base_addr for r in local]
         sources = [_bytes_of(r) for r in local]
 
-        def plan_and_gather(slot: npt.NDArray[np.uint8]) -> Gathered | None:
+        def plan_and_gather(slot: npt.NDArray[np.uint8]) -> tuple[Gathered, ...] | None:
             # (in a worker thread: planning a gather of many pieces takes ~1 ms per 4 MiB;
             # from a template, a fraction of that)
             if isinstance(how, RequestPlan):
@@ -560,41 +580,135 @@ class Sender(TransferActor):
                 )
             else:
                 got = instantiate(how, local, p_blocks, remote, d_blocks)
-            if got is not None and got.nbytes > nbytes:
-                raise AssertionError(f"a gather of {got.nbytes} bytes for a slot of {nbytes}")
-            if got is not None:
-                writes = [(local[w.local], remote[w.remote]) for w in got.writes]
-                if len(transfer_groups(*zip(*writes, strict=True))) != transfers:
-                    return None  # D counts one PushDone per transfer: keep them as they are
-                gather(slot, sources, got)
-            return got
-
-        self._hold_regions(local)  # a drain of P's regions waits for the gather's reads
-        try:
-            off = pool.alloc(nbytes)
-            if off is None:
-                self._count("staging_exhausted")
+            if got is None:
                 return None
-            try:
-                slot = staging.buf[off : off + nbytes]
-                g = await anyio.to_thread.run_sync(plan_and_gather, slot)
-            except BaseException:
-                pool.free(off)
-                raise
-        finally:
+            if got.nbytes > nbytes:
+                raise AssertionError(f"a gather of {got.nbytes} bytes for a slot of {nbytes}")
+            writes = [(local[w.local], remote[w.remote]) for w in got.writes]
+            groups = len(transfer_groups(*zip(*writes, strict=True)))
+            if groups != transfers:
+                return None  # D counts one PushDone per transfer: keep them as they are
+            # parts only where each is one transfer: the last one carries the PushDone
+            parts = split(got, PIPELINE_PARTS, PIPELINE_MIN_BYTES) if groups == 1 else (got,)
+            gather(slot, sources, parts[0])
+            return parts
+
+        off = pool.alloc(nbytes)
+        if off is None:
+            self._count("staging_exhausted")
+            return None
+        self._hold_regions(local)  # a drain of P's regions waits for the gathers' reads
+        slot = staging.buf[off : off + nbytes]
+        try:
+            parts = await anyio.to_thread.run_sync(plan_and_gather, slot)
+        except BaseException:
             self._unhold_regions(local)
-        if g is None:
+            pool.free(off)
+            raise
+        if parts is None:
+            self._unhold_regions(local)
             pool.free(off)
             return None
         self._count("staged_writes")
         if not isinstance(how, RequestPlan):
             self._count("staged_writes_templated")
-        self._count("staged_write_descriptors_saved", max(0, direct - g.descriptors))
+        if len(parts) > 1:
+            self._count("staged_writes_pipelined")
+        saved = direct - sum(g.descriptors for g in parts)
+        self._count("staged_write_descriptors_saved", max(0, saved))
+        return _StagedPush(
+            staging.addr + off,
+            slot,
+            sources,
+            parts,
+            lambda: pool.free(off),
+            lambda: self._unhold_regions(local),
+        )
 
-        def slot_settled() -> None:
-            pool.free(off)  # UCX ended the WRITE: nothing reads the slot any more
+    async def _write_staged(
+        self,
+        eff: proto.PostWrite,
+        local: list[LocalRegion],
+        remote: list[RemoteRegion],
+        st: _StagedPush,
+        notifs: list[bytes],
+        watch: SettleWatch,
+        post_by: float,
+    ) -> None:
+        """WRITE a gathered push part by part, each part's WRITE running while the next
+        part is gathered (the gather is a local copy on a worker thread; the WRITE, UCX's
+        work): a part is posted once the previous one ended (DONE: its bytes are in D's
+        blocks), and only the last one carries the PushDone, so D hears of the request
+        once every byte is there, as from a single WRITE. A failure stops the pipeline and
+        fails the push. The slot is freed once nothing gathers into it and UCX ended every
+        WRITE posted from it (`watch` is called then)."""
+        parts = st.parts
+        left = [len(parts) + 1]  # each part's WRITE settled, and this pipeline's end
 
-        return staging.addr + off, g, slot_settled
+        def release() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                st.free()
+                watch()
+
+        posted = 0
+        gathering = True
+        try:
+            for i, part in enumerate(parts):
+                locs = [local[w.local] for w in part.writes]
+                rems = [remote[w.remote] for w in part.writes]
+                plans: list[Plan] = [shifted(w.plan, st.base) for w in part.writes]
+                last = i + 1 == len(parts)
+                if last and gathering:
+                    st.unhold()  # every part is gathered: P's regions are not read any more
+                    gathering = False
+                notes = notifs if last else [b""]  # (a part is one transfer: `_gather`)
+                posted += 1
+                if last:
+                    await self.book.run(
+                        "WRITE",
+                        eff.key,
+                        eff.agent,
+                        locs,
+                        rems,
+                        plans,
+                        notes,
+                        release,
+                        post_by=post_by,
+                    )
+                    break
+                errors: list[BaseException] = []
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._gather_part, st, parts[i + 1], errors)
+                    try:
+                        await self.book.run(
+                            "WRITE",
+                            eff.key,
+                            eff.agent,
+                            locs,
+                            rems,
+                            plans,
+                            notes,
+                            release,
+                            post_by=post_by,
+                        )
+                    except KvdError as exc:
+                        errors.insert(0, exc)  # (after the gather's thread ended)
+                if errors:
+                    raise errors[0]
+        finally:
+            if gathering:
+                st.unhold()
+            left[0] -= len(parts) - posted  # parts never posted: nothing to settle
+            release()
+
+    async def _gather_part(
+        self, st: _StagedPush, part: Gathered, errors: list[BaseException]
+    ) -> None:
+        try:
+            await anyio.to_thread.run_sync(gather, st.slot, st.sources, part)
+        except Exception as exc:
+            errors.append(exc)  # raised by the pipeline once its WRITE ended too
 
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)

@@ -17,6 +17,7 @@ row gather, not a Python loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -76,10 +77,55 @@ class Gathered:
     row: int
     copies: tuple[RowCopy, ...]
     writes: tuple[Staged, ...]
+    firsts: tuple[int, ...] = ()
+    """Index in `copies` of each write's first copy (its copies follow it, up to the next
+    write's): what `split` cuts by. Empty: not known (the gather is not split)."""
 
     @property
     def descriptors(self) -> int:
         return sum(w.plan.descriptors for w in self.writes)
+
+    @property
+    def write_bytes(self) -> int:
+        return sum(w.plan.total_bytes for w in self.writes)
+
+
+def split(g: Gathered, parts: int, min_bytes: int) -> tuple[Gathered, ...]:
+    """`g` cut into at most `parts` gathers of whole D regions, in order, each with the
+    copies that fill its regions' part of the slot (the same slot: offsets unchanged), so
+    that one part's WRITE can run while the next is gathered. A part holds at least
+    `min_bytes` where it can; `(g,)` where `g` has a single region (or no `firsts`)."""
+    n = len(g.writes)
+    if parts < 2 or n < 2 or len(g.firsts) != n:
+        return (g,)
+    sizes = [w.plan.total_bytes for w in g.writes]
+    goal = max(min_bytes, -(-sum(sizes) // parts))
+    cuts = [0]
+    acc = 0
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= goal and i + 1 < n:
+            cuts.append(i + 1)
+            acc = 0
+    if len(cuts) > 1 and acc < min_bytes:
+        cuts.pop()  # a last part too small to pay for a WRITE of its own: merged
+    if len(cuts) == 1:
+        return (g,)
+    bounds = [*cuts, n]
+    firsts = [*g.firsts, len(g.copies)]
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        c0, c1 = firsts[a], firsts[b]
+        out.append(
+            Gathered(
+                g.nbytes,
+                g.row,
+                g.copies[c0:c1],
+                g.writes[a:b],
+                tuple(f - c0 for f in firsts[a:b]),
+            )
+        )
+    return tuple(out)
 
 
 def plan_gather(
@@ -115,7 +161,9 @@ def plan_gather(
     copies: list[RowCopy] = []
     writes: list[Staged] = []
     slot = 0
+    firsts: list[int] = []
     for r, members in sorted(by_remote.items()):
+        firsts.append(len(copies))
         packed = _pack(
             [plans[i] for i in members], [local_bases[local_of[i]] for i in members], row
         )
@@ -135,7 +183,7 @@ def plan_gather(
     staged = sum(w.plan.descriptors for w in writes)
     if direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
         return None
-    return Gathered(slot, row, tuple(copies), tuple(writes))
+    return Gathered(slot, row, tuple(copies), tuple(writes), tuple(firsts))
 
 
 @dataclass(frozen=True, eq=False)
@@ -367,6 +415,7 @@ def instantiate(
         aligned.append(pb[:units])
     copies: list[RowCopy] = []
     writes: list[Staged] = []
+    firsts: list[int] = []
     slot = 0
     direct = 0
     for tg in t.targets:
@@ -395,6 +444,7 @@ def instantiate(
         if int(ra.min()) < geo.base_addr or int(hi.max()) > geo.base_addr + geo.nbytes:
             raise InvalidRequest(f"D region {tg.remote}: a run falls outside the region")
         writes.append(Staged(tg.remote, tg.local, runs))
+        firsts.append(len(copies))
         for s in tg.sources:
             pb = aligned[s.pair]
             if pb.shape[0] != n:
@@ -407,4 +457,4 @@ def instantiate(
     staged = sum(w.plan.descriptors for w in writes)
     if not writes or direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
         return None
-    return Gathered(slot, t.row, tuple(copies), tuple(writes))
+    return Gathered(slot, t.row, tuple(copies), tuple(writes), tuple(firsts))

@@ -11,7 +11,15 @@ from hypothesis import strategies as st
 from integration.kvref import Side, spec_of
 
 import kvd.core.gather as gather_mod
-from kvd.core.gather import MIN_FACTOR, gather, instantiate, plan_gather, plan_template
+from kvd.core.gather import (
+    MIN_FACTOR,
+    Gathered,
+    gather,
+    instantiate,
+    plan_gather,
+    plan_template,
+    split,
+)
 from kvd.core.planner import plan_request
 
 from .test_topology import SIDES, apply, regions, request_case
@@ -64,6 +72,7 @@ def check(heads: int, head_size: int, ps: Side, ds: Side, ntok: int, seed: int) 
     assert g.descriptors * MIN_FACTOR <= sum(p.descriptors for p in rp.plans)
     slot = np.zeros(g.nbytes + 7, dtype=np.uint8)  # (any slack after the pieces is unused)
     gather(slot, p_bufs, g)
+    check_split(g, slot, p_bufs)
     for w in g.writes:
         dv = d_views[w.remote]
         apply(w.plan, slot, 0, staged_d[w.remote], dv.geometry.base_addr, True)
@@ -91,6 +100,7 @@ def check_template(
         return False
     slot = np.zeros(g.nbytes, dtype=np.uint8)
     gather(slot, p_bufs, g)
+    check_split(g, slot, p_bufs)
     got = [b.copy() for b in d_bufs]
     for w in g.writes:
         dv = d_views[w.remote]
@@ -98,6 +108,49 @@ def check_template(
     for r, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"D rank {r} differs (template)"
     return True
+
+
+def check_split(g: Gathered, want: np.ndarray, p_bufs: list) -> None:
+    """Gathered part by part (`split`, as a pipelined push does), the slot holds the same
+    bytes, and the parts' WRITEs are the whole gather's, in order, each part's region
+    filled only by its own copies."""
+    for parts in (2, 3, len(g.writes)):
+        cut = split(g, parts, 1)
+        assert len(cut) == min(parts, len(g.writes)) or len(cut) < parts
+        assert [w for c in cut for w in c.writes] == list(g.writes)
+        assert sum(len(c.copies) for c in cut) == len(g.copies)
+        slot = np.zeros_like(want)
+        for c in cut:
+            gather(slot, p_bufs, c)
+            for w in c.writes:  # this part's WRITE reads only bytes gathered by now
+                for la, ln in zip(w.plan.local_addrs, w.plan.lengths, strict=True):
+                    assert np.array_equal(slot[la : la + ln], want[la : la + ln])
+        assert np.array_equal(slot, want)
+
+
+def test_split_cuts_whole_regions_and_merges_a_small_tail() -> None:
+    from kvd.core.gather import RowCopy, Staged
+    from kvd.core.planner import Plan
+
+    def staged(r: int, nbytes: int) -> Staged:
+        one = np.array([nbytes], dtype=np.int64)
+        return Staged(r, 0, Plan(one * 0, one * 0, one))
+
+    rows = np.zeros(1, dtype=np.int64)
+    copies = tuple(RowCopy(0, rows, rows) for _ in range(8))
+    g = Gathered(0, 16, copies, tuple(staged(r, 4 << 20) for r in range(4)), (0, 2, 4, 6))
+    cut = split(g, 4, 1 << 20)
+    assert [len(c.writes) for c in cut] == [1, 1, 1, 1]
+    assert [c.firsts for c in cut] == [(0,)] * 4 and all(len(c.copies) == 2 for c in cut)
+    assert [len(c.writes) for c in split(g, 2, 1 << 20)] == [2, 2]
+    assert split(g, 4, 16 << 20) == (g,)  # parts of at least the whole: none
+    assert [len(c.writes) for c in split(g, 4, 6 << 20)] == [2, 2]
+    # a tail under min_bytes goes with the part before it
+    g3 = Gathered(0, 16, copies[:6], (*g.writes[:2], staged(2, 1 << 10)), (0, 2, 4))
+    assert [len(c.writes) for c in split(g3, 3, 1 << 20)] == [1, 2]
+    assert split(g, 1, 1) == (g,)
+    unknown = Gathered(0, 16, copies, g.writes, ())  # (no firsts: not cut)
+    assert split(unknown, 4, 1) == (unknown,)
 
 
 @pytest.mark.parametrize("piece", [1 << 20, 256])

@@ -89,6 +89,23 @@ def test_a_push_of_many_small_pieces_is_gathered_on_p(
         assert st["counters"].get("gather_templates_made", 0) == 1, st["counters"]
 
 
+def test_a_large_gathered_push_is_written_in_parts_while_the_next_is_gathered(
+    daemons: Callable[..., DaemonProc],
+) -> None:
+    """A gathered push of a few MiB (P TP 1 -> D TP 4, NHD: a run per token and head
+    slice) is cut into parts of whole D regions: each part's WRITE runs while the next
+    is gathered, and only the last carries the PushDone. Every byte is checked at D by
+    `run_case` (D reports the request done only after the last part), P's bytes stay
+    untouched, and the slot is freed once every part's WRITE ended."""
+    p, d = daemons("kvdt-pip-p"), daemons("kvdt-pip-d")
+    spec = spec_of(8, head_size=128, layers=16)  # 64 KiB a token: requests of 2-3 MiB
+    run_case(Pair(p, d), spec, Side(1, num_blocks=12), Side(4, num_blocks=12), "push", seed=7)
+    st = staging_of(p)
+    assert st["counters"].get("staged_writes", 0) == 3, st["counters"]
+    assert st["counters"].get("staged_writes_pipelined", 0) == 3, st["counters"]
+    assert (st["used"], st["quarantined"]) == (0, 0)
+
+
 def test_a_failed_staged_read_fails_the_request_and_leaves_d_untouched(
     daemons: Callable[..., DaemonProc],
 ) -> None:
