@@ -151,6 +151,7 @@ class Daemon:
             rejects=self.rejects,
             trace=self.trace,
             staging=self.staging,
+            gather_part_bytes=cfg.transfer.gather_part_bytes,
         )
         self.receiver = Receiver(
             transport=self.engine,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -61,10 +62,11 @@ from kvd.core.gather import (
     MIN_SAVED,
     Gathered,
     GatherTemplate,
+    Prepared,
     gather,
-    instantiate,
     plan_gather,
     plan_template,
+    prepare,
     split,
 )
 from kvd.core.hybrid import plan_any
@@ -80,12 +82,13 @@ MAX_COALESCED: Final = 1024
 """Requests' layer ranges one coalesced WRITE carries at most (its LayersPushed names each)."""
 TEMPLATES: Final = 64
 """Region shapes whose gather templates are kept (least recently used dropped)."""
-PIPELINE_PARTS: Final = 4
-"""A push gathered on P is WRITten in at most this many parts (whole D regions each):
-each part's WRITE runs while the next part is gathered (`kvd.core.gather.split`)."""
-PIPELINE_MIN_BYTES: Final = 1 << 20
-"""A part of a pipelined gathered push holds at least this many bytes (a WRITE of its
-own costs a post and a completion)."""
+PIPELINE_PARTS: Final = 2
+"""A push gathered on P is WRITten in at most this many parts (`transfer.
+gather_part_bytes` each): a part's WRITE runs while the next part is planned and
+gathered (`kvd.core.gather.Prepared.part`). Measured on 2 cores (16 MiB requests, `kvd
+bench --only topology`): 2 parts beat 1, 4 and 8 (the gather and UCX's copy compete for
+the same cores and memory bandwidth, and each part's WRITE costs a post and a
+completion)."""
 
 
 @dataclass(eq=False)
@@ -95,9 +98,12 @@ class _StagedPush:
 
     base: int
     """The slot's address."""
-    slot: npt.NDArray[np.uint8]
-    sources: list[npt.NDArray[np.uint8]]
-    parts: tuple[Gathered, ...]
+    first: Gathered
+    """The first part, gathered."""
+    rest: list[Callable[[], Gathered]]
+    """The other parts, in order: each plans and gathers its part (in a worker thread)."""
+    spent: list[float]
+    """Seconds each planning and gathering took (`staged_gather_us`)."""
     free: Callable[[], None]
     """Frees the slot (once nothing gathers into it and UCX ended every WRITE from it)."""
     unhold: Callable[[], None]
@@ -126,6 +132,7 @@ class Sender(TransferActor):
         rejects: RejectLog | None = None,
         trace: StageTrace = NO_TRACE,
         staging: StagingArea | None = None,
+        gather_part_bytes: int = 8 << 20,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -150,6 +157,8 @@ class Sender(TransferActor):
         self.staging = staging
         """Daemon-owned registered memory (shared with the receiver) where a push with
         many small descriptors is gathered before its WRITE (`_gather`)."""
+        self.part_bytes = gather_part_bytes
+        """A gathered push is WRITten in parts of about this many bytes (0: whole)."""
         self._templates: collections.OrderedDict[tuple[Any, ...], GatherTemplate | None] = (
             collections.OrderedDict()
         )
@@ -571,27 +580,53 @@ class Sender(TransferActor):
         bases = [r.geometry.base_addr for r in local]
         sources = [_bytes_of(r) for r in local]
 
-        def plan_and_gather(slot: npt.NDArray[np.uint8]) -> tuple[Gathered, ...] | None:
+        spent: list[float] = []
+        part = self.part_bytes
+
+        def plan_and_gather(
+            slot: npt.NDArray[np.uint8],
+        ) -> tuple[Gathered, list[Callable[[], Gathered]]] | None:
             # (in a worker thread: planning a gather of many pieces takes ~1 ms per 4 MiB;
-            # from a template, a fraction of that)
+            # from a template, a fraction of that, and only the first part's here)
+            t0 = time.perf_counter()
+            rest: list[Callable[[], Gathered]] = []
+            prep: Prepared | None = None
             if isinstance(how, RequestPlan):
-                got = plan_gather(
+                whole = plan_gather(
                     how.plans, [x.p for x in how.pairs], [x.d for x in how.pairs], bases
                 )
+                if whole is None:
+                    return None
+                first = whole
             else:
-                got = instantiate(how, local, p_blocks, remote, d_blocks)
-            if got is None:
-                return None
-            if got.nbytes > nbytes:
-                raise AssertionError(f"a gather of {got.nbytes} bytes for a slot of {nbytes}")
-            writes = [(local[w.local], remote[w.remote]) for w in got.writes]
+                prep = prepare(how, local, p_blocks, remote, d_blocks)
+                if prep is None:
+                    return None
+                k = min(PIPELINE_PARTS, prep.blocks, -(-prep.nbytes // (part or prep.nbytes)))
+                cuts = [i * prep.blocks // k for i in range(k + 1)]
+                first = prep.part(cuts[0], cuts[1])
+                for a, b in itertools.pairwise(cuts[1:]):
+                    rest.append(functools.partial(_gather_part, slot, sources, prep, a, b, spent))
+            if first.nbytes > nbytes:
+                raise AssertionError(f"a gather of {first.nbytes} bytes for a slot of {nbytes}")
+            writes = [(local[w.local], remote[w.remote]) for w in first.writes]
             groups = len(transfer_groups(*zip(*writes, strict=True)))
             if groups != transfers:
                 return None  # D counts one PushDone per transfer: keep them as they are
-            # parts only where each is one transfer: the last one carries the PushDone
-            parts = split(got, PIPELINE_PARTS, PIPELINE_MIN_BYTES) if groups == 1 else (got,)
-            gather(slot, sources, parts[0])
-            return parts
+            if groups != 1:
+                # parts only where each is one transfer (the last carries the PushDone)
+                if prep is not None and rest:
+                    first = prep.part(0, prep.blocks)
+                    rest = []
+            elif isinstance(how, RequestPlan):
+                parts = split(first, PIPELINE_PARTS if part else 1, part)
+                first = parts[0]
+                rest = [
+                    functools.partial(_gather_split, slot, sources, g, spent) for g in parts[1:]
+                ]
+            gather(slot, sources, first)
+            spent.append(time.perf_counter() - t0)
+            return first, rest
 
         off = pool.alloc(nbytes)
         if off is None:
@@ -600,27 +635,29 @@ class Sender(TransferActor):
         self._hold_regions(local)  # a drain of P's regions waits for the gathers' reads
         slot = staging.buf[off : off + nbytes]
         try:
-            parts = await anyio.to_thread.run_sync(plan_and_gather, slot)
+            got = await anyio.to_thread.run_sync(plan_and_gather, slot)
         except BaseException:
             self._unhold_regions(local)
             pool.free(off)
             raise
-        if parts is None:
+        if got is None:
             self._unhold_regions(local)
             pool.free(off)
             return None
+        first, rest = got
         self._count("staged_writes")
         if not isinstance(how, RequestPlan):
             self._count("staged_writes_templated")
-        if len(parts) > 1:
+        if rest:
             self._count("staged_writes_pipelined")
-        saved = direct - sum(g.descriptors for g in parts)
+        parts = len(rest) + 1
+        saved = direct - first.descriptors * parts  # (each part has about as many runs)
         self._count("staged_write_descriptors_saved", max(0, saved))
         return _StagedPush(
             staging.addr + off,
-            slot,
-            sources,
-            parts,
+            first,
+            rest,
+            spent,
             lambda: pool.free(off),
             lambda: self._unhold_regions(local),
         )
@@ -642,8 +679,8 @@ class Sender(TransferActor):
         once every byte is there, as from a single WRITE. A failure stops the pipeline and
         fails the push. The slot is freed once nothing gathers into it and UCX ended every
         WRITE posted from it (`watch` is called then)."""
-        parts = st.parts
-        left = [len(parts) + 1]  # each part's WRITE settled, and this pipeline's end
+        total = len(st.rest) + 1
+        left = [total + 1]  # each part's WRITE settled, and this pipeline's end
 
         def release() -> None:
             left[0] -= 1
@@ -653,12 +690,13 @@ class Sender(TransferActor):
 
         posted = 0
         gathering = True
+        part = st.first
         try:
-            for i, part in enumerate(parts):
+            for i in range(total):
                 locs = [local[w.local] for w in part.writes]
                 rems = [remote[w.remote] for w in part.writes]
                 plans: list[Plan] = [shifted(w.plan, st.base) for w in part.writes]
-                last = i + 1 == len(parts)
+                last = i + 1 == total
                 if last and gathering:
                     st.unhold()  # every part is gathered: P's regions are not read any more
                     gathering = False
@@ -677,9 +715,10 @@ class Sender(TransferActor):
                         post_by=post_by,
                     )
                     break
+                box: list[Gathered] = []
                 errors: list[BaseException] = []
                 async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._gather_part, st, parts[i + 1], errors)
+                    tg.start_soon(_in_thread, st.rest[i], box, errors)
                     try:
                         await self.book.run(
                             "WRITE",
@@ -696,19 +735,14 @@ class Sender(TransferActor):
                         errors.insert(0, exc)  # (after the gather's thread ended)
                 if errors:
                     raise errors[0]
+                part = box[0]
         finally:
             if gathering:
                 st.unhold()
-            left[0] -= len(parts) - posted  # parts never posted: nothing to settle
+            left[0] -= total - posted  # parts never posted: nothing to settle
             release()
-
-    async def _gather_part(
-        self, st: _StagedPush, part: Gathered, errors: list[BaseException]
-    ) -> None:
-        try:
-            await anyio.to_thread.run_sync(gather, st.slot, st.sources, part)
-        except Exception as exc:
-            errors.append(exc)  # raised by the pipeline once its WRITE ended too
+            # the local pass a gathered push costs (`kvd bench --only topology` reports it)
+            self._count("staged_gather_us", int(sum(st.spent) * 1e6))
 
     def _local_ranks(self, engine_id: str) -> list[LocalRegion]:
         return local_ranks(self.local, engine_id)
@@ -813,6 +847,45 @@ def _fits(info: PeerInfo | None, msg: wire.PushRegistration) -> list[RemoteRegio
         return None
     ranks = info.ranks(msg.engine_id)
     return ranks if tuple(r.generation for r in ranks) == msg.generations else None
+
+
+def _gather_part(
+    slot: npt.NDArray[np.uint8],
+    sources: list[npt.NDArray[np.uint8]],
+    prep: Prepared,
+    a: int,
+    b: int,
+    spent: list[float],
+) -> Gathered:
+    """Plan and gather D's blocks [a, b) of a prepared push (in a worker thread)."""
+    t0 = time.perf_counter()
+    part = prep.part(a, b)
+    gather(slot, sources, part)
+    spent.append(time.perf_counter() - t0)
+    return part
+
+
+def _gather_split(
+    slot: npt.NDArray[np.uint8],
+    sources: list[npt.NDArray[np.uint8]],
+    part: Gathered,
+    spent: list[float],
+) -> Gathered:
+    t0 = time.perf_counter()
+    gather(slot, sources, part)
+    spent.append(time.perf_counter() - t0)
+    return part
+
+
+async def _in_thread(
+    make: Callable[[], Gathered], box: list[Gathered], errors: list[BaseException]
+) -> None:
+    """Run `make` in a worker thread; its result or its error into `box` / `errors`
+    (raised by the pipeline once its WRITE ended too)."""
+    try:
+        box.append(await anyio.to_thread.run_sync(make))
+    except Exception as exc:
+        errors.append(exc)
 
 
 def _bytes_of(region: LocalRegion) -> npt.NDArray[np.uint8]:

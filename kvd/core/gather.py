@@ -406,6 +406,77 @@ def instantiate(
     shape): the bytes land in D as by the request's direct plans. None where it would
     not pay (`MIN_SAVED`) or D names a block twice. Raises InvalidRequest for a block
     outside a region or counts that cannot match, as planning the request does."""
+    prep = prepare(t, p, p_logical, d, d_logical)
+    return None if prep is None else prep.part(0, prep.blocks)
+
+
+@dataclass(frozen=True, eq=False)
+class _Placed:
+    """One D region of a prepared request: its blocks in D's address order."""
+
+    target: _Target
+    slot: int
+    """Where the region's segments start in the slot."""
+    db: Int64Array
+    """D's blocks, sorted (a block's segment is at its position here)."""
+    pb: tuple[Int64Array, ...]
+    """Per source of the target: P's blocks, in the same order as `db`."""
+
+
+@dataclass(frozen=True, eq=False)
+class Prepared:
+    """A request checked against its template (`prepare`), whose `Gathered` is made in
+    parts of D blocks (`part`): each part's rows and runs cost a share of the whole's, so
+    a pipelined push plans and gathers one part while the previous part is WRITten."""
+
+    row: int
+    nbytes: int
+    """The slot's size (every part's bytes lie in it where the whole gather puts them)."""
+    blocks: int
+    """D blocks per region: parts are ranges of them (in D's address order)."""
+    placed: tuple[_Placed, ...]
+
+    def part(self, a: int, b: int) -> Gathered:
+        """The gather of D's blocks at positions [a, b) of every region (in D's address
+        order): its copies and each region's WRITE runs (runs cut at the range's ends)."""
+        copies: list[RowCopy] = []
+        writes: list[Staged] = []
+        firsts: list[int] = []
+        for pl in self.placed:
+            tg = pl.target
+            db = pl.db[a:b]
+            n = int(db.shape[0])
+            if n == 0:
+                continue
+            pos = np.arange(a, a + n, dtype=np.int64)
+            seg0 = np.int64(pl.slot) + pos * np.int64(tg.seg)
+            ra = (db[:, None] * np.int64(tg.block_stride) + tg.run_ra[None, :]).ravel()
+            la = (seg0[:, None] + tg.run_off[None, :]).ravel()
+            ln = np.broadcast_to(tg.run_len, (n, tg.run_len.size)).ravel()
+            cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
+            starts = np.concatenate(([0], cut)).astype(np.int64)
+            runs = Plan(_ro(la[starts]), _ro(ra[starts]), _ro(np.add.reduceat(ln, starts)))
+            writes.append(Staged(tg.remote, tg.local, runs))
+            firsts.append(len(copies))
+            for s, pb in zip(tg.sources, pl.pb, strict=True):
+                src_rows = (pb[a:b, None] * np.int64(s.block_rows) + s.src_rows[None, :]).ravel()
+                dst_rows = ((seg0 // self.row)[:, None] + s.dst_rows[None, :]).ravel()
+                copies.append(RowCopy(s.src, _ro(src_rows), _ro(dst_rows)))
+        return Gathered(self.nbytes, self.row, tuple(copies), tuple(writes), tuple(firsts))
+
+
+def prepare(
+    t: GatherTemplate,
+    p: Sequence[RankView],
+    p_logical: Sequence[int],
+    d: Sequence[RankView],
+    d_logical: Sequence[int],
+) -> Prepared | None:
+    """A request checked against its template, ready to be gathered in parts
+    (`Prepared.part`); None where a gather would not pay (`MIN_SAVED`), D names a block
+    twice or D's regions name different numbers of blocks. Raises InvalidRequest for a
+    block outside a region or counts that cannot match, as planning the request does:
+    every check is made here, before any part is gathered or WRITten."""
     p_phys = [check_logical(v.geometry, p_logical) for v in p]
     d_phys = [check_logical(v.geometry, d_logical) for v in d]
     aligned: list[Int64Array] = []
@@ -413,48 +484,49 @@ def instantiate(
         tpb = 1  # equal block sizes (the template's condition): blocks pair one to one
         pb, _, units = align_tokens(p_phys[pair.p], tpb, d_phys[pair.d], tpb)
         aligned.append(pb[:units])
-    copies: list[RowCopy] = []
-    writes: list[Staged] = []
-    firsts: list[int] = []
+    placed: list[_Placed] = []
     slot = 0
-    direct = 0
+    direct = staged = 0
+    blocks = -1
     for tg in t.targets:
         db = d_phys[tg.remote]
         n = int(db.shape[0])
         if n == 0:
             continue
+        if blocks not in (-1, n):
+            return None  # (D's ranks name the same blocks; parts are ranges of them)
+        blocks = n
         order = np.argsort(db, kind="stable")
-        if n > 1 and bool((db[order][1:] == db[order][:-1]).any()):
+        sorted_db = db[order]
+        if n > 1 and bool((sorted_db[1:] == sorted_db[:-1]).any()):
             return None  # D names a block twice: its pieces would overlap
-        pos = np.empty(n, dtype=np.int64)
-        pos[order] = np.arange(n, dtype=np.int64)
-        seg0 = np.int64(slot) + pos * np.int64(tg.seg)  # each block's segment, in D's order
-        ra = (db[order][:, None] * np.int64(tg.block_stride) + tg.run_ra[None, :]).ravel()
-        la = (
-            np.int64(slot)
-            + np.arange(n, dtype=np.int64)[:, None] * np.int64(tg.seg)
-            + tg.run_off[None, :]
-        ).ravel()
-        ln = np.broadcast_to(tg.run_len, (n, tg.run_len.size)).ravel()
-        cut = np.flatnonzero(ra[1:] != ra[:-1] + ln[:-1]) + 1
-        starts = np.concatenate(([0], cut)).astype(np.int64)
-        runs = Plan(_ro(la[starts]), _ro(ra[starts]), _ro(np.add.reduceat(ln, starts)))
         geo = d[tg.remote].geometry
-        hi = ra + ln
-        if int(ra.min()) < geo.base_addr or int(hi.max()) > geo.base_addr + geo.nbytes:
+        lo = int(sorted_db[0]) * tg.block_stride + int(tg.run_ra.min())
+        hi = int(sorted_db[-1]) * tg.block_stride + int((tg.run_ra + tg.run_len).max())
+        if lo < geo.base_addr or hi > geo.base_addr + geo.nbytes:
             raise InvalidRequest(f"D region {tg.remote}: a run falls outside the region")
-        writes.append(Staged(tg.remote, tg.local, runs))
-        firsts.append(len(copies))
+        pbs: list[Int64Array] = []
         for s in tg.sources:
             pb = aligned[s.pair]
             if pb.shape[0] != n:
                 raise InvalidRequest(f"P has {pb.shape[0]} blocks for D's {n}")
-            src_rows = (pb[:, None] * np.int64(s.block_rows) + s.src_rows[None, :]).ravel()
-            dst_rows = ((seg0 // t.row)[:, None] + s.dst_rows[None, :]).ravel()
-            copies.append(RowCopy(s.src, _ro(src_rows), _ro(dst_rows)))
+            pbs.append(_ro(pb[order]))
+        placed.append(_Placed(tg, slot, _ro(sorted_db), tuple(pbs)))
         slot += n * tg.seg
         direct += n * tg.direct
-    staged = sum(w.plan.descriptors for w in writes)
-    if not writes or direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
+        # runs of consecutive D blocks merge: count them as the WRITE will have them
+        adjacent = int(np.count_nonzero(sorted_db[1:] == sorted_db[:-1] + 1))
+        joins = _joins(tg)
+        staged += n * tg.run_len.size - adjacent * joins
+    if not placed or direct - staged < MIN_SAVED or staged * MIN_FACTOR > direct:
         return None
-    return Gathered(slot, t.row, tuple(copies), tuple(writes), tuple(firsts))
+    return Prepared(t.row, slot, blocks, tuple(placed))
+
+
+def _joins(tg: _Target) -> int:
+    """1 if a block's last run ends where the next block's first run starts (in D and in
+    the slot), so that the runs of two consecutive D blocks merge into one; else 0."""
+    last_end = int(tg.run_ra[-1] + tg.run_len[-1])
+    last_off_end = int(tg.run_off[-1] + tg.run_len[-1])
+    joined = last_end == tg.block_stride + int(tg.run_ra[0])
+    return int(joined and last_off_end == tg.seg + int(tg.run_off[0]))

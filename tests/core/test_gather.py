@@ -4,6 +4,8 @@ only where it saves many descriptors."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +20,7 @@ from kvd.core.gather import (
     instantiate,
     plan_gather,
     plan_template,
+    prepare,
     split,
 )
 from kvd.core.planner import plan_request
@@ -107,6 +110,24 @@ def check_template(
         apply(w.plan, slot, 0, got[w.remote], dv.geometry.base_addr, True)
     for r, (a, b) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(a, b), f"D rank {r} differs (template)"
+    # in parts of D blocks (a pipelined push): the same slot, the same bytes at D
+    prep = prepare(t, p_views, pb, d_views, db)
+    assert prep is not None and prep.nbytes == g.nbytes
+    for k in (2, 3, prep.blocks):
+        bounds = [i * prep.blocks // k for i in range(k + 1)]
+        slot_k = np.zeros(g.nbytes, dtype=np.uint8)
+        got_k = [b.copy() for b in d_bufs]
+        for a, b in itertools.pairwise(bounds):
+            part = prep.part(a, b)
+            gather(slot_k, p_bufs, part)
+            for w in part.writes:  # WRITten before the next part is gathered
+                dv = d_views[w.remote]
+                apply(w.plan, slot_k, 0, got_k[w.remote], dv.geometry.base_addr, True)
+        assert np.array_equal(slot_k, slot)
+        for r, (a_, b_) in enumerate(zip(got_k, want, strict=True)):
+            assert np.array_equal(a_, b_), f"D rank {r} differs (template, {k} parts)"
+    whole = prep.part(0, prep.blocks)
+    assert [w.plan.descriptors for w in whole.writes] == [w.plan.descriptors for w in g.writes]
     return True
 
 
