@@ -370,16 +370,31 @@ def topology_table(topo: dict[str, Any]) -> Table:
         f"({cfg['blocks']} blocks, {cfg['heads']} KV heads x {cfg['head_size']} bf16, "
         f"{cfg['layers']} layers), median of {cfg['reps']}"
     )
-    for col in ("contender", "ms", "GB/s", "/equal TP or /memcpy"):
+    cols = ("contender", "ms", "GB/s", "local pass ms", "equal TP + it", "/equal TP or /memcpy")
+    for col in cols:
         t.add_column(col, justify="left" if col == "contender" else "right")
     for name, v in topo["tp"].items():
-        t.add_row(name, f"{v['median_ms']:.1f}", f"{v['gbps']:.2f}", f"{v['vs_equal_tp']:.2f}")
+        loc = float(v.get("local_pass_ms", 0.0))
+        t.add_row(
+            name,
+            f"{v['median_ms']:.1f}",
+            f"{v['gbps']:.2f}",
+            f"{loc:.1f}" if loc else "",
+            f"{v['serial_bound']:.2f}" if loc else "",
+            f"{v['vs_equal_tp']:.2f}",
+        )
     conv = topo["convert"]
     t.add_row(f"[bold]conversion, {conv['bytes'] >> 20} MiB[/bold]")
     for name, v in conv.items():
         if name == "bytes":
             continue
-        t.add_row(name, f"{v['median_ms']:.1f}", "", f"{v['vs_memcpy']:.2f}")
+        t.add_row(name, f"{v['median_ms']:.1f}", "", "", "", f"{v['vs_memcpy']:.2f}")
+    t.caption = (
+        "local pass: the daemon's own copy of a staged request (P's gather of a push, D's "
+        "scatter of a pull), median per request; equal TP + it: the equal-TP time over "
+        "the equal-TP time plus that pass, the ratio a host with no spare core for it "
+        "reaches at best"
+    )
     return t
 
 

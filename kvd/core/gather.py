@@ -18,6 +18,7 @@ row gather, not a Python loop.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -59,6 +60,80 @@ class RowCopy:
     """Row indices in the slot."""
 
 
+@dataclass(frozen=True, eq=False)
+class Folded:
+    """A source's pieces of one block as an n-D strided pattern (`fold`): `shape` items of
+    `item_rows` rows, at `src_strides` / `dst_strides` rows apart, from row `src0` of the
+    source block / `dst0` of the block's segment. Copied as one strided numpy assignment
+    per block: no index arrays, items of whole runs (a head of a token, a chunk)."""
+
+    item_rows: int
+    shape: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    src0: int
+    dst0: int
+
+
+@dataclass(frozen=True, eq=False)
+class BlockCopy:
+    """A source's pieces of some blocks, by its `Folded` pattern: block `src_blocks[i]`
+    of P region `src` (blocks `src_block_rows` rows apart) into the slot segment starting
+    at row `dst_rows0[i]`."""
+
+    src: int
+    fold: Folded
+    src_block_rows: int
+    src_blocks: Int64Array
+    dst_rows0: Int64Array
+
+    @property
+    def rows(self) -> int:
+        return self.fold.item_rows * math.prod(self.fold.shape) * int(self.src_blocks.shape[0])
+
+
+def fold(src_rows: npt.NDArray[np.int64], dst_rows: npt.NDArray[np.int64]) -> Folded | None:
+    """`src_rows[i] -> dst_rows[i]` (one block's rows, in the order the copy lists them)
+    as a strided pattern: runs of rows consecutive on both sides, all of one length, whose
+    starts enumerate an n-D grid in row-major order with non-negative steps. None where
+    they do not (the copy then takes index arrays)."""
+    if src_rows.size == 0 or src_rows.shape != dst_rows.shape:
+        return None
+    brk = np.flatnonzero((np.diff(src_rows) != 1) | (np.diff(dst_rows) != 1)) + 1
+    starts = np.concatenate(([0], brk)).astype(np.int64)
+    lens = np.diff(np.concatenate((starts, [src_rows.size])))
+    if not bool((lens == lens[0]).all()):
+        return None
+    s, d = src_rows[starts], dst_rows[starts]
+    dims: list[tuple[int, int, int]] = []
+    while s.size > 1:
+        ss, ds = int(s[1] - s[0]), int(d[1] - d[0])
+        if ss < 0 or ds < 0:
+            return None
+        off = np.flatnonzero((np.diff(s) != ss) | (np.diff(d) != ds))
+        n = s.size if off.size == 0 else int(off[0]) + 1
+        if s.size % n:
+            return None
+        sm, dm = s.reshape(-1, n), d.reshape(-1, n)
+        if not (
+            bool(((sm - sm[:, :1]) == (sm[0] - sm[0, 0])).all())
+            and bool(((dm - dm[:, :1]) == (dm[0] - dm[0, 0])).all())
+        ):
+            return None
+        dims.insert(0, (n, ss, ds))
+        s, d = sm[:, 0], dm[:, 0]
+        if len(dims) > 16:
+            return None
+    return Folded(
+        int(lens[0]),
+        tuple(n for n, _, _ in dims),
+        tuple(x for _, x, _ in dims),
+        tuple(x for _, _, x in dims),
+        int(s[0]),
+        int(d[0]),
+    )
+
+
 @dataclass(frozen=True)
 class Staged:
     """The WRITE of one D region's pieces from the slot."""
@@ -75,7 +150,7 @@ class Staged:
 class Gathered:
     nbytes: int
     row: int
-    copies: tuple[RowCopy, ...]
+    copies: tuple[RowCopy | BlockCopy, ...]
     writes: tuple[Staged, ...]
     firsts: tuple[int, ...] = ()
     """Index in `copies` of each write's first copy (its copies follow it, up to the next
@@ -242,9 +317,43 @@ def gather(
     step = max(1, GATHER_PIECE_BYTES // g.row)  # a small temporary, in cache
     for c in g.copies:
         src = sources[c.src]
+        if isinstance(c, BlockCopy):
+            _copy_blocks(slot[: g.nbytes], src, g.row, c)
+            continue
         rows = src[: (src.shape[0] // g.row) * g.row].view(item)
         for i in range(0, c.src_rows.shape[0], step):
             out[c.dst_rows[i : i + step]] = rows[c.src_rows[i : i + step]]
+
+
+def _copy_blocks(
+    slot: npt.NDArray[np.uint8], src: npt.NDArray[np.uint8], row: int, c: BlockCopy
+) -> None:
+    """A `BlockCopy`: one strided assignment per block (numpy checks every view against
+    its buffer: a pattern reaching outside the region or the slot raises)."""
+    f = c.fold
+    item = np.dtype((np.void, f.item_rows * row))
+    # the blocks whose pattern lies inside the region (a layer-major region's blocks are
+    # closer together than a block's pieces reach)
+    reach = f.src0 + sum((n - 1) * x for n, x in zip(f.shape, f.src_strides, strict=True))
+    nblk = max(0, (src.shape[0] // row - reach - f.item_rows) // c.src_block_rows + 1)
+    sv = np.ndarray(
+        (nblk, *f.shape),
+        item,
+        buffer=src,
+        offset=f.src0 * row,
+        strides=(c.src_block_rows * row, *(x * row for x in f.src_strides)),
+    )
+    first = int(c.dst_rows0.min()) if c.dst_rows0.size else 0
+    span = int(c.dst_rows0.max()) - first + 1 if c.dst_rows0.size else 0
+    dv = np.ndarray(
+        (span, *f.shape),
+        item,
+        buffer=slot,
+        offset=(first + f.dst0) * row,
+        strides=(row, *(x * row for x in f.dst_strides)),
+    )
+    for b, d in zip(c.src_blocks.tolist(), c.dst_rows0.tolist(), strict=True):
+        dv[d - first] = sv[b]
 
 
 def _ro(a: npt.NDArray[np.int64]) -> Int64Array:
@@ -270,6 +379,8 @@ class _Source:
     """Source rows for P block 0 (from the region's base)."""
     dst_rows: Int64Array
     """Rows inside the block's segment of the slot."""
+    folded: Folded | None = None
+    """The same as a strided pattern (`fold`), where it is one."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -373,7 +484,14 @@ def plan_template(p: Sequence[RankView], d: Sequence[RankView]) -> GatherTemplat
             src = pairs[j].p
             src_rows, dst_rows = packed.rows[k]
             sources.append(
-                _Source(j, src, p[src].geometry.block_stride // row, src_rows, _ro(dst_rows))
+                _Source(
+                    j,
+                    src,
+                    p[src].geometry.block_stride // row,
+                    src_rows,
+                    _ro(dst_rows),
+                    fold(src_rows, dst_rows),
+                )
             )
         targets.append(
             _Target(
@@ -439,7 +557,7 @@ class Prepared:
     def part(self, a: int, b: int) -> Gathered:
         """The gather of D's blocks at positions [a, b) of every region (in D's address
         order): its copies and each region's WRITE runs (runs cut at the range's ends)."""
-        copies: list[RowCopy] = []
+        copies: list[RowCopy | BlockCopy] = []
         writes: list[Staged] = []
         firsts: list[int] = []
         for pl in self.placed:
@@ -459,6 +577,11 @@ class Prepared:
             writes.append(Staged(tg.remote, tg.local, runs))
             firsts.append(len(copies))
             for s, pb in zip(tg.sources, pl.pb, strict=True):
+                if s.folded is not None:
+                    copies.append(
+                        BlockCopy(s.src, s.folded, s.block_rows, pb[a:b], _ro(seg0 // self.row))
+                    )
+                    continue
                 src_rows = (pb[a:b, None] * np.int64(s.block_rows) + s.src_rows[None, :]).ravel()
                 dst_rows = ((seg0 // self.row)[:, None] + s.dst_rows[None, :]).ravel()
                 copies.append(RowCopy(s.src, _ro(src_rows), _ro(dst_rows)))

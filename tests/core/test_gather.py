@@ -15,7 +15,9 @@ from integration.kvref import Side, spec_of
 import kvd.core.gather as gather_mod
 from kvd.core.gather import (
     MIN_FACTOR,
+    Folded,
     Gathered,
+    fold,
     gather,
     instantiate,
     plan_gather,
@@ -233,4 +235,58 @@ def test_the_rule_stages_head_slices_not_whole_chunks() -> None:
             [v.geometry.base_addr for v in p_views],
         )
         is None
+    )
+
+
+def _expand(f: Folded) -> tuple[np.ndarray, np.ndarray]:
+    """The rows a `Folded` pattern copies, in order (the inverse of `fold`)."""
+    idx = np.indices(f.shape).reshape(len(f.shape), -1) if f.shape else np.zeros((0, 1), int)
+    s = f.src0 + sum(i * x for i, x in zip(idx, f.src_strides, strict=True))
+    d = f.dst0 + sum(i * x for i, x in zip(idx, f.dst_strides, strict=True))
+    s = np.atleast_1d(s)[:, None] + np.arange(f.item_rows)
+    d = np.atleast_1d(d)[:, None] + np.arange(f.item_rows)
+    return s.ravel(), d.ravel()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dims=st.lists(st.tuples(st.integers(1, 5), st.integers(0, 40), st.integers(0, 40)), max_size=3),
+    item=st.integers(1, 4),
+    s0=st.integers(0, 9),
+    d0=st.integers(0, 9),
+)
+def test_fold_finds_the_strided_pattern_of_any_grid(
+    dims: list[tuple[int, int, int]], item: int, s0: int, d0: int
+) -> None:
+    """Rows laid out as an n-D grid of runs fold back into a pattern that copies exactly
+    those rows, in the same order (perhaps with fewer dimensions: merged where regular)."""
+    grid = Folded(
+        item,
+        tuple(n for n, _, _ in dims),
+        tuple(a * item for _, a, _ in dims),
+        tuple(b * item for _, _, b in dims),
+        s0,
+        d0,
+    )
+    src, dst = _expand(grid)
+    f = fold(src, dst)
+    if f is None:  # (overlapping or touching runs of a degenerate grid may not fold)
+        return
+    got_s, got_d = _expand(f)
+    assert np.array_equal(got_s, src) and np.array_equal(got_d, dst)
+
+
+def test_fold_refuses_what_is_not_a_grid() -> None:
+    rows = np.array([0, 1, 2, 5, 6, 7, 9, 10, 11], dtype=np.int64)  # steps 5 then 4
+    assert fold(rows, np.arange(9, dtype=np.int64)) is None
+    uneven = np.array([0, 1, 4, 5, 6], dtype=np.int64)  # runs of 2 and 3
+    assert fold(uneven, np.arange(5, dtype=np.int64)) is None
+    backwards = np.array([8, 9, 0, 1], dtype=np.int64)
+    assert fold(backwards, np.arange(4, dtype=np.int64)) is None
+    f = fold(np.array([0, 1, 4, 5, 8, 9], dtype=np.int64), np.arange(6, dtype=np.int64))
+    assert f is not None and (f.item_rows, f.shape, f.src_strides, f.dst_strides) == (
+        2,
+        (3,),
+        (4,),
+        (2,),
     )
