@@ -94,9 +94,10 @@ def test_a_large_gathered_push_is_written_in_parts_while_the_next_is_gathered(
 ) -> None:
     """A gathered push of a few MiB (P TP 1 -> D TP 4, NHD: a run per token and head
     slice) is cut into parts of D blocks (`transfer.gather_part_bytes`, 1 MiB here): each
-    part's WRITE runs while the next is gathered, and only the last carries the PushDone. Every byte is checked at D by
-    `run_case` (D reports the request done only after the last part), P's bytes stay
-    untouched, and the slot is freed once every part's WRITE ended."""
+    part's WRITE runs while the next is gathered, and only the last carries the PushDone.
+    Every byte is checked at D by `run_case` (D reports the request done only after the
+    last part), P's bytes stay untouched, and the slot is freed once every part's WRITE
+    ended."""
     p = daemons("kvdt-pip-p", overrides={"transfer": {"gather_part_bytes": 1 << 20}})
     d = daemons("kvdt-pip-d")
     spec = spec_of(8, head_size=128, layers=24)  # 96 KiB a token: requests of 3-4.5 MiB
