@@ -43,6 +43,10 @@ MIN_ROW: Final = 16
 head of 8 bf16 elements is 16 bytes, of 128 elements 256)."""
 GATHER_PIECE_BYTES: Final = 1 << 20
 """The gather copies at most this many bytes per numpy call (its temporary stays small)."""
+BLOCK_LOOP_BYTES: Final = 32 << 10
+"""A `BlockCopy` whose pieces of a block hold at least this many bytes is copied block by
+block (one strided assignment each, no temporary); smaller ones, many blocks at a time
+through an index on the block axis (a numpy call per block would cost more than its copy)."""
 MIN_SAVED: Final = 64
 """Stage only when it saves at least this many descriptors..."""
 MIN_FACTOR: Final = 4
@@ -352,8 +356,14 @@ def _copy_blocks(
         offset=(first + f.dst0) * row,
         strides=(row, *(x * row for x in f.dst_strides)),
     )
-    for b, d in zip(c.src_blocks.tolist(), c.dst_rows0.tolist(), strict=True):
-        dv[d - first] = sv[b]
+    per_block = f.item_rows * row * math.prod(f.shape)
+    if per_block >= BLOCK_LOOP_BYTES:
+        for b, d in zip(c.src_blocks.tolist(), c.dst_rows0.tolist(), strict=True):
+            dv[d - first] = sv[b]
+        return
+    step = max(1, GATHER_PIECE_BYTES // per_block)
+    for i in range(0, int(c.src_blocks.shape[0]), step):
+        dv[c.dst_rows0[i : i + step] - first] = sv[c.src_blocks[i : i + step]]
 
 
 def _ro(a: npt.NDArray[np.int64]) -> Int64Array:

@@ -176,12 +176,14 @@ def test_split_cuts_whole_regions_and_merges_a_small_tail() -> None:
     assert split(unknown, 4, 1) == (unknown,)
 
 
-@pytest.mark.parametrize("piece", [1 << 20, 256])
+@pytest.mark.parametrize(("piece", "loop"), [(1 << 20, 32 << 10), (256, 1), (1 << 20, 1 << 30)])
 def test_head_slices_both_ways_and_token_runs_are_gathered_exactly(
-    piece: int, monkeypatch: pytest.MonkeyPatch
+    piece: int, loop: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Also copied in small pieces (`GATHER_PIECE_BYTES`: a few rows per numpy call)."""
+    """Also copied in small pieces (`GATHER_PIECE_BYTES`: a few rows per numpy call), and
+    strided block copies block by block or many blocks per call (`BLOCK_LOOP_BYTES`)."""
     monkeypatch.setattr(gather_mod, "GATHER_PIECE_BYTES", piece)
+    monkeypatch.setattr(gather_mod, "BLOCK_LOOP_BYTES", loop)
     for p_tp, d_tp, lay in ((4, 8, "HND"), (8, 4, "HND"), (4, 8, "NHD"), (2, 8, "NHD")):
         ps = Side(tp=p_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
         ds = Side(tp=d_tp, tokens=16, kv_layout=lay, major="block", num_blocks=24)
