@@ -18,6 +18,8 @@ N - 1 tokens and computes the last one itself (its state must not take it twice)
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +35,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvd_client import layout as kvlayout
 from kvd_client import wire
+from kvd_client.layout import shard_units, state_part_bytes
 from kvd_client.vllm.staging import (
     HostStaging,
     ModelKv,
@@ -66,6 +69,94 @@ class GroupInfo:
     spec_slots: int
     """Speculative scratch slots a state group allocates after its running state."""
     layers: tuple[str, ...]
+    spec: Any = None
+    """vLLM's KV cache spec of the group (a state group's `MambaSpec`: `state_parts`)."""
+
+
+_GROUP_ATTRS = ("n_groups", "mamba_n_groups", "mamba_ngroups", "ngroups")
+"""Where hybrid models' HF configs name Mamba2's number of groups (Mamba2, NemotronH,
+Granite 4 / Falcon-H1, Zamba2)."""
+
+
+def state_parts(spec: Any, tp: int, hf_config: Any) -> tuple[wire.StatePart, ...]:
+    """How TP cuts a state group's chunk (`wire.KvGroup.parts`), from vLLM's `MambaSpec`
+    at TP `tp` and the model's HF config, as vLLM shards it
+    (`MambaStateShapeCalculator`): a chunk is the layer's conv state then its SSM state.
+
+    - Mamba2: conv channels [x by heads, B and C by groups] (a single group is replicated
+      on every rank: `extra_groups_for_head_shards`), SSM state by heads;
+    - Gated DeltaNet: conv channels [q and k by key heads, v by value heads], SSM state by
+      value heads;
+    - Mamba1: conv channels and SSM state by channels;
+    - a state every rank holds whole (`tp_replicated`): one replicated piece.
+
+    The conv state is [state_len][channels] (vLLM's "SD" layout: `rows` = state_len) or
+    [channels][state_len] ("DS"). Empty (the group then maps only rank i to rank i at
+    equal TP, and the daemon says so) for any other state, or where the shapes do not
+    decompose so (or Mamba2's groups are not in the HF config and cannot be inferred)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.utils.torch_utils import get_dtype_size
+
+    shapes = tuple(tuple(int(x) for x in shape) for shape in spec.shapes)
+    sizes = [int(get_dtype_size(dt)) for dt in spec.dtypes]
+    content = sum(math.prod(shape) * e for shape, e in zip(shapes, sizes, strict=True))
+    if getattr(spec, "tp_replicated", False):
+        return (wire.StatePart(1, (wire.StateShard(1, content),)),)
+    kind = getattr(getattr(spec, "mamba_type", None), "name", "")
+    if len(shapes) != 2 or len(shapes[0]) != 2:
+        return ()
+    dim_first = is_conv_state_dim_first()
+    dim, slen = shapes[0] if dim_first else shapes[0][::-1]
+    e0, e1 = sizes
+    per = slen * e0 if dim_first else e0  # a channel's bytes in one row
+    rows = 1 if dim_first else slen
+    ssm = shapes[1]
+    conv: tuple[wire.StateShard, ...]
+    temporal: tuple[wire.StateShard, ...]
+    try:
+        if kind == "MAMBA2" and len(ssm) == 3:
+            nh, hd, ds = ssm
+            b_c = dim - nh * hd
+            if b_c <= 0 or b_c % (2 * ds):
+                return ()
+            groups_r = b_c // (2 * ds)
+            groups = next(
+                (int(v) for a in _GROUP_ATTRS if isinstance(v := getattr(hf_config, a, None), int)),
+                groups_r * tp if groups_r > 1 else 0,
+            )
+            if groups <= 0 or (groups % tp and groups != 1):
+                return ()  # (vLLM replicates a single group only)
+            if len(shard_units(groups, tp, 0)) != groups_r:
+                return ()
+            conv = (
+                wire.StateShard(nh * tp, hd * per),
+                wire.StateShard(groups, ds * per),
+                wire.StateShard(groups, ds * per),
+            )
+            temporal = (wire.StateShard(nh * tp, hd * ds * e1),)
+        elif kind == "GDN_ATTN" and len(ssm) == 3:
+            nv, hv, hk = ssm
+            qk = dim - nv * hv
+            if qk <= 0 or qk % (2 * hk):
+                return ()
+            nk = qk // (2 * hk)
+            conv = (
+                wire.StateShard(nk * tp, hk * per),
+                wire.StateShard(nk * tp, hk * per),
+                wire.StateShard(nv * tp, hv * per),
+            )
+            temporal = (wire.StateShard(nv * tp, hv * hk * e1),)
+        elif kind == "MAMBA1" and len(ssm) == 2 and ssm[0] == dim:
+            conv = (wire.StateShard(dim * tp, per),)
+            temporal = (wire.StateShard(dim * tp, ssm[1] * e1),)
+        else:
+            return ()
+        parts = (wire.StatePart(rows, conv), wire.StatePart(1, temporal))
+        if sum(state_part_bytes(p, tp) for p in parts) != content:
+            return ()
+    except ValueError:  # (units that cannot be cut over this TP)
+        return ()
+    return parts
 
 
 class KvGroups:
@@ -98,6 +189,7 @@ class KvGroups:
                     int(spec.block_size),
                     int(spec.num_speculative_blocks) if kind == "state" else 0,
                     tuple(g.layer_names),
+                    spec,
                 )
             )
         if len(groups) == 1 and groups[0].kind == "full":
@@ -183,8 +275,14 @@ class HybridStaging:
     shared-memory region; ids are region ids (`KvGroups.base(g) + id`)."""
 
     def __init__(
-        self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor], model: ModelKv
+        self,
+        groups: KvGroups,
+        kv_caches: Mapping[str, torch.Tensor],
+        model: ModelKv,
+        state_cuts: Sequence[tuple[wire.StatePart, ...]] = (),
     ) -> None:
+        """`state_cuts`: per group, how TP cuts a state group's chunks (`state_parts`;
+        empty for other groups, or all of them: the state then moves at equal TP only)."""
         self.groups = groups
         self.parts: list[tuple[str, wire.RegionLayout, str, int]] = []
         self._layers = []
@@ -209,7 +307,12 @@ class HybridStaging:
             self.parts.append((info.kind, lay, compat, info.window))
             self._layers.append(layers)
             self._formats.append(fmt_layout)
-        self.layout, self.kv_groups, self.nbytes = kvlayout.hybrid_region(self.parts)
+        self.layout, kv_groups, self.nbytes = kvlayout.hybrid_region(self.parts)
+        cuts = list(state_cuts) or [()] * len(kv_groups)
+        self.kv_groups = tuple(
+            dataclasses.replace(g, parts=cut) if g.kind == "state" and cut else g
+            for g, cut in zip(kv_groups, cuts, strict=True)
+        )
         self._staging: list[HostStaging] = []
         self._pinned: torch.Tensor | None = None
         """The whole region's buffer, page-locked (GPU KV tensors only)."""

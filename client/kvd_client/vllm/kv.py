@@ -89,7 +89,7 @@ from kvd_client.client import Event, daemon_listening
 from kvd_client.errors import ErrorCode, KvdError
 from kvd_client.shm import SharedRegion, staging_name
 from kvd_client.vllm.config import ConnectorConfig
-from kvd_client.vllm.groups import HybridStaging, KvGroups
+from kvd_client.vllm.groups import HybridStaging, KvGroups, state_parts
 from kvd_client.vllm.shared import SharedClient, Subscription, shared_client
 from kvd_client.vllm.staging import HostStaging, ModelKv, describe, staged_format
 
@@ -840,7 +840,11 @@ class _WorkerSide:
 
     def _register_hybrid(self, groups: KvGroups, kv_caches: Mapping[str, torch.Tensor]) -> None:
         mc = self.vllm_config.model_config
-        hs = HybridStaging(groups, kv_caches, model_kv(self.vllm_config))
+        cuts = [
+            state_parts(info.spec, self.tp_size, mc.hf_config) if info.kind == "state" else ()
+            for info in groups.groups
+        ]
+        hs = HybridStaging(groups, kv_caches, model_kv(self.vllm_config), cuts)
         region = SharedRegion(staging_name(f"vllm-r{self.tp_rank}"), hs.nbytes)
         try:
             hs.attach(region.buf)
