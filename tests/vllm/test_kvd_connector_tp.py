@@ -268,24 +268,54 @@ def test_hybrid_at_tp2_arrives_byte_exact(
 
 
 @pytest.mark.parametrize(
-    ("state", "d_tp", "d_bs", "says"),
-    [(True, 1, 16, "state group 2: TP differs, P 2 ranks, D 1")],
+    ("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (2, 1, "push"), (1, 2, "pull"), (1, 2, "push")]
 )
-def test_hybrid_refusals_name_both_sides(
-    state: bool,
+def test_hybrid_state_at_another_tp_arrives_as_each_rank_holds_it(
+    p_tp: int,
     d_tp: int,
-    d_bs: int,
-    says: str,
+    mode: str,
+    pair: tuple[DaemonProc, DaemonProc],
+    model: str,
+    instances: list[TPInstance],
+) -> None:
+    """Full attention + sliding window + Mamba2 state with P and D at different TP. The
+    connector describes how TP cuts the state (`state_parts`: x by heads, B and C by
+    groups, one group replicated at TP 2, SSM by heads), so each D rank receives its share
+    of P's whole state, from the P ranks that hold it: every byte of every D rank's state
+    slot equals its share of the state P's ranks held (reassembled and re-cut by the
+    harness, independently of kvd), as well as every attention byte."""
+    pd, dd = pair
+    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, hybrid=True)
+    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, hybrid=True)
+    instances += [p, d]
+    lengths = [20, 70]
+    reqs = transfer(p, d, mode, lengths, "m")
+    assert not p.errors and not d.errors, p.errors + d.errors
+    for pid, did, n in reqs:
+        assert did in d.received and did not in d.failed_recv, did
+        assert pid in p.sent
+        t = n - 1  # P computed all but the last prompt token (D computes it: state)
+        window = min(t, WINDOW - 1)
+        # attention cells as at equal TP, plus one state slot per Mamba layer per D rank
+        assert d.checked[did] == 2 * (t + window) * KV_HEADS + 2 * d_tp, (d.checked[did], n)
+    p.assert_idle()
+    d.assert_idle()
+    assert_daemon_idle(pd)
+    assert_daemon_idle(dd)
+
+
+def test_an_undescribed_state_at_another_tp_is_refused_naming_both_sides(
     pair: tuple[DaemonProc, DaemonProc],
     model: str,
     instances: list[TPInstance],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Kept refusal (README): a state group at another TP. D's load fails (vLLM's policy
-    applies) and P frees at once."""
+    """Kept refusal (README): a state group at another TP whose cut the connector cannot
+    tell (here the HF config does not name Mamba2's groups, which TP 2 replicates). D's
+    load fails (vLLM's policy applies) and P frees at once."""
     pd, dd = pair
-    p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True, state=state)
-    d = make_tp_instance("d", dd.socket, model, tp=d_tp, block_size=d_bs, hybrid=True, state=state)
+    p = make_tp_instance("p", pd.socket, model, tp=2, hybrid=True, describe_state=False)
+    d = make_tp_instance("d", dd.socket, model, tp=1, hybrid=True, describe_state=False)
     instances += [p, d]
     before = expired(pd)
     with caplog.at_level(logging.WARNING, logger="kvd_client.vllm"):
@@ -293,7 +323,9 @@ def test_hybrid_refusals_name_both_sides(
     ((pid, did, _),) = reqs
     assert did in d.failed_recv and did not in d.received
     assert d.finished[did].finish_reason.name == "ERROR"  # kv_load_failure_policy "fail"
+    says = "state group 2: TP differs, P 2 ranks, D 1"
     assert "INCOMPATIBLE" in caplog.text and says in caplog.text, caplog.text
+    assert "does not describe how TP cuts its state" in caplog.text, caplog.text
     assert pid in p.sent and expired(pd) == before  # cancelled by D: freed, no lease expiry
     p.assert_idle()
     d.assert_idle()

@@ -50,6 +50,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -110,6 +111,64 @@ def head_pattern(
     key = zlib.crc32(bytes(str(list(prompt[: pos + 1])), "ascii"), key)
     g = torch.Generator().manual_seed(key)
     return torch.randn((heads, width), generator=g)
+
+
+# A Mamba2 mixer as vLLM shapes its state at any TP (`MambaStateShapeCalculator`): heads,
+# head size, groups (one: replicated on every rank above TP 1), SSM state size, conv kernel
+MAMBA_HEADS, MAMBA_HEAD, MAMBA_GROUPS, MAMBA_DSTATE, MAMBA_KERNEL = 4, 4, 1, 8, 4
+_ROWS = MAMBA_KERNEL - 1  # conv history (vLLM's "SD" layout: [history][channels])
+_X, _BC = MAMBA_HEAD * 2, MAMBA_DSTATE * 2  # bytes of one head's / group's channels (bf16)
+_SSM = MAMBA_HEAD * MAMBA_DSTATE * 2
+STATE_BYTES = _ROWS * (MAMBA_HEADS * _X + 2 * MAMBA_GROUPS * _BC) + MAMBA_HEADS * _SSM
+"""The whole model's state of one layer (every head and group once)."""
+
+
+def _groups_of(tp: int, rank: int) -> slice:
+    if MAMBA_GROUPS % tp == 0:
+        n = MAMBA_GROUPS // tp
+        return slice(rank * n, (rank + 1) * n)
+    return slice(0, 1)  # one group, replicated (vLLM supports no other)
+
+
+def shard_state(whole: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """A rank's state bytes of one layer from the whole model's (`STATE_BYTES`), as vLLM
+    shards Mamba2: per conv row [its heads' x, its groups' B, its groups' C], then its
+    heads' SSM state."""
+    conv = whole[: _ROWS * (MAMBA_HEADS * _X + 2 * MAMBA_GROUPS * _BC)].reshape(_ROWS, -1)
+    ssm = whole[conv.size :].reshape(MAMBA_HEADS, _SSM)
+    nh = MAMBA_HEADS // tp
+    heads, g = slice(rank * nh, (rank + 1) * nh), _groups_of(tp, rank)
+    out = []
+    for row in conv:
+        x = row[: MAMBA_HEADS * _X].reshape(MAMBA_HEADS, _X)
+        b = row[MAMBA_HEADS * _X : MAMBA_HEADS * _X + MAMBA_GROUPS * _BC].reshape(-1, _BC)
+        c = row[MAMBA_HEADS * _X + MAMBA_GROUPS * _BC :].reshape(-1, _BC)
+        out += [x[heads].ravel(), b[g].ravel(), c[g].ravel()]
+    out.append(ssm[heads].ravel())
+    return np.concatenate(out)
+
+
+def unshard_state(ranks: Sequence[np.ndarray], tp: int) -> np.ndarray:
+    """The whole model's state of one layer from every rank's (`shard_state` inverted)."""
+    conv = np.zeros((_ROWS, MAMBA_HEADS * _X + 2 * MAMBA_GROUPS * _BC), dtype=np.uint8)
+    ssm = np.zeros((MAMBA_HEADS, _SSM), dtype=np.uint8)
+    nh = MAMBA_HEADS // tp
+    for rank, got in enumerate(ranks):
+        heads, g = slice(rank * nh, (rank + 1) * nh), _groups_of(tp, rank)
+        ng = g.stop - g.start
+        at = 0
+        for row in range(_ROWS):
+            x = conv[row, : MAMBA_HEADS * _X].reshape(MAMBA_HEADS, _X)
+            b = conv[row, MAMBA_HEADS * _X : MAMBA_HEADS * _X + MAMBA_GROUPS * _BC]
+            c = conv[row, MAMBA_HEADS * _X + MAMBA_GROUPS * _BC :]
+            x[heads] = got[at : at + nh * _X].reshape(nh, _X)
+            at += nh * _X
+            b.reshape(-1, _BC)[g] = got[at : at + ng * _BC].reshape(ng, _BC)
+            at += ng * _BC
+            c.reshape(-1, _BC)[g] = got[at : at + ng * _BC].reshape(ng, _BC)
+            at += ng * _BC
+        ssm[heads] = got[at:].reshape(nh, _SSM)
+    return np.concatenate([conv.ravel(), ssm.ravel()])
 
 
 def state_pattern(salt: str, prompt: Sequence[int], upto: int, layer: str, n: int) -> torch.Tensor:
@@ -279,9 +338,9 @@ class TPInstance:
             g = self.group_of[name]
             if self.kinds[g] == "state":
                 slot = self._slot(blocks[g])
-                t[slot].view(-1)[:] = state_pattern(
-                    f"{self.salt}/r{r.rank}", prompt, start + n, name, t[slot].numel()
-                )
+                whole = state_pattern(self.salt, prompt, start + n, name, STATE_BYTES)
+                mine = shard_state(whole.view(torch.uint8).numpy(), self.tp, r.rank)
+                t[slot].view(-1)[:] = torch.from_numpy(mine).view(torch.int8)
                 continue
             width = t.shape[3]
             for pos in range(start, start + n):
@@ -339,10 +398,12 @@ class TPInstance:
             for name, t in r.kv.items():
                 g = self.group_of[name]
                 if self.kinds[g] == "state":
-                    if p.tp != self.tp:
-                        continue
                     got = t[self._slot(blocks[g])].reshape(-1).view(torch.uint8).numpy()
-                    if not np.array_equal(got, ref.state[(r.rank, name)]):
+                    want = ref.state.get((r.rank, name))
+                    if p.tp != self.tp:  # this rank's share of P's whole state
+                        whole = unshard_state([ref.state[(q, name)] for q in range(p.tp)], p.tp)
+                        want = shard_state(whole, self.tp, r.rank)
+                    if want is None or not np.array_equal(got, want):
                         self.errors.append(f"{self.name}: rank {r.rank} state of {name} differs")
                     cells += 1
                     continue
@@ -403,6 +464,7 @@ def make_tp_instance(
     hybrid: bool = False,
     state: bool = True,
     num_blocks: int = 96,
+    describe_state: bool = True,
 ) -> TPInstance:
     """One engine of `tp` ranks; `hybrid`: full + sliding window (+ Mamba state if `state`)."""
     mc = ModelConfig(model=model, skip_tokenizer_init=True, dtype=dtype, max_model_len=1024)
@@ -444,10 +506,22 @@ def make_tp_instance(
         )
         mamba = MambaSpec(
             block_size=block_size,
-            shapes=((4, 8), (2, 4, 8)),
+            shapes=MambaStateShapeCalculator.mamba2_state_shape(
+                tp,
+                MAMBA_HEADS * MAMBA_HEAD,
+                MAMBA_GROUPS,
+                MAMBA_HEADS,
+                MAMBA_HEAD,
+                MAMBA_DSTATE,
+                MAMBA_KERNEL,
+            ),
             dtypes=(torch_dtype, torch_dtype),
             page_size_padded=full.page_size_bytes,
         )
+        if describe_state:  # as a Mamba2 model's HF config names its groups
+            mc.hf_config.n_groups = MAMBA_GROUPS
+        elif hasattr(mc.hf_config, "n_groups"):
+            del mc.hf_config.n_groups
         specs = {"full": full, "window": swa, "state": mamba}
         kinds = ["full", "window", "state"] if state else ["full", "window"]
         groups = [KVCacheGroupSpec(HYBRID_GROUPS[k], specs[k]) for k in kinds]
