@@ -59,8 +59,12 @@ MOVE_BPS: Final = 3.0e9
 SCATTER_BPS: Final = 6.0e9
 """Bytes per second of the scatter (a numpy strided copy; a head transposing copy is the
 slowest, ~1.7 memcpys of 11 GB/s here)."""
-PERMUTE_BPS: Final = 4.0e9
-"""Bytes per second of the two-pass in-place permute (copy out, write back transposed)."""
+PERMUTE_BPS: Final = 10.0e9
+"""Bytes per second of the in-place permute (copy out, write back transposed, 1 MiB at a
+time: `kvd.core.planner.PERMUTE_RUN_BYTES`): `kvd bench --only topology`, 2026-11-26,
+the 256 MiB NHD->HND push adds 25.4 ms to the same transfer into an NHD D (10.6 GB/s),
+where the staged pull's scatter adds 42.8 ms (6.3 GB/s): a pull that only converts the
+token layout now READs whole chunks into D's blocks and permutes them, as a push does."""
 RUN_BYTES: Final = 256 << 10
 """The scatter copies at most this many bytes of D's blocks per numpy call: the source
 and destination of a transposing copy then stay in cache (measured ~1.4x faster than one

@@ -111,7 +111,7 @@ def test_the_rule_stages_head_slices_and_conversions_of_many_descriptors() -> No
         (Side(8, 16, "HND", num_blocks=64), Side(4, 16, "HND", num_blocks=64)),
         (Side(4, 16, "HND", num_blocks=64), Side(8, 16, "HND", num_blocks=64)),
         (Side(4, 16, "NHD", num_blocks=64), Side(8, 16, "NHD", num_blocks=64)),
-        (Side(1, 16, "NHD", num_blocks=64), Side(1, 16, "HND", num_blocks=64)),
+        (Side(4, 16, "NHD", num_blocks=64), Side(8, 16, "HND", num_blocks=64)),
     ):
         p_views, _ = regions(spec, ps, 1 << 20)
         d_views, _ = regions(spec, ds, 1 << 32)
@@ -127,6 +127,15 @@ def test_the_rule_stages_head_slices_and_conversions_of_many_descriptors() -> No
         # whole P blocks: one descriptor per block and P rank
         assert sum(r.plan.descriptors for r in staged.reads) == 16 * ps.tp
         assert staged.cost_staged_s < staged.cost_direct_s
+    # only the token layout differs: whole chunks READ into D's blocks, then permuted in
+    # place (PERMUTE_BPS, faster than a staged scatter), unless told to stage anyway
+    p_views, _ = regions(spec, Side(1, 16, "NHD", num_blocks=64), 1 << 20)
+    d_views, _ = regions(spec, Side(1, 16, "HND", num_blocks=64), 1 << 32)
+    blocks = list(np.random.default_rng(1).permutation(64)[:16].tolist())
+    rp = plan_request(p_views, blocks, d_views, blocks, local_is_p=False)
+    assert rp.permutes and plan_staged(p_views, blocks, d_views, blocks, rp.pairs, rp) is None
+    forced = plan_staged(p_views, blocks, d_views, blocks, rp.pairs, rp, always=True)
+    assert forced is not None and forced.cost_staged_s > forced.cost_direct_s
     # equal TP and layouts: whole chunks already, nothing to stage
     p_views, _ = regions(spec, Side(4, 16, "HND"), 1 << 20)
     d_views, _ = regions(spec, Side(4, 16, "HND"), 1 << 32)

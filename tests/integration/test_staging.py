@@ -48,8 +48,8 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float = 10.0) -> No
 
 @pytest.mark.parametrize(
     ("ps", "ds"),
-    [(Side(2), Side(1)), (Side(1, 16, "NHD"), Side(1, 16, "HND"))],
-    ids=["tp2to1", "nhd_to_hnd"],
+    [(Side(2), Side(1)), (Side(1, 16, "NHD"), Side(2, 16, "HND"))],
+    ids=["tp2to1", "nhd_to_hnd_tp1to2"],
 )
 def test_a_full_staging_area_falls_back_to_direct_descriptors(
     daemons: Callable[..., DaemonProc], ps: Side, ds: Side
@@ -159,10 +159,10 @@ def test_aborted_staged_pulls_end_once_and_free_their_slots(
     p = daemons("kvdt-stga-p")
     d = daemons("kvdt-stga-d")
     rng = np.random.default_rng(6)
-    # layout conversions of 4 MiB (32 blocks of 128 KiB): an abort sent right after the
-    # pull lands before, during or after the staged READ and scatter
+    # head-sliced layout conversions of 4 MiB (32 blocks of 128 KiB, TP 1 -> 2): an abort
+    # sent right after the pull lands before, during or after the staged READ and scatter
     spec = spec_of(4, head_size=128, layers=8)
-    ps, ds = Side(1, 16, "NHD", num_blocks=192), Side(1, 16, "HND", num_blocks=192)
+    ps, ds = Side(1, 16, "NHD", num_blocks=192), Side(2, 16, "HND", num_blocks=192)
     pe = engine(p.socket, "pa", ps, spec, rng)
     de = engine(d.socket, "da", ds, spec, rng)
     try:
