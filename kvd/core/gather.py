@@ -13,6 +13,12 @@ Sans-IO: `plan_gather` turns the direct plans into `Gathered` (slot layout, row
 mappings, the staged plans); `gather` copies. Pieces move as rows of `row` bytes (the
 greatest common divisor of every offset and length involved), so the copy is a numpy
 row gather, not a Python loop.
+
+Pushes between the same region shapes use a `GatherTemplate` made once (`plan_template`):
+a request is checked against it (`prepare`) and gathered in parts of D blocks
+(`Prepared.part`), so that P can WRITE one part while it gathers the next. A template
+source whose pieces of a block form an n-D grid (`fold`: heads of a chunk, a head of
+every token) is copied by strided numpy assignments (`BlockCopy`), without row indices.
 """
 
 from __future__ import annotations
