@@ -702,35 +702,27 @@ class Sender(TransferActor):
                     gathering = False
                 notes = notifs if last else [b""]  # (a part is one transfer: `_gather`)
                 posted += 1
+                write = functools.partial(
+                    self.book.run,
+                    "WRITE",
+                    eff.key,
+                    eff.agent,
+                    locs,
+                    rems,
+                    plans,
+                    notes,
+                    release,
+                    post_by=post_by,
+                )
                 if last:
-                    await self.book.run(
-                        "WRITE",
-                        eff.key,
-                        eff.agent,
-                        locs,
-                        rems,
-                        plans,
-                        notes,
-                        release,
-                        post_by=post_by,
-                    )
+                    await write()
                     break
                 box: list[Gathered] = []
                 errors: list[BaseException] = []
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(_in_thread, st.rest[i], box, errors)
                     try:
-                        await self.book.run(
-                            "WRITE",
-                            eff.key,
-                            eff.agent,
-                            locs,
-                            rems,
-                            plans,
-                            notes,
-                            release,
-                            post_by=post_by,
-                        )
+                        await write()
                     except KvdError as exc:
                         errors.insert(0, exc)  # (after the gather's thread ended)
                 if errors:
