@@ -166,7 +166,12 @@ def test_layer_wise_saves_are_queued_and_each_layer_reported_once_staged(
     dev.flush()
     assert done == [(i, False) for i in range(len(lays))]
     assert buf == ref_buf
-    assert len(dev._slabs) == (0 if direct else 2)
+    # pieces went through slabs (at most LAYER_SLABS made: one freed by the staging thread
+    # before the next piece asks is taken again instead of a new one), or through none
+    if direct:
+        assert dev._slabs == []
+    else:
+        assert 1 <= len(dev._slabs) <= 2
     # the next step's blocks (other ids) through the same slabs
     more = [1, 2, 23]
     ref.save(more)
