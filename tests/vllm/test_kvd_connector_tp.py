@@ -267,26 +267,29 @@ def test_hybrid_at_tp2_arrives_byte_exact(
     assert_daemon_idle(dd)
 
 
+@pytest.mark.parametrize("state", [True, False], ids=["with_state", "attention_only"])
 @pytest.mark.parametrize(
     ("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (2, 1, "push"), (1, 2, "pull"), (1, 2, "push")]
 )
-def test_hybrid_state_at_another_tp_arrives_as_each_rank_holds_it(
+def test_hybrid_groups_map_across_tp(
     p_tp: int,
     d_tp: int,
     mode: str,
+    state: bool,
     pair: tuple[DaemonProc, DaemonProc],
     model: str,
     instances: list[TPInstance],
 ) -> None:
-    """Full attention + sliding window + Mamba2 state with P and D at different TP. The
-    connector describes how TP cuts the state (`state_parts`: x by heads, B and C by
-    groups, one group replicated at TP 2, SSM by heads), so each D rank receives its share
-    of P's whole state, from the P ranks that hold it: every byte of every D rank's state
-    slot equals its share of the state P's ranks held (reassembled and re-cut by the
-    harness, independently of kvd), as well as every attention byte."""
+    """Full attention + sliding window (+ Mamba2 state) with P and D at different TP: each
+    attention group maps its heads across the ranks like a plain region, the window moving
+    only its blocks. The connector describes how TP cuts the state (`state_parts`: x by
+    heads, B and C by groups, one group replicated at TP 2, SSM by heads), so each D rank
+    receives its share of P's whole state, from the P ranks that hold it: every byte of
+    every D rank's state slot equals its share of the state P's ranks held (reassembled
+    and re-cut by the harness, independently of kvd), as well as every attention byte."""
     pd, dd = pair
-    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, hybrid=True)
-    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, hybrid=True)
+    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, hybrid=True, state=state)
+    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, hybrid=True, state=state)
     instances += [p, d]
     lengths = [20, 70]
     reqs = transfer(p, d, mode, lengths, "m")
@@ -294,10 +297,11 @@ def test_hybrid_state_at_another_tp_arrives_as_each_rank_holds_it(
     for pid, did, n in reqs:
         assert did in d.received and did not in d.failed_recv, did
         assert pid in p.sent
-        t = n - 1  # P computed all but the last prompt token (D computes it: state)
+        t = n - 1 if state else n  # with state, D computes the prompt's last token itself
         window = min(t, WINDOW - 1)
-        # attention cells as at equal TP, plus one state slot per Mamba layer per D rank
-        assert d.checked[did] == 2 * (t + window) * KV_HEADS + 2 * d_tp, (d.checked[did], n)
+        # attention cells of every head, plus one state slot per Mamba layer per D rank
+        slots = 2 * d_tp if state else 0
+        assert d.checked[did] == 2 * (t + window) * KV_HEADS + slots, (d.checked[did], n)
     p.assert_idle()
     d.assert_idle()
     assert_daemon_idle(pd)
@@ -356,35 +360,6 @@ def test_a_different_kv_dtype_is_refused_naming_both(
         caplog.text
     )
     assert pid in p.sent and expired(pd) == before  # cancelled by D: freed, no lease expiry
-    p.assert_idle()
-    d.assert_idle()
-    assert_daemon_idle(pd)
-    assert_daemon_idle(dd)
-
-
-@pytest.mark.parametrize(("p_tp", "d_tp", "mode"), [(2, 1, "pull"), (1, 2, "push")])
-def test_hybrid_attention_groups_map_across_tp(
-    p_tp: int,
-    d_tp: int,
-    mode: str,
-    pair: tuple[DaemonProc, DaemonProc],
-    model: str,
-    instances: list[TPInstance],
-) -> None:
-    """Full attention + sliding window (no state) at different TP: each group maps its
-    heads across the ranks like a plain region; the window moves only its blocks."""
-    pd, dd = pair
-    p = make_tp_instance("p", pd.socket, model, tp=p_tp, mode=mode, hybrid=True, state=False)
-    d = make_tp_instance("d", dd.socket, model, tp=d_tp, mode=mode, hybrid=True, state=False)
-    instances += [p, d]
-    lengths = [20, 70]
-    reqs = transfer(p, d, mode, lengths, "w")
-    assert not p.errors and not d.errors, p.errors + d.errors
-    for pid, did, n in reqs:
-        assert did in d.received and did not in d.failed_recv, did
-        assert pid in p.sent
-        window = min(n, WINDOW - 1)
-        assert d.checked[did] == 2 * (n + window) * KV_HEADS, (d.checked[did], n)
     p.assert_idle()
     d.assert_idle()
     assert_daemon_idle(pd)
