@@ -872,7 +872,7 @@ class Chaos:
             if rc is not None:
                 self.seen_exits.add(dp.proc.pid)
                 self.report.daemon_exits.append(
-                    f"{node.name} exited {rc} unasked:\n{dp.log.read_text()[-1500:]}"
+                    f"{node.name} exited {rc} unasked:\n{dp.report(1500)}"
                 )
                 node.out_since = time.monotonic()
                 if node.key == "c" and self.ec is not None:
@@ -1071,8 +1071,7 @@ class Chaos:
                 if rc != 0:
                     self.report.daemon_exits.append(
                         f"{node.name} stopped with {rc} after {time.monotonic() - t0:.1f}s "
-                        f"(SIGTERM, then SIGKILL at {STOP_TIMEOUT:g}s):\n"
-                        + node.proc.log.read_text()[-2000:]
+                        f"(SIGTERM, then SIGKILL at {STOP_TIMEOUT:g}s):\n" + node.proc.report(2000)
                     )
                 if os.path.exists(node.proc.socket):
                     self.report.leaks.append(f"{node.name} left its socket")

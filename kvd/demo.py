@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -60,6 +61,37 @@ class DaemonProc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def report(self, limit: int = 3000) -> str:
+        """What its log says about how it ended: `log_report`."""
+        return log_report(self.log, limit)
+
+
+def log_report(path: Path, limit: int = 3000) -> str:
+    """The last `limit` characters of a daemon's log, with its crash report first when it
+    crashed: UCX's native backtrace, if it printed one, and the crashing thread's Python
+    stack (Python's fault handler dumps every thread, the crashing one, "Current
+    thread", anywhere among them), which a plain tail would often cut off."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(log {path} unreadable: {exc})"
+    tail = text[-limit:]
+    parts: list[str] = []
+    native = text.find("Caught signal")
+    if native >= 0:
+        end = text.find("=================================", native)
+        # the frames without their libraries' directories (long, and the same)
+        frames = re.sub(r"/[^\s(]*/", "", text[native : end if end > 0 else native + limit])
+        parts.append(frames[:limit])
+    at = text.find("Fatal Python error")
+    if at >= 0:
+        blocks = text[at:].split("\n\n")
+        parts.append(blocks[0])
+        parts += [b[:limit] for b in blocks if b.lstrip().startswith("Current thread")]
+    if not parts:
+        return tail
+    return "\n\n".join([*parts, "[...]", tail])
 
 
 def start_daemon(
@@ -108,9 +140,7 @@ def start_daemon(
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(
-                f"daemon {name} exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-            )
+            raise RuntimeError(f"daemon {name} exited with {proc.returncode}:\n{log_report(log)}")
         if os.path.exists(sock):
             c = KvdClient(sock, role="cli", timeout=1.0, keepalive_interval=0)
             try:
@@ -123,7 +153,7 @@ def start_daemon(
                 c.close()
         time.sleep(0.05)
     d.kill()
-    raise RuntimeError(f"daemon {name} did not become ready:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"daemon {name} did not become ready:\n{log_report(log)}")
 
 
 def _toml_value(v: Any) -> str:

@@ -96,6 +96,7 @@ from kvd.core.hybrid import region_groups
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.peersession import Keyring, Party, derive_session
 from kvd.core.planner import Geometry
+from kvd.core.receiver import MAX_WRITE_BOUND
 from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
 from kvd.core.topology import check_region
 from kvd.core.trace import NO_TRACE, Found, StageTrace
@@ -106,6 +107,8 @@ log = structlog.get_logger("kvd.registrar", actor="registrar")
 CANARY_BYTES: Final = 64 * 1024
 CLOCK_SAMPLES: Final = 5
 """Clock exchanges per measurement (the first also opens the TCP connection)."""
+MAX_LATE_S: Final = MAX_WRITE_BOUND
+"""The longest a retired region's addresses are kept (a peer's handshake may say more)."""
 WATCH_INTERVAL: Final = 1.0
 """Seconds between checks of the creators of segments kept while they were alive."""
 WATCH_MAX: Final = 1024
@@ -142,6 +145,19 @@ class _Region:
     nixl_md: bytes
     base_addr: int
     nbytes: int
+
+
+@dataclass
+class _Retired:
+    """A dropped region whose addresses are kept (`MappedRegion.retire`) until no late
+    byte of a transfer to or from it can arrive any more."""
+
+    region_id: int
+    name: str
+    nbytes: int
+    mapping: MappedRegion
+    until: float
+    """When its addresses are freed (daemon time)."""
 
 
 @dataclass
@@ -202,6 +218,12 @@ class Registrar:
         self.reap_leftovers = reap_leftovers
         self.trace = trace
         self.regions: dict[int, _Region] = {}
+        self.retired: dict[int, _Retired] = {}
+        """Dropped regions whose addresses are kept for late bytes (`_retire`)."""
+        self._retired_wake = anyio.Event()
+        self._late_bound = write_bound
+        """The longest a transfer to or from our memory may still land after we stopped
+        it (our own bound, and the longest any peer's handshake has told us)."""
         self._next_region_id = 1
         self._generation = int(time.time()) & 0xFFFF  # survives restarts as a different range
         self.peers: dict[str, _Peer] = {}  # by agent name
@@ -239,6 +261,7 @@ class Registrar:
             self._tg = tg
             if self.reap_leftovers:
                 tg.start_soon(self._watch_creators)
+            tg.start_soon(self._free_retired)
             task_status.started()
             async for msg in self.mailbox:
                 await self._dispatch(msg)
@@ -257,8 +280,55 @@ class Registrar:
             if gone:
                 self.mailbox.post(_CreatorsGone(tuple(gone)))
 
+    async def _free_retired(self) -> None:
+        """Unmap retired regions once their bound passed."""
+        while True:
+            if not self.retired:
+                self._retired_wake = anyio.Event()
+                await self._retired_wake.wait()
+                continue
+            now = self.clock.now()
+            for rid, r in list(self.retired.items()):
+                if r.until <= now:
+                    del self.retired[rid]
+                    try:
+                        r.mapping.close()
+                    except OSError as exc:  # never expected: the range is ours
+                        log.error("retired_region_unmap_failed", region_id=rid, error=str(exc))
+                    self._count("regions_retired_freed")
+                    log.info("retired_region_freed", region_id=rid, name=r.name)
+            if self.retired:
+                await anyio.sleep(max(0.05, min(r.until for r in self.retired.values()) - now))
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
+
+    def _retire(self, rid: int, r: _Region) -> None:
+        """The region's memory after it was dropped and deregistered. A transfer NIXL
+        could not cancel may still land in it (a peer's WRITE behind a slow or cut link,
+        the reply to our own READ past its drain): shared memory is retired (a decoy at
+        its addresses, `MappedRegion.retire`) and unmapped only after `_late_bound`.
+        Kept mapped as it is if the decoy cannot be made (its owner's memory is then
+        held as long). GPU memory opened through CUDA IPC is closed at once: a decoy is
+        a host-memory notion (see the README's notes on VRAM)."""
+        m = r.mapping
+        if not isinstance(m, MappedRegion):
+            m.close()
+            return
+        try:
+            m.retire()
+        except OSError as exc:
+            self._count("regions_retire_failed")
+            log.error("region_retire_failed", region_id=rid, error=str(exc))
+        self.retired[rid] = _Retired(
+            rid, r.view.name, r.nbytes, m, self.clock.now() + min(self._late_bound, MAX_LATE_S)
+        )
+        self._count("regions_retired")
+        self._retired_wake.set()
+
     async def cleanup(self) -> None:
-        """Shielded shutdown: tell peers, deregister everything, unmap."""
+        """Shielded shutdown: tell peers, deregister everything, retire the regions (the
+        process's end unmaps them)."""
         for rid in list(self.regions):
             try:
                 await self._drop_region(rid, notify_peers=True, drain=False, notify_timeout=1.0)
@@ -315,8 +385,9 @@ class Registrar:
                         segments.append(r.view.name)
             msg.resolve(None)
             if segments and msg.client_gone and self.reap_leftovers:
-                # Unmapped now, so our own mapping no longer keeps them. Awaited: no
-                # registration of ours can map one of them while they are judged.
+                # Retired now (a decoy took their place): our mapping no longer keeps
+                # them. Awaited: no registration of ours can map one of them while they
+                # are judged.
                 await self._reap(segments, "session_end", msg.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
@@ -452,11 +523,11 @@ class Registrar:
                 await self._drain_local(rid)
         del self.regions[rid]
         self._publish_regions()
-        # 3. only now deregister and unmap.
+        # 3. only now deregister, and retire its memory (late bytes may still come).
         try:
             await self.engine.deregister(r.reg)
         finally:
-            r.mapping.close()
+            self._retire(rid, r)
         self.counters["regions_dropped"] = self.counters.get("regions_dropped", 0) + 1
         log.info("region_dropped", region_id=rid, generation=r.view.generation)
 
@@ -667,6 +738,7 @@ class Registrar:
             handshaked_at=self.clock.now(),
         )
         known.info = info
+        self._late_bound = max(self._late_bound, hs.write_bound)
         known.dialed_us = known.dialed_us or not dialed
         self.peers[hs.agent_name] = known
         if dialed:
@@ -1098,6 +1170,16 @@ class Registrar:
                 for r in self.regions.values()
             ],
             "peers": len(self.peers),
+            "retired": [
+                {
+                    "region_id": r.region_id,
+                    "name": r.name,
+                    "nbytes": r.nbytes,
+                    "decoy": r.mapping.retired,
+                    "freed_in_s": round(max(0.0, r.until - self.clock.now()), 3),
+                }
+                for r in self.retired.values()
+            ],
         }
 
 

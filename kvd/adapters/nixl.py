@@ -312,6 +312,9 @@ class NixlEngine:
         if self._ucx_tls:
             os.environ["UCX_TLS"] = self._ucx_tls
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        # a crash inside UCX prints its native backtrace to the log (then Python's fault
+        # handler adds every thread's Python stack): the one clue a crash leaves
+        os.environ.setdefault("UCX_HANDLE_ERRORS", "bt")
         if self._settle > 0:
             # a peer that acknowledges nothing for this long is cut off by the kernel and
             # every operation queued to it ends in error: nothing of it lands later

@@ -37,14 +37,41 @@ from kvd_client.shm import SHM_DIR, check_name, pid_namespace, staging_creator
 PROC_DIR: Final = "/proc"
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED: Final = ctypes.c_void_p(-1).value
+_MAP_FIXED: Final = 0x10
+_MAP_NORESERVE: Final = getattr(mmap, "MAP_NORESERVE", 0x4000)
+
+
+def _os_error(what: str) -> OSError:
+    err = ctypes.get_errno()
+    return OSError(err, f"{what}: {os.strerror(err)}")
+
+
 class MappedRegion:
-    """A read-write mapping of someone else's shared-memory segment."""
+    """A read-write mapping of someone else's shared-memory segment.
+
+    Mapped with mmap(2) directly (no file descriptor is kept: the segment is held only
+    by the mapping), so that it can be `retire`d in place."""
 
     def __init__(self, name: str, nbytes: int) -> None:
         try:
             check_name(name)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if nbytes <= 0:
+            raise InvalidRequest(f"a region of {nbytes} bytes cannot be mapped")
         path = os.path.join(SHM_DIR, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -62,25 +89,48 @@ class MappedRegion:
                 raise InvalidRequest(
                     f"segment {name!r} has {st.st_size} bytes, the region claims {nbytes}"
                 )
-            self._mm: mmap.mmap | None = mmap.mmap(
-                fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
-            )
+            prot = mmap.PROT_READ | mmap.PROT_WRITE
+            addr = _libc.mmap(None, nbytes, prot, mmap.MAP_SHARED, fd, 0)
+            if addr is None or addr == _MAP_FAILED:
+                err = _os_error(f"mmap of segment {name!r}")
+                raise InvalidRequest(str(err))
         finally:
             os.close(fd)
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        self.addr: Final = ctypes.addressof(anchor)
-        del anchor  # release the buffer export so close() can unmap
+        self.addr: Final[int] = int(addr)
         self.name: Final = name
         self.nbytes: Final = nbytes
+        self._mapped = True
+        self.retired = False
+        """Its addresses hold a private decoy now, not the segment (`retire`)."""
 
     def view(self) -> memoryview:
-        assert self._mm is not None
-        return memoryview(self._mm)
+        """The mapping's bytes (valid until `close`: do not keep it past that)."""
+        assert self._mapped
+        return memoryview((ctypes.c_char * self.nbytes).from_address(self.addr)).cast("B")
+
+    def retire(self) -> None:
+        """Let the segment go but keep its addresses: a private, zero-filled decoy
+        mapping takes its place, atomically (MAP_FIXED), until `close`. A peer's
+        transfer NIXL could not cancel (a WRITE, or the reply to a READ, still on the
+        way when the region was dropped) then lands in the decoy: never in memory of
+        the segment's owner, never in a region mapped later at the same addresses, and
+        never in unmapped memory, where it crashes the daemon (UCX's TCP transport
+        copies it in the daemon's own process). The segment is no longer held by us
+        (its owner's memory is freed once nobody else maps it)."""
+        if not self._mapped or self.retired:
+            return
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE
+        got = _libc.mmap(self.addr, self.nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+        if got is None or got == _MAP_FAILED or int(got) != self.addr:
+            raise _os_error(f"cannot retire the mapping of {self.name!r}")
+        self.retired = True
 
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        """Unmap (the segment, or the decoy of a retired region)."""
+        if self._mapped:
+            self._mapped = False
+            if _libc.munmap(self.addr, self.nbytes) != 0:
+                raise _os_error(f"munmap of {self.name!r}")
 
 
 class AnonRegion:

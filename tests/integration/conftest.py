@@ -64,7 +64,7 @@ def daemons(workdir: Path) -> Iterator[StartDaemon]:
             continue  # the test killed it on purpose
         rc = d.stop()
         if rc != 0:
-            problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+            problems.append(f"{d.name} exited {rc}:\n{d.report(2000)}")
         if os.path.exists(d.socket):
             problems.append(f"{d.name} left its socket {d.socket}")
     assert not problems, "\n".join(problems)
@@ -124,6 +124,6 @@ def daemon_pair(tag: str) -> Iterator[Pair]:
         for d in reversed(started):
             rc = d.stop()
             if rc != 0:
-                problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+                problems.append(f"{d.name} exited {rc}:\n{d.report(2000)}")
         shutil.rmtree(work, ignore_errors=True)
         assert not problems, "\n".join(problems)

@@ -425,7 +425,7 @@ def env() -> Iterator[Env]:
         for dp in reversed(started):
             rc = dp.stop()
             if rc != 0:
-                problems.append(f"{dp.name} exited {rc}:\n{dp.log.read_text()[-2000:]}")
+                problems.append(f"{dp.name} exited {rc}:\n{dp.report(2000)}")
             if os.path.exists(dp.socket):
                 problems.append(f"{dp.name} left its socket {dp.socket}")
         for dp in started:

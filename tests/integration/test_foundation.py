@@ -89,7 +89,7 @@ def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: P
         if worker.poll() is None:
             worker.kill()
     for d in (a, b):
-        assert d.stop() == 0, d.log.read_text()[-2000:]
+        assert d.stop() == 0, d.report(2000)
         assert not os.path.exists(d.socket)
     # the worker unlinked its segment, and the daemons (no EC region here) created none
     assert seg not in shm_segments()

@@ -257,7 +257,7 @@ def shared() -> Iterator[tuple[DaemonProc, DaemonProc]]:
         for d in started:
             rc = d.stop()
             if rc != 0:
-                problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+                problems.append(f"{d.name} exited {rc}:\n{d.report(2000)}")
             if os.path.exists(d.socket):
                 problems.append(f"{d.name} left its socket {d.socket}")
         shutil.rmtree(workdir, ignore_errors=True)

@@ -197,7 +197,7 @@ def test_drain_under_load_ends_every_request_once_and_exits_clean(
         assert proc.returncode == 0, out + errs
         report = json.loads(out)
         assert report["state"] in ("drained", "exited"), report
-        assert target.proc.wait(30) == 0, target.log.read_text()[-3000:]
+        assert target.proc.wait(30) == 0, target.report(3000)
         assert not os.path.exists(target.socket)
         log = target.log.read_text()
         assert '"drain_done"' in log and '"exiting_after_drain"' in log

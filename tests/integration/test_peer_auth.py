@@ -94,7 +94,7 @@ def trio() -> Iterator[Trio]:
         for dp in reversed(started):
             rc = dp.stop()
             if rc != 0:
-                problems.append(f"{dp.name} exited {rc}:\n{dp.log.read_text()[-2000:]}")
+                problems.append(f"{dp.name} exited {rc}:\n{dp.report(2000)}")
         if fake is not None:
             fake.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -603,7 +603,7 @@ def test_full_disk_fails_cleanly(workdir: Path) -> None:
             assert c.stats()["counters"].get("disk_corrupt", 0) == 0
     finally:
         rc = d.stop()
-    assert rc == 0, d.log.read_text()[-2000:]
+    assert rc == 0, d.report(2000)
 
 
 def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:

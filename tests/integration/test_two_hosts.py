@@ -183,7 +183,7 @@ def hosts() -> Iterator[Hosts]:
             if h.daemon is not None:
                 rc = h.daemon.stop()
                 if rc != 0:
-                    log = h.daemon.log.read_text()[-3000:]
+                    log = h.daemon.report(3000)
                     problems.append(f"{h.daemon.name} exited {rc}:\n{log}")
         for ns in made:  # deleting a namespace deletes the veth end in it
             _ip("netns", "del", ns, check=False)
@@ -208,6 +208,9 @@ def two(hosts: Hosts) -> Iterator[Hosts]:
         yield hosts
     finally:
         _close_engines(hosts)
+    for h in (hosts.p, hosts.d):  # a daemon that died fails the test that killed it
+        if h.daemon is not None and (rc := h.daemon.proc.poll()) is not None:
+            pytest.fail(f"{h.daemon.name} died ({rc}):\n{h.daemon.report(6000)}")
 
 
 def _engines(env: Hosts, tag: str) -> tuple[Engine, Engine]:
@@ -348,10 +351,13 @@ def test_link_cut_mid_transfer_then_restored(two: Hosts) -> None:
 
 
 def _transfer_states(hosts: Hosts) -> dict[str, Any]:
-    """What P and D still hold (for a failure's message)."""
+    """What P and D still hold (for a failure's message); a daemon that died fails the
+    test with its crash report."""
     out: dict[str, Any] = {}
     for h in (hosts.p, hosts.d):
         if h.daemon is not None:
+            rc = h.daemon.proc.poll()
+            assert rc is None, f"{h.daemon.name} died ({rc}):\n{h.daemon.report(6000)}"
             with KvdClient(h.daemon.socket, role="cli", keepalive_interval=0) as c:
                 out[h.daemon.name] = {
                     "transfers": c.status("transfers"),
@@ -450,6 +456,91 @@ def _events(cli: KvdClient, into: dict[str, tuple[float, Any]]) -> None:
         into[rid] = (now, ev)
 
 
+@dataclass
+class _Pair:
+    """A P and a D daemon of a test's own, one engine on each, and the terminal events
+    each engine saw (request id -> (when, event))."""
+
+    pd: DaemonProc
+    dd: DaemonProc
+    pe: Engine
+    de: Engine
+    p_seen: dict[str, tuple[float, Any]] = field(default_factory=dict)
+    d_seen: dict[str, tuple[float, Any]] = field(default_factory=dict)
+
+    def push(self, name: str, p_blocks: list[int], d_blocks: list[int]) -> tuple[str, str, str]:
+        pe, de = self.pe, self.de
+        key = f"cmpl-{secrets.token_hex(6)}-{name}-0"
+        p_id, d_id = f"{key}-p", f"{key}-d"
+        for j, b in enumerate(p_blocks):
+            pe.block(0, b)[:] = pattern(f"{key}/0", j, pe.block_bytes)
+        pe.client.finished(p_id, p_blocks)
+        de.client.track(d_id, P_ADDR, self.pd.side_port, remote_request_id=p_id)
+        de.client.register_push(d_id, d_blocks, P_ADDR, self.pd.side_port, remote_request_id=p_id)
+        return key, p_id, d_id
+
+    def wait(self, rid: str, side: str, t: float) -> Any:
+        cli, seen = (self.pe.client, self.p_seen) if side == "p" else (self.de.client, self.d_seen)
+        deadline = time.monotonic() + t
+        while rid not in seen:
+            assert time.monotonic() < deadline, f"no terminal event for {rid} within {t}s"
+            _events(cli, seen)
+            time.sleep(0.01)
+        return seen[rid]
+
+    def arrived(self, key: str, d_blocks: list[int]) -> bool:
+        de = self.de
+        return all(
+            bytes(de.block(0, b)) == bytes(pattern(f"{key}/0", j, de.block_bytes))
+            for j, b in enumerate(d_blocks)
+        )
+
+    def p_writing(self, timeout: float = 5.0) -> None:
+        """Returns once P's daemon has a transfer in flight."""
+        with KvdClient(self.pd.socket, role="cli", keepalive_interval=0) as cli:
+            wait_for = time.monotonic() + timeout
+            while not cli.status("transfers")["in_flight"]:
+                assert time.monotonic() < wait_for, "P never posted its WRITE"
+                time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _pair(
+    hosts: Hosts,
+    d_transfer: dict[str, Any] | None = None,
+    p_transfer: dict[str, Any] | None = None,
+) -> Iterator[_Pair]:
+    """Daemons of the test's own on the two hosts (16 blocks per engine), with a push
+    already verified (D holds P's view); P's egress slowed to `SLOW` once inside. Both
+    daemons must exit cleanly at the end (a crash fails the test)."""
+    tag = secrets.token_hex(2)
+    pd = _daemon(hosts.workdir, hosts.p, f"kvdt-2h-pw-{tag}", "none", p_transfer)
+    dd = _daemon(hosts.workdir, hosts.d, f"kvdt-2h-dw-{tag}", "none", d_transfer)
+    shaped = False
+    try:
+        kw: dict[str, Any] = {"num_blocks": 16, "num_layers": LAYERS, "chunk_bytes": CHUNK}
+        pe = make_engine(pd.socket, f"prefill-w{tag}", **kw)
+        hosts.engines.append(pe)
+        de = make_engine(dd.socket, f"decode-w{tag}", **kw)
+        hosts.engines.append(de)
+        pair = _Pair(pd, dd, pe, de)
+        # a push that fits D's wait: verified, and D holds P's view from now on
+        key, _, d_id = pair.push("warm", [0], [0])
+        _, ev = pair.wait(d_id, "d", 10.0)
+        assert type(ev).__name__ == "RecvFinished" and pair.arrived(key, [0]), ev
+        hosts.p.tc("add", "root", "tbf", "rate", SLOW, "burst", "32kb", "latency", "1s")
+        shaped = True
+        yield pair
+    finally:
+        if shaped:
+            hosts.p.tc("del", "root")
+        _close_engines(hosts)
+        for dmn in (dd, pd):
+            with contextlib.suppress(ProcessLookupError):
+                dmn.proc.send_signal(signal.SIGCONT)
+            assert dmn.stop() == 0, dmn.report(3000)
+
+
 def test_push_write_in_flight_past_ds_watchdog_lands_nothing_after_the_terminal_event(
     two: Hosts,
 ) -> None:
@@ -459,77 +550,30 @@ def test_push_write_in_flight_past_ds_watchdog_lands_nothing_after_the_terminal_
     blocks) until P says the WRITE ended: D's engine hears of the end only after P's
     daemon came back and its WRITE ended, and once it did, no byte lands in the blocks
     (a marker written into them right after the event stays intact)."""
-    hosts = two
-    tag = secrets.token_hex(2)
-    pd = _daemon(hosts.workdir, hosts.p, f"kvdt-2h-pw-{tag}", "none")
-    dd = _daemon(
-        hosts.workdir, hosts.d, f"kvdt-2h-dw-{tag}", "none", {"push_registration_timeout": 1.0}
-    )
-    shaped = False
-    try:
-        kw: dict[str, Any] = {"num_blocks": 16, "num_layers": LAYERS, "chunk_bytes": CHUNK}
-        pe = make_engine(pd.socket, f"prefill-w{tag}", **kw)
-        hosts.engines.append(pe)
-        de = make_engine(dd.socket, f"decode-w{tag}", **kw)
-        hosts.engines.append(de)
-        d_seen: dict[str, tuple[float, Any]] = {}
-        p_seen: dict[str, tuple[float, Any]] = {}
-
-        def push(name: str, p_blocks: list[int], d_blocks: list[int]) -> tuple[str, str, str]:
-            key = f"cmpl-{secrets.token_hex(6)}-{name}-0"
-            p_id, d_id = f"{key}-p", f"{key}-d"
-            for j, b in enumerate(p_blocks):
-                pe.block(0, b)[:] = pattern(f"{key}/0", j, pe.block_bytes)
-            pe.client.finished(p_id, p_blocks)
-            de.client.track(d_id, P_ADDR, pd.side_port, remote_request_id=p_id)
-            de.client.register_push(d_id, d_blocks, P_ADDR, pd.side_port, remote_request_id=p_id)
-            return key, p_id, d_id
-
-        def wait(rid: str, cli: KvdClient, seen: dict[str, tuple[float, Any]], t: float) -> Any:
-            deadline = time.monotonic() + t
-            while rid not in seen:
-                assert time.monotonic() < deadline, f"no terminal event for {rid} within {t}s"
-                _events(cli, seen)
-                time.sleep(0.01)
-            return seen[rid]
-
-        def arrived(key: str, d_blocks: list[int]) -> bool:
-            return all(
-                bytes(de.block(0, b)) == bytes(pattern(f"{key}/0", j, de.block_bytes))
-                for j, b in enumerate(d_blocks)
-            )
-
-        # a push that fits D's wait: verified, and D holds P's view from now on
-        key, p_id, d_id = push("warm", [0], [0])
-        _, ev = wait(d_id, de.client, d_seen, 10.0)
-        assert type(ev).__name__ == "RecvFinished" and arrived(key, [0]), ev
-
-        hosts.p.tc("add", "root", "tbf", "rate", SLOW, "burst", "32kb", "latency", "1s")
-        shaped = True
+    with _pair(two, {"push_registration_timeout": 1.0}) as pair:
+        pd, dd, de = pair.pd, pair.dd, pair.de
         blocks = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 MiB
-        key, p_id, d_id = push("slow", blocks, blocks)
+        key, p_id, d_id = pair.push("slow", blocks, blocks)
         # P's WRITE is in flight (the link lets it through slowly): freeze P in its midst
-        with KvdClient(pd.socket, role="cli", keepalive_interval=0) as cli:
-            wait_for = time.monotonic() + 5.0
-            while not cli.status("transfers")["in_flight"]:
-                assert time.monotonic() < wait_for, "P never posted its WRITE"
-                time.sleep(0.01)
+        pair.p_writing()
         pd.proc.send_signal(signal.SIGSTOP)
         try:
             time.sleep(2.5)  # D's watchdog (1 s) gives up meanwhile
-            _events(de.client, d_seen)
-            assert d_id not in d_seen, f"D ended the request under P's WRITE: {d_seen[d_id]}"
+            _events(de.client, pair.d_seen)
+            assert d_id not in pair.d_seen, (
+                f"D ended the request under P's WRITE: {pair.d_seen[d_id]}"
+            )
             with KvdClient(dd.socket, role="cli", keepalive_interval=0) as cli:
                 assert cli.status()["receiver"]["holding"] == 1
         finally:
             pd.proc.send_signal(signal.SIGCONT)
         resumed = time.monotonic()
-        d_at, ev = wait(d_id, de.client, d_seen, 20.0)
-        _, p_ev = wait(p_id, pe.client, p_seen, 20.0)
+        d_at, ev = pair.wait(d_id, "d", 20.0)
+        _, p_ev = pair.wait(p_id, "p", 20.0)
         assert d_at >= resumed
         landed = type(ev).__name__ == "RecvFinished"
         if landed:  # the WRITE ended well: every byte is there
-            assert arrived(key, blocks)
+            assert pair.arrived(key, blocks)
             # P's engine: done, or failed when the WRITE outlived the settle bound first
             # (answered Unsettled, then held until UCX ended it: which way is not told)
             assert type(p_ev).__name__ == "SendFinished" or "in flight" in p_ev.reason, p_ev
@@ -548,11 +592,52 @@ def test_push_write_in_flight_past_ds_watchdog_lands_nothing_after_the_terminal_
             assert st["receiver"]["holding"] == 0
             assert st["counters"].get("holds_released_by_p", 0) == 1, st["counters"]
         print(f"D's event {ev} {d_at - resumed:.3f}s after P resumed; P's: {p_ev}")
-    finally:
-        if shaped:
-            hosts.p.tc("del", "root")
-        _close_engines(hosts)
-        for dmn in (dd, pd):
-            with contextlib.suppress(ProcessLookupError):
-                dmn.proc.send_signal(signal.SIGCONT)
-            assert dmn.stop() == 0, dmn.log.read_text()[-3000:]
+
+
+def test_an_engine_gone_under_a_write_in_flight_leaves_its_region_to_the_late_bytes(
+    two: Hosts,
+) -> None:
+    """D's engine goes away (its session closes, its region is dropped) while P's WRITE
+    into its blocks is still crossing a slow link. NIXL cannot cancel the WRITE, so the
+    rest of its bytes arrive at D after the drop: D must not have unmapped the region's
+    memory under them (over TCP the late bytes would be copied into unmapped memory: D's
+    daemon would crash), nor let another mapping take its addresses. D retires the
+    region instead (its addresses stay reserved, the engine's memory is let go) and
+    frees the addresses only after the longest time a late byte may take; meanwhile D
+    serves on."""
+    # P's transfer bound longer than the WRITE takes to cross (TCP_USER_TIMEOUT follows
+    # it): the WRITE runs to its end instead of being cut off
+    with _pair(two, p_transfer={"transfer_timeout": 12.0}) as pair:
+        dd, de = pair.dd, pair.de
+        blocks = [1, 2, 3, 4, 5, 6, 7, 8]  # 2 MiB: about 4 s over the slowed link
+        _, p_id, _ = pair.push("slow", blocks, blocks)
+        pair.p_writing()
+        with KvdClient(dd.socket, role="cli", keepalive_interval=0) as cli:
+            dropped = cli.status()["counters"].get("regions_dropped", 0)
+            two.engines.remove(de)
+            de.close()  # the engine goes; its session's region is dropped
+            deadline = time.monotonic() + 15.0
+            while cli.status()["counters"].get("regions_dropped", 0) == dropped:
+                assert time.monotonic() < deadline, "D never dropped the engine's region"
+                time.sleep(0.05)
+            retired = cli.status()["registrar"]["retired"]
+            assert len(retired) == 1 and retired[0]["decoy"], retired
+            # P's WRITE is still crossing: the rest of it lands in the retired region
+            assert cli.status()["counters"].get("regions_retired_freed", 0) == 0
+        _, p_ev = pair.wait(p_id, "p", 30.0)
+        time.sleep(1.0)  # whatever was still queued lands meanwhile
+        assert dd.proc.poll() is None, f"D died under the late bytes:\n{dd.report(6000)}"
+        # the WRITE ran to its end, into the decoy: D's UCX met no unmapped memory (which
+        # fails the endpoint, or crashes D where it copies the bytes itself)
+        assert type(p_ev).__name__ == "SendFinished", p_ev
+        # D serves on: a new engine registers and receives a verified push
+        two.p.tc("del", "root")
+        two.p.tc("add", "root", "pfifo")
+        tag = secrets.token_hex(2)
+        kw: dict[str, Any] = {"num_blocks": 16, "num_layers": LAYERS, "chunk_bytes": CHUNK}
+        pair.de = make_engine(dd.socket, f"decode-x{tag}", **kw)
+        two.engines.append(pair.de)
+        key, _, d_id = pair.push("after", [9], [3])
+        _, ev = pair.wait(d_id, "d", 20.0)
+        assert type(ev).__name__ == "RecvFinished" and pair.arrived(key, [3]), ev
+        print(f"P's event for the WRITE under the gone engine: {p_ev}")

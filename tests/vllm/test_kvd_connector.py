@@ -65,7 +65,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[DaemonProc,
     for d in (dd, pd):
         rc = d.stop()
         if rc != 0:
-            problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+            problems.append(f"{d.name} exited {rc}:\n{d.report(2000)}")
         if os.path.exists(d.socket):
             problems.append(f"{d.name} left its socket {d.socket}")
     shutil.rmtree(workdir, ignore_errors=True)

@@ -70,7 +70,7 @@ def pair() -> Iterator[tuple[DaemonProc, DaemonProc]]:
     for d in (dd, pd):
         rc = d.stop()
         if rc != 0:
-            problems.append(f"{d.name} exited {rc}:\n{d.log.read_text()[-2000:]}")
+            problems.append(f"{d.name} exited {rc}:\n{d.report(2000)}")
     shutil.rmtree(workdir, ignore_errors=True)
     assert not problems, "\n".join(problems)
 
