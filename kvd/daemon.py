@@ -549,15 +549,17 @@ class Daemon:
             await self.registrar.cleanup()
         except Exception as exc:
             log.error("registrar_cleanup_failed", error=repr(exc))
-        self.ecrouter.close()
         await self.tiers.cleanup()
-        self.tiers.close()
         if self.staging is not None:
             try:
                 await self.staging.close()
             except Exception as exc:
                 log.error("staging_cleanup_failed", error=repr(exc))
         await self.engine.close()
+        # only now unmap what peers wrote into: with the NIXL thread gone nothing copies
+        # a late byte into our memory any more (UCX's TCP transport does it in-process)
+        self.ecrouter.close()
+        self.tiers.close()
 
     async def _wait_for_stop(self) -> None:
         """Until a signal, or a drain started with `exit` is over."""
