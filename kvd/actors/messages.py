@@ -159,6 +159,11 @@ class EnsurePeer(Call[PeerInfo]):
     host: str
     port: int
     refresh: bool = False
+    not_before: float | None = None
+    """A refresh: a handshake already in flight that started after this daemon
+    time answers it too (the caller found its view stale at that time: whatever made it
+    stale happened before, so that handshake's answer shows it). None: only a handshake
+    started for this call."""
 
 
 @dataclass(frozen=True)

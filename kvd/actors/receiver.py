@@ -267,8 +267,16 @@ class Receiver(TransferActor):
         else:
             raise TypeError(f"receiver cannot carry out {type(eff).__name__}")
 
-    async def _peer(self, host: str, port: int, refresh: bool = False) -> PeerInfo:
-        info: PeerInfo = await self.registrar.call(EnsurePeer(host, port, refresh=refresh))
+    async def _peer(
+        self, host: str, port: int, refresh: bool = False, since: float | None = None
+    ) -> PeerInfo:
+        """P's view (`refresh`: a fresh one, from a handshake started after `since`, by
+        default now: see `EnsurePeer.not_before`)."""
+        if refresh and since is None:
+            since = self.clock.now()
+        info: PeerInfo = await self.registrar.call(
+            EnsurePeer(host, port, refresh=refresh, not_before=since if refresh else None)
+        )
         return info
 
     def _known_peer(
@@ -399,10 +407,13 @@ class Receiver(TransferActor):
         """The peer's regions for the request's engine, re-handshaking once if they are not
         (yet) known. The peer must be the daemon the request's incarnation names (if
         given): a cached view of an older one is refreshed once, a newer one fails."""
-        info = await self._peer(load.host, load.port, refresh=refresh)
+        # the request arrived before now: a handshake started from now on shows what it
+        # needs of P (a region P registered, a restart), one started before may not
+        since = self.clock.now()
+        info = await self._peer(load.host, load.port, refresh=refresh, since=since)
         wanted = load.remote_incarnation
         if wanted and info.incarnation != wanted and not refresh:
-            info = await self._peer(load.host, load.port, refresh=True)
+            info = await self._peer(load.host, load.port, refresh=True, since=since)
             refresh = True
         if wanted and info.incarnation != wanted:
             raise TransferError(
@@ -416,7 +427,7 @@ class Receiver(TransferActor):
             if ranks is not None:
                 return info, ranks
             if attempt == 0 and not refresh:
-                info = await self._peer(load.host, load.port, refresh=True)
+                info = await self._peer(load.host, load.port, refresh=True, since=since)
         ranks = _ranks_of(info, engine_id)
         tp = ranks[0].tp_size if ranks else 0
         raise Incompatible(

@@ -229,6 +229,12 @@ class Registrar:
         self.peers: dict[str, _Peer] = {}  # by agent name
         self.peer_by_addr: dict[str, str] = {}  # "host:port" -> agent
         self._pending: dict[str, asyncio.Future[PeerInfo]] = {}
+        self._pending_since: dict[str, float] = {}
+        """When the handshake in `_pending` started (daemon time)."""
+        self._answered_since: dict[str, float] = {}
+        """When the handshake that answered last (its view is the one cached) started."""
+        self._next: dict[str, asyncio.Future[PeerInfo]] = {}
+        """Refreshes waiting for the handshake in `_pending` to end, to share the next."""
         self._clock_syncs: dict[str, asyncio.Future[ClockReading]] = {}
         """Clock measurements in flight, by agent (one at a time per peer)."""
         self._probes: dict[int, asyncio.Future[float]] = {}
@@ -749,21 +755,52 @@ class Registrar:
     def _ensure_peer(self, msg: EnsurePeer) -> None:
         addr = f"{msg.host}:{msg.port}"
         agent = self.peer_by_addr.get(addr)
-        if agent is not None and not msg.refresh:
+        stale_at = msg.not_before if msg.refresh else None
+        if agent is not None and (
+            not msg.refresh
+            or (stale_at is not None and self._answered_since.get(addr, -1.0) > stale_at)
+        ):
+            # (a refresh: a handshake that started after the caller found its view stale
+            # has answered already: its view is the fresh one the caller wants)
+            if msg.refresh:
+                self._count("handshake_refreshes_joined")
             msg.resolve(self.peers[agent].info)
             return
         fut = self._pending.get(addr)
-        if fut is None or msg.refresh:
-            # A refresh never joins a handshake already in flight: that one may have
-            # started before what made the caller's view stale (a region the peer
-            # registered since), and would answer with the same stale view.
-            fut = asyncio.get_running_loop().create_future()
-            self._pending[addr] = fut
-            assert self._tg is not None
-            self._tg.start_soon(self._handshake, msg.host, msg.port, fut)
+        if fut is None or (msg.refresh and stale_at is None):
+            fut = self._start_handshake(msg.host, msg.port)
+        elif stale_at is not None and self._pending_since[addr] <= stale_at:
+            # A refresh never joins a handshake that started before the caller found its
+            # view stale: that one may answer with the same stale view (a region the
+            # peer registered meanwhile). It joins the one handshake queued behind it,
+            # which starts when it ends: a burst of requests finding the same view stale
+            # costs at most two handshakes, not one each.
+            nxt = self._next.get(addr)
+            if nxt is None:
+                nxt = asyncio.get_running_loop().create_future()
+                self._next[addr] = nxt
+            else:
+                self._count("handshake_refreshes_joined")
+            fut = nxt
+        elif msg.refresh:
+            self._count("handshake_refreshes_joined")
         fut.add_done_callback(lambda f: _settle(msg, f))
 
-    async def _handshake(self, host: str, port: int, fut: asyncio.Future[PeerInfo]) -> None:
+    def _start_handshake(
+        self, host: str, port: int, fut: asyncio.Future[PeerInfo] | None = None
+    ) -> asyncio.Future[PeerInfo]:
+        addr = f"{host}:{port}"
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+        self._pending[addr] = fut
+        self._pending_since[addr] = started = self.clock.now()
+        assert self._tg is not None
+        self._tg.start_soon(self._handshake, host, port, fut, started)
+        return fut
+
+    async def _handshake(
+        self, host: str, port: int, fut: asyncio.Future[PeerInfo], started: float
+    ) -> None:
         addr = f"{host}:{port}"
         try:
             ours = await self._our_handshake(b"req")
@@ -776,6 +813,7 @@ class Registrar:
             info = await self._learn(reply, host, port, dialed=True)
             self._install_key(dialer=ours, acceptor=reply)
             self.counters["handshakes_ok"] = self.counters.get("handshakes_ok", 0) + 1
+            self._answered_since[addr] = started  # the view cached now is this one's
             log.info("peer_handshake_ok", peer=info.agent, addr=addr, regions=len(info.regions))
             fut.set_result(info)
             self._spawn_clock_sync(info.agent, host, port)
@@ -792,6 +830,10 @@ class Registrar:
         finally:
             if self._pending.get(addr) is fut:
                 del self._pending[addr]
+                self._pending_since.pop(addr, None)
+                nxt = self._next.pop(addr, None)
+                if nxt is not None:  # at once: a refresh coming meanwhile joins it
+                    self._start_handshake(host, port, nxt)
 
     async def _side_request(self, host: str, port: int, msg: wire.Record) -> wire.Record:
         """One request/reply on a peer's side channel (fresh DEALER, bounded by the timeout)."""
