@@ -47,15 +47,23 @@ TERMINAL_SEND = (wire.SendFinished, wire.SendFailed, wire.SendExpired)
 # ------------------------------------------------------------------ helpers
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.02) -> Any:
-    """Poll `pred` until it returns something truthy; fail with `what` after `timeout`."""
+def wait_until(
+    pred: Callable[[], Any],
+    timeout: float,
+    what: str,
+    every: float = 0.02,
+    why: Callable[[], Any] | None = None,
+) -> Any:
+    """Poll `pred` until it returns something truthy; fail with `what` after `timeout`
+    (and what `why` says then)."""
     deadline = time.monotonic() + timeout
     while True:
         got = pred()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
+            last = why() if why is not None else got
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
         time.sleep(every)
 
 
@@ -490,17 +498,19 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
                 d_id, [30 + i], HOST, port, remote_request_id=p_id, remote_block_ids=[20 + i]
             )
 
+        seen: list[Any] = []
+
         def pulls_in_flight() -> bool:
             status = d.status()
             states = {r["request_id"]: r["state"] for r in d.status("transfers")["receiving"]}
             got = [states.get(d_id, "") for _, _, d_id in pulls]
+            now_posted = status["nixl"]["transfers_posted"] - posted
+            seen[:] = [got, now_posted, status["nixl"]["transfers_done"]]
             return (
-                set(got) <= {"reading", "acking"}
-                and "acking" in got
-                and status["nixl"]["transfers_posted"] == posted + len(pulls)
+                set(got) <= {"reading", "acking"} and "acking" in got and now_posted == len(pulls)
             )
 
-        wait_until(pulls_in_flight, 5.0, "pulls in flight at D")
+        wait_until(pulls_in_flight, 5.0, "pulls in flight at D", why=lambda: seen)
         d.poll()
         assert d.worker.events == []
 
