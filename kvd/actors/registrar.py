@@ -316,7 +316,7 @@ class Registrar:
         its addresses, `MappedRegion.retire`) and unmapped only after `_late_bound`.
         Kept mapped as it is if the decoy cannot be made (its owner's memory is then
         held as long). GPU memory opened through CUDA IPC is closed at once: a decoy is
-        a host-memory notion (see the README's notes on VRAM)."""
+        a host-memory notion (not covered: docs/late-writes.md)."""
         m = r.mapping
         if not isinstance(m, MappedRegion):
             m.close()
