@@ -204,6 +204,7 @@ class Sender(TransferActor):
                 self.peers.pop(msg.agent, None)
             else:
                 self.peers[msg.agent] = msg.info
+                self._feed(proto.PeerIncarnation(msg.agent, msg.info.incarnation), now)
         else:
             return False
         return True

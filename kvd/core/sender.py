@@ -273,6 +273,16 @@ class Stalled:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerIncarnation:
+    """A D daemon's incarnation as its latest handshake showed it. Registrations of an
+    earlier incarnation of it (a D that restarted) wait for a party that is gone: they
+    end (no word: nobody would hear it), and one arriving late is ignored."""
+
+    agent: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
 class RegionsChanged:
     """The current generations of our regions, per engine, in rank order."""
 
@@ -297,6 +307,7 @@ Event = (
     | ResyncAcked
     | Stalled
     | RegionsChanged
+    | PeerIncarnation
 )
 
 
@@ -484,6 +495,10 @@ class Sender:
         self._tomb_base: dict[str, str] = {}
         """Base id -> the newest exact id buried `by_base` under it."""
         self.ended_sessions: OrderedDict[str, None] = OrderedDict()
+        self.incarnations: dict[str, int] = {}
+        """Each D's incarnation as last seen (`PeerIncarnation`)."""
+        self.gone_incarnations: OrderedDict[tuple[str, int], None] = OrderedDict()
+        """(agent, incarnation) of D daemons that restarted since (bounded)."""
         self.closing: set[str] = set()
         self.generations: dict[str, tuple[int, ...]] = {}
         self.stall_epoch = 0
@@ -863,6 +878,21 @@ class Sender:
                 self._stream_ending(req, _Ending(S.ABORTED, _GONE, None), now)
         self._maybe_session_ended(ev.session)
 
+    def _on_peer_incarnation(self, ev: PeerIncarnation, now: float) -> None:
+        prev = self.incarnations.get(ev.agent)
+        self.incarnations[ev.agent] = ev.incarnation
+        if prev is None or prev == ev.incarnation:
+            return
+        self.gone_incarnations[(ev.agent, prev)] = None
+        while len(self.gone_incarnations) > ENDED_SESSIONS:
+            self.gone_incarnations.popitem(last=False)
+        for req in [r for r in self.reqs.values() if r.state is S.AWAITING]:
+            reg = req.registration
+            if req.agent == ev.agent and reg is not None and reg.incarnation == prev:
+                # its D restarted: nothing will come for it but our registration timeout
+                self._count("waits_failed_peer_restarted")
+                self._end(req, S.FAILED, _RESTARTED)
+
     def _maybe_session_ended(self, session: str) -> None:
         if session not in self.closing or any(r.session == session for r in self.reqs.values()):
             return
@@ -873,6 +903,9 @@ class Sender:
 
     def _on_registration(self, ev: RegistrationArrived, now: float) -> None:
         msg = ev.msg
+        if (ev.agent, msg.incarnation) in self.gone_incarnations:
+            self._count("registrations_from_gone_incarnation")
+            return  # late, from a D that restarted since: nobody would hear an answer
         key = msg.remote_request_id or msg.request_id
         req = self._find(key)
         if req is None:
@@ -1551,6 +1584,9 @@ _DRAINING: Final = Tombstone(
     "P's kvd daemon is draining (going out of service): it grants no new leases",
     refuses_finish=True,
 )
+_RESTARTED: Final = Tombstone(
+    int(ErrorCode.TRANSFER), "D's daemon restarted since it registered", refuses_finish=True
+)
 _OPERATOR: Final = Tombstone(
     int(ErrorCode.TRANSFER), "aborted by the operator (kvd abort) on P", refuses_finish=True
 )
@@ -1573,6 +1609,7 @@ _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     ResyncAcked: Sender._on_resync_acked,
     Stalled: Sender._on_stalled,
     RegionsChanged: Sender._on_regions,
+    PeerIncarnation: Sender._on_peer_incarnation,
 }
 
 _ON: Final[dict[tuple[SendState, type], Callable[[Sender, SendRequest, Any, float], None]]] = {

@@ -44,6 +44,7 @@ from kvd.core.sender import (
     HeartbeatArrived,
     LayersSaved,
     LayersWritten,
+    PeerIncarnation,
     PostLayers,
     PostWrite,
     PullDoneArrived,
@@ -872,6 +873,31 @@ def test_cancel_a_waiting_registration() -> None:
     assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
     assert tx.counters["finishes_after_cancel"] == 1
     assert_empty(tx)
+
+
+def test_a_restarted_ds_waiting_registrations_end_and_its_late_ones_are_ignored() -> None:
+    """D's daemon restarted (a handshake shows a new incarnation): the registrations its
+    earlier incarnation left waiting end at once, with no word (nobody would hear it),
+    instead of at our registration timeout; a late one from it is ignored; the new
+    incarnation's registrations and another D's are untouched."""
+    tx = make()
+    assert tx.handle(PeerIncarnation(D1, 9), 0.0) == []  # the incarnation `reg` names
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(registered("d2", "r2", agent=D2), 0.0)
+    assert tx.awaiting() == (2, 0)
+    assert tx.handle(PeerIncarnation(D1, 9), 1.0) == []  # the same one again: nothing
+    assert tx.awaiting() == (2, 0)
+    assert calm(tx.handle(PeerIncarnation(D1, 10), 2.0)) == []  # restarted: no word
+    assert tx.awaiting() == (1, 0)
+    assert tx.counters["waits_failed_peer_restarted"] == 1
+    assert tx.handle(registered("d3", "r3"), 3.0) == []  # late, from the old incarnation
+    assert tx.counters["registrations_from_gone_incarnation"] == 1
+    assert tx.awaiting() == (1, 0)
+    new = RegistrationArrived(D1, replace(reg("d4", "r4"), incarnation=10))
+    tx.handle(new, 4.0)
+    assert tx.awaiting() == (2, 0)
+    # the old incarnation's request is refused when P's engine finishes it after all
+    assert calm(tx.handle(finish("r1"), 5.0)) == [("failed", "s1", "r1", TRANSFER)]
 
 
 def test_cancel_before_anything_refuses_the_finish() -> None:
