@@ -10,7 +10,9 @@ States (`SendState`) and what moves them (`TRANSITIONS` lists every allowed move
 per-state handlers are in `_ON`):
 
     AWAITING  D's registration, or its pull completion, arrived before P's engine
-              finished the request. Bounded: registration_timeout / lease_wait_timeout.
+              finished the request. Bounded: registration_timeout / lease_wait_timeout;
+              a registration also ends (no word) once its D is seen restarted
+              (`PeerIncarnation`).
     HELD      P's engine finished it: a lease is granted; D's heartbeats extend it. Or
               (bidirectional KV) D's engine *kept* a finished request's blocks for the
               next conversational turn: a fixed lease (`Finish.keep_for`) that no
