@@ -87,6 +87,8 @@ READY_TIMEOUT: Final = 120.0
 """Seconds a daemon may take to start (a busy 2-core machine can take tens)."""
 EC_COMPAT: Final = "kvd-chaos-encoder"
 KV_NAMES: Final = ("p", "d")
+KV_MODES: Final = ("push", "pull", "layers")
+"""Whole pushes, pulls and layer-wise pushes (`kvd.traffic`), in turn."""
 EC_NAMES: Final = ("e", "c")
 
 
@@ -539,19 +541,27 @@ def _matches(region: _Mapped, ev: wire.ECReady, data: np.ndarray) -> bool:
 # ------------------------------------------------------------------ victim engines
 
 
+def kv_engine(socket: str, name: str, num_blocks: int, *, workers: bool = False) -> Engine:
+    """A simulated engine's KV region: 4 layers of 2 KiB chunks (16 KiB blocks); P's has
+    a worker session per rank (the layer-wise pushes' notices come from it)."""
+    return make_engine(
+        socket, name, num_blocks=num_blocks, num_layers=4, chunk_bytes=2048, workers=workers
+    )
+
+
 def victim_main(argv: list[str]) -> int:
     """A victim engine pair (P engine on P's daemon, D engine on D's) running traffic
     until it is killed."""
     p_sock, d_sock, port, seed, tag = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     rng = random.Random(seed)
     try:
-        p = make_engine(p_sock, f"{tag}-p", num_blocks=64, num_layers=2, chunk_bytes=4096)
-        d = make_engine(d_sock, f"{tag}-d", num_blocks=64, num_layers=2, chunk_bytes=4096)
+        p = kv_engine(p_sock, f"{tag}-p", 64, workers=True)
+        d = kv_engine(d_sock, f"{tag}-d", 64)
     except (KvdError, OSError) as exc:
         print(f"victim {tag} could not start: {exc}", file=sys.stderr)
         return 3
     print("ready", flush=True)
-    t = Traffic(p, d, port, rng, window=6)
+    t = Traffic(p, d, port, rng, window=6, modes=KV_MODES)
     while True:
         t.step()
         time.sleep(0.003)
@@ -579,6 +589,8 @@ class ChaosReport:
     ec_outcomes: dict[str, int] = field(default_factory=dict)
     bytes_verified: int = 0
     requests_verified: int = 0
+    layer_streams_verified: int = 0
+    """Layer-wise pushes D's engine verified (part of `requests_verified`)."""
     wrong_bytes: int = 0
     unfinished: list[str] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)
@@ -641,6 +653,7 @@ class ChaosReport:
             "ec_requests": self.ec_requests,
             "ec_outcomes": self.ec_outcomes,
             "requests_verified": self.requests_verified,
+            "layer_streams_verified": self.layer_streams_verified,
             "bytes_verified": self.bytes_verified,
             "wrong_bytes": self.wrong_bytes,
             "unfinished": len(self.unfinished),
@@ -701,12 +714,8 @@ class Chaos:
     def _engines(self) -> None:
         p, d = self.nodes["p"], self.nodes["d"]
         assert p.proc is not None and d.proc is not None
-        self.p_eng = make_engine(
-            p.proc.socket, "prefill", num_blocks=256, num_layers=2, chunk_bytes=4096
-        )
-        self.d_eng = make_engine(
-            d.proc.socket, "decode", num_blocks=256, num_layers=2, chunk_bytes=4096
-        )
+        self.p_eng = kv_engine(p.proc.socket, "prefill", 256, workers=True)
+        self.d_eng = kv_engine(d.proc.socket, "decode", 256)
         self.kv = Traffic(
             self.p_eng,
             self.d_eng,
@@ -714,6 +723,7 @@ class Chaos:
             self.rng,
             window=12,
             max_blocks=8,
+            modes=KV_MODES,
             as_vllm=True,
         )
         self.ec = ECTraffic(self.nodes["e"], self.nodes["c"], self.rng)
@@ -1176,6 +1186,9 @@ class Chaos:
         rep.ec_outcomes = dict(sorted(ec.outcomes.items()))
         rep.longest_to_terminal_s = longest
         rep.requests_verified = kv.ok() + ec.verified
+        rep.layer_streams_verified = sum(
+            1 for r in kv.reqs.values() if r.mode == "layers" and r.nbytes > 0
+        )
         rep.bytes_verified = sum(r.nbytes for r in kv.reqs.values()) + ec.bytes
         rep.wrong_bytes = len(kv.wrong) + len(ec.wrong)
         rep.unfinished = kv.unfinished() + ec.unfinished()
@@ -1240,7 +1253,7 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     rows = [
         ("faults injected", f"{d['faults_total']} ({faults})"),
         (
-            "KV requests (push and pull) offered to D",
+            "KV requests (push, layer-wise push, pull) offered to D",
             str(rep.kv_requests - rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),
         ),
         (
@@ -1249,6 +1262,7 @@ def print_report(rep: ChaosReport, console: Any) -> None:
         ),
         ("encoder outputs ensured", str(rep.ec_requests)),
         ("requests done with bytes verified", str(rep.requests_verified)),
+        ("  of them layer-wise pushes", str(rep.layer_streams_verified)),
         ("bytes verified", f"{rep.bytes_verified:,}"),
         ("wrong bytes reported done", str(rep.wrong_bytes)),
         ("requests not ended / ended twice", f"{len(rep.unfinished)} / {len(rep.stray)}"),

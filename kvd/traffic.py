@@ -7,10 +7,15 @@ list. D's engine checks every byte of every request its daemon reports done. So 
 daemon that transfers from blocks its engine was told it got back shows up as a
 `RecvFinished` with wrong bytes, never silently.
 
-Requests alternate push and pull; D tracks each one first, P finishes it, D registers
-or pulls (in random order relative to P's finish for push). Every terminal event is
-recorded per request id, on each side, with the time it was seen, so tests (and
-`kvd chaos`) can check "exactly once" and "within its bound".
+Requests take turns among `modes`: push and pull (D tracks each one first, P finishes it,
+D registers or pulls, in random order relative to P's finish for push), and layer-wise
+push ("layers": D registers first, then P's engine computes the request a layer or two at
+a time over several steps: it writes each layer's bytes into blocks that hold poison
+until then, its workers announce them with `layers_saved`, and it finishes after the
+last; a daemon that WRITEs a layer before its notice, or reports D done before every
+layer landed, shows up as wrong bytes). Every terminal event is recorded per request id,
+on each side, with the time it was seen, so tests (and `kvd chaos`) can check "exactly
+once" and "within its bound".
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class Req:
     """What D's calls carry about P (kv_transfer_params), with `as_vllm`."""
     nbytes: int = 0
     """Bytes D's engine verified for it (0 unless it ended RecvFinished with the right bytes)."""
+    layers: int = 0
+    """Mode "layers": the layers P's engine has computed and announced so far."""
 
 
 @dataclass
@@ -85,6 +92,17 @@ class Traffic:
     not_offered: int = 0
     """Requests P's client refused at once (`as_vllm`)."""
     paused: bool = False
+    streaming: dict[str, Req] = field(default_factory=dict)
+    """Mode "layers": requests P's engine is still computing, by key."""
+    layer_notices: int = 0
+    """`layers_saved` notices P's workers sent (one per rank and step)."""
+    aborted_unfinished: int = 0
+    """Layer-wise requests D's engine aborted because P's client refused the finish (as a
+    router does when P's prefill fails after D was scheduled)."""
+
+    def __post_init__(self) -> None:
+        if "layers" in self.modes and len(self.p.workers) != len(self.p.regions):
+            raise ValueError('mode "layers" needs P\'s engine made with workers (one per rank)')
 
     @property
     def live(self) -> int:
@@ -94,6 +112,7 @@ class Traffic:
         if not self.paused:
             while self.live < self.window and self._start():
                 pass
+        self._compute_layers()
         self._drain()
 
     def _start(self) -> bool:
@@ -112,10 +131,12 @@ class Traffic:
             self.d.alloc(self.rng, n),
             time.monotonic(),
         )
+        self.reqs[key], self.by_p[r.p_id], self.by_d[r.d_id] = r, r, r
+        if mode == "layers":
+            return self._start_layers(r)
         for rank in range(len(self.p.regions)):
             for j, b in enumerate(r.p_blocks):
                 self.p.block(rank, b)[:] = pattern(f"{key}/{rank}", j, self.p.block_bytes)
-        self.reqs[key], self.by_p[r.p_id], self.by_d[r.d_id] = r, r, r
         d = self.d.client
         if self.as_vllm:
             return self._start_as_vllm(r)
@@ -145,12 +166,57 @@ class Traffic:
         self._d_start(r)
         return True
 
+    def _start_layers(self, r: Req) -> bool:
+        """D registers before P has computed anything (P's blocks hold poison until each
+        layer is written), naming P's daemon incarnation and client session as P's
+        client knows them now (none if it is down: a later P must refuse nothing)."""
+        for rank in range(len(self.p.regions)):
+            for b in r.p_blocks:
+                self.p.block(rank, b)[:] = 0xEE
+        p = self.p.client
+        if p.welcome is not None and p.session:
+            r.remote = {"remote_incarnation": p.welcome.incarnation, "remote_session": p.session}
+        inc = r.remote.get("remote_incarnation", self.incarnation)
+        self.d.client.track(
+            r.d_id, HOST, self.port, remote_request_id=r.p_id, remote_incarnation=inc
+        )
+        self._d_start(r)
+        self.streaming[r.key] = r
+        return True
+
+    def _compute_layers(self) -> None:
+        """Each step, every request P's engine is computing gets one or two more layers:
+        their bytes written, then announced by every rank's worker; after the last layer
+        the engine finishes the request (the finish sends whatever no notice named)."""
+        lay = self.p.layout
+        for key, r in list(self.streaming.items()):
+            upto = min(lay.num_layers, r.layers + self.rng.randint(1, 2))
+            for rank in range(len(self.p.regions)):
+                for j, b in enumerate(r.p_blocks):
+                    want = pattern(f"{key}/{rank}", j, self.p.block_bytes)
+                    for layer in range(r.layers, upto):
+                        for part in range(lay.kv_parts):
+                            at = layer * lay.layer_stride + part * lay.kv_stride
+                            chunk = want[at : at + lay.chunk_bytes]
+                            self.p.chunk(rank, b, layer, part)[:] = chunk
+            r.layers = upto
+            for w in self.p.workers:
+                if w.layers_saved(upto, [(r.p_id, r.p_blocks)]):
+                    self.layer_notices += 1
+            if upto < lay.num_layers:
+                continue
+            del self.streaming[key]
+            if not self.p.client.finished(r.p_id, r.p_blocks) and not r.d_end:
+                # P's prefill failed (no session): the router gives D's request up
+                self.aborted_unfinished += 1
+                self.d.client.abort(r.d_id, "recv")
+
     def _inc(self) -> dict[str, Any]:
         return {"remote_incarnation": self.incarnation} if self.incarnation else {}
 
     def _d_start(self, r: Req) -> None:
         extra = r.remote or self._inc()
-        if r.mode == "push":
+        if r.mode in ("push", "layers"):
             self.d.client.register_push(
                 r.d_id, r.d_blocks, HOST, self.port, remote_request_id=r.p_id, **extra
             )
@@ -166,12 +232,18 @@ class Traffic:
             )
 
     def _drain(self) -> None:
+        for w in self.p.workers:
+            # as vLLM's worker connector does each step: a worker's session also comes
+            # back (and registers its regions again) only through its own polls; it sees
+            # its engine's events too, which the scheduler's client counts
+            w.drain_events()
         for ev in self.p.client.drain_events():
             if not isinstance(ev, P_TERMINAL):
                 continue
             r = self.by_p.get(ev.request_id)
             self.p_events[type(ev).__name__] += 1
-            if r is None or r.p_end:
+            if r is None or r.p_end or r.key in self.streaming:
+                # (P's engine never finished a request it is still computing)
                 self.stray.append(f"P {type(ev).__name__} for {ev.request_id}")
                 continue
             r.p_end = type(ev).__name__
@@ -217,7 +289,7 @@ class Traffic:
         """Stop starting requests and wait until every started one ended on both sides."""
         self.paused = True
         end = time.monotonic() + timeout
-        while self.live and time.monotonic() < end:
+        while (self.live or self.streaming) and time.monotonic() < end:
             self.step()
             time.sleep(0.005)
         self.paused = False

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -713,6 +714,63 @@ def test_d_daemon_frozen_under_load_never_reports_wrong_bytes(
     assert t.unfinished() == [] and t.stray == [], (t.unfinished()[:5], t.stray[:5])
     assert counter(d, "sessions_opened") == opened and d.client.reconnects == 0
     assert t.ok() > 20, (t.ok(), t.p_events, t.d_events)
+
+
+@pytest.mark.parametrize("fault", ["p-frozen", "d-frozen", "p-restarted"])
+def test_layer_streams_under_faults_never_report_wrong_bytes(
+    daemons: StartDaemon, engines: list[Engine], fault: str
+) -> None:
+    """Layer-wise pushes beside whole pushes and pulls while P's daemon is frozen past its
+    client timeout, D's is frozen past P's lease, or P's is killed and restarted 2 s later.
+    P's engine writes each layer into blocks that hold poison until then and announces it
+    (`layers_saved`), D registered first: a layer WRITTEN before its notice, a request
+    reported done before every layer landed, or after P's engine got its blocks back, is
+    a wrong byte. Every request ends exactly once on each side, and streams work again
+    after the fault."""
+    port = free_port()
+    p_cfg: dict[str, Any] = {"side_channel": {"port": port}, "daemon": {"client_timeout": 2.0}}
+    if fault == "d-frozen":
+        p_cfg["transfer"] = {"kv_lease_duration": 3.0}
+    pd = daemons("kvd-p", overrides=p_cfg)
+    dd = daemons("kvd-d", overrides={"daemon": {"client_timeout": 2.0}})
+    shape: dict[str, Any] = {"num_blocks": 256, "num_layers": 4, "chunk_bytes": 2048}
+    p = make_engine(pd.socket, "prefill", workers=True, **shape)
+    engines.append(p)
+    d = make_engine(dd.socket, "decode", **shape)
+    engines.append(d)
+    t = Traffic(p, d, port, random.Random(17), modes=("layers", "push", "layers", "pull"))
+    t.run_for(1.5)
+    assert t.ok() > 0 and not t.wrong, (t.ok(), t.wrong, t.p_events, t.d_events)
+    assert counter(p, "sends_layered") > 0
+    if fault == "p-restarted":
+        pd.kill()
+        t.run_for(2.0)
+        pd = daemons("kvd-p", overrides=p_cfg)
+    else:
+        frozen = pd if fault == "p-frozen" else dd
+        frozen.proc.send_signal(signal.SIGSTOP)
+        try:
+            t.run_for(4.0)  # past the client timeouts (and, D frozen, past P's lease)
+        finally:
+            frozen.proc.send_signal(signal.SIGCONT)
+    after = time.monotonic()
+    t.run_for(3.0)
+    t.settle(30.0)
+
+    assert t.wrong == [], f"{len(t.wrong)} requests reported done with wrong bytes: {t.wrong[:5]}"
+    assert t.unfinished() == [], t.unfinished()[:5]
+    assert t.stray == [], t.stray[:5]
+    streamed = [
+        r for r in t.reqs.values() if r.mode == "layers" and r.started > after and r.nbytes > 0
+    ]
+    reasons = Counter(
+        (r.mode, r.p_end, r.d_end, r.d_reason[:60]) for r in t.reqs.values() if r.started > after
+    )
+    assert len(streamed) > 5, (len(streamed), reasons.most_common(8))
+    assert t.ok() > 20, (t.ok(), t.p_events, t.d_events)
+    # the streams after the fault were streamed (P's daemon WRITEs layers before finish)
+    assert counter(p, "sends_layered") > 0
+    assert counter(p, "layer_notices_rejected") == 0
 
 
 _P_ENGINE = """
