@@ -758,7 +758,9 @@ class KvdClient:
         One way and never blocking: no reply, nothing to wait for in the forward pass. The
         daemon WRITEs those layers at once to a D that registered for the request; it is
         only a head start (P's `finished` writes whatever no notice named), so a notice that
-        cannot be sent is simply not sent (returns False)."""
+        cannot be sent is simply not sent (returns False). It never reopens a lost session:
+        a worker polls `drain_events` every step (vLLM's worker connector does, in
+        `get_finished`), which brings the session back and registers its regions again."""
         if not requests:
             return True
         if self._sock is None or self._lost.is_set() or self._phase is not _Phase.UP:
