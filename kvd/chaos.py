@@ -679,7 +679,15 @@ class Chaos:
 
     def __init__(self, cfg: ChaosConfig, log: Callable[[str], None] = lambda _: None) -> None:
         self.cfg = cfg
-        self.log = log
+        self.journal: list[str] = []
+        """The driver's log lines (faults, restarts, thaws), written to `driver.log` in
+        the work directory, which a failed run keeps."""
+
+        def journal(line: str) -> None:
+            self.journal.append(line)
+            log(line)
+
+        self.log = journal
         self.rng = random.Random(cfg.seed)
         self.report = ChaosReport(cfg.seed, cfg.duration)
         self.own_workdir = cfg.workdir is None
@@ -934,6 +942,8 @@ class Chaos:
             self._phase("stop")
             self._figures()
             self.report.wall_s = time.monotonic() - t0
+            with contextlib.suppress(OSError):
+                (self.workdir / "driver.log").write_text("\n".join(self.journal) + "\n")
             if self.own_workdir and self.report.ok:
                 shutil.rmtree(self.workdir, ignore_errors=True)
             else:
@@ -1165,7 +1175,11 @@ class Chaos:
                 took = self._took(r.started, at, (p, d))
                 longest = max(longest, took)
                 if took > kv_bound:
-                    rep.over_bound.append(f"{r.mode} {side} {r.d_id}: {took:.2f}s > {kv_bound:g}s")
+                    rep.over_bound.append(
+                        f"{r.mode} {side} {r.d_id}: {took:.2f}s > {kv_bound:g}s (started "
+                        f"{r.started:.1f}, ended {at:.1f} {r.d_end if side == 'D' else r.p_end}"
+                        f" {r.d_reason[:80] if side == 'D' else ''}; driver.log has the faults)"
+                    )
                 killed = [b for b, _, kind in p.outages if kind == "kill" and r.started <= b <= at]
                 if side == "D" and killed:
                     since = at - killed[0] - self._held(killed[0], at, (p, d))
