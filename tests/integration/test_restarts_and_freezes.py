@@ -738,7 +738,12 @@ def test_layer_streams_under_faults_never_report_wrong_bytes(
     engines.append(p)
     d = make_engine(dd.socket, "decode", **shape)
     engines.append(d)
-    t = Traffic(p, d, port, random.Random(17), modes=("layers", "push", "layers", "pull"))
+    # announced as `KvdConnector` does (D hears of a request with P's incarnation and
+    # session, or registers a layer-wise push first naming them): a push D registered
+    # naming neither, for a request P's client refused, waits at a restarted P for the
+    # registration timeout, as it must (P cannot know that no finish will come)
+    modes = ("layers", "push", "layers", "pull")
+    t = Traffic(p, d, port, random.Random(17), modes=modes, as_vllm=True)
     t.run_for(1.5)
     assert t.ok() > 0 and not t.wrong, (t.ok(), t.wrong, t.p_events, t.d_events)
     assert counter(p, "sends_layered") > 0
