@@ -972,6 +972,22 @@ class RequestPlan:
     """What D permutes on receive (`permutes_on_receive`), by pair index."""
 
 
+def shift_plan(
+    plan: RequestPlan, local_deltas: Sequence[int], remote_deltas: Sequence[int]
+) -> RequestPlan:
+    """`plan` with pair i's local addresses moved by `local_deltas[i]` bytes and its remote
+    ones by `remote_deltas[i]`: the plan of the same blocks between regions moved so.
+    Planning depends on a region's base address only by adding it (descriptors merge
+    where both sides continue each other, which moving a side as a whole keeps), so the
+    plan of a request's layers [f + n, e + n) is that of [f, e) moved by n layer strides
+    on each side (`Geometry.layers`); a layer-wise push plans each range once."""
+    plans = tuple(
+        Plan(_frozen(p.local_addrs + dl), _frozen(p.remote_addrs + dr), p.lengths)
+        for p, dl, dr in zip(plan.plans, local_deltas, remote_deltas, strict=True)
+    )
+    return RequestPlan(plan.pairs, plans, plan.permutes)
+
+
 def plan_request(
     p: Sequence[RankView],
     p_logical: Sequence[int],

@@ -6,7 +6,7 @@ bytes, as NIXL would."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from kvd.core.planner import (
     permute_chunks,
     plan_request,
     receive_permutes,
+    shift_plan,
 )
 from kvd.core.topology import map_ranks
 
@@ -253,3 +254,57 @@ def test_an_in_place_permute_taken_in_pieces_equals_one_taken_whole(
         outs.append(got)
     assert not np.array_equal(outs[2], buf)
     assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[2])
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    heads=st.sampled_from([1, 2, 4, 8]),
+    mla=st.booleans(),
+    ps=SIDES,
+    ds=SIDES,
+    ntok=st.integers(1, 40),
+    layers=st.integers(2, 5),
+    data=st.data(),
+)
+def test_a_later_range_of_layers_is_the_first_ones_plan_moved(
+    heads: int, mla: bool, ps: Side, ds: Side, ntok: int, layers: int, data: Any
+) -> None:
+    """What a layer-wise push relies on to plan each range once (`shift_plan`): the plan
+    of layers [f, f + n) of a request equals that of [g, g + n) moved by f - g layer
+    strides on each side, descriptor for descriptor, for any topology and layout."""
+    if mla:
+        spec = spec_of(1, mla=True, head_size=4, layers=layers)
+    else:
+        spec = spec_of(heads, head_size=4, layers=layers)
+    if not mla and heads >= 2 and any(heads % s.tp and s.tp % heads for s in (ps, ds)):
+        return
+    m, n = -(-ntok // ps.tokens), -(-ntok // ds.tokens)
+    if m > ps.num_blocks or n > ds.num_blocks:
+        return
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    p_views, _, d_views, _, _, pb, db = request_case(spec, ps, ds, m, n, rng)
+    width = data.draw(st.integers(1, layers - 1))
+    g = data.draw(st.integers(0, layers - width))
+    f = data.draw(st.integers(0, layers - width))
+
+    def sliced(views: list[View], first: int) -> list[View]:
+        return [replace(v, geometry=v.geometry.layers(first, first + width)) for v in views]
+
+    try:
+        base = plan_request(sliced(p_views, g), pb, sliced(d_views, g), db, local_is_p=True)
+    except Incompatible:
+        return  # a pair that cannot map (the handshake refuses it)
+    want = plan_request(sliced(p_views, f), pb, sliced(d_views, f), db, local_is_p=True)
+    moved = shift_plan(
+        base,
+        [(f - g) * p_views[x.p].geometry.layer_stride for x in base.pairs],
+        [(f - g) * d_views[x.d].geometry.layer_stride for x in base.pairs],
+    )
+    assert moved.pairs == want.pairs
+    for a, b in zip(moved.plans, want.plans, strict=True):
+        assert np.array_equal(a.local_addrs, b.local_addrs)
+        assert np.array_equal(a.remote_addrs, b.remote_addrs)
+        assert np.array_equal(a.lengths, b.lengths)
+    assert [(j.pair, j.blocks.tolist()) for j in moved.permutes] == [
+        (j.pair, j.blocks.tolist()) for j in want.permutes
+    ]

@@ -161,6 +161,7 @@ def test_layerwise_push_several_requests_every_byte(
         assert pc.get("layer_notices_rejected", 0) == 0
         assert pc.get("layer_writes_coalesced", 0) > 0  # requests ready together: one WRITE
         assert pc.get("leases_granted", 0) == 0  # streamed: claimed, never leased
+        assert pc.get("layer_plans_moved", 0) > 0  # later layers: the first plan, moved
         assert dc["recv_ok"] == n and dc.get("recv_failed", 0) == 0
         assert dc.get("notifs_rejected", 0) == 0 and pc.get("notifs_rejected", 0) == 0
         # a whole-request push still works beside it (D registers after P finished)
