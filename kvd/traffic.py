@@ -232,10 +232,11 @@ class Traffic:
             )
 
     def _drain(self) -> None:
-        for w in self.p.workers:
-            # as vLLM's worker connector does each step: a worker's session also comes
-            # back (and registers its regions again) only through its own polls; it sees
-            # its engine's events too, which the scheduler's client counts
+        for w in self.p.workers if "layers" in self.modes else ():
+            # the workers whose notices the streams need poll as vLLM's worker connector
+            # does each step: a worker's session comes back (and registers its regions
+            # again) only through its own polls; it sees its engine's events too, which
+            # the scheduler's client counts (without streams, the caller's to take)
             w.drain_events()
         for ev in self.p.client.drain_events():
             if not isinstance(ev, P_TERMINAL):
