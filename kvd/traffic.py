@@ -169,7 +169,8 @@ class Traffic:
     def _start_layers(self, r: Req) -> bool:
         """D registers before P has computed anything (P's blocks hold poison until each
         layer is written), naming P's daemon incarnation and client session as P's
-        client knows them now (none if it is down: a later P must refuse nothing)."""
+        client last knew them (a P daemon that restarted since, or a session that ended,
+        fails the registration at once)."""
         for rank in range(len(self.p.regions)):
             for b in r.p_blocks:
                 self.p.block(rank, b)[:] = 0xEE
