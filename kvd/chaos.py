@@ -87,6 +87,8 @@ READY_TIMEOUT: Final = 120.0
 """Seconds a daemon may take to start (a busy 2-core machine can take tens)."""
 EC_COMPAT: Final = "kvd-chaos-encoder"
 KV_NAMES: Final = ("p", "d")
+KV_TP: Final = 2
+"""Ranks of the main engines (a region each; the victims' engines have one)."""
 KV_MODES: Final = ("push", "pull", "layers")
 """Whole pushes, pulls and layer-wise pushes (`kvd.traffic`), in turn."""
 EC_NAMES: Final = ("e", "c")
@@ -541,11 +543,20 @@ def _matches(region: _Mapped, ev: wire.ECReady, data: np.ndarray) -> bool:
 # ------------------------------------------------------------------ victim engines
 
 
-def kv_engine(socket: str, name: str, num_blocks: int, *, workers: bool = False) -> Engine:
-    """A simulated engine's KV region: 4 layers of 2 KiB chunks (16 KiB blocks); P's has
-    a worker session per rank (the layer-wise pushes' notices come from it)."""
+def kv_engine(
+    socket: str, name: str, num_blocks: int, *, tp: int = 1, workers: bool = False
+) -> Engine:
+    """A simulated engine's KV regions, one per rank: 4 layers of 2 KiB chunks (16 KiB
+    blocks); P's has a worker session per rank (the layer-wise pushes' notices come from
+    them, and a request is done at D only once every rank's bytes landed)."""
     return make_engine(
-        socket, name, num_blocks=num_blocks, num_layers=4, chunk_bytes=2048, workers=workers
+        socket,
+        name,
+        num_blocks=num_blocks,
+        num_layers=4,
+        chunk_bytes=2048,
+        tp=tp,
+        workers=workers,
     )
 
 
@@ -722,8 +733,8 @@ class Chaos:
     def _engines(self) -> None:
         p, d = self.nodes["p"], self.nodes["d"]
         assert p.proc is not None and d.proc is not None
-        self.p_eng = kv_engine(p.proc.socket, "prefill", 256, workers=True)
-        self.d_eng = kv_engine(d.proc.socket, "decode", 256)
+        self.p_eng = kv_engine(p.proc.socket, "prefill", 256, tp=KV_TP, workers=True)
+        self.d_eng = kv_engine(d.proc.socket, "decode", 256, tp=KV_TP)
         self.kv = Traffic(
             self.p_eng,
             self.d_eng,
