@@ -2,11 +2,12 @@
 
 Four `kvd serve` processes (P and D for KV-cache blocks, an encoder E and a consumer C
 for encoder outputs) with fixed sockets and ports, as systemd would run them. The
-simulated engines of `kvd.demo` (real thin clients, shared-memory KV regions) drive
-mixed push and pull requests P -> D (`kvd.traffic.Traffic`: P fills blocks with a
-per-request pattern and poisons them the moment its send ends; D checks every byte it
-is told is done), and an encoder stream E -> C (`kvd.ecdemo.output_bytes`, every byte
-checked at C). Victim engines (engine pairs in child processes) run their own traffic.
+simulated engines of `kvd.demo` (real thin clients, shared-memory KV regions, two ranks)
+drive mixed push, layer-wise push and pull requests P -> D (`kvd.traffic.Traffic`: P
+fills blocks with a per-request pattern, layer by layer for a layer-wise push, and
+poisons them the moment its send ends; D checks every byte it is told is done), and an
+encoder stream E -> C (`kvd.ecdemo.output_bytes`, every byte checked at C). Victim
+engines (engine pairs in child processes) run their own traffic.
 
 Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a daemon
 SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
