@@ -88,13 +88,19 @@ SIDES = st.builds(
 )
 
 
+REQUESTS: dict[str, Any] = {
+    "heads": st.sampled_from([1, 2, 4, 8]),
+    "mla": st.booleans(),
+    "ps": SIDES,
+    "ds": SIDES,
+    "ntok": st.integers(1, 40),
+}
+"""A request between any two sides: KV heads (or MLA), P's and D's sides, its tokens."""
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    heads=st.sampled_from([1, 2, 4, 8]),
-    mla=st.booleans(),
-    ps=SIDES,
-    ds=SIDES,
-    ntok=st.integers(1, 40),
+    **REQUESTS,
     hit=st.integers(0, 2),
     local_is_p=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -257,15 +263,7 @@ def test_an_in_place_permute_taken_in_pieces_equals_one_taken_whole(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    heads=st.sampled_from([1, 2, 4, 8]),
-    mla=st.booleans(),
-    ps=SIDES,
-    ds=SIDES,
-    ntok=st.integers(1, 40),
-    layers=st.integers(2, 5),
-    data=st.data(),
-)
+@given(**REQUESTS, layers=st.integers(2, 5), data=st.data())
 def test_a_later_range_of_layers_is_the_first_ones_plan_moved(
     heads: int, mla: bool, ps: Side, ds: Side, ntok: int, layers: int, data: Any
 ) -> None:
