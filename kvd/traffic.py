@@ -94,11 +94,6 @@ class Traffic:
     paused: bool = False
     streaming: dict[str, Req] = field(default_factory=dict)
     """Mode "layers": requests P's engine is still computing, by key."""
-    layer_notices: int = 0
-    """`layers_saved` notices P's workers sent (one per rank and step)."""
-    aborted_unfinished: int = 0
-    """Layer-wise requests D's engine aborted because P's client refused the finish (as a
-    router does when P's prefill fails after D was scheduled)."""
 
     def __post_init__(self) -> None:
         if "layers" in self.modes and len(self.p.workers) != len(self.p.regions):
@@ -202,14 +197,12 @@ class Traffic:
                             self.p.chunk(rank, b, layer, part)[:] = chunk
             r.layers = upto
             for w in self.p.workers:
-                if w.layers_saved(upto, [(r.p_id, r.p_blocks)]):
-                    self.layer_notices += 1
+                w.layers_saved(upto, [(r.p_id, r.p_blocks)])  # not sent: the finish covers it
             if upto < lay.num_layers:
                 continue
             del self.streaming[key]
             if not self.p.client.finished(r.p_id, r.p_blocks) and not r.d_end:
                 # P's prefill failed (no session): the router gives D's request up
-                self.aborted_unfinished += 1
                 self.d.client.abort(r.d_id, "recv")
 
     def _inc(self) -> dict[str, Any]:
