@@ -10,6 +10,9 @@
 - Stage trace: more push and pull requests in batches that alternate the daemons' stage
   trace on and off (`kvd.bench.stages`): where the time of one request goes, and what
   the tracing itself costs.
+- Floors: a raw NIXL notification round trip (`kvd.bench.raw`) and a ZMQ IPC round trip
+  (`kvd.bench.zmqfloor`), and what a daemon on this host cannot go below: the two round
+  trips plus the copy itself (the WRITE or READ as the stage trace timed it).
 - Idle cost: the runner measures the D daemon's CPU once every scenario is done
   (`kvd.bench.idle`).
 """
@@ -25,7 +28,7 @@ from typing import Any
 from kvd_client import layout as kvlayout
 from kvd_client.client import KvdClient
 
-from kvd.bench import idle, stages
+from kvd.bench import idle, stages, zmqfloor
 from kvd.bench.common import (
     Env,
     Progress,
@@ -65,7 +68,8 @@ class ControlConfig:
     by batches (ABBA order)."""
     trace_batch: int = 10
     raw_round_trips: int = 1000
-    """Raw NIXL notification round trips (the floor), printed beside push and pull."""
+    """Raw NIXL notification round trips and ZMQ IPC round trips (the floors), each,
+    printed beside push and pull."""
     idle_window_s: float = 10.0
     """How long the idle daemon's CPU is measured."""
 
@@ -91,7 +95,7 @@ class ControlConfig:
 
 def steps(cfg: ControlConfig) -> int:
     """Progress steps of `run`, and the runner's idle measurement."""
-    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 1 + 1
+    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 2 + 1
 
 
 def _batches(n: int) -> int:
@@ -352,6 +356,34 @@ def raw_round_trips(env: Env, n: int) -> list[float]:
     return [env.raw.notif_round_trip() for _ in range(n)]
 
 
+COPY_STAGES: dict[str, str] = {"push": "P nixl.done", "pull": "D nixl.done"}
+"""The stage whose `took` is the copy itself: from the transfer posted to NIXL's DONE."""
+
+
+def design_floor(
+    notif: dict[str, Any], zmq_rtt: dict[str, Any], trace: dict[str, Any]
+) -> dict[str, Any]:
+    """What a push or pull through a daemon cannot go below on this host (p50, ms): the
+    engine's call and its event (one ZMQ IPC round trip), the two notifications (D's
+    registration and P's PushDone; D's PullDone and P's PullAck: one NIXL round trip) and
+    the copy (as the stage trace timed it in this run). Everything above it is the
+    daemons' own hops."""
+    out: dict[str, Any] = {
+        "zmq_rtt_p50_ms": zmq_rtt["p50_ms"],
+        "notif_rtt_p50_ms": notif["p50_ms"],
+    }
+    for mode, key in COPY_STAGES.items():
+        rows = {row["stage"]: row for row in trace.get(mode, {}).get("stages", [])}
+        if key not in rows:
+            continue
+        copy_ms = rows[key]["took_us"] / 1e3
+        out[mode] = {
+            "copy_p50_ms": round(copy_ms, 4),
+            "p50_ms": round(zmq_rtt["p50_ms"] + notif["p50_ms"] + copy_ms, 4),
+        }
+    return out
+
+
 def run(
     env: Env, cfg: ControlConfig, pair: CtlPair, seed: int, progress: Progress
 ) -> dict[str, Any]:
@@ -367,6 +399,8 @@ def run(
     trace = trace_run(env, pair, cfg, rng, progress)
     floor = raw_round_trips(env, cfg.raw_round_trips)
     progress("control plane: raw NIXL notification round trip")
+    zmq_rtt = zmqfloor.round_trips(env.workdir, cfg.raw_round_trips)
+    progress("control plane: ZMQ IPC round trip")
     idle_us = [t * 1e6 for t in idle_drain]
     busy_us = [b["us"] for b in busy]
     busy_events = [b["events"] for b in busy]
@@ -375,6 +409,8 @@ def run(
         "push": summary_ms(push, cdf=True),
         "pull": summary_ms(pull, cdf=True),
         "raw_notif_rtt": summary_ms(floor),
+        "zmq_rtt": summary_ms(zmq_rtt),
+        "floor": design_floor(summary_ms(floor), summary_ms(zmq_rtt), trace),
         "drain_idle": {
             "n": len(idle_us),
             "p50_us": round(pct(idle_us, 0.5), 2),

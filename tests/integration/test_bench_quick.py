@@ -108,6 +108,14 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         assert cdf[-1] == ctl[mode]["max_ms"]
     floor = ctl["raw_notif_rtt"]  # raw NIXL's notification round trip, the floor
     assert floor["n"] > 0 and 0 < floor["p50_ms"] <= floor["p99_ms"]
+    zmq_rtt = ctl["zmq_rtt"]  # a ZMQ IPC round trip to an asyncio ROUTER, the other floor
+    assert zmq_rtt["n"] > 0 and 0 < zmq_rtt["p50_ms"] <= zmq_rtt["p99_ms"]
+    for mode in ("push", "pull"):  # a daemon's floor: both round trips and the copy
+        fl = ctl["floor"][mode]
+        _positive(fl["copy_p50_ms"], f"{mode}: the copy")
+        assert fl["p50_ms"] == pytest.approx(
+            zmq_rtt["p50_ms"] + floor["p50_ms"] + fl["copy_p50_ms"], abs=1e-3
+        )
     _positive(ctl["drain_idle"]["p50_us"], "idle drain_events")
     _positive(ctl["drain_busy"]["median_events"], "busy drain_events events")
     trace = ctl["trace"]
@@ -177,6 +185,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert targets and all(isinstance(t["met"], bool) for t in targets)
     assert "TP 8->4 push / equal TP" in {t["target"] for t in targets}
     assert "idle daemon CPU" in {t["target"] for t in targets}
+    names = {t["target"] for t in targets}
+    assert {f"control {op} {q}" for op in ("push", "pull") for q in ("p50", "p99")} <= names
     # --plot: one PNG chart per scenario
     charts = sorted(p.name for p in plots.iterdir())
     assert charts == ["control_latency_cdf.png", "dataplane.png", "ec.png", "scale.png"]
