@@ -12,6 +12,12 @@ layer's compute. Target: layer-wise ≤ one layer's transfer + 1 ms, where one l
 transfer is the median time P's daemon took to WRITE one layer (its own record of each
 layer WRITE, post to completion) in the same run. D's client waits in a thread of its
 own, blocked in ZMQ (no GIL held), so it sees the event when it arrives.
+
+The floor printed beside it, measured in the same run: what the path after the last
+layer cannot go below through daemons here, whatever they do between their messages:
+the layer's notice to P's daemon and D's event to its client (one ZMQ IPC round trip,
+`kvd.bench.zmqfloor`), the WRITE itself (as above) and its notification to D (half a
+raw NIXL notification round trip).
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 
+from kvd.bench import zmqfloor
 from kvd.bench.common import BenchError, Env, Side, make_side, median, new_id, pct, status
+
+FLOOR_ROUND_TRIPS = 200
+"""ZMQ IPC and raw NIXL notification round trips measured for the floor."""
 
 _LAYER_RID = re.compile(r"/l(\d+)-(\d+)$")
 """How the sender names a layer WRITE in `kvd transfers` (`<request>/l<first>-<end>`)."""
@@ -179,6 +189,10 @@ def run(
         whole.append(_one(env, cfg, pair, False, rng))
         progress(f"layer-wise: {i + 1}/{cfg.reps} whole")
     one_layer = median(layer_ms) if layer_ms else float("nan")
+    zmq_rtt = median(zmqfloor.round_trips(env.workdir, FLOOR_ROUND_TRIPS)) * 1e3
+    for _ in range(20):  # warm up, as the control plane's floor does
+        env.raw.notif_round_trip()
+    notif = median([env.raw.notif_round_trip() for _ in range(FLOOR_ROUND_TRIPS)]) * 1e3
     return {
         "layers": cfg.layers,
         "compute_ms_per_layer": cfg.compute_ms,
@@ -188,6 +202,11 @@ def run(
         "layerwise": _summary(lw),
         "whole": _summary(whole),
         "goal_ms": round(one_layer + 1.0, 3),
+        "floor": {
+            "zmq_rtt_p50_ms": round(zmq_rtt, 4),
+            "notif_rtt_p50_ms": round(notif, 4),
+            "p50_ms": round(zmq_rtt + notif / 2 + one_layer, 3),
+        },
     }
 
 

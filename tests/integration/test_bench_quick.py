@@ -180,6 +180,12 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     for key in ("layerwise", "whole"):
         _positive(lw[key]["p50_ms"], f"layer-wise {key}")
     _positive(lw["one_layer_write_ms"], "one layer's WRITE")
+    fl = lw["floor"]  # the WRITE, a ZMQ IPC round trip and half a notification round trip
+    _positive(fl["zmq_rtt_p50_ms"], "layer-wise floor: ZMQ round trip")
+    _positive(fl["notif_rtt_p50_ms"], "layer-wise floor: notification round trip")
+    assert fl["p50_ms"] == pytest.approx(
+        lw["one_layer_write_ms"] + fl["zmq_rtt_p50_ms"] + fl["notif_rtt_p50_ms"] / 2, abs=2e-3
+    )
 
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
