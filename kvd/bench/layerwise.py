@@ -34,7 +34,7 @@ from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 
-from kvd.bench import zmqfloor
+from kvd.bench import control, zmqfloor
 from kvd.bench.common import BenchError, Env, Side, make_side, median, new_id, pct, status
 
 FLOOR_ROUND_TRIPS = 200
@@ -190,9 +190,7 @@ def run(
         progress(f"layer-wise: {i + 1}/{cfg.reps} whole")
     one_layer = median(layer_ms) if layer_ms else float("nan")
     zmq_rtt = median(zmqfloor.round_trips(env.workdir, FLOOR_ROUND_TRIPS)) * 1e3
-    for _ in range(20):  # warm up, as the control plane's floor does
-        env.raw.notif_round_trip()
-    notif = median([env.raw.notif_round_trip() for _ in range(FLOOR_ROUND_TRIPS)]) * 1e3
+    notif = median(control.raw_round_trips(env, FLOOR_ROUND_TRIPS)) * 1e3
     return {
         "layers": cfg.layers,
         "compute_ms_per_layer": cfg.compute_ms,
