@@ -477,12 +477,16 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
             lambda: p.status()["sender"]["pending_registrations"] == 4, 5.0, "registrations at P"
         )
         # pulls in flight: P is frozen, so they stay in flight until it dies. Once both
-        # sides have READ from each other before (kvd ping reads the peer's canary), at
-        # least the first READ completes and its pull waits for P's ack ("acking"); the
-        # others may stay in their READ ("reading"). A pull is "reading" from when D
-        # decides to READ, a moment before NIXL has it: wait until NIXL has all three. A
-        # READ posted only after P died finds P gone when posting, which D takes for a P
-        # that may have restarted: it handshakes afresh first (up to the handshake timeout).
+        # sides have READ from each other before (kvd ping reads the peer's canary), the
+        # first READ usually completes and its pull waits for P's ack ("acking"); the
+        # others may stay in their READ ("reading"). Not always: in two runs of many (a
+        # loaded machine) no READ completed against the frozen P (all three "reading",
+        # none done), perhaps UCX still finishing the endpoints' wire-up with P when it
+        # froze. Either way each pull is in flight when P dies, which is what this test
+        # is about. A pull is "reading" from when D decides to READ, a moment before NIXL
+        # has it: wait until NIXL has all three. A READ posted only after P died finds P
+        # gone when posting, which D takes for a P that may have restarted: it handshakes
+        # afresh first (up to the handshake timeout).
         pulls = [ids(f"pull{i}") for i in range(3)]
         for i, (key, p_id, d_id) in enumerate(pulls):
             fill(p, key, [20 + i])
@@ -506,9 +510,7 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
             got = [states.get(d_id, "") for _, _, d_id in pulls]
             now_posted = status["nixl"]["transfers_posted"] - posted
             seen[:] = [got, now_posted, status["nixl"]["transfers_done"]]
-            return (
-                set(got) <= {"reading", "acking"} and "acking" in got and now_posted == len(pulls)
-            )
+            return set(got) <= {"reading", "acking"} and now_posted == len(pulls)
 
         wait_until(pulls_in_flight, 5.0, "pulls in flight at D", why=lambda: seen)
         d.poll()
