@@ -479,14 +479,15 @@ def test_p_killed_d_fails_waiting_requests_then_works_with_new_p(daemons: StartD
         # pulls in flight: P is frozen, so they stay in flight until it dies. Once both
         # sides have READ from each other before (kvd ping reads the peer's canary), the
         # first READ usually completes and its pull waits for P's ack ("acking"); the
-        # others may stay in their READ ("reading"). Not always: in two runs of many (a
-        # loaded machine) no READ completed against the frozen P (all three "reading",
-        # none done), perhaps UCX still finishing the endpoints' wire-up with P when it
-        # froze. Either way each pull is in flight when P dies, which is what this test
-        # is about. A pull is "reading" from when D decides to READ, a moment before NIXL
-        # has it: wait until NIXL has all three. A READ posted only after P died finds P
-        # gone when posting, which D takes for a P that may have restarted: it handshakes
-        # afresh first (up to the handshake timeout).
+        # others may stay in their READ ("reading"). Not always: on a loaded machine no
+        # READ completes against the frozen P now and then (all three "reading", none
+        # done: twice in many suite runs; 2 of 18 runs beside three CPU-bound processes,
+        # even with a whole pull from P's region made just before the pings). kvd does
+        # not decide that, UCX does. Either way each pull is in flight when P dies, which
+        # is what this test is about. A pull is "reading" from when D decides to READ, a
+        # moment before NIXL has it: wait until NIXL has all three. A READ posted only
+        # after P died finds P gone when posting, which D takes for a P that may have
+        # restarted: it handshakes afresh first (up to the handshake timeout).
         pulls = [ids(f"pull{i}") for i in range(3)]
         for i, (key, p_id, d_id) in enumerate(pulls):
             fill(p, key, [20 + i])
