@@ -138,7 +138,9 @@ def test_top_under_tmux_moves_and_quits_on_q(daemons: StartDaemon, tmp_path: Pat
         wait_for(lambda s: _write_count(s) == 2)
         for i in range(2, 5):
             _push(p, d, p_d.side_port, i)
-        shown = wait_for(lambda s: _write_count(s) == 5)
+        # A whole frame: the capture can catch Live mid-redraw (lines erased, the lower
+        # ones not yet written), so wait for the footer, the frame's last line, too.
+        shown = wait_for(lambda s: _write_count(s) == 5 and "q quits" in s)
         assert "kvd-top2d" in shown, shown  # per peer
         assert all(len(line.rstrip()) <= 80 for line in shown.splitlines())
         subprocess.run([*tmux, "send-keys", "-t", session, "q"], check=True, timeout=10)
