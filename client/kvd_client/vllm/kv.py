@@ -721,17 +721,20 @@ class _SchedulerSide:
                 self._meta.outcomes.append((rid, kind))
                 continue
             st = self._d.get(rid)
+            if isinstance(ev, wire.RecvFailed):  # vLLM's kv_load_failure_policy applies
+                # Logged here whatever the phase: the workers' sessions may have reported the
+                # failure first (the request then "reported", or gone once finished), and this
+                # event is the only place that carries the daemon's reason.
+                log.warning(
+                    "kvd: request %s: loading its KV from %s failed (%s): %s",
+                    rid,
+                    st.remote.engine_id if st is not None else "P",
+                    _code_name(ev.code),
+                    ev.reason,
+                )
             if (kind != SEND_DONE and st is not None and st.phase == "loading") or (
                 kind == SEND_DONE and rid in self._sending
             ):
-                if isinstance(ev, wire.RecvFailed):  # vLLM's kv_load_failure_policy applies
-                    log.warning(
-                        "kvd: request %s: loading its KV from %s failed (%s): %s",
-                        rid,
-                        st.remote.engine_id if st is not None else "?",
-                        _code_name(ev.code),
-                        ev.reason,
-                    )
                 self._meta.outcomes.append((rid, kind))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvdConnectorMetadata:
