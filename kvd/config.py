@@ -407,7 +407,7 @@ class NixlConfig(_Section):
         le=100_000,
     )
     poll_deep_idle_us: int = _opt(
-        50_000,
+        100_000,
         "Longest pause, in microseconds, of the NIXL poll loop while the daemon has nothing "
         "going on at all (no request, encoder-cache fetch, tier operation or probe a "
         "notification or a peer's transfer could be for): an idle daemon then costs well "
