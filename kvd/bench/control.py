@@ -13,6 +13,9 @@
 - Floors: a raw NIXL notification round trip (`kvd.bench.raw`) and a ZMQ IPC round trip
   (`kvd.bench.zmqfloor`), and what a daemon on this host cannot go below: the two round
   trips plus the copy itself (the WRITE or READ as the stage trace timed it).
+- Bare thread hand-offs (`kvd.bench.handoff`): an event loop to a thread and back, as a
+  daemon's loop and its NIXL thread hand over each transfer and notification, measured
+  alone beside the stage trace's (on a loaded host the difference is waiting for a core).
 - Idle cost: the runner measures the D daemon's CPU once every scenario is done
   (`kvd.bench.idle`).
 """
@@ -28,7 +31,7 @@ from typing import Any
 from kvd_client import layout as kvlayout
 from kvd_client.client import KvdClient
 
-from kvd.bench import idle, stages, zmqfloor
+from kvd.bench import handoff, idle, stages, zmqfloor
 from kvd.bench.common import (
     Env,
     Progress,
@@ -401,6 +404,8 @@ def run(
     progress("control plane: raw NIXL notification round trip")
     zmq_rtt = zmqfloor.round_trips(env.workdir, cfg.raw_round_trips)
     progress("control plane: ZMQ IPC round trip")
+    to_thread, to_loop = handoff.round_trips(cfg.raw_round_trips)
+    progress("control plane: thread hand-offs")
     idle_us = [t * 1e6 for t in idle_drain]
     busy_us = [b["us"] for b in busy]
     busy_events = [b["events"] for b in busy]
@@ -410,6 +415,8 @@ def run(
         "pull": summary_ms(pull, cdf=True),
         "raw_notif_rtt": summary_ms(floor),
         "zmq_rtt": summary_ms(zmq_rtt),
+        "handoff_to_thread": summary_ms(to_thread),
+        "handoff_to_loop": summary_ms(to_loop),
         "floor": design_floor(summary_ms(floor), summary_ms(zmq_rtt), trace),
         "drain_idle": {
             "n": len(idle_us),

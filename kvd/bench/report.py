@@ -478,6 +478,8 @@ def control_table(ctl: dict[str, Any]) -> Table:
         ("pull", "pull: D pull -> RecvFinished"),
         ("raw_notif_rtt", "floor: raw NIXL notification round trip"),
         ("zmq_rtt", "floor: ZMQ IPC round trip (client <-> asyncio ROUTER)"),
+        ("handoff_to_thread", "bare hand-off: event loop -> thread (as to NIXL's)"),
+        ("handoff_to_loop", "bare hand-off: thread -> event loop (as from NIXL's)"),
     ):
         if key not in ctl:
             continue

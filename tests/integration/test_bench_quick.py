@@ -110,6 +110,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert floor["n"] > 0 and 0 < floor["p50_ms"] <= floor["p99_ms"]
     zmq_rtt = ctl["zmq_rtt"]  # a ZMQ IPC round trip to an asyncio ROUTER, the other floor
     assert zmq_rtt["n"] > 0 and 0 < zmq_rtt["p50_ms"] <= zmq_rtt["p99_ms"]
+    for leg in ("handoff_to_thread", "handoff_to_loop"):  # bare loop <-> thread hand-offs
+        assert ctl[leg]["n"] == 100 and 0 < ctl[leg]["p50_ms"] <= ctl[leg]["p99_ms"], leg
     for mode in ("push", "pull"):  # a daemon's floor: both round trips and the copy
         fl = ctl["floor"][mode]
         _positive(fl["copy_p50_ms"], f"{mode}: the copy")
