@@ -98,7 +98,7 @@ class ControlConfig:
 
 def steps(cfg: ControlConfig) -> int:
     """Progress steps of `run`, and the runner's idle measurement."""
-    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 2 + 1
+    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 3 + 1
 
 
 def _batches(n: int) -> int:
