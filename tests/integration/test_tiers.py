@@ -719,6 +719,9 @@ def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemo
         assert c.commits_refused == 1
         assert load_check(other, [1]) == [False]
         assert c.commits_refused == 1 and c.store([key(2)], [memoryview(block(2))]) == [True]
+        # (the commit is one-way: another session sees it once the daemon handled it, which
+        # the storing session's next round trip makes sure of)
+        assert c.batch_lookup([key(2)]) == [True]
         assert load_check(other, [0, 2]) == [True, True]
 
 
