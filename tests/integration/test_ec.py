@@ -18,6 +18,7 @@ from kvd.core.peerauth import message_mac
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
 from .conftest import StartDaemon, auth_overrides, shared_secret_bytes, shm_segments
+from .ports import restart_port
 
 MiB = 1 << 20
 
@@ -386,11 +387,8 @@ def test_a_quarantined_fetch_is_released_once_its_restarted_producer_answers_the
     with the default transfer timeout). The output, encoded again at the new producer,
     is fetched and every byte checked; nothing stays pinned."""
     import signal
-    import socket
 
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = int(sk.getsockname()[1])
+    port = restart_port()  # both incarnations bind it
     xfer = 2.0
     e_cfg = ec_cfg("producer", 16 * MiB).replace("5.0", str(xfer)) + f"port = {port}\n"
     e = daemons("kvd-encr", e_cfg)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -35,6 +34,7 @@ from kvd.demo import DaemonProc
 from kvd.ecdemo import ECSide, output_bytes, run_ec
 
 from .conftest import StartDaemon
+from .ports import restart_port
 from .test_ec import MiB, ec_cfg
 
 SECRET = b"kvd ec auth test secret"
@@ -384,13 +384,6 @@ def test_a_request_captured_before_the_producer_restarted_is_refused(
     assert p.output_at_blocks()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_a_consumer_restarted_under_another_name_is_served(
     daemons: StartDaemon, workdir: Path
 ) -> None:
@@ -399,7 +392,7 @@ def test_a_consumer_restarted_under_another_name_is_served(
     agent: the producer handshakes again before refusing, finds it, and serves it."""
     auth = secret_file(workdir, "secret", SECRET)
     e = daemons("kvdt-ea-enc", auth + ec_cfg("producer", 16 * MiB))
-    side = {"side_channel": {"port": free_port()}}
+    side = {"side_channel": {"port": restart_port()}}  # both incarnations
     c1 = daemons("kvdt-ea-con1", auth + ec_cfg("consumer", 16 * MiB), overrides=side)
     prod = ECSide(e.socket, "encoder")
     try:

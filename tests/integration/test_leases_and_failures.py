@@ -37,6 +37,7 @@ from kvd_client.errors import ErrorCode
 from kvd.demo import DaemonProc, Engine, make_engine, pattern, run_mode, start_daemon
 
 from .conftest import StartDaemon
+from .ports import restart_port
 
 HOST = "127.0.0.1"
 LEASE = 0.6
@@ -206,26 +207,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
-
-
-def restart_port() -> int:
-    """A free port below the kernel's ephemeral range, for daemons that restart on it.
-
-    A port from `free_port` is free only now: while no daemon listens on it (between two
-    incarnations), any bind to port 0 or outgoing connection on this host may be given it,
-    and the next incarnation then fails to bind. No one is given a port below the range.
-    """
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low) if low > 1024 else 0
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 P_CFG: dict[str, dict[str, Any]] = {"transfer": {"kv_lease_duration": LEASE}}

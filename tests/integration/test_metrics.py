@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.request
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvd.demo import Engine, make_engine
 
 from .conftest import StartDaemon
+from .ports import restart_port
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -31,9 +31,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "configs" / "grafana" / "kvd.j
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return restart_port()  # not from the ephemeral range: free until the daemon binds it
 
 
 def _scrape(port: int) -> str:

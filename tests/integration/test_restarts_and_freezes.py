@@ -17,7 +17,6 @@ import queue
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ from kvd_client.errors import ErrorCode
 from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
 from .conftest import StartDaemon
+from .ports import restart_port
 from .traffic import Traffic
 
 
@@ -109,12 +109,6 @@ def test_p_daemon_frozen_under_load_never_reports_wrong_bytes(
 HOST = "127.0.0.1"
 TERMINAL_RECV = (wire.RecvFinished, wire.RecvFailed)
 TERMINAL_SEND = (wire.SendFinished, wire.SendFailed, wire.SendExpired)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def rid_pair(tag: str) -> tuple[str, str, str]:
@@ -198,7 +192,7 @@ def test_p_daemon_restarted_by_systemd_fails_d_push_requests_within_5s(
     registered at the old P before it died, some registering with the new P after. Every
     D request ends failed within 5 s of the restart (the new P never heard of them: their
     kv_transfer_params name the old incarnation), and D holds nothing afterwards."""
-    port = free_port()
+    port = restart_port()
     p_cfg: dict[str, Any] = {"side_channel": {"port": port}}
     pd = daemons("kvd-p", overrides=p_cfg)
     dd = daemons("kvd-d")
@@ -669,7 +663,7 @@ def test_d_stops_heartbeating_a_p_that_never_answers(daemons: StartDaemon) -> No
     )
     d = engine(dd, "decode")
     try:
-        port = free_port()
+        port = restart_port()
         for i in range(2):
             d.client.track(rid_pair(f"nobody{i}")[2], HOST, port)
         wait_until(lambda: d_holds(d)[0] == 2, 5.0, "D tracking")
@@ -727,7 +721,7 @@ def test_layer_streams_under_faults_never_report_wrong_bytes(
     reported done before every layer landed, or after P's engine got its blocks back, is
     a wrong byte. Every request ends exactly once on each side, and streams work again
     after the fault."""
-    port = free_port()
+    port = restart_port()
     p_cfg: dict[str, Any] = {"side_channel": {"port": port}, "daemon": {"client_timeout": 2.0}}
     if fault == "d-frozen":
         p_cfg["transfer"] = {"kv_lease_duration": 3.0}
