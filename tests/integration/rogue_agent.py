@@ -5,12 +5,16 @@ sends the daemon the notifications it is given.
     python tests/integration/rogue_agent.py PLAN
 
 PLAN is a msgpack map: {"name": str, "target": str, "md": bytes, "frames": [bytes, ...]}.
-It prints the number of frames sent and exits 0 (non-zero if NIXL refused to send).
+It prints the number of frames sent, then keeps its side of the connection progressing
+(UCX delivers the frames only as both sides progress: an idle daemon polls rarely) until
+its standard input ends (the test has seen what it waited for), at most 60 s, and exits
+0 (non-zero if NIXL refused to send).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,12 +36,14 @@ def main(plan_path: str) -> int:
     for frame in plan["frames"]:
         agent.send_notif(target, frame)
         agent.get_new_notifs()  # keep our side of the connection progressing
-    deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline:
+    print(len(plan["frames"]), flush=True)
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    deadline = time.monotonic() + 60.0
+    while not done.is_set() and time.monotonic() < deadline:
         agent.get_new_notifs()
-        time.sleep(0.01)
+        time.sleep(0.005)
     agent.remove_remote_agent(target)
-    print(len(plan["frames"]))
     return 0
 
 

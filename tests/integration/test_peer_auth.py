@@ -17,6 +17,7 @@ NIXL agent holding the secret that handshakes and seals exactly as a daemon does
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import secrets
@@ -105,23 +106,45 @@ def _rid(tag: str) -> str:
     return f"kvdt-{tag}-{secrets.token_hex(4)}"
 
 
-def rogue(workdir: Path, name: str, target: str, md: bytes, frames: list[bytes]) -> None:
-    """Run the rogue NIXL agent as its own process (no secret anywhere in it)."""
+@contextlib.contextmanager
+def rogue(workdir: Path, name: str, target: str, md: bytes, frames: list[bytes]) -> Iterator[None]:
+    """The rogue NIXL agent as its own process (no secret anywhere in it), for the body of
+    the `with`: it has sent `frames` when the body starts and keeps its side of the
+    connection progressing until the body ends (the daemon polls rarely while idle, and
+    UCX delivers the frames only as both sides progress)."""
     plan = workdir / f"rogue-{secrets.token_hex(4)}.msgpack"
     plan.write_bytes(
         msgpack.packb({"name": name, "target": target, "md": md, "frames": frames})  # type: ignore[arg-type]
     )
     env = {k: v for k, v in os.environ.items() if "SECRET" not in k}
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(ROGUE), str(plan)],
-        capture_output=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
         env=env,
-        check=False,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == str(len(frames)), out.stdout
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        sent = "?"
+        for line in proc.stdout:  # NIXL logs to stdout too; the count is the rogue's line
+            if line.strip().isdigit():
+                sent = line.strip()  # the frames are sent
+                break
+        if sent == str(len(frames)):
+            yield
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # the rogue ends its progress loop and exits
+        proc.stdin = None  # (closed: `communicate` has nothing to send)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert sent == str(len(frames)), f"the rogue sent {sent!r} of {len(frames)}: {err[-3000:]}"
+    assert proc.returncode == 0, err[-3000:]
 
 
 def counted(d: DaemonProc, key: str, target: int, fake: FakePeer | None = None) -> dict[str, int]:
@@ -256,16 +279,17 @@ def test_a_rogue_agent_without_the_secret_is_refused_and_the_victim_is_served(
         wire.encode(wire.Sealed(os.urandom(16), 1, forged_body, os.urandom(32))),
         hb,  # a real message, but under the fake peer's key: not D1's
     ]
-    rogue(t.workdir, t.d1.name, t.p.name, p_md, as_d1)
     # 2. posing as the fake peer whose messages it captured
     as_fake = [
         hb,  # sent again
         wire.encode(replace(env, counter=env.counter + 100, body=forged_body)),  # altered
         echo,  # P's own message, reflected back
     ]
-    rogue(t.workdir, t.fake.name, t.p.name, p_md, as_fake)
     total = len(as_d1) + len(as_fake)
-    counted(t.p, "notifs_auth_rejected", before["total"] + total)
+    with rogue(t.workdir, t.d1.name, t.p.name, p_md, as_d1):
+        counted(t.p, "notifs_auth_rejected", before["total"] + len(as_d1))
+    with rogue(t.workdir, t.fake.name, t.p.name, p_md, as_fake):
+        counted(t.p, "notifs_auth_rejected", before["total"] + total)
     after = auth_counts(t.p)
     got = {k: after[k] - before[k] for k in after}
     assert got == {
@@ -353,8 +377,8 @@ def test_a_message_captured_before_the_daemon_restarted_is_refused(
     del fake.remote_md[new.name]
     fake.connect(new)  # the fake peer talks to the new incarnation under a new key
     before = auth_counts(new)
-    rogue(t.workdir, fake.name, new.name, fake.remote_md[new.name], [hb])
-    counted(new, "notifs_auth_rejected", before["total"] + 1)
+    with rogue(t.workdir, fake.name, new.name, fake.remote_md[new.name], [hb]):
+        counted(new, "notifs_auth_rejected", before["total"] + 1)
     after = auth_counts(new)
     assert after["unknown_key"] - before["unknown_key"] == 1
     assert counters(new).get("heartbeats_received", 0) == 0
