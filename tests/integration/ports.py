@@ -10,24 +10,10 @@ No one is given a port below the ephemeral range unless they ask for it by numbe
 
 from __future__ import annotations
 
-import random
-import socket
-from pathlib import Path
-
-HOST = "127.0.0.1"
+from kvd.chaos import free_port
 
 
 def restart_port() -> int:
-    """A free port below the kernel's ephemeral range (for a daemon that binds it, or is
-    restarted on it)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12_000), low) if low > 1024 else 0
-        with socket.socket() as s:
-            try:
-                s.bind((HOST, port))
-            except OSError:
-                continue
-            return int(s.getsockname()[1])
-    raise RuntimeError("no free port below the ephemeral range")
+    """A free port below the kernel's ephemeral range (as `kvd chaos` takes for the
+    daemons it restarts): for a daemon that binds it, or is restarted on it."""
+    return free_port(set())
