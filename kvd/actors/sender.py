@@ -59,7 +59,6 @@ from kvd.adapters.nixl import Unsettled
 from kvd.adapters.staging import StagingArea
 from kvd.core import sender as proto
 from kvd.core.gather import (
-    MIN_SAVED,
     Gathered,
     GatherTemplate,
     Prepared,
@@ -68,6 +67,7 @@ from kvd.core.gather import (
     plan_template,
     prepare,
     split,
+    worth_gathering,
 )
 from kvd.core.hybrid import plan_any
 from kvd.core.limits import Reservation
@@ -611,12 +611,12 @@ class Sender(TransferActor):
         if isinstance(how, RequestPlan):
             rp = how
             direct = sum(p.descriptors for p in rp.plans)
-            if direct < MIN_SAVED:
-                return None
             nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds
         else:
             direct = how.per_block * len(d_blocks)
             nbytes = how.slot_bytes(len(d_blocks))
+        if not worth_gathering(direct, nbytes):
+            return None  # decided here: no worker thread to plan a gather that cannot pay
         if not await self._staging_ready(staging, key):
             return None
         pool = staging.pool

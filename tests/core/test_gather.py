@@ -14,6 +14,7 @@ from integration.kvref import Side, spec_of
 
 import kvd.core.gather as gather_mod
 from kvd.core.gather import (
+    MAX_MEAN_PIECE,
     MIN_FACTOR,
     Folded,
     Gathered,
@@ -238,6 +239,35 @@ def test_the_rule_stages_head_slices_not_whole_chunks() -> None:
         )
         is None
     )
+
+
+@pytest.mark.parametrize("head_size", [256, 512])
+def test_pieces_as_large_as_the_bound_are_written_directly_not_gathered(head_size: int) -> None:
+    """The same head-sliced shape (TP 4 -> 8, HND: one head of 16 tokens per piece) is
+    gathered while its pieces are smaller than `MAX_MEAN_PIECE` (8 KiB) and written
+    directly from that size on (16 KiB: a pass over the bytes costs more than the
+    descriptors it saves), by the direct plan's gather and by the template alike."""
+    spec = spec_of(8, head_size=head_size)
+    ps = Side(tp=4, tokens=16, kv_layout="HND", major="block", num_blocks=24)
+    ds = Side(tp=8, tokens=16, kv_layout="HND", major="block", num_blocks=24)
+    p_views, _ = regions(spec, ps, 1 << 20)
+    d_views, _ = regions(spec, ds, 1 << 32)
+    pb, db = list(range(0, 24, 2)), list(range(1, 24, 2))
+    rp = plan_request(p_views, pb, d_views, db, local_is_p=True)
+    pieces = sum(p.descriptors for p in rp.plans)
+    mean = sum(p.total_bytes for p in rp.plans) // pieces
+    assert mean == 16 * head_size * 2  # bfloat16
+    small = mean < MAX_MEAN_PIECE
+    g = plan_gather(
+        rp.plans,
+        [x.p for x in rp.pairs],
+        [x.d for x in rp.pairs],
+        [v.geometry.base_addr for v in p_views],
+    )
+    assert (g is not None) == small
+    t = plan_template(p_views, d_views)
+    assert t is not None
+    assert (prepare(t, p_views, pb, d_views, db) is not None) == small
 
 
 def _expand(f: Folded) -> tuple[np.ndarray, np.ndarray]:
