@@ -190,6 +190,7 @@ class Daemon:
             secret=secret,
             counters=self.counters,
             rejects=self.rejects,
+            incarnation=self.registrar.incarnation,
             mono_ns=self.trace.clock,
         )
         self.tiers = Tiers(
@@ -269,12 +270,12 @@ class Daemon:
 
     def _publish(self, msg: Any) -> None:
         """Registrar views: local regions to the sender (it checks finished blocks), the
-        receiver and the EC router; peer views to the sender, the receiver and the tiers. Notices
-        between actors: never refused."""
-        boxes: tuple[Mailbox[Any], ...] = (self.sender_box, self.receiver_box)
-        if isinstance(msg, LocalRegionsChanged):
-            boxes += (self.ec_box,)
-        else:  # peer views: the tiers ask peers' tiers, and drop what a gone peer held
+        receiver and the EC router; peer views to the sender, the receiver, the tiers and
+        the EC router (a producer serves a consumer's request through the view it holds).
+        Notices between actors: never refused."""
+        boxes: tuple[Mailbox[Any], ...] = (self.sender_box, self.receiver_box, self.ec_box)
+        if not isinstance(msg, LocalRegionsChanged):
+            # peer views: the tiers ask peers' tiers, and drop what a gone peer held
             boxes += (self.tiers_box,)
         for box in boxes:
             box.post(msg)

@@ -27,8 +27,9 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 7
-"""4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`)."""
+PROTOCOL_VERSION: Final = 8
+"""4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
+8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -1140,6 +1141,12 @@ class ECXferReq(Record):
     started before, no longer). The producer judges it through the clock offset it
     measured with the consumer, and refuses (TIMEOUT) a request it cannot prove to be in
     time (0 here, or no offset)."""
+    incarnation: U64 = 0
+    """The consumer daemon's incarnation (as its handshake announces it). The producer
+    serves the request through its view of the consumer only if that view is of this
+    incarnation; a consumer restarted under the same name and address (its EC region
+    numbered as before) is handshaken with afresh, never written through the addresses of
+    the process that died. 0: not said (the producer asks its registrar each time)."""
 
 
 @message(89)

@@ -125,6 +125,7 @@ from kvd.actors.messages import (
     PeerClock,
     PeerInfo,
     PeerLost,
+    PeerUpdated,
     RegisterDaemonRegion,
     SessionClosed,
     Snapshot,
@@ -298,6 +299,7 @@ class ECRouter:
         secret: bytes | None,
         counters: dict[str, int],
         rejects: RejectLog,
+        incarnation: int = 0,
         wall_clock: Callable[[], float] = time.time,
         mono_ns: Callable[[], int] = time.monotonic_ns,
     ) -> None:
@@ -311,6 +313,12 @@ class ECRouter:
         self._clocks: dict[str, tuple[int, ClockReading]] = {}
         """Consumers' clock offsets as the registrar measured them, by agent: (its
         incarnation, the reading), so a cold fetch costs no registrar call."""
+        self.incarnation = incarnation
+        """This daemon's incarnation: a consumer names it in its requests."""
+        self._views: dict[str, PeerInfo] = {}
+        """Peers' handshake views as the registrar publishes them (`PeerUpdated`), by
+        agent: a producer serves a request through the one it holds when the request names
+        that view's incarnation and address (`_held_view`), without a registrar call."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.registrar = registrar
@@ -495,6 +503,13 @@ class ECRouter:
                 msg.fail(exc)
         elif isinstance(msg, LocalRegionsChanged):
             self.local = msg.regions.get((EC_ENGINE, 0), self.local)
+        elif isinstance(msg, PeerUpdated):
+            if not self.producing:
+                pass  # only a producer serves through peers' views
+            elif msg.info is None:
+                self._views.pop(msg.agent, None)
+            else:
+                self._views[msg.agent] = msg.info
         elif isinstance(msg, SessionClosed):
             for mm_hash, n in self.pins.pop(msg.session, Counter()).items():
                 for _ in range(n):
@@ -677,6 +692,7 @@ class ECRouter:
             timestamp=self.wall_clock(),
             nonce=os.urandom(NONCE_BYTES),
             serve_by_ns=self.mono_ns() + int(self.xfer_timeout * 1e9),
+            incarnation=self.incarnation,
         )
         f.nonce, f.serve_by_ns = req.nonce, req.serve_by_ns
         if self.secret is not None:
@@ -1030,6 +1046,23 @@ class ECRouter:
             f"{len(self.replays)} recent requests are held against replay; retry later"
         )
 
+    def _held_view(self, req: wire.ECXferReq) -> PeerInfo | None:
+        """The view of the consumer that `req` came from, if we hold it: the registrar's
+        last word on that agent, of the incarnation the request names (a request that
+        names none is not served from it), at the address the request gives, and
+        describing the EC region and generation it names. Else None: the registrar is
+        asked, as for a consumer never seen (it handshakes if its view is stale)."""
+        info = self._views.get(req.agent_name)
+        if (
+            info is None
+            or not req.incarnation
+            or info.incarnation != req.incarnation
+            or (info.host, info.port) != (req.side_host, req.side_port)
+            or _consumer_mismatch(info, req) is not None
+        ):
+            return None
+        return info
+
     async def _consumer_clock(self, info: PeerInfo, req: wire.ECXferReq) -> ClockReading:
         """The consumer's clock offset, to judge `req`'s deadline by; refuses (counted in
         `ec_xfer_age_unknown`) a request without one, or a consumer whose offset cannot be
@@ -1172,7 +1205,11 @@ class ECRouter:
                 )
             pool.pin(mm_hash)
             pinned = True
-            info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
+            info = self._held_view(req)
+            if info is not None:
+                self._count("ec_consumer_views_held")
+            else:
+                info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
             if _consumer_mismatch(info, req) is not None:
                 # Our view may be stale (the consumer restarted, perhaps under another
                 # name): look once more before refusing.
@@ -1270,10 +1307,16 @@ class ECRouter:
 
 def _consumer_mismatch(info: PeerInfo, req: wire.ECXferReq) -> KvdError | None:
     """Why `req` does not describe the consumer our handshake `info` describes, or None:
-    the same agent, its EC region (engine `EC_ENGINE`, rank 0), that region's generation."""
+    the same agent, the same incarnation (when the request names one), its EC region
+    (engine `EC_ENGINE`, rank 0), that region's generation."""
     if info.agent != req.agent_name:
         return RemoteProtocolError(
             f"request names agent {req.agent_name!r}, the peer at {info.addr} is {info.agent!r}"
+        )
+    if req.incarnation and req.incarnation != info.incarnation:
+        return NotFound(
+            f"the consumer {info.agent!r} is incarnation {req.incarnation:016x}, our view of "
+            f"it is of {info.incarnation:016x} (it restarted since)"
         )
     dst = info.regions.get((EC_ENGINE, 0))
     if dst is None:

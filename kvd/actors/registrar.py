@@ -1172,6 +1172,7 @@ class Registrar:
                 "peers": [
                     {
                         "agent": p.info.agent,
+                        "incarnation": f"{p.info.incarnation:016x}",
                         "addr": p.info.addr,
                         "lease_duration": p.info.lease_duration,
                         "write_bound": p.info.write_bound,

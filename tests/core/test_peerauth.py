@@ -54,6 +54,7 @@ def test_a_mac_covers_every_field_and_its_context() -> None:
         "timestamp": REQ.timestamp + 1,
         "nonce": bytes(16),
         "serve_by_ns": REQ.serve_by_ns + 1,  # a deadline moved under its MAC is refused
+        "incarnation": REQ.incarnation + 1,  # nor a view of another consumer process
     }
     assert set(changes) | {"mac"} == {f for f in REQ.__dataclass_fields__}
     for name, value in changes.items():

@@ -108,6 +108,7 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
         region = next(r for r in cons.client.status()["regions"] if r["engine_id"] == "kvd-ec")
         agent = cons.client.status()["agent_name"]
         side_port = int(cons.client.status()["side_channel"].rsplit(":", 1)[1])
+        incarnation = int(cons.client.status()["incarnation"], 16)
         secret = shared_secret_bytes(Path(c.config).parent)
 
         def req(**kw: object) -> bytes:
@@ -139,6 +140,9 @@ def test_bad_xfer_requests_are_refused_and_the_producer_keeps_serving(daemons: S
             "count mismatch": (req(dst_block_ids=(0,)), ErrorCode.INVALID),
             "stale generation": (req(dst_generation=region["generation"] + 1), ErrorCode.NOT_FOUND),
             "forged agent": (req(agent_name="someone-else"), ErrorCode.PROTOCOL),
+            # names the consumer's agent, address, region and generation, and another
+            # process of it: the producer handshakes afresh, and refuses
+            "another incarnation": (req(incarnation=incarnation ^ 1), ErrorCode.NOT_FOUND),
         }
         for name, (frame, code) in cases.items():
             ack = _raw_xfer(port, frame)
@@ -219,6 +223,79 @@ def test_consumer_daemon_restart_mid_stream(daemons: StartDaemon) -> None:
         cons.close()
         if restarted is not None:
             assert restarted.stop() == 0
+
+
+def test_a_consumer_restarted_under_its_name_and_address_is_handshaken_afresh(
+    daemons: StartDaemon,
+) -> None:
+    """The producer serves a consumer's requests through the view of it it holds, without
+    a registrar call, while a request names that view's incarnation (counted). A consumer
+    killed and started again under the same name at the same address (its EC region the
+    same id; the same generation too when it starts within the same second, since
+    generations start from the clock): its request is not served through the view of the
+    process that is gone, the producer handshakes afresh, and every byte arrives.
+    (`test_bad_xfer_requests_...`: a request naming everything of the consumer but its
+    incarnation is refused.)"""
+    port = restart_port()  # both consumer incarnations listen here, under one agent name
+    side = {"side_channel": {"port": port}}
+    e = daemons("kvd-encv", ec_cfg("producer", 16 * MiB))
+    c1 = daemons("kvd-conv", ec_cfg("consumer", 16 * MiB), overrides=side)
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c1.socket, "consumer")
+    open_sides = [prod, cons]
+    old_pid = c1.proc.pid
+    try:
+        outs = []
+        for i in range(3):
+            blocks = prod.client.ec_allocate(f"v{i}", 2 * MiB)
+            prod.write(blocks.block_ids, output_bytes(20 + i, 2 * MiB))
+            outs.append(prod.client.ec_commit(f"v{i}", 2 * MiB, compat="ec-v"))
+
+        def fetch(side: ECSide, i: int) -> None:
+            side.client.ec_ensure(outs[i])
+            (ev,) = side.client.wait_events(10)
+            assert isinstance(ev, wire.ECReady) and not ev.local_hit, ev
+            assert side.matches(ev.block_ids, output_bytes(20 + i, 2 * MiB))
+
+        def held() -> int:
+            return int(prod.client.status()["counters"].get("ec_consumer_views_held", 0))
+
+        def region(side: ECSide) -> tuple[int, int]:
+            r = next(r for r in side.client.status()["regions"] if r["engine_id"] == "kvd-ec")
+            return r["region_id"], r["generation"]
+
+        fetch(cons, 0)  # the producer handshakes with the consumer (a registrar call)
+        before = held()
+        fetch(cons, 1)
+        assert held() == before + 1  # served through the view it holds
+        first = cons.client.status()
+        first_region = region(cons)
+        open_sides.remove(cons)
+        cons.close()
+        c1.kill()
+        c2 = daemons("kvd-conv", ec_cfg("consumer", 16 * MiB), overrides=side)
+        cons2 = ECSide(c2.socket, "consumer")
+        open_sides.append(cons2)
+        again = cons2.client.status()
+        # the premise: nothing but the incarnation tells the two consumers apart
+        assert again["agent_name"] == first["agent_name"]
+        assert again["side_channel"] == first["side_channel"]
+        assert region(cons2)[0] == first_region[0]
+        assert again["incarnation"] != first["incarnation"]
+        views = {p["agent"]: p for p in prod.client.status("peers")["peers"]}
+        print("producer's view of the consumer:", views.get(first["agent_name"]))
+        before = held()
+        fetch(cons2, 2)
+        assert held() == before  # not through the view of the process that is gone
+        views = {p["agent"]: p for p in prod.client.status("peers")["peers"]}
+        assert views[again["agent_name"]]["incarnation"] == again["incarnation"]
+        fetch(cons2, 0)  # and the new view serves the next request
+        assert held() == before + 1
+    finally:
+        for side_open in open_sides:
+            side_open.close()
+        for n in shm_segments("kvd-ec-"):  # the killed daemon's region (reaping is off)
+            if ec_segment_creator(n) == old_pid:
+                os.unlink(f"/dev/shm/{n}")
 
 
 def test_compat_is_required_and_a_mismatch_names_both_values(daemons: StartDaemon) -> None:

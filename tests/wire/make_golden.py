@@ -430,6 +430,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             nonce=bytes(range(100, 116)),
             mac=bytes(range(32, 0, -1)),
             serve_by_ns=123_456_789_012_345,
+            incarnation=0x0123_4567_89AB_CDEF,
         ),
     ),
     "ECXferAck": (
