@@ -901,7 +901,8 @@ async def test_view_updates_reach_full_mailboxes() -> None:
     assert "view_updates_dropped" not in daemon.counters
 
     ec = [daemon.ec_box.receive_nowait() for _ in range(daemon.ec_box.depth())]
-    assert ec == [*fillers["ecrouter"], regions]  # the EC router takes local regions only
+    # the EC router takes local regions, and peer views (a producer serves through them)
+    assert ec == [*fillers["ecrouter"], regions, peer]
     # the sender and the receiver drain theirs and act on both views
     async with anyio.create_task_group() as tg:
         await tg.start(daemon.sender.run)
