@@ -143,7 +143,7 @@ def peers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         print(json.dumps(data, indent=2, sort_keys=True))
         return
     rows = [{**p, "regions": len(p["regions"])} for p in data["peers"]]
-    cols = ["agent", "addr", "lease_duration", "regions", "age_s"]
+    cols = ["agent", "incarnation", "addr", "lease_duration", "regions", "age_s"]
     cols += ["clock_offset_us", "clock_error_us"]  # the peer's trace clock minus ours, ±
     console.print(_table("peers", rows, cols))
 

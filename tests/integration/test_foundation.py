@@ -79,6 +79,7 @@ def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: P
         assert set(st_a["mailboxes"]) >= {"registrar", "sender", "receiver", "events"}
         peers_b = json.loads(kvd("peers", "--json", "--socket", b.socket).stdout)
         assert peers_b["peers"][0]["regions"][0]["engine_id"] == "engine-a"
+        assert peers_b["peers"][0]["incarnation"] == st_a["incarnation"]  # 16 hex digits
 
         worker.stdin.write("done\n")
         worker.stdin.flush()
