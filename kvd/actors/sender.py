@@ -233,7 +233,13 @@ class Sender(TransferActor):
     def _client_event(self, req: ClientRequest) -> proto.Event:
         m = req.msg
         if isinstance(m, wire.Finish):
-            self._check_blocks(m.engine_id, m.block_ids)
+            try:
+                self._check_blocks(m.engine_id, m.block_ids)
+            except KvdError as exc:
+                # the error answers the engine; D must not wait for a finish not coming
+                why = f"P's daemon refused the request's finish: {exc.message}"
+                self._feed(proto.FinishRefused(m.request_id, int(exc.code), why), self.clock.now())
+                raise
             return proto.Finish(
                 m.request_id, m.engine_id, m.block_ids, req.session, m.keep_for, m.num_tokens
             )

@@ -47,7 +47,11 @@ Rules it keeps:
   carries on for the peer it is bound to. (Agents are who NIXL says sent a message:
   with a shared secret, who holds the session key it was sealed under.)
 - Tombstones: an ended request is remembered (bounded, by base id) so that a late
-  registration, pull or finish is answered at once instead of waiting.
+  registration, pull or finish is answered at once instead of waiting. So is a finish
+  the daemon refused before the machine saw it (`FinishRefused`: its blocks are not in
+  the engine's regions, or the regions are not registered yet after a reconnect): the
+  engine has its error, and D's registration or pull for it fails at once (one that
+  waited too) instead of waiting for a finish that will not come.
 - A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
 - Kept blocks (bidirectional KV) are only pulled: a push registration for them is
   refused (PushDone failed), and their lease ends at its fixed deadline whatever the
@@ -139,6 +143,20 @@ class Finish:
     session: str
     keep_for: float = 0.0
     num_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FinishRefused:
+    """P's daemon refused the engine's finish before the machine saw it (its blocks are
+    not in the engine's regions, or the engine has none registered yet: a client that
+    reconnected sends its finish before its regions are back). The engine was answered
+    with the error (its client reports SendFailed); D's registration or pull for the
+    request, waiting or still to come, is answered failed at once: no finish for it is
+    coming, and it must not wait for one to the registration timeout."""
+
+    request_id: str
+    code: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +311,7 @@ class RegionsChanged:
 
 Event = (
     Finish
+    | FinishRefused
     | AbortSend
     | EndSession
     | StartDrain
@@ -751,6 +770,19 @@ class Sender:
             self._deliver_pull(waiting, waiting.agent, waiting.early_pull)
         else:
             self._match(waiting, now)
+
+    def _on_finish_refused(self, ev: FinishRefused, now: float) -> None:
+        live = self.reqs.get(ev.request_id)
+        if live is not None and live.state is not S.AWAITING:
+            return  # a second finish of a leased request was refused: the first stands
+        tomb = Tombstone(ev.code, ev.reason)
+        waiting = self._find(ev.request_id)
+        if waiting is not None and waiting.state is S.AWAITING:
+            self._fail_waiting(waiting, tomb, S.FAILED)
+        elif waiting is not None:
+            return  # another live request shares its base id: D's word goes to that one
+        self._count("finishes_refused")
+        self._bury(ev.request_id, tomb)
 
     def _refuse_finish_draining(self, ev: Finish) -> None:
         """No new lease while draining: P's engine is told now, and D's registration or
@@ -1595,6 +1627,7 @@ _OPERATOR: Final = Tombstone(
 
 _HANDLERS: Final[dict[type, Callable[[Sender, Any, float], None]]] = {
     Finish: Sender._on_finish,
+    FinishRefused: Sender._on_finish_refused,
     AbortSend: Sender._on_abort,
     EndSession: Sender._on_end_session,
     StartDrain: Sender._on_start_drain,

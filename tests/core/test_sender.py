@@ -41,6 +41,7 @@ from kvd.core.sender import (
     EndSession,
     Event,
     Finish,
+    FinishRefused,
     HeartbeatArrived,
     LayersSaved,
     LayersWritten,
@@ -379,6 +380,45 @@ def test_push_registration_first() -> None:
         (S.MATCHED, S.WRITING),
         (S.WRITING, S.DELIVERED),
     ]
+
+
+def test_a_finish_the_daemon_refused_fails_ds_registration_and_pull_at_once() -> None:
+    """The daemon refused P's finish before the machine saw it (its engine had no region
+    registered yet: a client that reconnected sends finishes before its regions are
+    back); the engine has its error. Before: D's registration for the request, waiting
+    or to come, waited for a finish that never came, up to the registration timeout
+    (480 s by default). Now it is answered failed at once, with the refusal's reason."""
+    why = "P's daemon refused the request's finish: engine 'p-engine' has no region"
+    tx = make()
+    # D registered first: answered now
+    assert tx.handle(registered("d1-bbbb", "r1-aaaa"), 0.0) == []
+    out = tx.handle(FinishRefused("r1-aaaa", NOT_FOUND, why), 1.0)
+    assert out == [Notify(D1, wire.PushDone("d1-bbbb", 0, False, NOT_FOUND, why))]
+    assert tx.counters["finishes_refused"] == 1
+    # or D registers (or pulls) later
+    tx.handle(FinishRefused("r2-aaaa", NOT_FOUND, why), 2.0)
+    assert calm(tx.handle(registered("d2-bbbb", "r2-aaaa"), 3.0)) == [
+        ("push_done", D1, "d2-bbbb", NOT_FOUND)
+    ]
+    assert calm(tx.handle(pulled("r2-aaaa", "d3-bbbb"), 3.0)) == [
+        ("pull_ack", D1, "d3-bbbb", False, NOT_FOUND)
+    ]
+    assert_empty(tx)
+    # the engine finishes it again once its regions are back: leased and served
+    tx.handle(finish("r2-aaaa"), 4.0)
+    assert state(tx, "r2-aaaa") is S.HELD
+
+
+def test_a_refused_second_finish_leaves_the_leased_request_alone() -> None:
+    """A second finish of a leased request is refused (by the machine, or by the daemon's
+    checks when its blocks are wrong): the first one's lease and D's registration for it
+    are untouched."""
+    tx = make()
+    tx.handle(finish("r1"), 0.0)
+    assert tx.handle(FinishRefused("r1", INVALID, "block 99 is outside the region"), 1.0) == []
+    assert state(tx, "r1") is S.HELD and "finishes_refused" not in tx.counters
+    ev = registered("d1", "r1")
+    assert tx.handle(ev, 2.0) == [ResolveView("r1", D1, ev.msg)]
 
 
 def test_registration_by_ds_own_id_matches_by_base_id_in_both_orders() -> None:

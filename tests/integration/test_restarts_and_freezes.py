@@ -867,6 +867,63 @@ def test_push_waiting_for_a_frozen_engines_finish_fails_when_its_session_ends(
         remove_segments_of(proc.pid)
 
 
+def events_of(client: KvdClient, n: int, timeout: float) -> list[Event]:
+    """At least `n` events (fewer if `timeout` passes first)."""
+    out: list[Event] = []
+    end = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < end:
+        out += client.wait_events(max(0.01, end - time.monotonic()))
+    return out
+
+
+def test_a_finish_the_daemon_refused_fails_ds_push_at_once(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """P's daemon refuses a finish at its door (blocks outside the engine's regions; or,
+    as found under load by `test_layer_streams_under_faults_never_report_wrong_bytes
+    [p-restarted]`, a client reconnected to a restarted daemon sends a finish before its
+    regions are registered again), and the engine's client reports SendFailed. But the
+    finish was sent on a live session, so the engine told D, and D registers the push
+    naming P's daemon and session. Before, P's daemon, which never leased the request,
+    held D's registration for a finish that would not come, up to the registration
+    timeout (480 s). Now D's registration fails at once with P's reason, whether it came
+    before or after the refused finish."""
+    pd = daemons("kvd-p")
+    dd = daemons("kvd-d")
+    d = engine(dd, "decode")
+    engines.append(d)
+    p = engine(pd, "prefill", num_blocks=64)
+    engines.append(p)
+    inc = p.client.welcome.incarnation if p.client.welcome is not None else 0
+    assert inc and p.client.session
+    named: dict[str, Any] = {
+        "remote_engine_id": "prefill",
+        "remote_incarnation": inc,
+        "remote_session": p.client.session,
+    }
+    # D first: its registration waits at P for the finish
+    d.client.register_push(
+        "cmpl-early-0-d1", [1, 2], HOST, pd.side_port, remote_request_id="cmpl-early-0-p1", **named
+    )
+    time.sleep(0.3)  # it reached P and waits there
+    t0 = time.monotonic()
+    assert p.client.finished("cmpl-early-0-p1", [5, 999])  # sent, and refused at the door
+    assert p.client.finished("cmpl-late-0-p2", [999])
+    sent = {(type(e).__name__, e.request_id) for e in events_of(p.client, 2, 10.0)}
+    assert sent == {("SendFailed", "cmpl-early-0-p1"), ("SendFailed", "cmpl-late-0-p2")}
+    # D after the refusal
+    d.client.register_push(
+        "cmpl-late-0-d2", [3], HOST, pd.side_port, remote_request_id="cmpl-late-0-p2", **named
+    )
+    evs = events_of(d.client, 2, 15.0)
+    took = time.monotonic() - t0
+    assert {e.request_id for e in evs} == {"cmpl-early-0-d1", "cmpl-late-0-d2"}, evs
+    assert all(isinstance(e, wire.RecvFailed) for e in evs), evs
+    assert all("refused the request's finish" in e.reason for e in evs), evs
+    assert took < 10.0, took  # not the 480 s registration bound
+    assert counter(p, "finishes_refused") == 2
+
+
 # Under load this test once failed 1 run in ~25: a push D registered for a request whose
 # finish was still in the engine's socket when it froze waited for that finish, which
 # never came, for the 480 s registration bound. P now fails such a wait when the session
