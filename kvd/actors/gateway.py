@@ -18,8 +18,10 @@ Rules:
   CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
   `kvd status`, are logged at debug level.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
-  a BUSY reply. Replies are sent when the actor resolves the request's future. A
-  worker's `LayersSaved` is one-way: never answered, dropped and counted when busy.
+  a BUSY reply (a finish refused so is reported to the sender all the same, as a notice:
+  D's registration or pull for it must fail at once, not wait for it). Replies are sent
+  when the actor resolves the request's future. A worker's `LayersSaved` is one-way:
+  never answered, dropped and counted when busy.
 - Events go to the session that announced the request and to the engine's workers.
 - A session lives on the connection its requests arrive on (ZMQ_SRCFD): when libzmq
   reports that connection lost (the client was killed, or closed its socket without
@@ -75,6 +77,7 @@ from kvd.actors.base import Clock, Mailbox
 from kvd.actors.messages import (
     ClientRequest,
     EventOut,
+    FinishNotTaken,
     LayersAnnounced,
     PingPeerCmd,
     SessionClosed,
@@ -92,6 +95,9 @@ CLI_RESERVE: Final = 8
 """Sessions of role `cli` allowed beyond `max_clients` (see the module docstring)."""
 CLOSED_SESSIONS: Final = 65536
 """Closed session ids remembered (answered NOT_FOUND either way; kept for `kvd status`)."""
+NOT_TAKEN_DEPTH: Final = 4
+"""A finish refused BUSY is reported to the sender (`FinishNotTaken`) while fewer than this
+many times its mailbox's size wait in it (the notices themselves stay bounded)."""
 
 
 @dataclass
@@ -382,8 +388,21 @@ class Gateway:
         except KvdError as exc:  # Busy
             self._count("ipc_busy")
             self._error(ident, corr, exc)
+            if isinstance(msg, wire.Finish):
+                self._finish_not_taken(box, msg, exc)
             return
         req.reply.add_done_callback(lambda f: self._reply_done(ident, corr, f))
+
+    def _finish_not_taken(self, box: Mailbox[Any], msg: wire.Finish, exc: KvdError) -> None:
+        """A finish refused BUSY: the engine has its error, and the sender is told (a
+        notice), so that D's registration or pull for it fails at once. Bounded: past
+        `NOT_TAKEN_DEPTH` times the mailbox's size waiting in it, the notice is dropped and
+        counted (D's request then ends at its own bounds)."""
+        if box.depth() >= NOT_TAKEN_DEPTH * box.size:
+            self._count("finish_refusals_unrecorded")
+            return
+        why = f"P's daemon refused the request's finish: {exc.message}"
+        box.post(FinishNotTaken(msg.request_id, int(exc.code), why))
 
     def _layers_saved(self, s: _Session, msg: wire.LayersSaved) -> None:
         """A one-way notice: never answered (the worker does not wait on its forward pass);

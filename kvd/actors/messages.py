@@ -106,6 +106,18 @@ class PeerTierRequest(Outside, Call[wire.Record]):
 
 
 @dataclass(frozen=True)
+class FinishNotTaken:
+    """Gateway -> sender: a client's finish was refused before it reached the sender (its
+    mailbox was full: the engine got BUSY, its client reports SendFailed). A notice,
+    never refused, so that D's registration or pull for the request fails at once
+    instead of waiting for a finish that will not come (`kvd.core.sender.FinishRefused`)."""
+
+    request_id: str
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class LayersAnnounced(Outside):
     """Gateway -> sender: a worker's one-way `LayersSaved` (never answered; refused and
     counted when the mailbox is full: the request's finish writes what it named)."""

@@ -38,6 +38,7 @@ from kvd.actors.messages import (
     ClientRequest,
     EnsurePeer,
     EventOut,
+    FinishNotTaken,
     HeartbeatReceived,
     LayersAnnounced,
     LocalRegion,
@@ -185,7 +186,9 @@ class Sender(TransferActor):
             self._feed(proto.Stalled(), now)
 
     def _own(self, msg: Any, now: float) -> bool:
-        if isinstance(msg, HeartbeatReceived):
+        if isinstance(msg, FinishNotTaken):
+            self._feed(proto.FinishRefused(msg.request_id, msg.code, msg.reason), now)
+        elif isinstance(msg, HeartbeatReceived):
             try:
                 if self._known(msg.agent, msg.msg):
                     self._feed(proto.HeartbeatArrived(msg.agent, msg.msg.request_ids), now)

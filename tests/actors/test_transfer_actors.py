@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskStatus
 from kvd_client import wire
-from kvd_client.errors import Busy, ErrorCode, KvdError, NotFound, TransferError
+from kvd_client.errors import Busy, ErrorCode, InvalidRequest, KvdError, NotFound, TransferError
 
 from kvd.actors.base import Clock, Mailbox
 from kvd.actors.gateway import Gateway
@@ -40,6 +40,7 @@ from kvd.actors.messages import (
     ClientRequest,
     EnsurePeer,
     EventOut,
+    FinishNotTaken,
     HeartbeatReceived,
     LocalRegion,
     LocalRegionsChanged,
@@ -290,11 +291,14 @@ class WatchedMailbox(Mailbox[Any]):
     def __init__(self, name: str, size: int, clock: Clock) -> None:
         super().__init__(name, size, clock)
         self.close_posted = anyio.Event()
+        self.not_taken: list[FinishNotTaken] = []
 
     def post(self, msg: Any) -> None:
         super().post(msg)
         if isinstance(msg, SessionClosed):
             self.close_posted.set()
+        if isinstance(msg, FinishNotTaken):
+            self.not_taken.append(msg)
 
 
 class StubActor:
@@ -558,6 +562,41 @@ async def test_p_failed_write_fails_the_request_once_and_tells_d() -> None:
         assert len(w.p_port.transfers.items) == 1
         status = await snapshot(box)
         assert status["leases"] == 0 and not any(status["states"].values())
+
+
+async def test_p_a_finish_refused_at_the_door_answers_ds_registration_at_once() -> None:
+    """A finish refused before the machine saw it: by the sender's checks (a block outside
+    the engine's region), or by the gateway with the sender's mailbox full (BUSY: the
+    gateway posts `FinishNotTaken`, a notice that goes in however full the mailbox is).
+    The engine has its error either way; D's registration for the request, whether it
+    waited already or comes later, is answered failed at once with P's reason, not held
+    to the registration timeout."""
+    async with world() as w:
+        box = w.sender.mailbox
+        box.post(NotifReceived(D_AGENT, registration("d-1", "p-1")))  # D first: it waits
+        await settle()
+        bad = wire.Finish("p-1", P_ENGINE, (0, 10_000))
+        with pytest.raises(InvalidRequest):
+            await client(box, P_SESSION, bad)
+        [(peer, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert (peer, answer.request_id, answer.ok) == (D_AGENT, "d-1", False)
+        assert "refused the request's finish" in answer.reason
+        # the gateway could not post a finish (the mailbox was full): its notice still goes in
+        fillers = fill(box, lambda: ClientRequest("other", wire.Abort("x", P_ENGINE, "send")))
+        box.post(FinishNotTaken("p-2", int(ErrorCode.BUSY), "P's daemon refused it: busy"))
+        for req in fillers:
+            with anyio.fail_after(WAIT):
+                await req.reply
+        box.post(NotifReceived(D_AGENT, registration("d-2", "p-2")))  # D after
+        sent = await w.p_port.wait_sent(wire.PushDone, 2)
+        assert [(a.request_id, a.ok, a.code) for _, a in sent] == [
+            ("d-1", False, ErrorCode.INVALID),
+            ("d-2", False, ErrorCode.BUSY),
+        ]
+        status = await snapshot(box)
+        assert w.sender.counters["finishes_refused"] == 2
+        assert status["leases"] == 0 and not any(status["states"].values())
+        assert w.p_port.transfers.items == []
 
 
 async def test_p_lease_is_extended_by_heartbeats_and_expires_without_them() -> None:
@@ -993,15 +1032,20 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
             # the close goes into the full mailbox at once
             with anyio.fail_after(WAIT):
                 await box.close_posted.wait()
-            assert box.depth() == SIZE + 2  # the view, the finishes, the close
+            # the view, the finishes, the refused finish's notice, the close
+            assert box.depth() == SIZE + 3
             assert box.stats()["outside"] == SIZE
             assert busy_corr == 10 + SIZE  # the view took no room from the finishes
+            # the sender hears of the finish refused BUSY (D must not wait for it)
+            [not_taken] = box.not_taken
+            assert (not_taken.request_id, not_taken.code) == (f"p-req-{SIZE}", ErrorCode.BUSY)
 
             await tg.start(sender.run)
             replies = dict([await answer() for _ in range(SIZE + 1)])
             assert replies == {corr: wire.Ok() for corr in (*range(10, 10 + SIZE), 30)}
             # the leases were granted, then ended with the session
             assert sender.counters["leases_granted"] == SIZE
+            assert sender.counters["finishes_refused"] == 1
             status = await snapshot(box)
             assert status["leases"] == 0 and not any(status["states"].values())
             assert "session_close_overdue" not in counters
