@@ -18,8 +18,9 @@ Rules:
   CLI sessions only and handed to the daemon (`kvd.drain`); CLI sessions, opened by every
   `kvd status`, are logged at debug level.
 - Requests are posted to the owning actor's mailbox without blocking: a full mailbox is
-  a BUSY reply (a finish refused so is reported to the sender all the same, as a notice:
-  D's registration or pull for it must fail at once, not wait for it). Replies are sent
+  a BUSY reply (a finish, registration or pull refused so is reported to its actor all
+  the same, as a notice: D's registration or pull must not wait for a finish refused, a
+  track must not heartbeat on for a load refused). Replies are sent
   when the actor resolves the request's future. A worker's `LayersSaved` is one-way:
   never answered, dropped and counted when busy.
 - Events go to the session that announced the request and to the engine's workers.
@@ -79,6 +80,7 @@ from kvd.actors.messages import (
     EventOut,
     FinishNotTaken,
     LayersAnnounced,
+    LoadNotTaken,
     PingPeerCmd,
     SessionClosed,
     TraceCmd,
@@ -96,8 +98,13 @@ CLI_RESERVE: Final = 8
 CLOSED_SESSIONS: Final = 65536
 """Closed session ids remembered (answered NOT_FOUND either way; kept for `kvd status`)."""
 NOT_TAKEN_DEPTH: Final = 4
-"""A finish refused BUSY is reported to the sender (`FinishNotTaken`) while fewer than this
-many times its mailbox's size wait in it (the notices themselves stay bounded)."""
+"""A finish, registration or pull refused BUSY is reported to its actor (`FinishNotTaken`,
+`LoadNotTaken`) while fewer than this many times its mailbox's size wait in it (the
+notices themselves stay bounded)."""
+
+
+def _refused(exc: KvdError) -> str:
+    return f"P's daemon refused the request's finish: {exc.message}"
 
 
 @dataclass
@@ -389,20 +396,22 @@ class Gateway:
             self._count("ipc_busy")
             self._error(ident, corr, exc)
             if isinstance(msg, wire.Finish):
-                self._finish_not_taken(box, msg, exc)
+                self._not_taken(box, FinishNotTaken(msg.request_id, int(exc.code), _refused(exc)))
+            elif isinstance(msg, (wire.RegisterPush, wire.Pull)):
+                self._not_taken(box, LoadNotTaken(s.session, msg.request_id))
             return
         req.reply.add_done_callback(lambda f: self._reply_done(ident, corr, f))
 
-    def _finish_not_taken(self, box: Mailbox[Any], msg: wire.Finish, exc: KvdError) -> None:
-        """A finish refused BUSY: the engine has its error, and the sender is told (a
-        notice), so that D's registration or pull for it fails at once. Bounded: past
-        `NOT_TAKEN_DEPTH` times the mailbox's size waiting in it, the notice is dropped and
-        counted (D's request then ends at its own bounds)."""
+    def _not_taken(self, box: Mailbox[Any], notice: FinishNotTaken | LoadNotTaken) -> None:
+        """A finish, registration or pull refused BUSY: the engine has its error, and the
+        actor is told (a notice): on P, so that D's registration or pull for the request
+        fails at once; on D, so that a track of it stops heartbeating P's lease. Bounded:
+        past `NOT_TAKEN_DEPTH` times the mailbox's size waiting in it, the notice is
+        dropped and counted (the request then ends at the other side's own bounds)."""
         if box.depth() >= NOT_TAKEN_DEPTH * box.size:
-            self._count("finish_refusals_unrecorded")
+            self._count("refusals_unrecorded")
             return
-        why = f"P's daemon refused the request's finish: {exc.message}"
-        box.post(FinishNotTaken(msg.request_id, int(exc.code), why))
+        box.post(notice)
 
     def _layers_saved(self, s: _Session, msg: wire.LayersSaved) -> None:
         """A one-way notice: never answered (the worker does not wait on its forward pass);

@@ -118,6 +118,17 @@ class FinishNotTaken:
 
 
 @dataclass(frozen=True)
+class LoadNotTaken:
+    """Gateway -> receiver: a client's registration or pull was refused BUSY (the
+    receiver's mailbox full; its client reports RecvFailed). A notice, never refused, so
+    that a track of the request stops heartbeating P's lease
+    (`Receiver._drop_refused_track`)."""
+
+    session: str
+    request_id: str
+
+
+@dataclass(frozen=True)
 class LayersAnnounced(Outside):
     """Gateway -> sender: a worker's one-way `LayersSaved` (never answered; refused and
     counted when the mailbox is full: the request's finish writes what it named)."""

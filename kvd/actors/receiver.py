@@ -40,6 +40,7 @@ from kvd.actors.messages import (
     ClientRequest,
     EnsurePeer,
     EventOut,
+    LoadNotTaken,
     LocalRegion,
     LocalRegionsChanged,
     NotifReceived,
@@ -147,7 +148,9 @@ class Receiver(TransferActor):
     # ---------------------------------------------------------------- input
 
     def _own(self, msg: Any, now: float) -> bool:
-        if isinstance(msg, NotifReceived):
+        if isinstance(msg, LoadNotTaken):
+            self._drop_refused_track(msg.session, msg.request_id)
+        elif isinstance(msg, NotifReceived):
             try:
                 self._notif(msg.agent, msg.msg, now)
             finally:  # handled: its bytes (limits.notif_bytes) no longer wait
@@ -193,10 +196,28 @@ class Receiver(TransferActor):
                 m.request_id, req.session, m.engine_id, m.peer_host, m.peer_port, hb_id
             )
         if isinstance(m, (wire.RegisterPush, wire.Pull)):
-            return self._load(req.session, m)
+            try:
+                return self._load(req.session, m)
+            except KvdError:
+                self._drop_refused_track(req.session, m.request_id)
+                raise
         if isinstance(m, wire.Abort):
             return proto.AbortRecv(m.request_id, req.session)
         raise TypeError(f"receiver got {type(m).__name__}")
+
+    def _drop_refused_track(self, session: str, request_id: str) -> None:
+        """A registration or pull refused at our door (or by the gateway, BUSY): the engine
+        has its error (its client reports RecvFailed, and nothing will abort the request
+        here), so a track of it must not go on heartbeating P's lease: dropped as an abort
+        drops it (P is told it may free the blocks; no event: the engine had its answer)."""
+        tracked = self.proto.reqs.get(request_id)
+        if (
+            tracked is not None
+            and tracked.state is proto.RecvState.TRACKED
+            and tracked.session == session
+        ):
+            self._count("tracks_dropped_refused")
+            self._feed(proto.AbortRecv(request_id, session), self.clock.now())
 
     def _load(self, session: str, m: wire.RegisterPush | wire.Pull) -> proto.Load:
         for reg in local_ranks(self.local, m.engine_id):

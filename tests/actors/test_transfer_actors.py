@@ -42,6 +42,7 @@ from kvd.actors.messages import (
     EventOut,
     FinishNotTaken,
     HeartbeatReceived,
+    LoadNotTaken,
     LocalRegion,
     LocalRegionsChanged,
     NotifReceived,
@@ -680,6 +681,36 @@ async def test_d_push_track_then_registration_then_push_done_then_finished() -> 
         assert len(w.events.items) == 1
         assert len(w.d_port.sent(wire.Heartbeat)) == 1
         assert (await snapshot(box))["tracked"] == 0
+
+
+async def test_d_a_load_refused_at_the_door_stops_its_tracks_heartbeats() -> None:
+    """D's engine tracked a request (heartbeats keep P's lease), then its registration was
+    refused at the door (a block outside D's region; or BUSY at the gateway, which posts
+    `LoadNotTaken`). The engine has its error and will not abort the request here: before,
+    the track heartbeated P's lease on for as long as D's session lived, holding P's
+    blocks. Now it is dropped as an abort drops it: P is told it may free the blocks, and
+    no event is sent (the engine had its answer)."""
+    async with world() as w:
+        box = w.receiver.mailbox
+        assert await client(box, D_SESSION, track()) == wire.Ok()
+        await w.d_port.wait_sent(wire.Heartbeat)
+        bad = replace(register_push(), block_ids=(5, 10_000))
+        with pytest.raises(InvalidRequest):
+            await client(box, D_SESSION, bad)
+        [(peer, cancel)] = await w.d_port.wait_sent(wire.CancelRegistration)
+        assert (peer, cancel) == (P_AGENT, wire.CancelRegistration("p-req"))
+        # the gateway could not post a pull (BUSY): its notice drops the other track
+        assert await client(box, D_SESSION, track("d-2", "p-2")) == wire.Ok()
+        box.post(LoadNotTaken(D_SESSION, "d-2"))
+        sent = await w.d_port.wait_sent(wire.CancelRegistration, 2)
+        assert sent[1] == (P_AGENT, wire.CancelRegistration("p-2"))
+        beats = len(w.d_port.sent(wire.Heartbeat))
+        await w.advance(2 * LEASE)
+        await settle()
+        assert len(w.d_port.sent(wire.Heartbeat)) == beats  # no more heartbeats
+        assert (await snapshot(box))["tracked"] == 0
+        assert w.events.items == []
+        assert w.receiver.counters["tracks_dropped_refused"] == 2
 
 
 async def test_d_pull_read_then_pull_done_then_ack_then_finished() -> None:
