@@ -103,10 +103,6 @@ NOT_TAKEN_DEPTH: Final = 4
 notices themselves stay bounded)."""
 
 
-def _refused(exc: KvdError) -> str:
-    return f"P's daemon refused the request's finish: {exc.message}"
-
-
 @dataclass
 class _Session:
     session: str
@@ -396,7 +392,7 @@ class Gateway:
             self._count("ipc_busy")
             self._error(ident, corr, exc)
             if isinstance(msg, wire.Finish):
-                self._not_taken(box, FinishNotTaken(msg.request_id, int(exc.code), _refused(exc)))
+                self._not_taken(box, FinishNotTaken(msg.request_id, int(exc.code), exc.message))
             elif isinstance(msg, (wire.RegisterPush, wire.Pull)):
                 self._not_taken(box, LoadNotTaken(s.session, msg.request_id))
             return

@@ -114,7 +114,8 @@ class FinishNotTaken:
 
     request_id: str
     code: int
-    reason: str
+    error: str
+    """Why it was refused (the error the engine got)."""
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class Sender(TransferActor):
 
     def _own(self, msg: Any, now: float) -> bool:
         if isinstance(msg, FinishNotTaken):
-            self._feed(proto.FinishRefused(msg.request_id, msg.code, msg.reason), now)
+            self._finish_refused(msg.request_id, msg.code, msg.error, now)
         elif isinstance(msg, HeartbeatReceived):
             try:
                 if self._known(msg.agent, msg.msg):
@@ -239,9 +239,7 @@ class Sender(TransferActor):
             try:
                 self._check_blocks(m.engine_id, m.block_ids)
             except KvdError as exc:
-                # the error answers the engine; D must not wait for a finish not coming
-                why = f"P's daemon refused the request's finish: {exc.message}"
-                self._feed(proto.FinishRefused(m.request_id, int(exc.code), why), self.clock.now())
+                self._finish_refused(m.request_id, int(exc.code), exc.message, self.clock.now())
                 raise
             return proto.Finish(
                 m.request_id, m.engine_id, m.block_ids, req.session, m.keep_for, m.num_tokens
@@ -249,6 +247,12 @@ class Sender(TransferActor):
         if isinstance(m, wire.Abort):
             return proto.AbortSend(m.request_id, req.session)
         raise TypeError(f"sender got {type(m).__name__}")
+
+    def _finish_refused(self, request_id: str, code: int, error: str, now: float) -> None:
+        """A finish refused before the machine saw it (here, or BUSY at the gateway): the
+        error answers the engine; D must not wait for a finish that is not coming."""
+        why = f"P's daemon refused the request's finish: {error}"
+        self._feed(proto.FinishRefused(request_id, code, why), now)
 
     def _check_blocks(self, engine_id: str, block_ids: tuple[int, ...]) -> None:
         """Refuse a lease on blocks that are not in every one of the engine's regions (a bad

@@ -584,7 +584,7 @@ async def test_p_a_finish_refused_at_the_door_answers_ds_registration_at_once() 
         assert "refused the request's finish" in answer.reason
         # the gateway could not post a finish (the mailbox was full): its notice still goes in
         fillers = fill(box, lambda: ClientRequest("other", wire.Abort("x", P_ENGINE, "send")))
-        box.post(FinishNotTaken("p-2", int(ErrorCode.BUSY), "P's daemon refused it: busy"))
+        box.post(FinishNotTaken("p-2", int(ErrorCode.BUSY), "the sender mailbox is full (4)"))
         for req in fillers:
             with anyio.fail_after(WAIT):
                 await req.reply
@@ -594,6 +594,9 @@ async def test_p_a_finish_refused_at_the_door_answers_ds_registration_at_once() 
             ("d-1", False, ErrorCode.INVALID),
             ("d-2", False, ErrorCode.BUSY),
         ]
+        assert sent[1][1].reason == (
+            "P's daemon refused the request's finish: the sender mailbox is full (4)"
+        )
         status = await snapshot(box)
         assert w.sender.counters["finishes_refused"] == 2
         assert status["leases"] == 0 and not any(status["states"].values())
