@@ -1205,20 +1205,21 @@ class ECRouter:
                 )
             pool.pin(mm_hash)
             pinned = True
-            info = self._held_view(req)
-            if info is not None:
+            held = self._held_view(req)  # it describes the consumer `req` names, if any
+            if held is not None:
+                info = held
                 self._count("ec_consumer_views_held")
             else:
                 info = await self.registrar.call(EnsurePeer(req.side_host, req.side_port))
-            if _consumer_mismatch(info, req) is not None:
-                # Our view may be stale (the consumer restarted, perhaps under another
-                # name): look once more before refusing.
-                info = await self.registrar.call(
-                    EnsurePeer(req.side_host, req.side_port, refresh=True)
-                )
-                mismatch = _consumer_mismatch(info, req)
-                if mismatch is not None:
-                    raise mismatch
+                if _consumer_mismatch(info, req) is not None:
+                    # Our view may be stale (the consumer restarted, perhaps under another
+                    # name): look once more before refusing.
+                    info = await self.registrar.call(
+                        EnsurePeer(req.side_host, req.side_port, refresh=True)
+                    )
+                    mismatch = _consumer_mismatch(info, req)
+                    if mismatch is not None:
+                        raise mismatch
             if self.trace.on:
                 self.trace.mark(mm_hash, "ec.peer_checked")
             dst = info.regions[(EC_ENGINE, 0)]
