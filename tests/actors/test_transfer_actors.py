@@ -35,7 +35,7 @@ from kvd_client import wire
 from kvd_client.errors import Busy, ErrorCode, InvalidRequest, KvdError, NotFound, TransferError
 
 from kvd.actors.base import Clock, Mailbox
-from kvd.actors.gateway import Gateway
+from kvd.actors.gateway import NOT_TAKEN_DEPTH, Gateway
 from kvd.actors.messages import (
     ClientRequest,
     EnsurePeer,
@@ -992,24 +992,34 @@ async def test_view_updates_reach_full_mailboxes() -> None:
         assert actor.peers == {D_AGENT: D_INFO}
 
 
-async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> None:
-    """Old gateway (first design): closing a session posted `SessionClosed` with the
-    refusable `post`; on Busy it retried by hand from a task, 100 times 50 ms apart, then
-    logged `session_close_lost` and gave up. A sender busy for 5 s kept the session's
-    leases until they expired, and nothing ever answered the close. Now `SessionClosed`
-    is a notice: it goes into the full mailbox at once, and the client's Goodbye is
-    answered once every owner ended what the session announced.
+@dataclass
+class GatewayLink:
+    """A real gateway on a real ipc:// socket, and one DEALER client talking to it."""
 
-    The real gateway on a real ipc:// socket; the sender's loop starts only once its
-    mailbox is full and the close is in it."""
-    clock = FakeClock()
+    gateway: Gateway
+    sock: zmq.asyncio.Socket
+    counters: dict[str, int]
+
+    async def ask(self, msg: wire.Record, corr: int) -> None:
+        await self.sock.send(wire.encode(msg, corr))
+
+    async def answer(self) -> tuple[int, wire.Record]:
+        with anyio.fail_after(WAIT):
+            return wire.decode(await self.sock.recv())
+
+
+@asynccontextmanager
+async def gateway_link(
+    tmp_path: Path,
+    clock: Clock,
+    *,
+    registrar: StubActor,
+    ecrouter: StubActor,
+    sender: Mailbox[Any],
+    receiver: Mailbox[Any],
+    events: Mailbox[EventOut],
+) -> AsyncIterator[GatewayLink]:
     counters: dict[str, int] = {}
-    registrar = StubActor("registrar", clock)
-    ecrouter = StubActor("ecrouter", clock)
-    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
-    box = WatchedMailbox("sender", SIZE, clock)
-    sender = make_sender(clock, FakePort(), registrar, events.post, box)
-    receiver = make_receiver(clock, FakePort(), registrar, events.post)
     path = str(tmp_path / "kvd.sock")
 
     async def no_status(section: str) -> dict[str, Any]:
@@ -1022,8 +1032,8 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
         socket_path=path,
         socket_mode=0o600,
         registrar=registrar.box,
-        sender=box,
-        receiver=receiver.mailbox,
+        sender=sender,
+        receiver=receiver,
         ecrouter=ecrouter.box,
         events=events,
         client_timeout=60.0,
@@ -1039,60 +1049,141 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{path}")
-
-    async def ask(msg: wire.Record, corr: int) -> None:
-        await sock.send(wire.encode(msg, corr))
-
-    async def answer() -> tuple[int, wire.Record]:
-        with anyio.fail_after(WAIT):
-            return wire.decode(await sock.recv())
-
     try:
-        async with anyio.create_task_group() as tg:
-            for actor in (registrar, ecrouter, receiver, gateway):
-                await tg.start(actor.run)
-            box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
-            await ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
-            corr, welcomed = await answer()
-            assert corr == 1 and isinstance(welcomed, wire.Welcome)
-
-            for i in range(SIZE + 1):
-                await ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
-            # the finishes wait in the sender's mailbox, but one too many
-            busy_corr, busy = await answer()
-            assert isinstance(busy, wire.ErrorReply) and busy.code == ErrorCode.BUSY
-
-            await ask(wire.Goodbye(P_SESSION), 30)
-            # the close goes into the full mailbox at once
-            with anyio.fail_after(WAIT):
-                await box.close_posted.wait()
-            # the view, the finishes, the refused finish's notice, the close
-            assert box.depth() == SIZE + 3
-            assert box.stats()["outside"] == SIZE
-            assert busy_corr == 10 + SIZE  # the view took no room from the finishes
-            # the sender hears of the finish refused BUSY (D must not wait for it)
-            [not_taken] = box.not_taken
-            assert (not_taken.request_id, not_taken.code) == (f"p-req-{SIZE}", ErrorCode.BUSY)
-
-            await tg.start(sender.run)
-            replies = dict([await answer() for _ in range(SIZE + 1)])
-            assert replies == {corr: wire.Ok() for corr in (*range(10, 10 + SIZE), 30)}
-            # the leases were granted, then ended with the session
-            assert sender.counters["leases_granted"] == SIZE
-            assert sender.counters["finishes_refused"] == 1
-            status = await snapshot(box)
-            assert status["leases"] == 0 and not any(status["states"].values())
-            assert "session_close_overdue" not in counters
-            # closed: a keep-alive naming it is answered NOT_FOUND
-            await ask(wire.KeepAlive(P_SESSION), 40)
-            corr, gone = await answer()
-            assert corr == 40 and isinstance(gone, wire.ErrorReply)
-            assert gone.code == ErrorCode.NOT_FOUND
-            assert counters["keepalives_unknown_session"] == 1
-            tg.cancel_scope.cancel()
+        yield GatewayLink(gateway, sock, counters)
     finally:
         sock.close(0)
         gateway.close()
+
+
+async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> None:
+    """Old gateway (first design): closing a session posted `SessionClosed` with the
+    refusable `post`; on Busy it retried by hand from a task, 100 times 50 ms apart, then
+    logged `session_close_lost` and gave up. A sender busy for 5 s kept the session's
+    leases until they expired, and nothing ever answered the close. Now `SessionClosed`
+    is a notice: it goes into the full mailbox at once, and the client's Goodbye is
+    answered once every owner ended what the session announced.
+
+    The real gateway on a real ipc:// socket; the sender's loop starts only once its
+    mailbox is full and the close is in it."""
+    clock = FakeClock()
+    registrar = StubActor("registrar", clock)
+    ecrouter = StubActor("ecrouter", clock)
+    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
+    box = WatchedMailbox("sender", SIZE, clock)
+    sender = make_sender(clock, FakePort(), registrar, events.post, box)
+    receiver = make_receiver(clock, FakePort(), registrar, events.post)
+    async with (
+        gateway_link(
+            tmp_path,
+            clock,
+            registrar=registrar,
+            ecrouter=ecrouter,
+            sender=box,
+            receiver=receiver.mailbox,
+            events=events,
+        ) as link,
+        anyio.create_task_group() as tg,
+    ):
+        for actor in (registrar, ecrouter, receiver, link.gateway):
+            await tg.start(actor.run)
+        box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
+        await link.ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
+        corr, welcomed = await link.answer()
+        assert corr == 1 and isinstance(welcomed, wire.Welcome)
+
+        for i in range(SIZE + 1):
+            await link.ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
+        # the finishes wait in the sender's mailbox, but one too many
+        busy_corr, busy = await link.answer()
+        assert isinstance(busy, wire.ErrorReply) and busy.code == ErrorCode.BUSY
+
+        await link.ask(wire.Goodbye(P_SESSION), 30)
+        # the close goes into the full mailbox at once
+        with anyio.fail_after(WAIT):
+            await box.close_posted.wait()
+        # the view, the finishes, the refused finish's notice, the close
+        assert box.depth() == SIZE + 3
+        assert box.stats()["outside"] == SIZE
+        assert busy_corr == 10 + SIZE  # the view took no room from the finishes
+        # the sender hears of the finish refused BUSY (D must not wait for it)
+        [not_taken] = box.not_taken
+        assert (not_taken.request_id, not_taken.code) == (f"p-req-{SIZE}", ErrorCode.BUSY)
+
+        await tg.start(sender.run)
+        replies = dict([await link.answer() for _ in range(SIZE + 1)])
+        assert replies == {corr: wire.Ok() for corr in (*range(10, 10 + SIZE), 30)}
+        # the leases were granted, then ended with the session
+        assert sender.counters["leases_granted"] == SIZE
+        assert sender.counters["finishes_refused"] == 1
+        status = await snapshot(box)
+        assert status["leases"] == 0 and not any(status["states"].values())
+        assert "session_close_overdue" not in link.counters
+        # closed: a keep-alive naming it is answered NOT_FOUND
+        await link.ask(wire.KeepAlive(P_SESSION), 40)
+        corr, gone = await link.answer()
+        assert corr == 40 and isinstance(gone, wire.ErrorReply)
+        assert gone.code == ErrorCode.NOT_FOUND
+        assert link.counters["keepalives_unknown_session"] == 1
+        tg.cancel_scope.cancel()
+
+
+async def test_refused_finishes_notices_are_bounded(tmp_path: Path) -> None:
+    """A flood of finishes refused BUSY: each is reported to the sender (a notice that
+    goes into the full mailbox) only while the mailbox holds fewer than
+    `NOT_TAKEN_DEPTH` times its size; past that the notice is dropped and counted
+    (`refusals_unrecorded`), so a client cannot grow the sender's mailbox without bound.
+    Every finish is answered; the sender, once it runs, records each notice it got."""
+    clock = FakeClock()
+    registrar = StubActor("registrar", clock)
+    ecrouter = StubActor("ecrouter", clock)
+    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
+    box = WatchedMailbox("sender", SIZE, clock)
+    sender = make_sender(clock, FakePort(), registrar, events.post, box)
+    receiver = make_receiver(clock, FakePort(), registrar, events.post)
+    flood = 5 * SIZE
+    async with (
+        gateway_link(
+            tmp_path,
+            clock,
+            registrar=registrar,
+            ecrouter=ecrouter,
+            sender=box,
+            receiver=receiver.mailbox,
+            events=events,
+        ) as link,
+        anyio.create_task_group() as tg,
+    ):
+        for actor in (registrar, ecrouter, receiver, link.gateway):
+            await tg.start(actor.run)
+        box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
+        await link.ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
+        corr, welcomed = await link.answer()
+        assert corr == 1 and isinstance(welcomed, wire.Welcome)
+
+        for i in range(SIZE + flood):
+            await link.ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
+        refused = dict([await link.answer() for _ in range(flood)])
+        assert sorted(refused) == list(range(10 + SIZE, 10 + SIZE + flood))
+        assert all(
+            isinstance(r, wire.ErrorReply) and r.code == ErrorCode.BUSY for r in refused.values()
+        )
+        # the view and SIZE finishes were in; notices fill it to the bound, no further
+        bound = NOT_TAKEN_DEPTH * SIZE
+        assert box.depth() == bound
+        noticed = bound - (SIZE + 1)
+        assert [n.request_id for n in box.not_taken] == [
+            f"p-req-{i}" for i in range(SIZE, SIZE + noticed)
+        ]
+        assert link.counters["refusals_unrecorded"] == flood - noticed
+
+        await tg.start(sender.run)
+        accepted = dict([await link.answer() for _ in range(SIZE)])
+        assert accepted == {corr: wire.Ok() for corr in range(10, 10 + SIZE)}
+        await snapshot(box)  # behind every notice in the mailbox
+        assert sender.counters["finishes_refused"] == noticed
+        assert sender.counters["leases_granted"] == SIZE
+        tg.cancel_scope.cancel()
 
 
 async def test_a_registration_flood_is_refused_at_intake_and_never_queued() -> None:
