@@ -11,7 +11,9 @@ engines (engine pairs in child processes) run their own traffic.
 
 Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a daemon
 SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
-and SIGCONTed, a victim engine SIGKILLed and started again, or SIGSTOPped and SIGCONTed.
+and SIGCONTed, a daemon starved of CPU for seconds (held to 2-10 % of a core,
+`kvd.cpulimit`: slow, not dead; where the machine has a writable cpu cgroup), a victim
+engine SIGKILLed and started again, or SIGSTOPped and SIGCONTed.
 Then everything settles and the invariants are checked:
 
 - every announced request ended exactly once on each side, within its bound: the KV
@@ -59,7 +61,9 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode, KvdError
 
+from kvd import cpulimit
 from kvd.actors.ecrouter import ec_segment_creator
+from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
 from kvd.ecdemo import output_bytes
 from kvd.traffic import NOT_OFFERED, Traffic
@@ -112,6 +116,10 @@ class ChaosConfig:
     """Seconds between two faults, drawn uniformly."""
     freeze: tuple[float, float] = (0.3, 2.5)
     """Seconds a SIGSTOPped daemon stays stopped, drawn uniformly."""
+    starve: tuple[float, float] = (1.0, 5.0)
+    """Seconds a daemon is held to a share of a core, drawn uniformly."""
+    starve_share: tuple[float, float] = (0.02, 0.1)
+    """The share of one core a starved daemon gets, drawn uniformly."""
     victims: int = 1
     """Victim engine pairs (child processes) running at any time."""
     reap: bool = True
@@ -140,7 +148,10 @@ class Node:
     out_since: float = 0.0
     """monotonic time the current fault began (0: up and running)."""
     outages: list[tuple[float, float, str]] = field(default_factory=list)
-    """(began, ended, "kill" or "stop") of every fault that held this daemon up."""
+    """(began, ended, "kill" or "stop") of every fault that held this daemon up. A CPU
+    starvation is not one: a starved daemon runs, slowly, and its bounds still hold."""
+    limit: CpuLimit | None = None
+    """The CPU limit it is held to now (a "starve" fault), if any."""
     rss: list[tuple[int, float, int]] = field(default_factory=list)
     """(incarnation, monotonic time, VmRSS KiB) samples."""
     started_at: float = 0.0
@@ -204,6 +215,20 @@ class Node:
             self.thaw()
         self.proc.kill()
         self.out_since = time.monotonic()
+        self.feed()  # the process is gone: its cgroup goes too
+
+    def starve(self, share: float) -> None:
+        assert self.proc is not None and self.limit is None
+        self.limit = CpuLimit(self.proc.proc.pid, share, tag="kvdc")
+
+    def feed(self) -> int:
+        """The end of a starvation: the periods the kernel held it back (0 if none)."""
+        if self.limit is None:
+            return 0
+        throttled = self.limit.throttled()
+        self.limit.release()
+        self.limit = None
+        return throttled
 
     def freeze(self) -> None:
         assert self.proc is not None
@@ -595,6 +620,8 @@ class ChaosReport:
     seed: int
     duration_s: float
     faults: Counter[str] = field(default_factory=Counter)
+    not_injected: dict[str, str] = field(default_factory=dict)
+    """Fault kinds this machine cannot inject, with why."""
     kv_requests: int = 0
     kv_outcomes: dict[str, int] = field(default_factory=dict)
     ec_requests: int = 0
@@ -660,6 +687,7 @@ class ChaosReport:
             "wall_s": round(self.wall_s, 1),
             "faults": dict(self.faults),
             "faults_total": sum(self.faults.values()),
+            "not_injected": self.not_injected,
             "kv_requests": self.kv_requests,
             "kv_outcomes": self.kv_outcomes,
             "ec_requests": self.ec_requests,
@@ -725,6 +753,11 @@ class Chaos:
             ("victim", []),
             ("victim-stop", []),
         ]
+        self.starve_unavailable = cpulimit.unavailable()
+        if self.starve_unavailable is None:
+            self.first_faults.append(("starve", sorted(self.nodes)))
+        else:
+            self.report.not_injected["daemon CPU-starved"] = self.starve_unavailable
         self.rng.shuffle(self.first_faults)
         self.last_kv_refused = 0.0
         self.driver_stalls: list[tuple[float, float, str]] = []
@@ -787,7 +820,10 @@ class Chaos:
                 return False
             self.first_faults.pop()
             return True
-        kind = self.rng.choice(["kill", "stop", "kill", "stop", "victim", "victim-stop"])
+        kinds = ["kill", "stop", "kill", "stop", "victim", "victim-stop"]
+        if self.starve_unavailable is None:
+            kinds.append("starve")
+        kind = self.rng.choice(kinds)
         self._inject(now, kind, sorted(self.nodes))
         return True
 
@@ -816,11 +852,19 @@ class Chaos:
                 self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
             return bool(live)
         ready = [k for k in among if self.nodes[k].up and k not in self.starting]
+        if kind == "starve":
+            ready = [k for k in ready if self.nodes[k].limit is None]
         if not ready:
             return False  # all down or stopped already: this moment passes
         key = self.rng.choice(ready)
         node = self.nodes[key]
-        if kind == "kill":
+        if kind == "starve":
+            share = self.rng.uniform(*self.cfg.starve_share)
+            node.starve(share)
+            self.report.faults[f"{key.upper()} CPU-starved"] += 1
+            self.log(f"{now:.1f} CPU-starve {node.name} to {share:.0%} of a core")
+            self.pending.append((now + self.rng.uniform(*self.cfg.starve), "feed", key))
+        elif kind == "kill":
             node.kill()
             if key == "c":
                 assert self.ec is not None
@@ -851,6 +895,13 @@ class Chaos:
         if action == "thaw":
             node.thaw()
             self.log(f"{time.monotonic():.1f} SIGCONT {node.name}")
+            return
+        if action == "feed":
+            if node.limit is not None:
+                throttled = node.feed()
+                self.log(
+                    f"{time.monotonic():.1f} CPU back to {node.name} ({throttled} periods held)"
+                )
             return
         assert action == "restart"
         # Started in a thread: the load goes on (and events are drained) meanwhile.
@@ -1097,6 +1148,7 @@ class Chaos:
                 continue
             if node.frozen:
                 node.thaw()
+            node.feed()
             if node.proc.proc.poll() is None:
                 t0 = time.monotonic()
                 rc = node.proc.stop(timeout=STOP_TIMEOUT)
@@ -1278,6 +1330,7 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     faults = ", ".join(f"{k} {v}" for k, v in sorted(rep.faults.items()))
     rows = [
         ("faults injected", f"{d['faults_total']} ({faults})"),
+        *((f"  not injected: {k}", why) for k, why in rep.not_injected.items()),
         (
             "KV requests (push, layer-wise push, pull) offered to D",
             str(rep.kv_requests - rep.kv_outcomes.get(f"D {NOT_OFFERED}", 0)),

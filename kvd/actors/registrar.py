@@ -935,6 +935,7 @@ class Registrar:
         except KvdError as exc:
             log.warning("remove_remote_failed", peer=agent, error=exc.message)
         self._publish(PeerUpdated(agent, None))
+        self._count("peers_forgotten")
         log.info("peer_forgotten", peer=agent)
 
     # ---------------------------------------------------------------- clocks and traces

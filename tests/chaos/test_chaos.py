@@ -1,6 +1,6 @@
 """The chaos run (`kvd.chaos`): four real daemons and simulated engines under mixed
 push, pull and encoder-cache load while daemons are SIGKILLed and restarted,
-SIGSTOPped and SIGCONTed, and engines SIGKILLed, at seeded moments.
+SIGSTOPped and SIGCONTed, starved of CPU, and engines SIGKILLed, at seeded moments.
 
 The short profile runs here by default (about a minute on a 2-core machine). The long
 one: `KVD_CHAOS=long` (`KVD_CHAOS_DURATION` seconds, 300 by default), or
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kvd import cpulimit
 from kvd.chaos import Chaos, ChaosConfig, Node, print_report, rss_flat
 
 # the chaos run kills, freezes and restarts daemons and engines, and counts what they leave
@@ -45,6 +46,10 @@ def test_every_invariant_holds_under_faults_and_load() -> None:
     assert any(k[0] in "EC" and "SIGKILL" in k for k in rep.faults), rep.faults
     assert rep.faults["engine SIGKILL"] >= 1, rep.faults
     assert rep.faults["engine SIGSTOP/SIGCONT"] >= 1, rep.faults
+    if cpulimit.unavailable() is None:  # else the report says why it was not injected
+        assert "CPU-starved" in kinds, rep.faults
+    else:
+        assert rep.not_injected, rep.faults
     assert rep.kv_outcomes.get("D RecvFinished", 0) > 0, rep.kv_outcomes
     assert rep.ec_outcomes.get("ready", 0) > 0, rep.ec_outcomes
     assert rep.bytes_verified > 0 and rep.wrong_bytes == 0

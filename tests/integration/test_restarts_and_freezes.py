@@ -32,6 +32,8 @@ from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 from kvd_client.errors import ErrorCode
 
+from kvd import cpulimit
+from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
 from .conftest import StartDaemon
@@ -1055,3 +1057,72 @@ def test_p_engine_frozen_past_its_client_timeout(
         proc.kill()
         proc.wait()
         remove_segments_of(proc.pid)
+
+
+# ------------------------------------------------------------------ a slow peer, not a dead one
+
+
+@contextlib.contextmanager
+def cpu_starved(pid: int, share: float) -> Iterator[CpuLimit]:
+    """Hold every thread of process `pid` to `share` of one core, as an overloaded host
+    does (`kvd.cpulimit`). Skips the test where no cpu cgroup can be made."""
+    why = cpulimit.unavailable()
+    if why is not None:
+        pytest.skip(f"a CPU-starved daemon: {why}")
+    limit = CpuLimit(pid, share, tag="kvdt")
+    try:
+        yield limit
+    finally:
+        limit.release()
+
+
+PEER_GONE = ("peers_forgotten", "peers_given_up", "handshakes_failed", "leases_expired")
+"""The counters that grow when a daemon judges its peer gone or too late."""
+
+
+@pytest.mark.serial  # starves a daemon of CPU for seconds: timing, not load, is the point
+@pytest.mark.parametrize("who", ["p", "d"])
+def test_a_cpu_starved_daemon_is_slow_not_gone(
+    daemons: StartDaemon, engines: list[Engine], who: str
+) -> None:
+    """A peer that is slow but not dead: one daemon gets 5 % of a core (it runs 5 ms in
+    each 100 ms, as on an overloaded host) for 6 s while both engines keep sending. Its
+    requests take longer, and that is all: none is reported done with wrong bytes, each
+    ends exactly once on each side, no daemon judges the other gone (forgets it, gives up
+    on it, fails a handshake, lets a lease expire) and no client loses its session; once
+    the daemon has its CPU again, the stream runs as before."""
+    pd = daemons("kvd-p")
+    dd = daemons("kvd-d")
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines += [p, d]
+    t = Traffic(p, d, pd.side_port, random.Random(21), window=8)
+    t.run_for(1.0)
+    assert t.ok() > 0 and not t.wrong, (t.ok(), t.wrong)
+    before = {e.name: e.client.status()["counters"] for e in (p, d)}
+    opened = {e.name: counter(e, "sessions_opened") for e in (p, d)}
+    ok_before = t.ok()
+    victim = pd if who == "p" else dd
+    with cpu_starved(victim.proc.pid, 0.05) as limit:
+        t.run_for(6.0)
+        throttled = limit.throttled()
+    ok_starved = t.ok() - ok_before
+    t.run_for(2.0)
+    t.settle(30.0)
+
+    assert throttled > 10, f"the daemon was not held to its quota ({throttled} periods)"
+    assert t.wrong == [], f"{len(t.wrong)} requests reported done with wrong bytes: {t.wrong[:5]}"
+    assert t.unfinished() == [], t.unfinished()[:5]
+    assert t.stray == [], t.stray[:5]
+    failed = {k: v for k, v in (t.p_events + t.d_events).items() if "Finished" not in k}
+    assert not failed, (failed, t.p_events, t.d_events)
+    for e in (p, d):
+        after = e.client.status()["counters"]
+        judged = {c: after.get(c, 0) - before[e.name].get(c, 0) for c in PEER_GONE}
+        assert not any(judged.values()), (e.name, judged)
+        assert counter(e, "sessions_opened") == opened[e.name]
+        assert e.client.reconnects == 0
+    assert ok_starved > 0, "no request completed while the daemon was starved"
+    print(
+        f"{who} starved 6 s ({throttled} periods throttled): {ok_starved} requests done "
+        f"meanwhile, {t.ok()} in all; P {dict(t.p_events)}, D {dict(t.d_events)}"
+    )

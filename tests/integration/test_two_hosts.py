@@ -270,6 +270,79 @@ def test_push_pull_and_ec_cross_the_veth_over_tcp(two: Hosts) -> None:
     assert {p["addr"].rsplit(":", 1)[0] for p in peers} == {D_ADDR}, peers
 
 
+SLOW_EACH_WAY = ("120ms", "40ms")
+"""netem delay and jitter on each host's egress: a round trip of ~240 ms (the veth's own
+is ~0.05 ms), the handshakes, notifications, heartbeats and TCP's acks all behind it."""
+PEER_GONE = ("peers_forgotten", "peers_given_up", "handshakes_failed", "leases_expired")
+"""The counters that grow when a daemon judges its peer gone or too late."""
+
+
+def test_a_slow_peer_is_waited_for_not_judged_gone(two: Hosts) -> None:
+    """A peer that is slow but not dead: every message between the hosts is delayed by
+    120 ms (+-40, so TCP also sees reordering) each way, from the first handshake of new
+    engines on. Every push, pull and EC request (running at once) ends done with the
+    right bytes; neither daemon forgets the other, gives up on it, fails a handshake or
+    lets a lease expire. Once the delay is gone, requests run as before."""
+    hosts = two
+    pe, de = _engines(hosts, "s")
+    prod, cons = _ec(hosts, "s")
+    before = {h.ns: _counters(h) for h in (hosts.p, hosts.d)}
+    for h in (hosts.p, hosts.d):
+        h.tc("add", "root", "netem", "delay", *SLOW_EACH_WAY)
+    try:
+        drivers = [
+            _Run(lambda: _kv(hosts, "push", pe, de, 16, 40, max_blocks=4, window=4, timeout=90)),
+            _Run(lambda: _kv(hosts, "pull", pe, de, 16, 41, max_blocks=4, window=4, timeout=90)),
+            _Run(
+                lambda: run_ec(
+                    prod,
+                    cons,
+                    8,
+                    random.Random(42),
+                    max_bytes=1 << 20,
+                    window=4,
+                    timeout=90,
+                    name="s",
+                )
+            ),
+        ]
+        started = time.monotonic()
+        for t in drivers:
+            t.start()
+        for t in drivers:
+            t.join(120)
+            assert not t.is_alive(), "a driver never ended"
+            assert t.error is None, repr(t.error)
+        took = time.monotonic() - started
+    finally:
+        for h in (hosts.p, hosts.d):
+            h.tc("del", "root")
+    slow = [t.result for t in drivers]
+    for res in slow:
+        _all_verified(res)
+    after = {h.ns: _counters(h) for h in (hosts.p, hosts.d)}
+    judged = {
+        ns: {c: after[ns].get(c, 0) - before[ns].get(c, 0) for c in PEER_GONE} for ns in after
+    }
+    assert all(not any(d.values()) for d in judged.values()), judged
+    # the delay was there: a request cannot end in less than a round trip through it
+    assert took > 0.2, took
+    again = [
+        _kv(hosts, "push", pe, de, 4, 43, max_blocks=4),
+        _kv(hosts, "pull", pe, de, 4, 44, max_blocks=4),
+    ]
+    for res in again:
+        _all_verified(res)
+    print(f"slow link ({took:.1f} s): {[r.summary() for r in slow]}")
+
+
+def _counters(h: Host) -> dict[str, int]:
+    assert h.daemon is not None
+    with KvdClient(h.daemon.socket, role="cli", keepalive_interval=0) as c:
+        got: dict[str, int] = c.status()["counters"]
+    return got
+
+
 class _Run(threading.Thread):
     """Runs one traffic driver to its end (each driver owns its engines' clients)."""
 
