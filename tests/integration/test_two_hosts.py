@@ -270,37 +270,40 @@ def test_push_pull_and_ec_cross_the_veth_over_tcp(two: Hosts) -> None:
     assert {p["addr"].rsplit(":", 1)[0] for p in peers} == {D_ADDR}, peers
 
 
-SLOW_EACH_WAY = ("120ms", "40ms")
-"""netem delay and jitter on each host's egress: a round trip of ~240 ms (the veth's own
-is ~0.05 ms), the handshakes, notifications, heartbeats and TCP's acks all behind it."""
+SLOW_LINK = ("rate", "40mbit", "burst", "32kb", "latency", "400ms")
+"""tbf on each host's egress: 5 MB/s (the veth alone moves GB/s), and a queue that holds
+up to 400 ms of it, so a notification or heartbeat waits behind the bulk bytes queued
+before it, as on a congested link."""
 PEER_GONE = ("peers_forgotten", "peers_given_up", "handshakes_failed", "leases_expired")
 """The counters that grow when a daemon judges its peer gone or too late."""
 
 
 def test_a_slow_peer_is_waited_for_not_judged_gone(two: Hosts) -> None:
-    """A peer that is slow but not dead: every message between the hosts is delayed by
-    120 ms (+-40, so TCP also sees reordering) each way, from the first handshake of new
-    engines on. Every push, pull and EC request (running at once) ends done with the
-    right bytes; neither daemon forgets the other, gives up on it, fails a handshake or
-    lets a lease expire. Once the delay is gone, requests run as before."""
+    """A peer that is slow but not dead: the link between the hosts is slow and congested
+    (5 MB/s each way, up to 400 ms queued) from the first handshake of new engines on,
+    while push, pull and EC requests run at once. Every request ends done with the right
+    bytes; neither daemon forgets the other, gives up on it, fails a handshake or lets a
+    lease expire. Once the link is fast again, requests run as before."""
     hosts = two
     pe, de = _engines(hosts, "s")
+    pe2, de2 = _engines(hosts, "t")  # each driver drains its own engines' events
     prod, cons = _ec(hosts, "s")
     before = {h.ns: _counters(h) for h in (hosts.p, hosts.d)}
+    rx0, _ = hosts.d.veth_bytes()
     for h in (hosts.p, hosts.d):
-        h.tc("add", "root", "netem", "delay", *SLOW_EACH_WAY)
+        h.tc("add", "root", "tbf", *SLOW_LINK)
     try:
         drivers = [
-            _Run(lambda: _kv(hosts, "push", pe, de, 16, 40, max_blocks=4, window=4, timeout=90)),
-            _Run(lambda: _kv(hosts, "pull", pe, de, 16, 41, max_blocks=4, window=4, timeout=90)),
+            _Run(lambda: _kv(hosts, "push", pe, de, 12, 40, max_blocks=2, window=2, timeout=90)),
+            _Run(lambda: _kv(hosts, "pull", pe2, de2, 12, 41, max_blocks=2, window=2, timeout=90)),
             _Run(
                 lambda: run_ec(
                     prod,
                     cons,
-                    8,
+                    6,
                     random.Random(42),
-                    max_bytes=1 << 20,
-                    window=4,
+                    max_bytes=512 << 10,
+                    window=2,
                     timeout=90,
                     name="s",
                 )
@@ -314,6 +317,11 @@ def test_a_slow_peer_is_waited_for_not_judged_gone(two: Hosts) -> None:
             assert not t.is_alive(), "a driver never ended"
             assert t.error is None, repr(t.error)
         took = time.monotonic() - started
+        if os.environ.get("KVD_XX_DEBUG"):
+            print(
+                "STATE UNDER TBF",
+                json.dumps(_transfer_states(hosts), indent=1, default=str)[:20000],
+            )
     finally:
         for h in (hosts.p, hosts.d):
             h.tc("del", "root")
@@ -325,15 +333,16 @@ def test_a_slow_peer_is_waited_for_not_judged_gone(two: Hosts) -> None:
         ns: {c: after[ns].get(c, 0) - before[ns].get(c, 0) for c in PEER_GONE} for ns in after
     }
     assert all(not any(d.values()) for d in judged.values()), judged
-    # the delay was there: a request cannot end in less than a round trip through it
-    assert took > 0.2, took
+    # the link was the bottleneck: what crossed it took at least its rate's time
+    rx1, _ = hosts.d.veth_bytes()
+    assert took >= (rx1 - rx0) / 5e6 * 0.9, (took, rx1 - rx0)
     again = [
         _kv(hosts, "push", pe, de, 4, 43, max_blocks=4),
-        _kv(hosts, "pull", pe, de, 4, 44, max_blocks=4),
+        _kv(hosts, "pull", pe2, de2, 4, 44, max_blocks=4),
     ]
     for res in again:
         _all_verified(res)
-    print(f"slow link ({took:.1f} s): {[r.summary() for r in slow]}")
+    print(f"slow link: {rx1 - rx0:,} bytes in {took:.1f} s: {[r.summary() for r in slow]}")
 
 
 def _counters(h: Host) -> dict[str, int]:
