@@ -486,7 +486,8 @@ def chaos(
         bool, typer.Option(help="daemon.reap_leftover_segments of the daemons (machine-wide).")
     ] = True,
 ) -> None:
-    """Four daemons under load while daemons and engines are killed, stopped and restarted;
+    """Four daemons under load while daemons and engines are killed, stopped, starved of CPU
+    and restarted;
     the invariants that held, as figures (exit 1 if one broke)."""
     from kvd.chaos import ChaosConfig, run_chaos
 
