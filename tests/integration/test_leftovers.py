@@ -413,12 +413,19 @@ def test_killed_worker_segment_goes_when_its_session_ends(
         assert [(k["segment"], k["reason"]) for k in kept] == [
             (seg2, f"mapped by pid {d.proc.pid}")
         ]
-        assert exists(seg2) and reaped_count(d) == 1
+        # the daemon counts and logs a removal on its loop once its thread unlinked it
+        wait_until(lambda: reaped_count(d) == 1, 5.0, "seg1's removal counted")
+        assert exists(seg2)
         y.kill()
         y.wait()
         wait_until(lambda: not exists(seg2), 15.0, "seg2 removed once y's session ended")
-        assert reaped_count(d) == 2
-        reaped = events(d, "staging_segment_reaped")
+        wait_until(lambda: reaped_count(d) == 2, 5.0, "seg2's removal counted")
+
+        def both_logged() -> list[dict[str, Any]] | None:
+            got = events(d, "staging_segment_reaped")
+            return got if len(got) == 2 else None
+
+        reaped = wait_until(both_logged, 5.0, "both removals logged")
         assert sorted(r["segment"] for r in reaped) == sorted([seg1, seg2])
         assert {r["when"] for r in reaped} == {"session_end"}
         assert {r["creator_pid"] for r in reaped} == {w1.pid, w2.pid}
@@ -450,7 +457,8 @@ def test_a_frozen_workers_segment_goes_once_it_is_killed_later(
         w.kill()
         w.wait()
         wait_until(lambda: not exists(seg), 10.0, "removed once its creator is gone")
-        reaped = events(d, "staging_segment_reaped")
+        # counted and logged on the daemon's loop once its thread unlinked it
+        reaped = wait_until(lambda: events(d, "staging_segment_reaped"), 5.0, "the removal logged")
         assert [(r["segment"], r["when"], r["creator_pid"]) for r in reaped] == [
             (seg, "creator_gone", w.pid)
         ]
