@@ -13,7 +13,7 @@ Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a
 SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
 and SIGCONTed, a daemon starved of CPU for seconds (held to 2-10 % of a core,
 `kvd.cpulimit`: slow, not dead; where the machine has a writable cpu cgroup), a victim
-engine SIGKILLed and started again, or SIGSTOPped and SIGCONTed.
+engine SIGKILLed and started again, SIGSTOPped and SIGCONTed, or starved of CPU.
 Then everything settles and the invariants are checked:
 
 - every announced request ended exactly once on each side, within its bound: the KV
@@ -610,6 +610,13 @@ class Victim:
     proc: subprocess.Popen[bytes]
     started: float
     frozen: bool = False
+    limit: CpuLimit | None = None
+    """The CPU limit it is held to now (a "victim-starve" fault), if any."""
+
+    def feed(self) -> None:
+        if self.limit is not None:
+            self.limit.release()
+            self.limit = None
 
 
 # ------------------------------------------------------------------ the run
@@ -755,9 +762,9 @@ class Chaos:
         ]
         self.starve_unavailable = cpulimit.unavailable()
         if self.starve_unavailable is None:
-            self.first_faults.append(("starve", sorted(self.nodes)))
+            self.first_faults += [("starve", sorted(self.nodes)), ("victim-starve", [])]
         else:
-            self.report.not_injected["daemon CPU-starved"] = self.starve_unavailable
+            self.report.not_injected["daemon or engine CPU-starved"] = self.starve_unavailable
         self.rng.shuffle(self.first_faults)
         self.last_kv_refused = 0.0
         self.driver_stalls: list[tuple[float, float, str]] = []
@@ -822,7 +829,7 @@ class Chaos:
             return True
         kinds = ["kill", "stop", "kill", "stop", "victim", "victim-stop"]
         if self.starve_unavailable is None:
-            kinds.append("starve")
+            kinds += ["starve", "victim-starve"]
         kind = self.rng.choice(kinds)
         self._inject(now, kind, sorted(self.nodes))
         return True
@@ -841,12 +848,24 @@ class Chaos:
                 until = now + self.rng.uniform(0.5, 2 * self.cfg.client_timeout)
                 self.pending.append((until, "victim-thaw", v.tag))
             return bool(live)
+        if kind == "victim-starve":
+            live = [v for v in self.victims if v.proc.poll() is None and v.limit is None]
+            if live:
+                v = self.rng.choice(live)
+                share = self.rng.uniform(*self.cfg.starve_share)
+                v.limit = CpuLimit(v.proc.pid, share, tag="kvdc")
+                self.report.faults["engine CPU-starved"] += 1
+                self.log(f"{now:.1f} CPU-starve engine {v.tag} to {share:.0%} of a core")
+                until = now + self.rng.uniform(*self.cfg.starve)
+                self.pending.append((until, "victim-feed", v.tag))
+            return bool(live)
         if kind == "victim":
             live = [v for v in self.victims if v.proc.poll() is None]
             if live:
                 v = self.rng.choice(live)
                 v.proc.kill()
                 v.proc.wait()
+                v.feed()
                 self.report.faults["engine SIGKILL"] += 1
                 self.log(f"{now:.1f} SIGKILL engine {v.tag}")
                 self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
@@ -883,6 +902,11 @@ class Chaos:
         if action == "spawn":
             if len([v for v in self.victims if v.proc.poll() is None]) < self.cfg.victims:
                 self._spawn_victim()
+            return
+        if action == "victim-feed":
+            for v in self.victims:
+                if v.tag == key:
+                    v.feed()
             return
         if action == "victim-thaw":
             for v in self.victims:
@@ -1061,6 +1085,7 @@ class Chaos:
                 v.proc.kill()
                 v.proc.wait()
                 self.report.faults["engine SIGKILL"] += 1
+            v.feed()
         self._run_for(3.0)
         self.kv.paused = self.ec.paused = True
         deadline = time.monotonic() + 60.0
@@ -1143,6 +1168,7 @@ class Chaos:
             if v.proc.poll() is None:
                 v.proc.kill()
                 v.proc.wait()
+            v.feed()
         for node in self.nodes.values():
             if node.proc is None:
                 continue
