@@ -994,11 +994,24 @@ async def test_view_updates_reach_full_mailboxes() -> None:
 
 @dataclass
 class GatewayLink:
-    """A real gateway on a real ipc:// socket, and one DEALER client talking to it."""
+    """P's actors (the sender on a mailbox of `SIZE`, whose loop a test starts when it
+    wants) behind a real gateway on a real ipc:// socket, and one DEALER client of it."""
 
     gateway: Gateway
     sock: zmq.asyncio.Socket
     counters: dict[str, int]
+    box: WatchedMailbox
+    sender: Sender
+    actors: tuple[Any, ...]
+
+    async def open(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start every actor but the sender, publish P's region, and say Hello."""
+        for actor in self.actors:
+            await tg.start(actor.run)
+        self.box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
+        await self.ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
+        corr, welcomed = await self.answer()
+        assert corr == 1 and isinstance(welcomed, wire.Welcome)
 
     async def ask(self, msg: wire.Record, corr: int) -> None:
         await self.sock.send(wire.encode(msg, corr))
@@ -1009,17 +1022,15 @@ class GatewayLink:
 
 
 @asynccontextmanager
-async def gateway_link(
-    tmp_path: Path,
-    clock: Clock,
-    *,
-    registrar: StubActor,
-    ecrouter: StubActor,
-    sender: Mailbox[Any],
-    receiver: Mailbox[Any],
-    events: Mailbox[EventOut],
-) -> AsyncIterator[GatewayLink]:
+async def gateway_link(tmp_path: Path) -> AsyncIterator[GatewayLink]:
+    clock = FakeClock()
     counters: dict[str, int] = {}
+    registrar = StubActor("registrar", clock)
+    ecrouter = StubActor("ecrouter", clock)
+    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
+    box = WatchedMailbox("sender", SIZE, clock)
+    sender = make_sender(clock, FakePort(), registrar, events.post, box)
+    receiver = make_receiver(clock, FakePort(), registrar, events.post)
     path = str(tmp_path / "kvd.sock")
 
     async def no_status(section: str) -> dict[str, Any]:
@@ -1032,8 +1043,8 @@ async def gateway_link(
         socket_path=path,
         socket_mode=0o600,
         registrar=registrar.box,
-        sender=sender,
-        receiver=receiver,
+        sender=box,
+        receiver=receiver.mailbox,
         ecrouter=ecrouter.box,
         events=events,
         client_timeout=60.0,
@@ -1050,7 +1061,9 @@ async def gateway_link(
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"ipc://{path}")
     try:
-        yield GatewayLink(gateway, sock, counters)
+        yield GatewayLink(
+            gateway, sock, counters, box, sender, (registrar, ecrouter, receiver, gateway)
+        )
     finally:
         sock.close(0)
         gateway.close()
@@ -1066,32 +1079,9 @@ async def test_session_close_reaches_a_full_sender_mailbox(tmp_path: Path) -> No
 
     The real gateway on a real ipc:// socket; the sender's loop starts only once its
     mailbox is full and the close is in it."""
-    clock = FakeClock()
-    registrar = StubActor("registrar", clock)
-    ecrouter = StubActor("ecrouter", clock)
-    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
-    box = WatchedMailbox("sender", SIZE, clock)
-    sender = make_sender(clock, FakePort(), registrar, events.post, box)
-    receiver = make_receiver(clock, FakePort(), registrar, events.post)
-    async with (
-        gateway_link(
-            tmp_path,
-            clock,
-            registrar=registrar,
-            ecrouter=ecrouter,
-            sender=box,
-            receiver=receiver.mailbox,
-            events=events,
-        ) as link,
-        anyio.create_task_group() as tg,
-    ):
-        for actor in (registrar, ecrouter, receiver, link.gateway):
-            await tg.start(actor.run)
-        box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
-        await link.ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
-        corr, welcomed = await link.answer()
-        assert corr == 1 and isinstance(welcomed, wire.Welcome)
-
+    async with gateway_link(tmp_path) as link, anyio.create_task_group() as tg:
+        box, sender = link.box, link.sender
+        await link.open(tg)
         for i in range(SIZE + 1):
             await link.ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
         # the finishes wait in the sender's mailbox, but one too many
@@ -1134,33 +1124,10 @@ async def test_refused_finishes_notices_are_bounded(tmp_path: Path) -> None:
     `NOT_TAKEN_DEPTH` times its size; past that the notice is dropped and counted
     (`refusals_unrecorded`), so a client cannot grow the sender's mailbox without bound.
     Every finish is answered; the sender, once it runs, records each notice it got."""
-    clock = FakeClock()
-    registrar = StubActor("registrar", clock)
-    ecrouter = StubActor("ecrouter", clock)
-    events: Mailbox[EventOut] = Mailbox("events", 1024, clock)
-    box = WatchedMailbox("sender", SIZE, clock)
-    sender = make_sender(clock, FakePort(), registrar, events.post, box)
-    receiver = make_receiver(clock, FakePort(), registrar, events.post)
     flood = 5 * SIZE
-    async with (
-        gateway_link(
-            tmp_path,
-            clock,
-            registrar=registrar,
-            ecrouter=ecrouter,
-            sender=box,
-            receiver=receiver.mailbox,
-            events=events,
-        ) as link,
-        anyio.create_task_group() as tg,
-    ):
-        for actor in (registrar, ecrouter, receiver, link.gateway):
-            await tg.start(actor.run)
-        box.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
-        await link.ask(wire.Hello(P_SESSION, "scheduler", P_ENGINE, 0, os.getpid(), "test"), 1)
-        corr, welcomed = await link.answer()
-        assert corr == 1 and isinstance(welcomed, wire.Welcome)
-
+    async with gateway_link(tmp_path) as link, anyio.create_task_group() as tg:
+        box, sender = link.box, link.sender
+        await link.open(tg)
         for i in range(SIZE + flood):
             await link.ask(wire.Finish(f"p-req-{i}", P_ENGINE, (i,)), 10 + i)
         refused = dict([await link.answer() for _ in range(flood)])
