@@ -9,8 +9,10 @@ the `cpu` controller enabled at its root (`cpu.max`); `unavailable()` says why n
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
+import subprocess
 import time
 from typing import Final
 
@@ -32,10 +34,21 @@ def _root() -> tuple[str, str] | None:
     return None
 
 
+@functools.cache
 def unavailable() -> str | None:
-    """Why no process can be held to a share of a core here, or None."""
+    """Why no process can be held to a share of a core here, or None. Tried once for real:
+    a child process is held and released (a container may let a cgroup be made but not a
+    process be moved into it)."""
     if _root() is None:
         return "no writable cpu cgroup (v1 cpu.cfs_quota_us, or v2 with the cpu controller)"
+    probe = subprocess.Popen(["sleep", "10"])
+    try:
+        CpuLimit(probe.pid, 0.5, tag="kvd-probe").release()
+    except OSError as exc:
+        return f"a process cannot be moved into a cpu cgroup here: {exc}"
+    finally:
+        probe.kill()
+        probe.wait()
     return None
 
 
