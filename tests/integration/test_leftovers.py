@@ -473,6 +473,8 @@ def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
     daemons: StartDaemon, segments: list[str]
 ) -> None:
     d1 = daemons("kvd-restart", overrides={"daemon": REAP})
+    # its start-up pass is machine-wide: what other runs' killed processes left goes now
+    at_start = reaped_count(d1)
     procs = []
     try:
         live, live_seg = worker(d1, "live")
@@ -487,20 +489,23 @@ def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
         send(bye, "exit-leaving-it")
         assert bye.wait(30) == 0
         killed, _ = killed_worker_leftover(segments)  # never registered anywhere
-        assert reaped_count(d1) == 0
+        assert reaped_count(d1) == at_start
         assert d1.stop() == 0, d1.report(2000)
         assert exists(bye_seg) and exists(killed) and exists(live_seg)
-        assert events(d1, "staging_segment_reaped") == []
+        assert {r["when"] for r in events(d1, "staging_segment_reaped")} <= {"start"}
 
         d2 = daemons(
             "kvd-restart", overrides={"daemon": REAP}
         )  # same socket; ready means its start-up pass is done
         assert not exists(bye_seg) and not exists(killed)
         assert exists(live_seg) and tell(live, "check") == "kvd!"
+        # the start-up pass is machine-wide: it also takes what other runs' killed
+        # processes left (counted and logged alike); this test's own are judged here
         reaped = events(d2, "staging_segment_reaped")
-        assert sorted(r["segment"] for r in reaped) == sorted([bye_seg, killed])
+        ours = [r for r in reaped if r["segment"] in (bye_seg, killed, live_seg)]
+        assert sorted(r["segment"] for r in ours) == sorted([bye_seg, killed])
         assert {r["when"] for r in reaped} == {"start"}
-        assert reaped_count(d2) == 2
+        assert reaped_count(d2) == len(reaped)
         assert tell(live, "register") == "registered"  # the live client goes on
         assert tell(live, "goodbye") == "closed"
     finally:
