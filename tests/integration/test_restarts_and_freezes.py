@@ -38,7 +38,7 @@ from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
 from .conftest import StartDaemon
 from .ports import restart_port
-from .traffic import Traffic
+from .traffic import Traffic, judged_gone
 
 
 def engine(d: DaemonProc, name: str, num_blocks: int = 256) -> Engine:
@@ -1076,10 +1076,6 @@ def cpu_starved(pid: int, share: float) -> Iterator[CpuLimit]:
         limit.release()
 
 
-PEER_GONE = ("peers_forgotten", "peers_given_up", "handshakes_failed", "leases_expired")
-"""The counters that grow when a daemon judges its peer gone or too late."""
-
-
 @pytest.mark.serial  # starves a daemon of CPU for seconds: timing, not load, is the point
 @pytest.mark.parametrize("who", ["p", "d"])
 def test_a_cpu_starved_daemon_is_slow_not_gone(
@@ -1117,8 +1113,7 @@ def test_a_cpu_starved_daemon_is_slow_not_gone(
     assert not failed, (failed, t.p_events, t.d_events)
     for e in (p, d):
         after = e.client.status()["counters"]
-        judged = {c: after.get(c, 0) - before[e.name].get(c, 0) for c in PEER_GONE}
-        assert not any(judged.values()), (e.name, judged)
+        assert not (judged := judged_gone(before[e.name], after)), (e.name, judged)
         assert counter(e, "sessions_opened") == opened[e.name]
         assert e.client.reconnects == 0
     assert ok_starved > 0, "no request completed while the daemon was starved"
