@@ -612,11 +612,20 @@ class Victim:
     frozen: bool = False
     limit: CpuLimit | None = None
     """The CPU limit it is held to now (a "victim-starve" fault), if any."""
+    ended: bool = False
+    """Its exit was seen (killed by the driver, or exited by itself)."""
 
     def feed(self) -> None:
         if self.limit is not None:
             self.limit.release()
             self.limit = None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.ended = True
+        self.feed()
 
 
 # ------------------------------------------------------------------ the run
@@ -820,13 +829,16 @@ class Chaos:
         """One fault at a seeded moment; False when a first fault found no target."""
         now = time.monotonic()
         if self.first_faults:  # every kind once, in a seeded order, before the rest
-            kind, among = self.first_faults[-1]
-            if not self._inject(now, kind, among):
-                # no target now (victims respawning, daemons down): tried again shortly,
-                # so that every kind is injected at least once in every run
-                return False
-            self.first_faults.pop()
-            return True
+            # the next kind that has a target now; none (victims respawning, daemons
+            # down): tried again shortly, so that every kind is injected in every run,
+            # a short one included (a kind waiting for its target does not hold up the
+            # kinds after it)
+            for i in range(len(self.first_faults) - 1, -1, -1):
+                kind, among = self.first_faults[i]
+                if self._inject(now, kind, among):
+                    del self.first_faults[i]
+                    return True
+            return False
         kinds = ["kill", "stop", "kill", "stop", "victim", "victim-stop"]
         if self.starve_unavailable is None:
             kinds += ["starve", "victim-starve"]
@@ -863,9 +875,7 @@ class Chaos:
             live = [v for v in self.victims if v.proc.poll() is None]
             if live:
                 v = self.rng.choice(live)
-                v.proc.kill()
-                v.proc.wait()
-                v.feed()
+                v.kill()
                 self.report.faults["engine SIGKILL"] += 1
                 self.log(f"{now:.1f} SIGKILL engine {v.tag}")
                 self.pending.append((now + self.rng.uniform(0.5, 2.0), "spawn", ""))
@@ -964,6 +974,14 @@ class Chaos:
             self._carry_out(action, key)
 
     def _unexpected_exits(self) -> None:
+        for v in self.victims:
+            if not v.ended and (rc := v.proc.poll()) is not None:
+                # it could not start (a daemon was down or restarting as it connected):
+                # another takes its place, or no engine would be left to fault
+                v.ended = True
+                v.feed()
+                self.log(f"{time.monotonic():.1f} engine {v.tag} exited {rc} by itself")
+                self.pending.append((time.monotonic() + 1.0, "spawn", ""))
         for node in self.nodes.values():
             dp = node.proc
             if (
@@ -1082,10 +1100,8 @@ class Chaos:
             self._run_for(0.1)
         for v in self.victims:  # the engines' last fault: gone for good, as SIGKILL leaves them
             if v.proc.poll() is None:
-                v.proc.kill()
-                v.proc.wait()
                 self.report.faults["engine SIGKILL"] += 1
-            v.feed()
+            v.kill()
         self._run_for(3.0)
         self.kv.paused = self.ec.paused = True
         deadline = time.monotonic() + 60.0
@@ -1165,10 +1181,7 @@ class Chaos:
                 eng.client.timeout = 2.0
                 eng.close()
         for v in self.victims:
-            if v.proc.poll() is None:
-                v.proc.kill()
-                v.proc.wait()
-            v.feed()
+            v.kill()
         for node in self.nodes.values():
             if node.proc is None:
                 continue
