@@ -14,6 +14,11 @@ SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTO
 and SIGCONTed, a daemon starved of CPU for seconds (held to 2-10 % of a core,
 `kvd.cpulimit`: slow, not dead; where the machine has a writable cpu cgroup), a victim
 engine SIGKILLed and started again, SIGSTOPped and SIGCONTed, or starved of CPU.
+With `two_hosts` (`kvd chaos --two-hosts`) P and E run on one host and D and C on
+another (`kvd.netns`: network namespaces joined by a veth, UCX over TCP on it, so every
+daemon-to-daemon byte crosses the link), and the link is cut (0.5-4 s) or slowed (8-64
+Mbit/s, 400 ms queued, 1-5 s) as faults too: neither counts as an outage of the daemons,
+whose timers go on, so every request must still end within its bound.
 Then everything settles and the invariants are checked:
 
 - every announced request ended exactly once on each side, within its bound: the KV
@@ -61,7 +66,7 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode, KvdError
 
-from kvd import cpulimit
+from kvd import cpulimit, netns
 from kvd.actors.ecrouter import ec_segment_creator
 from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
@@ -97,6 +102,11 @@ KV_TP: Final = 2
 KV_MODES: Final = ("push", "pull", "layers")
 """Whole pushes, pulls and layer-wise pushes (`kvd.traffic`), in turn."""
 EC_NAMES: Final = ("e", "c")
+LINK_NET: Final = "10.78.0"
+"""The two hosts' addresses (`kvd chaos --two-hosts`): .1 (P, E) and .2 (D, C)."""
+LINK_QUEUE_MS: Final = 400
+"""A slowed link queues up to this much (tbf latency): what waits behind bulk bytes,
+notifications and heartbeats included, is that late."""
 
 
 # ------------------------------------------------------------------ configuration
@@ -127,6 +137,15 @@ class ChaosConfig:
     off: reaping at start is machine-wide."""
     fuzz_frames: int = 0
     """Frames per surface for `kvd.fuzz.run_fuzz` after the chaos (0: none)."""
+    two_hosts: bool = False
+    """P and E on one host, D and C on another (`kvd.netns`: two network namespaces, a
+    veth between them, UCX over TCP on it), with the link cut and slowed as faults too."""
+    link_cut: tuple[float, float] = (0.5, 4.0)
+    """Seconds the link between the hosts stays down, drawn uniformly."""
+    link_slow: tuple[float, float] = (1.0, 5.0)
+    """Seconds the link is slowed (both ways), drawn uniformly."""
+    link_mbit: tuple[float, float] = (8.0, 64.0)
+    """Its rate while slowed, Mbit/s, drawn uniformly; up to `LINK_QUEUE_MS` queued."""
     workdir: Path | None = None
 
 
@@ -141,6 +160,8 @@ class Node:
     workdir: Path
     extra: str
     overrides: dict[str, dict[str, Any]]
+    host: netns.Host | None = None
+    """Its host with `--two-hosts` (it runs in that network namespace), else None."""
     proc: DaemonProc | None = None
     incarnation: int = 0
     pids: list[int] = field(default_factory=list)
@@ -163,6 +184,11 @@ class Node:
     @property
     def up(self) -> bool:
         return self.proc is not None and self.proc.proc.poll() is None and not self.frozen
+
+    @property
+    def addr(self) -> str:
+        """Where its peers reach it."""
+        return self.host.addr if self.host else HOST
 
     def harvest_stalls(self) -> None:
         """Take the stalls the current incarnation logged (`daemon_stalled`: the machine
@@ -191,7 +217,9 @@ class Node:
                     self.workdir,
                     self.name,
                     self.extra,
+                    self.host.ucx_env if self.host else None,
                     overrides=self.overrides,
+                    prefix=self.host.prefix if self.host else (),
                     ready_timeout=READY_TIMEOUT,
                 )
                 break
@@ -323,7 +351,11 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def make_nodes(workdir: Path, cfg: ChaosConfig) -> dict[str, Node]:
+def make_nodes(
+    workdir: Path, cfg: ChaosConfig, hosts: tuple[netns.Host, netns.Host] | None = None
+) -> dict[str, Node]:
+    """The four daemons; with `hosts`, P and E on the first, D and C on the second (UCX
+    over TCP on their veth, side channels and EC routers on the hosts' addresses)."""
     ports: set[int] = set()
     common: dict[str, dict[str, Any]] = {
         "daemon": {
@@ -341,6 +373,10 @@ def make_nodes(workdir: Path, cfg: ChaosConfig) -> dict[str, Node]:
     def node(key: str, ec_role: str = "") -> Node:
         over = {k: dict(v) for k, v in common.items()}
         over["side_channel"]["port"] = free_port(ports)
+        host = None if hosts is None else hosts[0 if key in ("p", "e") else 1]
+        if host is not None:
+            over["side_channel"]["host"] = host.addr
+            over["nixl"] = {"ucx_tls": "tcp"}
         if ec_role:
             over["ec"] = {
                 "role": ec_role,
@@ -349,7 +385,7 @@ def make_nodes(workdir: Path, cfg: ChaosConfig) -> dict[str, Node]:
                 "block_bytes": 256 << 10,
                 "xfer_timeout": cfg.ec_xfer_timeout,
             }
-        return Node(key, workdir, "", over)
+        return Node(key, workdir, "", over, host)
 
     return {
         "p": node("p"),
@@ -590,6 +626,7 @@ def victim_main(argv: list[str]) -> int:
     """A victim engine pair (P engine on P's daemon, D engine on D's) running traffic
     until it is killed."""
     p_sock, d_sock, port, seed, tag = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
+    p_host = argv[5] if len(argv) > 5 else HOST
     rng = random.Random(seed)
     try:
         p = kv_engine(p_sock, f"{tag}-p", 64, workers=True)
@@ -598,7 +635,7 @@ def victim_main(argv: list[str]) -> int:
         print(f"victim {tag} could not start: {exc}", file=sys.stderr)
         return 3
     print("ready", flush=True)
-    t = Traffic(p, d, port, rng, window=6, modes=KV_MODES)
+    t = Traffic(p, d, port, rng, window=6, modes=KV_MODES, p_host=p_host)
     while True:
         t.step()
         time.sleep(0.003)
@@ -635,6 +672,9 @@ class Victim:
 class ChaosReport:
     seed: int
     duration_s: float
+    two_hosts: bool = False
+    link_bytes: int = 0
+    """With two hosts: bytes that crossed the veth between them, both ways (its counters)."""
     faults: Counter[str] = field(default_factory=Counter)
     not_injected: dict[str, str] = field(default_factory=dict)
     """Fault kinds this machine cannot inject, with why."""
@@ -643,6 +683,9 @@ class ChaosReport:
     ec_requests: int = 0
     ec_outcomes: dict[str, int] = field(default_factory=dict)
     bytes_verified: int = 0
+    kv_bytes_verified: int = 0
+    """Of `bytes_verified`, KV requests' (each moved P -> D once; an encoder output C
+    already holds is verified again without a transfer)."""
     requests_verified: int = 0
     layer_streams_verified: int = 0
     """Layer-wise pushes D's engine verified (part of `requests_verified`)."""
@@ -700,6 +743,8 @@ class ChaosReport:
             "ok": self.ok,
             "seed": self.seed,
             "duration_s": self.duration_s,
+            "two_hosts": self.two_hosts,
+            "link_bytes": self.link_bytes,
             "wall_s": round(self.wall_s, 1),
             "faults": dict(self.faults),
             "faults_total": sum(self.faults.values()),
@@ -711,6 +756,7 @@ class ChaosReport:
             "requests_verified": self.requests_verified,
             "layer_streams_verified": self.layer_streams_verified,
             "bytes_verified": self.bytes_verified,
+            "kv_bytes_verified": self.kv_bytes_verified,
             "wrong_bytes": self.wrong_bytes,
             "unfinished": len(self.unfinished),
             "stray_events": len(self.stray),
@@ -748,7 +794,12 @@ class Chaos:
         self.report = ChaosReport(cfg.seed, cfg.duration)
         self.own_workdir = cfg.workdir is None
         self.workdir = cfg.workdir or Path(tempfile.mkdtemp(prefix="kvdc-", dir="/tmp"))
-        self.nodes = make_nodes(self.workdir, cfg)
+        self.hosts = netns.pair("kvdc", LINK_NET) if cfg.two_hosts else None
+        """Made at the start of `run`, removed at its end."""
+        self.report.two_hosts = cfg.two_hosts
+        self.link_faults: set[str] = set()
+        """The link faults in force now ("cut", "slow"): each at most once at a time."""
+        self.nodes = make_nodes(self.workdir, cfg, self.hosts)
         self.p_eng: Engine | None = None
         self.d_eng: Engine | None = None
         self.kv: Traffic | None = None
@@ -769,6 +820,8 @@ class Chaos:
             ("victim", []),
             ("victim-stop", []),
         ]
+        if self.hosts is not None:
+            self.first_faults += [("link-cut", []), ("link-slow", [])]
         self.starve_unavailable = cpulimit.unavailable()
         if self.starve_unavailable is None:
             self.first_faults += [("starve", sorted(self.nodes)), ("victim-starve", [])]
@@ -794,6 +847,7 @@ class Chaos:
             max_blocks=8,
             modes=KV_MODES,
             as_vllm=True,
+            p_host=p.addr,
         )
         self.ec = ECTraffic(self.nodes["e"], self.nodes["c"], self.rng)
         self.ec.open()
@@ -817,6 +871,7 @@ class Chaos:
                 str(p.proc.side_port),
                 str(self.rng.getrandbits(32)),
                 tag,
+                p.addr,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -842,12 +897,16 @@ class Chaos:
         kinds = ["kill", "stop", "kill", "stop", "victim", "victim-stop"]
         if self.starve_unavailable is None:
             kinds += ["starve", "victim-starve"]
+        if self.hosts is not None:
+            kinds += ["link-cut", "link-slow"]
         kind = self.rng.choice(kinds)
         self._inject(now, kind, sorted(self.nodes))
         return True
 
     def _inject(self, now: float, kind: str, among: list[str]) -> bool:
         """One fault of `kind`; False when nothing could take it at this moment."""
+        if kind in ("link-cut", "link-slow"):
+            return self._link_fault(now, kind)
         if kind == "victim-stop":
             live = [v for v in self.victims if v.proc.poll() is None and not v.frozen]
             if live:
@@ -908,7 +967,45 @@ class Chaos:
             self.pending.append((now + self.rng.uniform(*self.cfg.freeze), "thaw", key))
         return True
 
+    def _link_fault(self, now: float, kind: str) -> bool:
+        """Cut the link between the two hosts (one end down: both lose carrier), or slow
+        it both ways; it comes back at a seeded moment. A cut and a slowing may overlap."""
+        what = "cut" if kind == "link-cut" else "slow"
+        if self.hosts is None or what in self.link_faults:
+            return False
+        self.link_faults.add(what)
+        if what == "cut":
+            end = self.rng.choice(self.hosts)
+            end.link("down")
+            self.report.faults["link cut"] += 1
+            self.log(f"{now:.1f} link cut ({end.veth} down)")
+            self.pending.append((now + self.rng.uniform(*self.cfg.link_cut), "link-up", ""))
+        else:
+            mbit = self.rng.uniform(*self.cfg.link_mbit)
+            for h in self.hosts:
+                h.shape(mbit, LINK_QUEUE_MS)
+            self.report.faults["link slowed"] += 1
+            self.log(f"{now:.1f} link slowed to {mbit:.0f} Mbit/s, {LINK_QUEUE_MS} ms queued")
+            self.pending.append((now + self.rng.uniform(*self.cfg.link_slow), "link-fast", ""))
+        return True
+
+    def _link_restore(self, what: str) -> None:
+        """The link up again ("cut") or at full speed ("slow"), at its seeded moment or at
+        the end."""
+        if self.hosts is None or what not in self.link_faults:
+            return
+        for h in self.hosts:
+            if what == "cut":
+                h.link("up")
+            else:
+                h.unshape()
+        self.link_faults.discard(what)
+        self.log(f"{time.monotonic():.1f} link back ({what} ended)")
+
     def _carry_out(self, action: str, key: str) -> None:
+        if action in ("link-up", "link-fast"):
+            self._link_restore("cut" if action == "link-up" else "slow")
+            return
         if action == "spawn":
             if len([v for v in self.victims if v.proc.poll() is None]) < self.cfg.victims:
                 self._spawn_victim()
@@ -1023,7 +1120,11 @@ class Chaos:
 
     def run(self) -> ChaosReport:
         t0 = time.monotonic()
+        made = False
         try:
+            if self.hosts is not None:
+                netns.create(*self.hosts)
+                made = True
             start_all(list(self.nodes.values()))
             self._engines()
             for _ in range(self.cfg.victims):
@@ -1044,6 +1145,11 @@ class Chaos:
                 self._phase("fuzzing")
         finally:
             self._teardown()
+            if made and self.hosts is not None:
+                with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError):
+                    self.report.link_bytes = sum(self.hosts[0].veth_bytes())
+                left = netns.remove(*self.hosts)
+                self.report.leaks += [f"network namespace {ns} left" for ns in left]
             self._phase("stop")
             self._figures()
             self.report.wall_s = time.monotonic() - t0
@@ -1174,6 +1280,9 @@ class Chaos:
         return out
 
     def _teardown(self) -> None:
+        for what in ("cut", "slow"):  # the daemons' shutdown must not wait on a cut link
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                self._link_restore(what)
         if self.ec is not None:
             self.ec.close()
         for eng in (self.p_eng, self.d_eng):
@@ -1306,7 +1415,8 @@ class Chaos:
         rep.layer_streams_verified = sum(
             1 for r in kv.reqs.values() if r.mode == "layers" and r.nbytes > 0
         )
-        rep.bytes_verified = sum(r.nbytes for r in kv.reqs.values()) + ec.bytes
+        rep.kv_bytes_verified = sum(r.nbytes for r in kv.reqs.values())
+        rep.bytes_verified = rep.kv_bytes_verified + ec.bytes
         rep.wrong_bytes = len(kv.wrong) + len(ec.wrong)
         rep.unfinished = kv.unfinished() + ec.unfinished()
         rep.stray = kv.stray + ec.stray
@@ -1363,7 +1473,8 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     from rich.table import Table
 
     d = rep.as_dict()
-    t = Table(title=f"kvd chaos: seed {rep.seed}, {rep.duration_s:g} s of faults under load")
+    where = ", two hosts (UCX over TCP on a veth)" if rep.two_hosts else ""
+    t = Table(title=f"kvd chaos: seed {rep.seed}, {rep.duration_s:g} s of faults under load{where}")
     t.add_column("what")
     t.add_column("figure", justify="right")
     faults = ", ".join(f"{k} {v}" for k, v in sorted(rep.faults.items()))
@@ -1382,6 +1493,16 @@ def print_report(rep: ChaosReport, console: Any) -> None:
         ("requests done with bytes verified", str(rep.requests_verified)),
         ("  of them layer-wise pushes", str(rep.layer_streams_verified)),
         ("bytes verified", f"{rep.bytes_verified:,}"),
+        *(
+            (
+                (
+                    "bytes across the link (both ways; KV bytes verified)",
+                    f"{rep.link_bytes:,} ({rep.kv_bytes_verified:,})",
+                ),
+            )
+            if rep.two_hosts
+            else ()
+        ),
         ("wrong bytes reported done", str(rep.wrong_bytes)),
         ("requests not ended / ended twice", f"{len(rep.unfinished)} / {len(rep.stray)}"),
         ("longest time to a terminal event", f"{rep.longest_to_terminal_s:.2f} s"),

@@ -485,14 +485,30 @@ def chaos(
     reap: Annotated[
         bool, typer.Option(help="daemon.reap_leftover_segments of the daemons (machine-wide).")
     ] = True,
+    two_hosts: Annotated[
+        bool,
+        typer.Option(
+            "--two-hosts",
+            help="P and E on one host, D and C on another (network namespaces and a veth, "
+            "UCX over TCP; needs root); the link is cut and slowed too.",
+        ),
+    ] = False,
 ) -> None:
     """Four daemons under load while daemons and engines are killed, stopped, starved of CPU
-    and restarted;
+    and restarted (and, with --two-hosts, the link between them cut and slowed);
     the invariants that held, as figures (exit 1 if one broke)."""
+    from kvd import netns
     from kvd.chaos import ChaosConfig, run_chaos
 
+    if two_hosts and (why := netns.unavailable()) is not None:
+        err.print(f"[red]--two-hosts: {why}[/red]")
+        raise typer.Exit(2)
     cfg = ChaosConfig(
-        duration=duration, seed=seed, reap=reap, fuzz_frames=fuzz_frames if fuzz else 0
+        duration=duration,
+        seed=seed,
+        reap=reap,
+        fuzz_frames=fuzz_frames if fuzz else 0,
+        two_hosts=two_hosts,
     )
     raise typer.Exit(run_chaos(cfg, as_json, err if as_json else console))
 

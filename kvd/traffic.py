@@ -76,6 +76,8 @@ class Traffic:
     modes: tuple[str, ...] = ("push", "pull")
     incarnation: int = 0
     """P daemon incarnation put in D's calls (0: unknown), as kv_transfer_params carry it."""
+    p_host: str = HOST
+    """The address of P's daemon's side channel, as D's calls name it."""
     as_vllm: bool = False
     """Announce each request as vLLM's `KvdConnector` does: P finishes first and D hears
     of it only if P's client took it, with P's current incarnation and session; else the
@@ -135,7 +137,7 @@ class Traffic:
         d = self.d.client
         if self.as_vllm:
             return self._start_as_vllm(r)
-        d.track(r.d_id, HOST, self.port, remote_request_id=r.p_id, **self._inc())
+        d.track(r.d_id, self.p_host, self.port, remote_request_id=r.p_id, **self._inc())
         d_first = mode == "push" and self.rng.random() < 0.5
         if d_first:
             self._d_start(r)
@@ -156,7 +158,7 @@ class Traffic:
         inc = p.welcome.incarnation if p.welcome is not None else 0
         r.remote = {"remote_incarnation": inc, "remote_session": p.session}
         self.d.client.track(
-            r.d_id, HOST, self.port, remote_request_id=r.p_id, remote_incarnation=inc
+            r.d_id, self.p_host, self.port, remote_request_id=r.p_id, remote_incarnation=inc
         )
         self._d_start(r)
         return True
@@ -174,7 +176,7 @@ class Traffic:
             r.remote = {"remote_incarnation": p.welcome.incarnation, "remote_session": p.session}
         inc = r.remote.get("remote_incarnation", self.incarnation)
         self.d.client.track(
-            r.d_id, HOST, self.port, remote_request_id=r.p_id, remote_incarnation=inc
+            r.d_id, self.p_host, self.port, remote_request_id=r.p_id, remote_incarnation=inc
         )
         self._d_start(r)
         self.streaming[r.key] = r
@@ -212,13 +214,13 @@ class Traffic:
         extra = r.remote or self._inc()
         if r.mode in ("push", "layers"):
             self.d.client.register_push(
-                r.d_id, r.d_blocks, HOST, self.port, remote_request_id=r.p_id, **extra
+                r.d_id, r.d_blocks, self.p_host, self.port, remote_request_id=r.p_id, **extra
             )
         else:
             self.d.client.pull(
                 r.d_id,
                 r.d_blocks,
-                HOST,
+                self.p_host,
                 self.port,
                 remote_request_id=r.p_id,
                 remote_block_ids=r.p_blocks,

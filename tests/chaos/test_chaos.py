@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvd import cpulimit
+from kvd import cpulimit, netns
 from kvd.chaos import Chaos, ChaosConfig, Node, print_report, rss_flat
 
 # the chaos run kills, freezes and restarts daemons and engines, and counts what they leave
@@ -55,6 +55,28 @@ def test_every_invariant_holds_under_faults_and_load() -> None:
     assert rep.ec_outcomes.get("ready", 0) > 0, rep.ec_outcomes
     assert rep.bytes_verified > 0 and rep.wrong_bytes == 0
     assert any(m["judged"] for m in rep.rss.values()), rep.rss
+
+
+@pytest.mark.timeout(int(DURATION) + 240)
+def test_two_hosts_every_invariant_holds_with_the_link_cut_and_slowed() -> None:
+    """The same run with P and E on one host and D and C on another (network namespaces,
+    UCX over TCP on a veth): every daemon-to-daemon byte crosses the link, which is cut
+    and slowed among the other faults."""
+    why = netns.unavailable()
+    if why is not None:
+        pytest.skip(f"two hosts on one machine: {why}")
+    cfg = ChaosConfig(duration=DURATION, seed=SEED, reap=False, two_hosts=True)
+    rep = Chaos(cfg).run()
+    print_report(rep, Console(width=120))
+    assert rep.ok, f"seed {SEED}, two hosts: " + "\n".join(rep.problems())
+    assert rep.two_hosts
+    assert rep.faults["link cut"] >= 1 and rep.faults["link slowed"] >= 1, rep.faults
+    assert any(k[0] in "PD" and "SIGKILL" in k for k in rep.faults), rep.faults
+    assert rep.kv_outcomes.get("D RecvFinished", 0) > 0, rep.kv_outcomes
+    assert rep.ec_outcomes.get("ready", 0) > 0, rep.ec_outcomes
+    assert rep.bytes_verified > 0 and rep.wrong_bytes == 0
+    # every KV byte D verified came to it over the link
+    assert rep.link_bytes > rep.kv_bytes_verified, (rep.link_bytes, rep.kv_bytes_verified)
 
 
 def _node(samples: list[tuple[int, float, int]]) -> Node:

@@ -29,7 +29,6 @@ import random
 import secrets
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from kvd_client import wire
 from kvd_client.client import KvdClient
 from kvd_client.errors import ErrorCode
 
+from kvd import netns
 from kvd.demo import (
     DaemonProc,
     Engine,
@@ -74,47 +74,9 @@ END_BOUND = LEASE + XFER_TIMEOUT + 5.0
 """Longest a request in flight at the cut may take to end after the link is back."""
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=10)
-
-
-def _why_no_netns() -> str | None:
-    """Why this machine cannot run the test, or None."""
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    if shutil.which("ip") is None:
-        return "needs the `ip` command (iproute2)"
-    name = f"kvdt-probe-{secrets.token_hex(3)}"
-    probe = _ip("netns", "add", name, check=False)
-    if probe.returncode != 0:
-        return f"`ip netns add` fails here: {probe.stderr.strip()}"
-    _ip("netns", "del", name, check=False)
-    return None
-
-
 @dataclass
-class Host:
-    ns: str
-    veth: str
-    addr: str
+class Host(netns.Host):
     daemon: DaemonProc | None = None
-
-    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return _ip("-n", self.ns, *args)
-
-    def link(self, state: str) -> None:
-        self.run("link", "set", self.veth, state)
-
-    def tc(self, op: str, *args: str) -> None:
-        """Change the queueing discipline of this host's veth (its egress)."""
-        cmd = ["ip", "netns", "exec", self.ns, "tc", "qdisc", op, "dev", self.veth, *args]
-        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=10)
-
-    def veth_bytes(self) -> tuple[int, int]:
-        """(rx, tx) bytes of this host's veth end."""
-        info = json.loads(self.run("-s", "-j", "link", "show", self.veth).stdout)[0]
-        stats = info["stats64"]
-        return int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"])
 
 
 @dataclass
@@ -133,7 +95,7 @@ def _daemon(
     return start_daemon(
         workdir,
         name,
-        env={"UCX_NET_DEVICES": host.veth, "UCX_TLS": "tcp"},
+        env=host.ucx_env,
         overrides={
             "daemon": {"reap_leftover_segments": False},
             "side_channel": {"host": host.addr, "port": 0, "handshake_timeout": 3.0},
@@ -151,30 +113,22 @@ def _daemon(
                 "xfer_timeout": XFER_TIMEOUT,
             },
         },
-        prefix=("ip", "netns", "exec", host.ns),
+        prefix=host.prefix,
     )
 
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    why = _why_no_netns()
+    why = netns.unavailable()
     if why is not None:
         pytest.skip(f"two hosts on one machine: {why}")
-    tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
-    p = Host(f"kvdt-{tag}-p", f"kvp{tag}"[:15], P_ADDR)
-    d = Host(f"kvdt-{tag}-d", f"kvd{tag}"[:15], D_ADDR)
+    p, d = (Host(h.ns, h.veth, h.addr) for h in netns.pair("kvdt", NET))
+    assert (p.addr, d.addr) == (P_ADDR, D_ADDR)
+    netns.create(p, d)
     workdir = Path(tempfile.mkdtemp(prefix="kvdt-2h-", dir="/tmp"))
-    made: list[str] = []
     env = Hosts(p, d, workdir)
+    tag = p.ns.split("-")[1]
     try:
-        for h in (p, d):
-            _ip("netns", "add", h.ns)
-            made.append(h.ns)
-        _ip("link", "add", p.veth, "netns", p.ns, "type", "veth", "peer", d.veth, "netns", d.ns)
-        for h in (p, d):
-            h.run("addr", "add", f"{h.addr}/24", "dev", h.veth)
-            h.run("link", "set", "lo", "up")
-            h.link("up")
         p.daemon = _daemon(workdir, p, f"kvdt-2h-p-{tag}", "producer")
         d.daemon = _daemon(workdir, d, f"kvdt-2h-d-{tag}", "consumer")
         yield env
@@ -187,9 +141,7 @@ def hosts() -> Iterator[Hosts]:
                 if rc != 0:
                     log = h.daemon.report(3000)
                     problems.append(f"{h.daemon.name} exited {rc}:\n{log}")
-        for ns in made:  # deleting a namespace deletes the veth end in it
-            _ip("netns", "del", ns, check=False)
-        left = [ns for ns in made if ns in _ip("netns", "list").stdout]
+        left = netns.remove(p, d)
         if os.environ.get("KVD_TEST_KEEP_LOGS"):
             print(f"daemon logs kept in {workdir}")
         else:
