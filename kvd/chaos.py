@@ -17,8 +17,10 @@ engine SIGKILLed and started again, SIGSTOPped and SIGCONTed, or starved of CPU.
 With `two_hosts` (`kvd chaos --two-hosts`) P and E run on one host and D and C on
 another (`kvd.netns`: network namespaces joined by a veth, UCX over TCP on it, so every
 daemon-to-daemon byte crosses the link), and the link is cut (0.5-4 s) or slowed (8-64
-Mbit/s, 400 ms queued, 1-5 s) as faults too: neither counts as an outage of the daemons,
-whose timers go on, so every request must still end within its bound.
+Mbit/s, 400 ms queued, 1-5 s) as faults too. A transfer in flight over a cut or slowed
+link is waited for (the peer is not dead; NIXL cannot cancel it), so the time the link
+was cut or slowed does not count for a request's bound, as the time its daemons were
+stopped does not: every request must end within its bound of the link's return.
 Then everything settles and the invariants are checked:
 
 - every announced request ended exactly once on each side, within its bound: the KV
@@ -169,8 +171,10 @@ class Node:
     out_since: float = 0.0
     """monotonic time the current fault began (0: up and running)."""
     outages: list[tuple[float, float, str]] = field(default_factory=list)
-    """(began, ended, "kill" or "stop") of every fault that held this daemon up. A CPU
-    starvation is not one: a starved daemon runs, slowly, and its bounds still hold."""
+    """(began, ended, kind) of every fault that held this daemon up: "kill", "stop", "stall"
+    (the machine did not run it), "link cut" or "link slow" (two hosts: its peers are
+    across the link). A CPU starvation is not one: a starved daemon runs, slowly, and its
+    bounds still hold."""
     limit: CpuLimit | None = None
     """The CPU limit it is held to now (a "starve" fault), if any."""
     rss: list[tuple[int, float, int]] = field(default_factory=list)
@@ -797,8 +801,9 @@ class Chaos:
         self.hosts = netns.pair("kvdc", LINK_NET) if cfg.two_hosts else None
         """Made at the start of `run`, removed at its end."""
         self.report.two_hosts = cfg.two_hosts
-        self.link_faults: set[str] = set()
-        """The link faults in force now ("cut", "slow"): each at most once at a time."""
+        self.link_faults: dict[str, float] = {}
+        """The link faults in force now ("cut", "slow", each at most once at a time), with
+        when each began."""
         self.nodes = make_nodes(self.workdir, cfg, self.hosts)
         self.p_eng: Engine | None = None
         self.d_eng: Engine | None = None
@@ -973,7 +978,7 @@ class Chaos:
         what = "cut" if kind == "link-cut" else "slow"
         if self.hosts is None or what in self.link_faults:
             return False
-        self.link_faults.add(what)
+        self.link_faults[what] = now
         if what == "cut":
             end = self.rng.choice(self.hosts)
             end.link("down")
@@ -999,8 +1004,10 @@ class Chaos:
                 h.link("up")
             else:
                 h.unshape()
-        self.link_faults.discard(what)
-        self.log(f"{time.monotonic():.1f} link back ({what} ended)")
+        began, now = self.link_faults.pop(what), time.monotonic()
+        for node in self.nodes.values():  # every daemon's peers are across the link
+            node.outages.append((began, now, f"link {what}"))
+        self.log(f"{now:.1f} link back ({what} ended)")
 
     def _carry_out(self, action: str, key: str) -> None:
         if action in ("link-up", "link-fast"):
