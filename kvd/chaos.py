@@ -16,7 +16,7 @@ and SIGCONTed, a daemon starved of CPU for seconds (held to 2-10 % of a core,
 engine SIGKILLed and started again, SIGSTOPped and SIGCONTed, or starved of CPU.
 With `two_hosts` (`kvd chaos --two-hosts`) P and E run on one host and D and C on
 another (`kvd.netns`: network namespaces joined by a veth, UCX over TCP on it, so every
-daemon-to-daemon byte crosses the link), and the link is cut (0.5-4 s) or slowed (8-64
+daemon-to-daemon byte crosses the link), and the link is cut (0.5-10 s) or slowed (8-64
 Mbit/s, 400 ms queued, 1-5 s) as faults too. A transfer in flight over a cut or slowed
 link is waited for (the peer is not dead; NIXL cannot cancel it), so the time the link
 was cut or slowed does not count for a request's bound, as the time its daemons were
@@ -142,8 +142,10 @@ class ChaosConfig:
     two_hosts: bool = False
     """P and E on one host, D and C on another (`kvd.netns`: two network namespaces, a
     veth between them, UCX over TCP on it), with the link cut and slowed as faults too."""
-    link_cut: tuple[float, float] = (0.5, 4.0)
-    """Seconds the link between the hosts stays down, drawn uniformly."""
+    link_cut: tuple[float, float] = (0.5, 10.0)
+    """Seconds the link between the hosts stays down, drawn uniformly: up to well past the
+    lease (a partition: each side's timers run, leases expire, peers are judged gone,
+    and what the other side sent before or during it must not count after it)."""
     link_slow: tuple[float, float] = (1.0, 5.0)
     """Seconds the link is slowed (both ways), drawn uniformly."""
     link_mbit: tuple[float, float] = (8.0, 64.0)

@@ -21,13 +21,14 @@
   `kvd ping` READs to prove the data path end to end.
 - Leftovers (unless `daemon.reap_leftover_segments` is off): at start, after the
   regions of a session whose client went away without Goodbye are unmapped, and when the
-  creator of a segment kept then (a frozen client, its session timed out) is gone (its
-  pid is checked every `WATCH_INTERVAL` seconds, `WATCH_MAX` segments at most), staging
-  segments are removed by the leftover rule (`kvd.adapters.shm.reap_segments`: a kvd
-  staging name from our pid namespace, our uid, its creator gone, nobody mapping or
-  holding it). The /proc scan runs in a worker thread while the registrar waits for it
-  (tens to hundreds of ms, only when a candidate passed the cheaper checks); the
-  start-up pass ends before the registrar reports started.
+  creator of a segment kept then (a live client at start, a frozen client whose session
+  timed out) is gone (its pid is checked every `WATCH_INTERVAL` seconds, `WATCH_MAX`
+  segments at most), staging segments are removed by the leftover rule
+  (`kvd.adapters.shm.reap_segments`: a kvd staging name from our pid namespace, our uid,
+  its creator gone, nobody mapping or holding it). The /proc scan runs in a worker
+  thread while the registrar waits for it (tens to hundreds of ms, only when a candidate
+  passed the cheaper checks); the start-up pass ends before the registrar reports
+  started.
 """
 
 from __future__ import annotations
@@ -556,6 +557,15 @@ class Registrar:
                 self.counters.get("staging_segments_reaped", 0) + 1
             )
             log.info("staging_segment_reaped", segment=name, creator_pid=pid, **where)
+        # Judged again once its creator is gone. At start too: an engine alive as this
+        # daemon starts may die before it registers its segment here (frozen, or killed
+        # as the daemon came back), and then no session of its ends here to reap it.
+        for name, pid in got.alive.items():
+            self._watched[name] = pid
+            self._watched.move_to_end(name)
+            if len(self._watched) > WATCH_MAX:
+                self._watched.popitem(last=False)
+            self._watch_wake.set()
         if names is None:
             return  # at start, every live client's segment is kept: not worth a line each
         for name in names:
@@ -564,12 +574,6 @@ class Registrar:
                 why = "not a kvd staging name from our pid namespace"
             if why is not None:  # else removed, or gone already
                 log.info("staging_segment_kept", segment=name, reason=why, **where)
-        for name, pid in got.alive.items():  # judged again once its creator is gone
-            self._watched[name] = pid
-            self._watched.move_to_end(name)
-            if len(self._watched) > WATCH_MAX:
-                self._watched.popitem(last=False)
-            self._watch_wake.set()
 
     def _sealed(self, peer: PeerInfo, msg: wire.Record) -> wire.Record:
         """With a shared secret, `msg` in an envelope under our session key with `peer`

@@ -477,6 +477,42 @@ def test_a_frozen_workers_segment_goes_once_it_is_killed_later(
         stop(w)
 
 
+def test_a_segment_kept_at_start_goes_once_its_creator_is_killed(
+    daemons: StartDaemon, segments: list[str]
+) -> None:
+    """A daemon (re)started while an engine lives keeps the engine's segment at its
+    start-up pass. If the engine then dies without ever registering the segment with this
+    daemon (it was frozen, or killed as the daemon came back), no session of its ends
+    here: the daemon watches the creators of what it kept at start too, and removes the
+    segment once its creator is gone. (Found by `kvd chaos --two-hosts`: a killed victim
+    engine's segment left by a P daemon restarted moments before.)"""
+    w, seg = worker_alive(segments)
+    try:
+        d = daemons("kvd-reap-atstart", overrides={"daemon": REAP})
+        at_start = reaped_count(d)
+        time.sleep(1.5)  # watched: kept while its creator lives
+        assert exists(seg) and reaped_count(d) == at_start
+        w.kill()
+        w.wait()
+        wait_until(lambda: not exists(seg), 10.0, "removed once its creator is gone")
+        reaped = wait_until(lambda: reaped_since_start(d), 5.0, "the removal logged")
+        assert [(r["segment"], r["when"], r["creator_pid"]) for r in reaped] == [
+            (seg, "creator_gone", w.pid)
+        ]
+        assert reaped_count(d) == at_start + 1
+    finally:
+        stop(w)
+
+
+def worker_alive(segments: list[str]) -> tuple[subprocess.Popen[str], str]:
+    """A live process that made a staging segment and registered it nowhere."""
+    proc = python(WORKER, "unused.sock", "alive", "-")
+    name = line(proc)
+    segments.append(name)
+    assert exists(name)
+    return proc, name
+
+
 def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
     daemons: StartDaemon, segments: list[str]
 ) -> None:
