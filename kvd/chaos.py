@@ -82,7 +82,10 @@ its engine's finish. With the lease, it makes the KV bound: max(lease, this) + 1
 DEAD_P_BOUND: Final = 5.0
 """Seconds within which D must end a request whose P daemon died (the issue's bound)."""
 RESTART_AFTER: Final = 2.0
-"""Seconds between a daemon's SIGKILL and its restart (systemd's RestartSec)."""
+"""Seconds between a daemon's SIGKILL and its restart, and between a start that failed
+and the next (systemd's RestartSec)."""
+START_TRIES_S: Final = 60.0
+"""How long a daemon's failed starts are tried again before the run gives up."""
 RSS_WARMUP_S: Final = 5.0
 """Seconds after a daemon's start before its memory samples count (imports, NIXL and
 UCX set-up, first peers)."""
@@ -182,6 +185,8 @@ class Node:
     rss: list[tuple[int, float, int]] = field(default_factory=list)
     """(incarnation, monotonic time, VmRSS KiB) samples."""
     started_at: float = 0.0
+    failed_starts: int = 0
+    """Starts that exited before the daemon was ready (tried again, as systemd does)."""
 
     @property
     def name(self) -> str:
@@ -215,9 +220,14 @@ class Node:
                         self.outages.append(span)
 
     def start(self) -> None:
+        """Start it (again), as systemd does: a start that fails (a port still held a
+        moment after a SIGKILL; with two hosts, UCX refuses a veth that is down while the
+        link is cut) is tried again every `RESTART_AFTER` seconds, for up to
+        `START_TRIES_S`; each failed start is counted."""
         self.harvest_stalls()
         last: Exception | None = None
-        for _ in range(5):  # a port can stay busy a moment after a SIGKILL
+        give_up = time.monotonic() + START_TRIES_S
+        while True:
             try:
                 self.proc = start_daemon(
                     self.workdir,
@@ -232,10 +242,11 @@ class Node:
             except RuntimeError as exc:
                 if "did not become ready" in str(exc):
                     raise  # it was killed at its deadline: a retry would only wait again
-                last = exc  # it exited: its port may still be held a moment
-                time.sleep(0.5)
-        else:
-            raise RuntimeError(f"{self.name} did not start again: {last}")
+                last = exc  # it exited
+                self.failed_starts += 1
+                if time.monotonic() >= give_up:
+                    raise RuntimeError(f"{self.name} did not start again: {last}") from exc
+                time.sleep(RESTART_AFTER)
         self.incarnation += 1
         self.pids.append(self.proc.proc.pid)
         self.started_at = time.monotonic()
@@ -710,6 +721,9 @@ class ChaosReport:
     wall_s: float = 0.0
     stalls: dict[str, float] = field(default_factory=dict)
     """Seconds each daemon (and the driver) was not run by the machine, in all."""
+    failed_starts: dict[str, int] = field(default_factory=dict)
+    """Starts of each daemon that exited before it was ready, tried again (with two hosts:
+    restarted while the link was cut, UCX refuses the veth that is down)."""
     workdir: str = ""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Wall seconds of each phase of the run."""
@@ -774,6 +788,7 @@ class ChaosReport:
             "rss_flat": self.rss_flat,
             "rss": self.rss,
             "stalls_s": self.stalls,
+            "failed_starts": self.failed_starts,
             "phases_s": self.phases_s,
             "workdir": self.workdir,
             "fuzz": self.fuzz,
@@ -1435,6 +1450,7 @@ class Chaos:
             for k, n in self.nodes.items()
         }
         rep.stalls["driver"] = round(sum(b - a for a, b, _ in self.driver_stalls), 2)
+        rep.failed_starts = {k: n.failed_starts for k, n in self.nodes.items() if n.failed_starts}
 
 
 def rss_flat(nodes: dict[str, Node]) -> tuple[dict[str, dict[str, Any]], bool]:
@@ -1527,6 +1543,9 @@ def print_report(rep: ChaosReport, console: Any) -> None:
             ", ".join(f"{k.upper() if k != 'driver' else k} {v:g}" for k, v in rep.stalls.items()),
         ),
     ]
+    if rep.failed_starts:
+        starts = ", ".join(f"{k.upper()} {v}" for k, v in rep.failed_starts.items())
+        rows.append(("daemon starts that failed, tried again (as systemd does)", starts))
     if rep.fuzz:
         rows.append(("frames fuzzed", f"{rep.fuzz.get('frames', 0):,}"))
         rows.append(("daemon crashes under fuzzing", str(rep.fuzz.get("crashes", 0))))

@@ -464,7 +464,7 @@ class Daemon:
                 self._exit = anyio.Event()
                 await tg.start(self.clock.run)
                 tg.start_soon(self.rejects.run)
-                await self.engine.start(self.notifier.sink)
+                await self._start_engine()
                 await tg.start(self.registrar.run)
                 # the tiers' pool is registered before any peer can handshake: the NIXL
                 # metadata a handshake carries must include it (peers READ out of it)
@@ -508,6 +508,25 @@ class Daemon:
                 log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)
             self.gateway.close()
             log.info("daemon_stopped", clean=ok)
+
+    async def _start_engine(self) -> None:
+        """Start the NIXL agent; a backend that cannot be made (a device named in
+        UCX_NET_DEVICES missing or down, a transport of `nixl.ucx_tls` this host lacks) is
+        a start failure with one clear line, not a crash."""
+        try:
+            await self.engine.start(self.notifier.sink)
+        except KvdError as exc:
+            raise StartFailed(
+                "nixl_start_failed",
+                error=exc.message,
+                backend=self.cfg.nixl.backend,
+                ucx_tls=self.cfg.nixl.ucx_tls or os.environ.get("UCX_TLS", ""),
+                ucx_net_devices=os.environ.get("UCX_NET_DEVICES", ""),
+                hint="NIXL could not create its backend; UCX's own reason is just above in "
+                "this log. Check that the devices in UCX_NET_DEVICES exist and are up (a "
+                "link that is down is not usable) and that nixl.ucx_tls names transports "
+                "this host has. Under systemd the daemon is started again (RestartSec).",
+            ) from exc
 
     def _start_metrics(self) -> None:
         if self.cfg.metrics.port == 0:
@@ -595,6 +614,28 @@ class Daemon:
             await anyio.sleep(interval)
 
 
+class StartFailed(Exception):
+    """The daemon cannot start for a reason outside its code (the host, its devices, the
+    configuration): logged as one error line, `event` with `fields`, with no traceback;
+    the process exits 1."""
+
+    def __init__(self, event: str, **fields: Any) -> None:
+        super().__init__(event)
+        self.event = event
+        self.fields = fields
+
+
+def _start_failure(exc: BaseException) -> StartFailed | None:
+    """The StartFailed in `exc` (task groups wrap what their tasks raise), or None."""
+    if isinstance(exc, StartFailed):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            if (found := _start_failure(sub)) is not None:
+                return found
+    return None
+
+
 def serve(cfg: Config) -> int:
     """Run the daemon until a signal; returns the process exit code."""
     # a crash in native code (NIXL, UCX) leaves every thread's Python stack in the log
@@ -605,6 +646,9 @@ def serve(cfg: Config) -> int:
     except KeyboardInterrupt:
         return 0
     except BaseException as exc:
+        if (failed := _start_failure(exc)) is not None:
+            log.error(failed.event, **failed.fields)
+            return 1
         log.error("daemon_crashed", error=repr(exc), exc_info=True)
         return 1
     return 0
