@@ -152,6 +152,7 @@ class Daemon:
             trace=self.trace,
             staging=self.staging,
             gather_part_bytes=cfg.transfer.gather_part_bytes,
+            incarnation=self.registrar.incarnation,
         )
         self.receiver = Receiver(
             transport=self.engine,

@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 8
+PROTOCOL_VERSION: Final = 9
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
@@ -822,6 +822,11 @@ class PushRegistration(Record):
     request will never be finished, and P fails the registration at once."""
     num_tokens: U64 = 0
     """D's `RegisterPush.num_tokens` (0 = not said)."""
+    p_incarnation: U64 = 0
+    """The incarnation of P's daemon that D's engine was told leased the request
+    (kv_transfer_params' `remote_incarnation`; 0 = not known): a P daemon of another
+    incarnation (it restarted since: the lease and the KV are gone) fails the
+    registration at once, whatever view of P D held when it sent it."""
 
 
 @message(62)
@@ -860,6 +865,9 @@ class PullDone(Record):
     p_session: OptId
     """P's client session that finished the request ("" = not known): if it has ended and
     no lease is held, P refuses at once instead of waiting for a finish."""
+    p_incarnation: U64 = 0
+    """As `PushRegistration.p_incarnation`: a P daemon of another incarnation refuses at
+    once instead of waiting for a finish that went to the daemon before it."""
 
 
 @message(65)

@@ -361,6 +361,7 @@ class Receiver(TransferActor):
                     generations=tuple(r.generation for r in local),
                     p_session=load.remote_session,
                     num_tokens=load.num_tokens,
+                    p_incarnation=load.remote_incarnation,
                 )
             else:
                 n = len(load.block_ids)
@@ -391,6 +392,7 @@ class Receiver(TransferActor):
                     load.request_id,
                     tuple(r.generation for r in remote) if n else (),
                     load.remote_session,
+                    load.remote_incarnation,
                 )
         except KvdError as exc:
             # P was reached and may hold a lease: the machine tells it

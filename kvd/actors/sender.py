@@ -137,6 +137,7 @@ class Sender(TransferActor):
         trace: StageTrace = NO_TRACE,
         staging: StagingArea | None = None,
         gather_part_bytes: int = 8 << 20,
+        incarnation: int = 0,
     ) -> None:
         super().__init__(
             transport=transport,
@@ -157,6 +158,7 @@ class Sender(TransferActor):
             pending_bytes=pending_bytes,
             counters=counters,
             unsettled_hold=2 * transfer_timeout + 1.0,
+            incarnation=incarnation,
         )
         self.staging = staging
         """Daemon-owned registered memory (shared with the receiver) where a push with

@@ -500,6 +500,10 @@ class Sender:
     engine is answered anyway."""
     nonce: Callable[[int], int] = field(default_factory=lambda: random.SystemRandom().getrandbits)
     """Random bits for re-sync nonces (a test passes a deterministic source)."""
+    incarnation: int = 0
+    """This daemon's incarnation: a registration or pull completion naming another (D's
+    engine was told of a lease by the daemon before a restart) is refused at once, as
+    nothing of this incarnation can finish it (0: not checked)."""
 
     def __post_init__(self) -> None:
         self.leases = LeaseTable(self.lease_duration)
@@ -944,6 +948,8 @@ class Sender:
         req = self._find(key)
         if req is None:
             tomb = self._tomb(key) or self._tomb(msg.request_id)
+            if tomb is None and self._earlier_incarnation(msg.p_incarnation):
+                tomb = _P_RESTARTED
             if tomb is None and msg.p_session in self.ended_sessions:
                 tomb = _GONE
             if tomb is None and self.draining_since is not None:
@@ -1064,6 +1070,15 @@ class Sender:
         self._reject(agent, f"{what} for request {req.key!r}, bound to another peer")
         return True
 
+    def _earlier_incarnation(self, named: int) -> bool:
+        """Whether a message for a request this daemon has no lease for names another
+        incarnation of it: its finish went to the daemon before a restart, and never
+        comes here (counted `requests_of_another_incarnation`)."""
+        if not (named and self.incarnation and named != self.incarnation):
+            return False
+        self._count("requests_of_another_incarnation")
+        return True
+
     def _on_pull_done(self, ev: PullDoneArrived, now: float) -> None:
         msg = ev.msg
         req = self._find(msg.request_id)
@@ -1075,6 +1090,8 @@ class Sender:
             self._step(req, ev, now)
             return
         tomb = self._tomb(msg.request_id)
+        if tomb is None and self._earlier_incarnation(msg.p_incarnation):
+            tomb = _P_RESTARTED
         if tomb is None and msg.p_session in self.ended_sessions:
             tomb = _GONE
         if tomb is None and self.draining_since is not None:
@@ -1606,6 +1623,12 @@ _CANCELLED: Final = Tombstone(int(ErrorCode.TRANSFER), "cancelled by D", refuses
 _ABORTED: Final = Tombstone(int(ErrorCode.NOT_FOUND), "P aborted the request")
 _GONE: Final = Tombstone(
     int(ErrorCode.TRANSFER), "P's engine session ended before the request was sent"
+)
+_P_RESTARTED: Final = Tombstone(
+    int(ErrorCode.TRANSFER),
+    "P's kvd daemon restarted since it leased the blocks (the request names the daemon "
+    "before): the lease and the KV are gone",
+    by_base=False,
 )
 _KEPT_NOT_PUSHED: Final = Tombstone(
     int(ErrorCode.INVALID),

@@ -2671,3 +2671,35 @@ def test_layerwise_view_failure_and_bad_outcomes() -> None:
     with pytest.raises(InvalidRequest):  # finished twice
         tx.handle(finish("r2"), 0.2)
         tx.handle(finish("r2"), 0.3)
+
+
+def test_a_request_naming_another_incarnation_of_this_daemon_is_refused_at_once() -> None:
+    """D's engine was told of a lease by P's daemon before a restart (its finish went to
+    that daemon, or was lost with it): a registration or pull completion naming that
+    incarnation can never be finished here, so it is refused at once instead of waiting
+    for a finish (a push registration would wait `registration_timeout`, 480 s by
+    default). Naming this incarnation, or none, waits as before; so does a daemon that
+    does not know its own incarnation."""
+    tx = make(incarnation=0xAAAA)
+    old = replace(reg("d-old", "gone"), p_incarnation=0xBBBB)
+    out = tx.handle(RegistrationArrived(D1, old), 0.0)
+    assert calm(out) == [("push_done", D1, "d-old", TRANSFER)]
+    done = out[0]
+    assert isinstance(done, Notify) and isinstance(done.record, wire.PushDone)
+    assert "restarted" in done.record.reason
+    pull = wire.PullDone("gone2", "d-old2", (), "", 0xBBBB)
+    out = tx.handle(PullDoneArrived(D1, pull), 0.0)
+    assert calm(out) == [("pull_ack", D1, "d-old2", False, TRANSFER)]
+    assert tx.counters["requests_of_another_incarnation"] == 2
+    assert tx.reqs == {}
+    # this incarnation, or none named: the finish may still come
+    now = replace(reg("d-now", "coming"), p_incarnation=0xAAAA)
+    assert tx.handle(RegistrationArrived(D1, now), 0.0) == []
+    assert tx.handle(registered("d-any", "coming2"), 0.0) == []
+    assert tx.handle(PullDoneArrived(D1, wire.PullDone("coming3", "d3", (), "", 0xAAAA)), 0.0) == []
+    assert state(tx, "coming") is S.AWAITING and state(tx, "coming3") is S.AWAITING
+    out = tx.handle(finish("coming"), 0.1)  # and is served as before
+    assert state(tx, "coming") is not S.AWAITING
+    # a daemon that does not know its own incarnation judges nothing by it
+    tx0 = make()
+    assert tx0.handle(RegistrationArrived(D1, old), 0.0) == []
