@@ -464,6 +464,7 @@ def registration(d_rid: str = "d-req", p_rid: str = "p-req") -> wire.PushRegistr
         incarnation=D_INCARNATION,
         generations=(D_GEN,),
         p_session=P_SESSION,
+        p_incarnation=P_INCARNATION,
     )
 
 
@@ -729,7 +730,9 @@ async def test_d_pull_read_then_pull_done_then_ack_then_finished() -> None:
 
         xfer.complete()
         [(peer, done)] = await w.d_port.wait_sent(wire.PullDone)
-        assert peer == P_AGENT and done == wire.PullDone("p-req", "d-req", (P_GEN,), P_SESSION)
+        assert peer == P_AGENT and done == wire.PullDone(
+            "p-req", "d-req", (P_GEN,), P_SESSION, P_INCARNATION
+        )
         assert w.events.items == []  # done only once P says its lease still held
 
         box.post(NotifReceived(P_AGENT, wire.PullAck("d-req", True, 0, "")))
@@ -869,7 +872,7 @@ async def test_d_push_through_a_view_forgotten_meanwhile_handshakes_again_once()
         assert await client(box, D_SESSION, push) == wire.Ok()
 
         [(peer, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
-        assert peer == P_AGENT and reg == replace(registration(), p_session="")
+        assert peer == P_AGENT and reg == replace(registration(), p_session="", p_incarnation=0)
         lookups = [m.refresh for m in w.registrar.got.items if isinstance(m, EnsurePeer)]
         # the first beat's lookup (the request resolved through the view the receiver holds,
         # without asking), then one fresh handshake
