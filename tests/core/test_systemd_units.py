@@ -107,6 +107,8 @@ COMMON = {
     "NotifyAccess": "main",
     "Restart": "on-failure",
     "RestartSec": "2",
+    "RestartPreventExitStatus": "2",
+    "StartLimitIntervalSec": "0",
     "WatchdogSec": "30",
     "RuntimeDirectory": "kvd",
     "RuntimeDirectoryMode": "0750",
