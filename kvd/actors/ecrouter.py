@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -132,7 +131,7 @@ from kvd.actors.messages import (
     StartDrain,
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
-from kvd.adapters.shm import pid_alive, staging_creator_here
+from kvd.adapters.shm import reap_dead_creators, staging_creator_here
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
@@ -223,29 +222,14 @@ def ec_segment_creator(name: str) -> int | None:
 
 
 def reap_stale_segments(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink EC segments (and indexes) that daemons which died without cleanup (SIGKILL,
-    power loss) left: named in our pid namespace by a process that is gone, ours, regular
-    files. Unlike a staging segment (a live client may register it again by name), a dead
-    daemon's region has no use under its name: a consumer engine that still maps it keeps
-    its mapping (unlinking removes only the name) and learns the new daemon's region when
-    it reconnects. Blocking IO: run it in a worker thread."""
-    removed = []
-    uid = os.geteuid()
-    for name in os.listdir(shm_dir):
-        pid = ec_segment_creator(name)
-        if pid is None or pid_alive(pid):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
-                continue
-            os.unlink(path)
-        except OSError:
-            continue  # gone already (another daemon starting), or not ours to remove
-        removed.append(name)
+    """Unlink EC segments (and indexes) that daemons which died without cleanup left
+    (`kvd.adapters.shm.reap_dead_creators`): a consumer engine that still maps one keeps
+    its mapping and learns the new daemon's region when it reconnects. Blocking IO: run
+    it in a worker thread."""
+    removed = reap_dead_creators(ec_segment_creator, shm_dir)
+    for name, pid in removed.items():
         log.info("ec_stale_segment_removed", segment=name, creator_pid=pid)
-    return removed
+    return list(removed)
 
 
 @dataclass

@@ -97,7 +97,7 @@ from kvd_client.errors import (
     Timeout,
     TransferError,
 )
-from kvd_client.shm import SharedRegion
+from kvd_client.shm import SHM_DIR, SharedRegion, staging_name
 from kvd_client.tierfiles import (
     CHECKSUMS,
     SUFFIX,
@@ -123,7 +123,7 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.peerlink import PeerLink
-from kvd.adapters.shm import pid_alive
+from kvd.adapters.shm import pid_alive, reap_dead_creators, staging_creator_here
 from kvd.config import TiersConfig
 from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
@@ -146,6 +146,8 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.tiers", actor="tiers")
 
 POOL_PREFIX: Final = "kvd-tiers-"
+GENS_SUFFIX: Final = "-gens"
+"""The slots' generations: a segment named as the pool, with this suffix."""
 DEMOTE_BATCH: Final = 64
 """Blocks written to disk in one NIXL transfer by the background demoter."""
 DISK_IO_TIMEOUT: Final = 60.0
@@ -225,29 +227,29 @@ class _Quarantine:
     timed_out: bool = False
 
 
-def reap_stale_pools(shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlink host pools left by daemons that died without cleanup (their pid is gone)."""
-    removed = []
-    for name in os.listdir(shm_dir):
-        if not name.startswith(POOL_PREFIX):
-            continue
-        pid_text = name[len(POOL_PREFIX) :].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            if os.stat(path).st_uid != os.getuid():
-                continue
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            try:
-                os.unlink(path)
-                removed.append(name)
-            except OSError:
-                pass
-        except (PermissionError, FileNotFoundError):
-            continue
-    return removed
+def pool_name() -> str:
+    """`kvd-tiers-n<pid namespace>-p<pid>-<hex>` (a `kvd_client.shm.staging_name`): the name
+    records the daemon that made the pool and its pid namespace, so that a pool is removed
+    only once that daemon is gone (`reap_stale_pools`), never a live daemon's in another
+    pid namespace that shares /dev/shm (a container started with the host's IPC)."""
+    return staging_name("tiers")
+
+
+def pool_creator(name: str) -> int | None:
+    """The pid of the daemon that made a host pool (or its generations), when it lived in
+    our pid namespace; None for any other name."""
+    if not name.startswith(POOL_PREFIX):
+        return None
+    return staging_creator_here(name.removesuffix(GENS_SUFFIX))
+
+
+def reap_stale_pools(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink host pools (and their generations) left by daemons that died without cleanup
+    (`kvd.adapters.shm.reap_dead_creators`). Blocking IO: run it in a worker thread."""
+    removed = reap_dead_creators(pool_creator, shm_dir)
+    for name, pid in removed.items():
+        log.info("tiers_stale_pool_removed", pool=name, creator_pid=pid)
+    return list(removed)
 
 
 def scan_disk(
@@ -416,8 +418,11 @@ class Tiers:
         return self._quarantine_check if ops is None else min(ops, self._quarantine_check)
 
     async def _start(self) -> None:
-        reap_stale_pools()
-        name = f"{POOL_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            await anyio.to_thread.run_sync(reap_stale_pools)
+        except OSError as exc:
+            log.warning("tiers_stale_pool_reap_failed", error=str(exc))
+        name = pool_name()
         # the pool's pages are allocated now, not at each first copy into a slot
         self.pool = SharedRegion(name, self.cfg.host_bytes, populate=True)
         import ctypes
@@ -612,7 +617,7 @@ class Tiers:
         assert self.pool is not None
         num_slots = self.cfg.host_bytes // block_bytes
         self._close_gens()
-        self.gens_region = SharedRegion(f"{self.pool.name}-gens", num_slots * 8)
+        self.gens_region = SharedRegion(f"{self.pool.name}{GENS_SUFFIX}", num_slots * 8)
         self.gens = self.gens_region.buf.cast("Q")
         self.slot_bytes = block_bytes
         self.host = HostIndex(num_slots, self.gens)

@@ -242,6 +242,33 @@ def reap_segments(
     return out
 
 
+def reap_dead_creators(
+    creator: Callable[[str], int | None], shm_dir: str = SHM_DIR
+) -> dict[str, int]:
+    """Unlink the segments a daemon that died without cleanup (SIGKILL, power loss) left:
+    those of `shm_dir` for which `creator` gives a pid (a name of ours, made in our pid
+    namespace) of a process that is gone, regular files of our uid; returns them with that
+    pid. Unlike a client's staging segment (a live client may register it again by name),
+    a dead daemon's segment has no use under its name: a process that still maps it keeps
+    its mapping (only the name goes). Blocking IO: call it from a worker thread."""
+    removed: dict[str, int] = {}
+    uid = os.geteuid()
+    for name in os.listdir(shm_dir):
+        pid = creator(name)
+        if pid is None or pid_alive(pid):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+                continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone already (another daemon starting), or not ours to remove
+        removed[name] = pid
+    return removed
+
+
 def segment_users(
     ids: set[tuple[int, int]], paths: set[str], *, proc_dir: str = PROC_DIR
 ) -> dict[tuple[int, int] | str, str]:

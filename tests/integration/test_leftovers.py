@@ -28,6 +28,7 @@ from kvd_client.client import KvdClient
 from kvd_client.shm import SHM_DIR, pid_namespace, staging_creator, staging_name, unique_name
 
 from kvd.actors.ecrouter import ec_segment_creator, ec_segment_name, reap_stale_segments
+from kvd.actors.tiers import pool_creator, pool_name, reap_stale_pools
 from kvd.adapters.shm import MappedRegion, reap_segments, staging_creator_here
 from kvd.demo import DaemonProc
 
@@ -326,6 +327,39 @@ def test_a_dead_daemons_ec_segments_are_removed_by_name_and_pid_namespace(
     for name in (seg, idx, used):
         assert not exists(name)
     for name in (live, other_ns, old_form):
+        assert exists(name)
+
+
+def test_a_dead_daemons_tier_pool_is_removed_by_name_and_pid_namespace(
+    segments: list[str],
+) -> None:
+    """The host pool of the KV tiers and its generations carry the daemon's pid namespace
+    and pid: at start a daemon removes those whose creator is gone (mapped or not), and
+    never a pool named in another pid namespace (a live daemon there may have the pid of
+    one that is gone here: before, the pool's name held the pid alone, and a daemon
+    starting in one container unlinked a live pool of a daemon in another that shared
+    /dev/shm), of a live creator, or of another form."""
+    assert pool_creator(pool_name()) == os.getpid()
+    pid = dead_pid()
+    pool = make_file(segments, crafted("tiers", pid))
+    gens = make_file(segments, pool + "-gens")
+    live = make_file(segments, crafted("tiers", os.getpid()))
+    other_ns = make_file(segments, crafted("tiers", pid, ns=pid_namespace() + 1))
+    other_ns_gens = make_file(segments, other_ns + "-gens")
+    old_form = make_file(segments, f"kvd-tiers-{pid}-{os.urandom(4).hex()}")
+    assert pool_creator(gens) == pid and pool_creator(old_form) is None
+    mapping = MappedRegion(pool, 4096)
+    try:
+        mapping.view()[:4] = b"kept"
+        removed = set(reap_stale_pools())
+        assert bytes(mapping.view()[:4]) == b"kept"  # the mapping outlives the name
+    finally:
+        mapping.close()
+    assert {pool, gens} <= removed
+    assert not ({live, other_ns, other_ns_gens, old_form} & removed)
+    for name in (pool, gens):
+        assert not exists(name)
+    for name in (live, other_ns, other_ns_gens, old_form):
         assert exists(name)
 
 

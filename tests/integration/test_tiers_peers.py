@@ -21,6 +21,7 @@ from kvd_client import wire
 from kvd_client.errors import ErrorCode
 from kvd_client.tiers import TierClient
 
+from kvd.actors.tiers import pool_creator
 from kvd.demo import DaemonProc
 
 from .conftest import StartDaemon
@@ -59,7 +60,7 @@ def kill(d: DaemonProc, sig: int = signal.SIGKILL) -> None:
     d.proc.send_signal(sig)
     d.proc.wait(10)
     for name in os.listdir("/dev/shm"):
-        if name.startswith(f"kvd-tiers-{d.proc.pid}-"):
+        if pool_creator(name) == d.proc.pid:
             os.unlink(os.path.join("/dev/shm", name))
 
 
