@@ -6,8 +6,11 @@ simulated engines of `kvd.demo` (real thin clients, shared-memory KV regions, tw
 drive mixed push, layer-wise push and pull requests P -> D (`kvd.traffic.Traffic`: P
 fills blocks with a per-request pattern, layer by layer for a layer-wise push, and
 poisons them the moment its send ends; D checks every byte it is told is done), and an
-encoder stream E -> C (`kvd.ecdemo.output_bytes`, every byte checked at C). Victim
-engines (engine pairs in child processes) run their own traffic.
+encoder stream E -> C (`kvd.ecdemo.output_bytes`, every byte checked at C), and KV tier
+calls on P's and D's daemons, each the other's tier peer (`kvd.tiertraffic`: blocks
+stored, looked up and loaded from the host pool, the disk tier or the peer, every loaded
+byte checked). Victim engines (engine pairs in child processes) run their own traffic,
+tier calls included.
 
 Meanwhile a driver seeded by `--seed` picks random moments and injects faults: a daemon
 SIGKILLed and restarted ~2 s later on the same socket and ports, a daemon SIGSTOPped
@@ -29,8 +32,10 @@ Then everything settles and the invariants are checked:
   the end of the last fault that held up its daemons, whichever is later;
 - no wrong bytes were ever reported done;
 - nothing leaked: no lease, registration, pin, session or tracked request of a party
-  that is gone is left in a surviving daemon (`kvd status`), and no shared-memory
-  segment of ours is left in /dev/shm once everything stopped;
+  that is gone is left in a surviving daemon (`kvd status`; for the tiers: no pin,
+  reservation, lent or quarantined slot, pin for a peer), and no shared-memory segment
+  of ours is left in /dev/shm once everything stopped;
+- every tier call returned or raised within `kvd.tiertraffic.call_bound`;
 - daemon memory is flat: see `rss_flat`.
 
 `run_fuzz` (`kvd chaos --fuzz`) sends random and mutated frames at a live daemon's IPC
@@ -70,9 +75,12 @@ from kvd_client.errors import ErrorCode, KvdError
 
 from kvd import cpulimit, netns
 from kvd.actors.ecrouter import ec_segment_creator
+from kvd.actors.tiers import pool_creator
 from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
 from kvd.ecdemo import output_bytes
+from kvd.tiertraffic import KEYS as TIER_KEYS
+from kvd.tiertraffic import TierWorker, call_bound, key_space, tiers_overrides
 from kvd.traffic import NOT_OFFERED, Traffic
 
 HOST: Final = "127.0.0.1"
@@ -109,6 +117,8 @@ KV_MODES: Final = ("push", "pull", "layers")
 EC_NAMES: Final = ("e", "c")
 LINK_NET: Final = "10.78.0"
 """The two hosts' addresses (`kvd chaos --two-hosts`): .1 (P, E) and .2 (D, C)."""
+VICTIM_TIER_KEYS: Final = 48
+"""A victim's own tier blocks (stored and loaded on P's daemon beside the main ones)."""
 LINK_QUEUE_MS: Final = 400
 """A slowed link queues up to this much (tbf latency): what waits behind bulk bytes,
 notifications and heartbeats included, is that late."""
@@ -404,12 +414,18 @@ def make_nodes(
             }
         return Node(key, workdir, "", over, host)
 
-    return {
+    nodes = {
         "p": node("p"),
         "d": node("d"),
         "e": node("e", "producer"),
         "c": node("c", "consumer"),
     }
+    for key, other in (("p", "d"), ("d", "p")):  # KV tiers, each the other's peer
+        peer = nodes[other]
+        nodes[key].overrides["tiers"] = tiers_overrides(
+            str(workdir / f"tiers-{key}"), f"{peer.addr}:{peer.overrides['side_channel']['port']}"
+        )
+    return nodes
 
 
 # ------------------------------------------------------------------ encoder outputs
@@ -644,6 +660,7 @@ def victim_main(argv: list[str]) -> int:
     until it is killed."""
     p_sock, d_sock, port, seed, tag = argv[0], argv[1], int(argv[2]), int(argv[3]), argv[4]
     p_host = argv[5] if len(argv) > 5 else HOST
+    tier_report = Path(argv[6]) if len(argv) > 6 else None
     rng = random.Random(seed)
     try:
         p = kv_engine(p_sock, f"{tag}-p", 64, workers=True)
@@ -651,6 +668,10 @@ def victim_main(argv: list[str]) -> int:
     except (KvdError, OSError) as exc:
         print(f"victim {tag} could not start: {exc}", file=sys.stderr)
         return 3
+    if tier_report is not None:  # its tier calls, on P's daemon, with keys of its own
+        TierWorker(
+            p_sock, tag, key_space(tag, VICTIM_TIER_KEYS), rng.getrandbits(32), report=tier_report
+        ).start()
     print("ready", flush=True)
     t = Traffic(p, d, port, rng, window=6, modes=KV_MODES, p_host=p_host)
     while True:
@@ -707,6 +728,19 @@ class ChaosReport:
     layer_streams_verified: int = 0
     """Layer-wise pushes D's engine verified (part of `requests_verified`)."""
     wrong_bytes: int = 0
+    tiers: dict[str, Any] = field(default_factory=dict)
+    """Per tier worker of the main engines: its calls and what it loaded
+    (`kvd.tiertraffic.TierLoad`)."""
+    tier_blocks_verified: int = 0
+    """Blocks the main engines loaded from the tiers (host, disk, peer) with every byte right."""
+    tier_bytes_verified: int = 0
+    tier_wrong: list[str] = field(default_factory=list)
+    """Blocks loaded with wrong bytes (the victims' too); counted in `wrong_bytes`."""
+    longest_tier_call_s: float = 0.0
+    tier_daemons: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per KV daemon, its last incarnation's tier counters: where loads were served from."""
+    tier_stuck: list[str] = field(default_factory=list)
+    """Tier workers whose call had not ended when they were stopped."""
     unfinished: list[str] = field(default_factory=list)
     stray: list[str] = field(default_factory=list)
     over_bound: list[str] = field(default_factory=list)
@@ -739,13 +773,22 @@ class ChaosReport:
             and self.rss_flat
             and not self.daemon_exits
             and self.requests_verified > 0
+            and self.tier_blocks_verified > 0
+            and not self.tier_stuck
             and bool(self.fuzz.get("ok", True))
         )
 
     def problems(self) -> list[str]:
         out = []
         if self.wrong_bytes:
-            out.append(f"{self.wrong_bytes} requests reported done with wrong bytes")
+            out.append(
+                f"{self.wrong_bytes} requests reported done with wrong bytes "
+                f"({len(self.tier_wrong)} of them blocks loaded from the tiers)"
+            )
+        out += [f"tier block loaded wrong: {w}" for w in self.tier_wrong[:10]]
+        out += [f"tier call stuck: {s}" for s in self.tier_stuck]
+        if self.tier_blocks_verified == 0:
+            out.append("no tier block was loaded (the tier load never ran)")
         out += [f"unfinished: {u}" for u in self.unfinished[:10]]
         out += [f"stray event: {s}" for s in self.stray[:10]]
         out += [f"over its bound: {o}" for o in self.over_bound[:10]]
@@ -778,6 +821,13 @@ class ChaosReport:
             "bytes_verified": self.bytes_verified,
             "kv_bytes_verified": self.kv_bytes_verified,
             "wrong_bytes": self.wrong_bytes,
+            "tiers": self.tiers,
+            "tier_blocks_verified": self.tier_blocks_verified,
+            "tier_bytes_verified": self.tier_bytes_verified,
+            "tier_wrong": self.tier_wrong[:20],
+            "longest_tier_call_s": round(self.longest_tier_call_s, 3),
+            "tier_daemons": self.tier_daemons,
+            "tier_stuck": self.tier_stuck,
             "unfinished": len(self.unfinished),
             "stray_events": len(self.stray),
             "over_bound": len(self.over_bound),
@@ -826,6 +876,8 @@ class Chaos:
         self.d_eng: Engine | None = None
         self.kv: Traffic | None = None
         self.ec: ECTraffic | None = None
+        self.tiers: list[TierWorker] = []
+        """The main engines' tier calls (one on P's daemon, one on D's: each other's peer)."""
         self.victims: list[Victim] = []
         self.victim_tags: list[str] = []
         self.pending: list[tuple[float, str, str]] = []
@@ -873,6 +925,19 @@ class Chaos:
         )
         self.ec = ECTraffic(self.nodes["e"], self.nodes["c"], self.rng)
         self.ec.open()
+        keys = key_space(f"main-{self.run_id}", TIER_KEYS)
+        half = TIER_KEYS // 2
+        for node, own in ((p, keys[:half]), (d, keys[half:])):  # stores its half, loads all
+            assert node.proc is not None
+            w = TierWorker(
+                node.proc.socket,
+                f"tiers-{node.key}",
+                keys,
+                self.rng.getrandbits(32),
+                store_keys=own,
+            )
+            w.start()
+            self.tiers.append(w)
 
     def _spawn_victim(self) -> None:
         p, d = self.nodes["p"], self.nodes["d"]
@@ -894,6 +959,7 @@ class Chaos:
                 str(self.rng.getrandbits(32)),
                 tag,
                 p.addr,
+                str(self.workdir / f"tiers-wrong-{tag}"),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -1234,11 +1300,22 @@ class Chaos:
             v.kill()
         self._run_for(3.0)
         self.kv.paused = self.ec.paused = True
+        for w in self.tiers:
+            w.paused.set()
         deadline = time.monotonic() + 60.0
-        while (self.kv.live or self.ec.live) and time.monotonic() < deadline:
+        while (
+            self.kv.live or self.ec.live or not all(w.idle.is_set() for w in self.tiers)
+        ) and time.monotonic() < deadline:
             self._step()
             time.sleep(0.005)
+        self._stop_tiers()  # their sessions end: what they were lent goes back
         # paused from here on: the leak checks look at what the load left
+
+    def _stop_tiers(self) -> None:
+        for w in self.tiers:
+            w.stop()
+            if w.thread_alive:
+                self.report.tier_stuck.append(f"{w.name}: its call did not end")
 
     def _run_for(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -1292,6 +1369,8 @@ class Chaos:
             if node.proc is not None and (leases := node.status("leases")):
                 out += [f"{node.name}: lease {x['request_id']}" for x in leases["leases"]]
                 out += [f"{node.name}: tracked {x['request_id']}" for x in leases["tracked"]]
+            if key in KV_NAMES:
+                out += self._tier_leaks(node)
             if key in EC_NAMES:
                 ec = st["ecrouter"]
                 for pool in ("producer", "consumer"):
@@ -1303,10 +1382,35 @@ class Chaos:
                     out.append(f"{node.name}: EC fetches quarantined {ec['quarantined']}")
         return out
 
+    def _tier_leaks(self, node: Node) -> list[str]:
+        """What the KV tiers still hold for a party that is gone (every tier client of the
+        run has closed its session or was killed): pins, lent or quarantined slots, pins
+        taken for a peer, reads or demotions under way."""
+        st = node.status("tiers")
+        host, peer = st.get("host", {}), st.get("peer", {})
+        self.report.tier_daemons[node.key] = {  # where the loads were served from
+            "host hits": host.get("hits", 0),
+            "disk hits": st.get("disk", {}).get("hits", 0),
+            "peer blocks READ": peer.get("blocks_loaded", 0),
+            "host evictions": host.get("evictions", 0),
+            "disk reads by clients": st.get("counters", {}).get("disk_client_reads", 0),
+        }
+        held = {
+            "operations open (pins, reservations)": st.get("ops_open", 0),
+            "slots lent": host.get("lent", 0),
+            "slots quarantined": host.get("quarantined", 0),
+            "pins held for peers": peer.get("pins_held", 0),
+            "peer reads": peer.get("reading", 0),
+            "disk reads": st.get("disk", {}).get("reading", 0),
+        }
+        return [f"{node.name}: tiers {what} = {n}" for what, n in held.items() if n]
+
     def _teardown(self) -> None:
         for what in ("cut", "slow"):  # the daemons' shutdown must not wait on a cut link
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 self._link_restore(what)
+        for w in self.tiers:  # stopped already, unless the run broke off
+            w.stop(timeout=5.0)
         if self.ec is not None:
             self.ec.close()
         for eng in (self.p_eng, self.d_eng):
@@ -1346,6 +1450,8 @@ class Chaos:
             if name.startswith("kvd-ec-"):
                 if ec_segment_creator(name) in pids:
                     self.report.leaks.append(f"/dev/shm/{name} (EC region of a daemon of ours)")
+            elif pool_creator(name) in pids:
+                self.report.leaks.append(f"/dev/shm/{name} (KV tier pool of a daemon of ours)")
             elif any(
                 f"-{tag}-" in name and name.startswith("kvd-demo-") for tag in self.victim_tags
             ):
@@ -1398,7 +1504,12 @@ class Chaos:
         p, d, e, c = (self.nodes[k] for k in ("p", "d", "e", "c"))
         kv_bound = max(self.cfg.lease, LEASE_WAIT_TIMEOUT) + 1.0
         ec_bound = self.cfg.ec_xfer_timeout + 1.0
-        rep.bound_s = {"kv": kv_bound, "kv_dead_p": DEAD_P_BOUND, "ec": ec_bound}
+        rep.bound_s = {
+            "kv": kv_bound,
+            "kv_dead_p": DEAD_P_BOUND,
+            "ec": ec_bound,
+            "tier_call": call_bound(),
+        }
         rep.kv_requests = len(kv.reqs)
         outcomes: Counter[str] = Counter()
         longest = 0.0
@@ -1441,9 +1552,19 @@ class Chaos:
         )
         rep.kv_bytes_verified = sum(r.nbytes for r in kv.reqs.values())
         rep.bytes_verified = rep.kv_bytes_verified + ec.bytes
-        rep.wrong_bytes = len(kv.wrong) + len(ec.wrong)
+        loads = [w.load for w in self.tiers]
+        rep.tiers = {w.name: w.load.as_dict() for w in self.tiers}
+        rep.tier_blocks_verified = sum(x.loaded for x in loads)
+        rep.tier_bytes_verified = sum(x.bytes for x in loads)
+        rep.tier_wrong = [w for x in loads for w in x.wrong]
+        for f in sorted(self.workdir.glob("tiers-wrong-*")):  # the victims'
+            with contextlib.suppress(OSError):
+                rep.tier_wrong += f.read_text().splitlines()
+        rep.longest_tier_call_s = max((x.longest_s for x in loads), default=0.0)
+        rep.wrong_bytes = len(kv.wrong) + len(ec.wrong) + len(rep.tier_wrong)
         rep.unfinished = kv.unfinished() + ec.unfinished()
         rep.stray = kv.stray + ec.stray
+        rep.over_bound += [o for x in loads for o in x.over_bound]
         rep.rss, rep.rss_flat = rss_flat(self.nodes)
         rep.stalls = {
             k: round(sum(b - a for a, b, kind in n.outages if kind == "stall"), 2)
@@ -1528,13 +1649,37 @@ def print_report(rep: ChaosReport, console: Any) -> None:
             if rep.two_hosts
             else ()
         ),
+        (
+            "KV tier blocks loaded with bytes verified (host, disk, peer)",
+            f"{rep.tier_blocks_verified:,} ({rep.tier_bytes_verified:,} bytes)",
+        ),
+        (
+            "KV tier calls (store, lookup and load)",
+            ", ".join(
+                f"{k} {v}"
+                for k, v in sorted(
+                    sum((Counter(w["calls"]) for w in rep.tiers.values()), Counter()).items()
+                )
+            ),
+        ),
+        *(
+            (
+                f"  {k.upper()}'s tiers, last incarnation",
+                ", ".join(f"{n} {v}" for n, v in c.items()),
+            )
+            for k, c in rep.tier_daemons.items()
+        ),
         ("wrong bytes reported done", str(rep.wrong_bytes)),
         ("requests not ended / ended twice", f"{len(rep.unfinished)} / {len(rep.stray)}"),
-        ("longest time to a terminal event", f"{rep.longest_to_terminal_s:.2f} s"),
         (
-            "bound (KV / dead P / EC)",
+            "longest time to a terminal event (KV tier call)",
+            f"{rep.longest_to_terminal_s:.2f} s ({rep.longest_tier_call_s:.2f} s)",
+        ),
+        (
+            "bound (KV / dead P / EC / tier call)",
             f"{rep.bound_s.get('kv', 0):g} / {rep.bound_s.get('kv_dead_p', 0):g} / "
-            f"{rep.bound_s.get('ec', 0):g} s; over it: {len(rep.over_bound)}",
+            f"{rep.bound_s.get('ec', 0):g} / {rep.bound_s.get('tier_call', 0):g} s; "
+            f"over it: {len(rep.over_bound)}",
         ),
         ("leaks (leases, registrations, pins, sessions, shm)", str(len(rep.leaks))),
         ("daemon memory flat", "yes" if rep.rss_flat else "NO"),

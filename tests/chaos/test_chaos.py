@@ -24,7 +24,7 @@ import pytest
 from rich.console import Console
 
 from kvd import cpulimit, netns
-from kvd.chaos import Chaos, ChaosConfig, Node, print_report, rss_flat
+from kvd.chaos import Chaos, ChaosConfig, ChaosReport, Node, print_report, rss_flat
 
 # the chaos run kills, freezes and restarts daemons and engines, and counts what they leave
 pytestmark = pytest.mark.serial
@@ -56,6 +56,7 @@ def test_every_invariant_holds_under_faults_and_load() -> None:
     assert rep.ec_outcomes.get("ready", 0) > 0, rep.ec_outcomes
     assert rep.bytes_verified > 0 and rep.wrong_bytes == 0
     assert any(m["judged"] for m in rep.rss.values()), rep.rss
+    _tier_load_ran(rep)
 
 
 @pytest.mark.timeout(int(DURATION) + 240)
@@ -80,6 +81,17 @@ def test_two_hosts_every_invariant_holds_with_the_link_cut_and_slowed() -> None:
     assert rep.bytes_verified > 0 and rep.wrong_bytes == 0
     # every KV byte D verified came to it over the link
     assert rep.link_bytes > rep.kv_bytes_verified, (rep.link_bytes, rep.kv_bytes_verified)
+    _tier_load_ran(rep)
+
+
+def _tier_load_ran(rep: ChaosReport) -> None:
+    """The KV tier load ran on both KV daemons: blocks stored and loaded with their bytes
+    checked, on each, and none wrong (`rep.ok` covers wrong, stuck, over-bound calls and
+    what the tiers held at the end)."""
+    assert set(rep.tiers) == {"tiers-p", "tiers-d"}, rep.tiers
+    for name, w in rep.tiers.items():
+        assert w["stored"] > 0 and w["loaded"] > 0, (name, w)
+    assert rep.tier_blocks_verified > 0 and not rep.tier_wrong
 
 
 def _node(samples: list[tuple[int, float, int]]) -> Node:
@@ -104,11 +116,11 @@ def test_rss_flat_judges_growth_beyond_the_tolerance_only() -> None:
 
 def test_a_broken_invariant_fails_the_report() -> None:
     """The report is not ok when any invariant broke (each alone)."""
-    from kvd.chaos import ChaosReport
 
     def good() -> ChaosReport:
         r = ChaosReport(0, 1.0, faults=Counter({"P SIGKILL+restart": 1}))
         r.requests_verified = 1
+        r.tier_blocks_verified = 1
         return r
 
     assert good().ok
@@ -121,6 +133,8 @@ def test_a_broken_invariant_fails_the_report() -> None:
         {"rss_flat": False},
         {"daemon_exits": ["x"]},
         {"requests_verified": 0},
+        {"tier_blocks_verified": 0},
+        {"tier_stuck": ["x"]},
         {"fuzz": {"ok": False, "problems": ["x"]}},
     ):
         r = good()
