@@ -775,7 +775,9 @@ class TiersConfig(_Section):
     disk_path: str = _opt(
         "",
         "Directory of the disk tier's files (created if missing); empty = no disk tier. "
-        "Its index is rebuilt from the files at start (a warm restart).",
+        "Its index is rebuilt from the files at start (a warm restart). One daemon per "
+        "directory: a daemon holds its `.lock` while it runs, and another daemon given "
+        "the same directory does not start (`tiers_disk_in_use`).",
     )
     disk_bytes: int = _opt(
         16 * GiB,

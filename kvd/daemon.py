@@ -22,7 +22,7 @@ from kvd_client import wire
 from kvd_client.errors import InvalidRequest, KvdError, NotFound
 
 from kvd import __version__
-from kvd.actors.base import Clock, Mailbox
+from kvd.actors.base import Clock, Mailbox, StartFailed
 from kvd.actors.ecrouter import ECRouter
 from kvd.actors.gateway import Gateway
 from kvd.actors.messages import (
@@ -458,6 +458,9 @@ class Daemon:
     # ---------------------------------------------------------------- run
 
     async def run(self) -> None:
+        # Before anything of the node's is touched (leftover segments, the tiers' disk,
+        # NIXL): a second daemon with this node's config must change nothing.
+        self.gateway.check_free()
         ok = False
         try:
             async with anyio.create_task_group() as tg:
@@ -613,17 +616,6 @@ class Daemon:
         while True:
             systemd.watchdog_ping()
             await anyio.sleep(interval)
-
-
-class StartFailed(Exception):
-    """The daemon cannot start for a reason outside its code (the host, its devices, the
-    configuration): logged as one error line, `event` with `fields`, with no traceback;
-    the process exits 1."""
-
-    def __init__(self, event: str, **fields: Any) -> None:
-        super().__init__(event)
-        self.event = event
-        self.fields = fields
 
 
 def _start_failure(exc: BaseException) -> StartFailed | None:

@@ -175,3 +175,14 @@ class Mailbox(Generic[M]):
             "size": self.size,
             "rejected": self.rejected,
         }
+
+
+class StartFailed(Exception):
+    """The daemon cannot start for a reason outside its code (the host, its devices, the
+    configuration): logged as one error line, `event` with `fields`, with no traceback;
+    the process exits 1."""
+
+    def __init__(self, event: str, **fields: Any) -> None:
+        super().__init__(event)
+        self.event = event
+        self.fields = fields

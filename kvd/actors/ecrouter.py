@@ -113,7 +113,7 @@ from kvd_client.layout import block_major
 from kvd_client.shm import SHM_DIR, SharedRegion, staging_name
 
 from kvd.actors.base import Mailbox
-from kvd.actors.gateway import transport_cap
+from kvd.actors.gateway import bind_tcp, transport_cap
 from kvd.actors.messages import (
     ClientRequest,
     ClockReading,
@@ -385,10 +385,7 @@ class ECRouter:
         sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
-        if self.port == 0:
-            self.port = sock.bind_to_random_port(f"tcp://{self.host}")
-        else:
-            sock.bind(f"tcp://{self.host}:{self.port}")
+        self.port = bind_tcp(sock, self.host, self.port, "ec.port")
         self._router = sock
         return self.port
 

@@ -74,7 +74,7 @@ from kvd_client.errors import (
     RemoteProtocolError,
 )
 
-from kvd.actors.base import Clock, Mailbox
+from kvd.actors.base import Clock, Mailbox, StartFailed
 from kvd.actors.messages import (
     ClientRequest,
     EventOut,
@@ -172,6 +172,8 @@ class Gateway:
         self.closed: OrderedDict[str, None] = OrderedDict()
         self.by_ident: dict[bytes, str] = {}
         self._sock: zmq.asyncio.Socket | None = None
+        self._bound: int | None = None
+        """The inode of the socket file this daemon bound (None: it bound none)."""
         self._watch: DisconnectWatch | None = None
         self._routes: dict[type[wire.Record], Mailbox[Any]] = {
             wire.RegisterRegion: registrar,
@@ -204,12 +206,23 @@ class Gateway:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def check_free(self) -> None:
+        """Refuse to start where another daemon serves our socket (checked first, before
+        anything of the node's is touched, and again at `bind`)."""
+        path = self.socket_path
+        if os.path.exists(path) and _socket_alive(path):
+            raise StartFailed(
+                "socket_in_use",
+                socket=path,
+                hint="another kvd daemon is serving this daemon.socket: stop it first, or "
+                "give this one its own socket, side_channel.port and tiers.disk_path",
+            )
+
     def bind(self) -> None:
         path = self.socket_path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.check_free()
         if os.path.exists(path):
-            if _socket_alive(path):
-                raise RuntimeError(f"another daemon is serving {path}")
             os.unlink(path)  # stale file from a crashed daemon
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
@@ -221,13 +234,22 @@ class Gateway:
         sock.bind(f"ipc://{path}")
         os.chmod(path, self.socket_mode)
         self._sock = sock
+        self._bound = os.stat(path).st_ino
 
     def close(self) -> None:
+        """Close the socket and remove its path, if this daemon bound it: a daemon that did
+        not start (another serves the socket; a port in use) leaves the path alone. Until
+        2026-11-27 it removed it, so a second `kvd serve` with the node's config took the
+        serving daemon's socket from its engines and operators."""
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+        bound, self._bound = self._bound, None
+        if bound is None:
+            return
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+            if os.stat(self.socket_path).st_ino == bound:
+                os.unlink(self.socket_path)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         assert self._sock is not None
@@ -645,6 +667,28 @@ def transport_cap(max_frame: int) -> int:
     reply and counted, instead of vanishing with its connection.
     """
     return 2 * max_frame
+
+
+def bind_tcp(sock: zmq.Socket[Any], host: str, port: int, setting: str) -> int:
+    """Bind `sock` to tcp://host:port (port 0: a free one); returns the port. An address
+    this host cannot bind (the port in use, by another daemon or a process that has not
+    let it go yet; a host address that is not this host's) is a start failure with one
+    clear line naming `setting`, not a crash."""
+    try:
+        if port == 0:
+            return int(sock.bind_to_random_port(f"tcp://{host}"))
+        sock.bind(f"tcp://{host}:{port}")
+    except zmq.ZMQError as exc:
+        raise StartFailed(
+            "bind_failed",
+            setting=setting,
+            address=f"{host}:{port}",
+            error=str(exc),
+            hint=f"{setting} must be an address of this host that no other process holds "
+            "(another kvd daemon with the same config: give each its own socket, ports "
+            "and tiers.disk_path). Under systemd the daemon is started again (RestartSec).",
+        ) from exc
+    return port
 
 
 def salvage_corr(frame: bytes) -> int:

@@ -47,7 +47,7 @@ from kvd_client import wire
 from kvd_client.errors import AuthError, Busy, ErrorCode, KvdError, RemoteProtocolError
 
 from kvd.actors.base import Mailbox
-from kvd.actors.gateway import salvage_corr, transport_cap
+from kvd.actors.gateway import bind_tcp, salvage_corr, transport_cap
 from kvd.actors.messages import AcceptHandshake, PeerRegionDropped, PeerTierRequest
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.limits import PendingBudget, Reservation
@@ -116,10 +116,7 @@ class SideChannel:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if self.port == 0:
-            self.port = sock.bind_to_random_port(f"tcp://{self.host}")
-        else:
-            sock.bind(f"tcp://{self.host}:{self.port}")
+        self.port = bind_tcp(sock, self.host, self.port, "side_channel.port")
         self._sock = sock
         return self.port
 

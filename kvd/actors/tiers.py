@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import math
 import os
 import secrets
@@ -109,7 +110,7 @@ from kvd_client.tierfiles import (
     trailer_of,
 )
 
-from kvd.actors.base import Mailbox
+from kvd.actors.base import Mailbox, StartFailed
 from kvd.actors.gateway import transport_cap
 from kvd.actors.messages import (
     ClientRequest,
@@ -147,6 +148,8 @@ log = structlog.get_logger("kvd.tiers", actor="tiers")
 
 POOL_PREFIX: Final = "kvd-tiers-"
 GENS_SUFFIX: Final = "-gens"
+LOCK_NAME: Final = ".lock"
+"""The disk tier's lock file, at its root (`lock_disk`; block files live in subfolders)."""
 """The slots' generations: a segment named as the pool, with this suffix."""
 DEMOTE_BATCH: Final = 64
 """Blocks written to disk in one NIXL transfer by the background demoter."""
@@ -252,6 +255,35 @@ def reap_stale_pools(shm_dir: str = SHM_DIR) -> list[str]:
     return list(removed)
 
 
+def lock_disk(root: str) -> int:
+    """Take the disk tier at `root` for this daemon: an exclusive `flock` of `root/.lock`,
+    held (the descriptor returned) until the daemon closes it or its process ends, even by
+    SIGKILL (the kernel drops the lock: a restart under systemd takes it at once). A
+    daemon that finds it taken fails to start with one line naming the holder's pid: two
+    daemons on one disk tier would each remove the other's unfinished writes at start and
+    evict files the other indexes. The file holds the holder's pid, for people."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise StartFailed(
+            "tiers_disk_in_use",
+            path=root,
+            holder_pid=holder,
+            hint="another kvd daemon runs with this tiers.disk_path: give each daemon a disk "
+            "tier of its own (or stop the other one)",
+        ) from None
+    except OSError:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 def scan_disk(
     root: str, check: Callable[[str], None] | None = None
 ) -> tuple[list[tuple[float, TierKey, int]], list[str], list[str]]:
@@ -351,6 +383,8 @@ class Tiers:
         self._quarantine_check = 0.0
         self.pool_addr = 0
         self._pool_reg: Any = None
+        self._disk_lock: int | None = None
+        """The descriptor holding the disk tier's lock (`lock_disk`) while this daemon runs."""
         self.host: HostIndex | None = None
         self.slot_bytes = 0
         self.disk: DiskIndex | None = DiskIndex(cfg.disk_bytes) if self.disk_root else None
@@ -418,6 +452,8 @@ class Tiers:
         return self._quarantine_check if ops is None else min(ops, self._quarantine_check)
 
     async def _start(self) -> None:
+        if self.disk is not None:  # first: another daemon's disk tier is never touched
+            self._disk_lock = lock_disk(self.disk_root)
         try:
             await anyio.to_thread.run_sync(reap_stale_pools)
         except OSError as exc:
@@ -468,6 +504,9 @@ class Tiers:
             self.pool.close()
             self.pool = None
         self._close_gens()
+        if self._disk_lock is not None:
+            os.close(self._disk_lock)  # the lock goes with it (and with the process)
+            self._disk_lock = None
 
     def _close_gens(self) -> None:
         if self.gens is not None:
