@@ -193,6 +193,7 @@ class Daemon:
             rejects=self.rejects,
             incarnation=self.registrar.incarnation,
             mono_ns=self.trace.clock,
+            resolver=self.registrar.resolver,
         )
         self.tiers = Tiers(
             engine=self.engine,
@@ -205,6 +206,7 @@ class Daemon:
             max_frame=cfg.daemon.max_frame_bytes,
             agent_name=self.agent_name,
             incarnation=self.registrar.incarnation,
+            resolver=self.registrar.resolver,
         )
         self.notifier = Notifier(
             sender=self.sender_box,

@@ -131,6 +131,7 @@ from kvd.actors.messages import (
     StartDrain,
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
+from kvd.adapters.resolve import Resolver, connect
 from kvd.adapters.shm import reap_dead_creators, staging_creator_here
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
@@ -286,6 +287,7 @@ class ECRouter:
         incarnation: int = 0,
         wall_clock: Callable[[], float] = time.time,
         mono_ns: Callable[[], int] = time.monotonic_ns,
+        resolver: Resolver | None = None,
     ) -> None:
         self.on_input: Callable[[], None] = _nothing
         """Called on every frame received (the daemon sets it to `NixlEngine.poke`: an
@@ -294,6 +296,8 @@ class ECRouter:
         one its side channel stamps in the clock exchange)."""
         self.engine = engine
         self.mono_ns = mono_ns
+        self.resolver = resolver or Resolver()
+        """Producers' host names, resolved off libzmq's I/O thread (`kvd.adapters.resolve`)."""
         self._clocks: dict[str, tuple[int, ClockReading]] = {}
         """Consumers' clock offsets as the registrar measured them, by agent: (its
         incarnation, the reading), so a cold fetch costs no registrar call."""
@@ -866,10 +870,15 @@ class ECRouter:
         would not, and acks would wait for the next wakeup (measured: fetches timed out)."""
         sock = self.dealers.get(producer)
         if sock is None:
+            address = self.resolver.cached(producer[0])
+            if address is None:  # a name: resolved first, in a task (then sent from there)
+                assert self._tg is not None
+                self._tg.start_soon(self._resolve_then_send, producer, req)
+                return
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
-            sock.connect(f"tcp://{producer[0]}:{producer[1]}")
+            connect(sock, address, producer[1])
             self.dealers[producer] = sock
             assert self._tg is not None
             self._tg.start_soon(self._recv_acks, producer, sock)
@@ -888,6 +897,22 @@ class ECRouter:
             self._fetch_failed(req.mm_hash, KvdError(f"cannot reach producer: {exc}"))
             return
         self._count("ec_xfer_requests")
+
+    async def _resolve_then_send(self, producer: tuple[str, int], req: wire.ECXferReq) -> None:
+        """A producer named by a host name not resolved yet: resolve it (within the fetch's
+        timeout), then send; a name with no address fails the fetch."""
+        failed: KvdError | None = None
+        try:
+            await self.resolver.resolve(producer[0], self.xfer_timeout)
+        except KvdError as exc:
+            failed = exc
+        f = self.fetches.get(req.mm_hash)
+        if f is None or f.nonce != req.nonce:
+            return  # it ended meanwhile (its deadline)
+        if failed is not None:
+            self._fetch_failed(req.mm_hash, failed)
+        else:
+            self._send_req(producer, req)
 
     async def _recv_acks(self, producer: tuple[str, int], sock: zmq.asyncio.Socket) -> None:
         while True:

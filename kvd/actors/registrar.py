@@ -84,6 +84,7 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.cuda_ipc import CudaIpcRegion
 from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.resolve import Resolver, connect
 from kvd.adapters.shm import (
     AnonRegion,
     MappedRegion,
@@ -247,6 +248,8 @@ class Registrar:
         self.scratch: AnonRegion | None = None
         self._scratch_reg: Any = None
         self._zctx = zmq.asyncio.Context.instance()
+        self.resolver = Resolver()
+        """Peers' host names, resolved off libzmq's I/O thread (`kvd.adapters.resolve`)."""
         self._tg: anyio.abc.TaskGroup | None = None
         self.incarnation: Final = int.from_bytes(os.urandom(8), "little")
 
@@ -845,10 +848,11 @@ class Registrar:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, transport_cap(self.max_frame))
         try:
-            sock.connect(f"tcp://{host}:{port}")
-            corr = int.from_bytes(os.urandom(6), "little")
-            await sock.send(wire.encode(msg, corr))
             with anyio.fail_after(self.handshake_timeout):
+                address = await self.resolver.resolve(host, self.handshake_timeout)
+                connect(sock, address, port)
+                corr = int.from_bytes(os.urandom(6), "little")
+                await sock.send(wire.encode(msg, corr))
                 while True:
                     frame = await sock.recv()
                     rcorr, reply = wire.decode(frame)
@@ -1028,8 +1032,9 @@ class Registrar:
         first: wire.TraceAnswer | None = None
         offsets: list[ClockOffset] = []
         try:
-            sock.connect(f"tcp://{host}:{port}")
             with anyio.fail_after(self.handshake_timeout):
+                address = await self.resolver.resolve(host, self.handshake_timeout)
+                connect(sock, address, port)
                 for i in range(samples):
                     ids = tuple(request_ids) if i == 0 else ()
                     q = make_query(

@@ -124,6 +124,7 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.peerlink import PeerLink
+from kvd.adapters.resolve import Resolver
 from kvd.adapters.shm import pid_alive, reap_dead_creators, staging_creator_here
 from kvd.config import TiersConfig
 from kvd.core.peersession import Keyring
@@ -345,6 +346,7 @@ class Tiers:
         max_frame: int = 16 << 20,
         agent_name: str = "",
         incarnation: int = 0,
+        resolver: Resolver | None = None,
     ) -> None:
         self.engine = engine
         self.registrar = registrar
@@ -357,6 +359,7 @@ class Tiers:
             on_late=self._late_answer,
             counters=counters,
             rejects=rejects,
+            resolver=resolver,
         )
         self.peer_view: dict[str, PeerInfo] = {}
         """Peers the registrar knows (its `PeerUpdated` notices), by agent."""

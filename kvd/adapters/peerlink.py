@@ -34,10 +34,15 @@ from anyio.abc import TaskStatus
 from kvd_client import wire
 from kvd_client.errors import RemoteProtocolError, Timeout, TransferError
 
+from kvd.adapters.resolve import Resolver, connect
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.peerlink", actor="tiers")
+
+
+PREPARE_RESOLVE_S = 5.0
+"""How long a peer's host name may take to resolve when its connection is made ahead."""
 
 
 class PeerUnreachable(TransferError):
@@ -54,8 +59,11 @@ class PeerLink:
         on_late: Callable[[str, wire.Record], None],
         counters: dict[str, int],
         rejects: RejectLog,
+        resolver: Resolver | None = None,
     ) -> None:
         self.keyring = keyring
+        self.resolver = resolver or Resolver()
+        """Peers' host names, resolved off libzmq's I/O thread (`kvd.adapters.resolve`)."""
         self.max_frame = max_frame
         self.frame_cap = frame_cap
         """ZMQ_MAXMSGSIZE: libzmq drops a connection that sends a bigger frame."""
@@ -90,19 +98,31 @@ class PeerLink:
 
     def prepare(self, agent: str, host: str, port: int) -> None:
         """Connect ahead of the first request (ZMQ_IMMEDIATE refuses sends until the
-        connection is up)."""
+        connection is up); a host name not resolved yet is resolved first, in a task."""
+        if self.resolver.cached(host) is None:
+            assert self._tg is not None
+            self._tg.start_soon(self._prepare_resolved, agent, host, port)
+            return
         self._sock(agent, host, port)
+
+    async def _prepare_resolved(self, agent: str, host: str, port: int) -> None:
+        with contextlib.suppress(TransferError):  # (its next request fails unreachable)
+            await self.resolver.resolve(host, PREPARE_RESOLVE_S)
+            self._sock(agent, host, port)
 
     def _sock(self, agent: str, host: str, port: int) -> zmq.asyncio.Socket:
         addr = f"{host}:{port}"
         sock = self._socks.get(addr)
         if sock is None:
+            address = self.resolver.cached(host)
+            if address is None:  # (`ask` resolves first; a `tell` to a name not known yet)
+                raise PeerUnreachable(f"{agent} at {addr}: its host name is not resolved yet")
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, self.frame_cap)
             sock.setsockopt(zmq.SNDHWM, 1024)
-            sock.connect(f"tcp://{addr}")
+            connect(sock, address, port)
             self._socks[addr] = sock
             assert self._tg is not None
             self._tg.start_soon(self._read, agent, addr, sock)
@@ -142,8 +162,12 @@ class PeerLink:
         fut: asyncio.Future[wire.Record] = asyncio.get_running_loop().create_future()
         self._waiting[corr] = (agent, fut)
         try:
-            self._send(agent, host, port, msg, corr)
             with anyio.fail_after(timeout):
+                try:
+                    await self.resolver.resolve(host, timeout)
+                except TransferError as exc:
+                    raise PeerUnreachable(f"{agent} at {host}:{port}: {exc.message}") from None
+                self._send(agent, host, port, msg, corr)
                 reply = await fut
         except TimeoutError:
             raise Timeout(f"no answer from {agent} within {timeout}s") from None

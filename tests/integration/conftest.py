@@ -47,13 +47,14 @@ def daemons(workdir: Path) -> Iterator[StartDaemon]:
         extra: str = "",
         env: dict[str, str] | None = None,
         overrides: dict[str, dict[str, Any]] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> DaemonProc:
         merged = {section: dict(values) for section, values in (overrides or {}).items()}
         merged.setdefault("daemon", {}).setdefault("reap_leftover_segments", False)
         if "[auth]" not in extra:
             for section, values in auth_overrides(workdir).items():
                 merged.setdefault(section, {}).update(values)
-        d = start_daemon(workdir, name, extra, env, overrides=merged)
+        d = start_daemon(workdir, name, extra, env, overrides=merged, prefix=prefix)
         started.append(d)
         return d
 
