@@ -6,7 +6,9 @@ blocks; engine workers map it by name to copy outputs in (producer) and out (con
 Producer (role producer/both):
 - `ECAllocate` pins fresh blocks (FIFO eviction of unpinned outputs; if everything that
   could be evicted is pinned, allocation fails clearly and evicts nothing); `ECCommit`
-  unpins them and returns the `ec_transfer_params` entry for the hash.
+  unpins them and returns the `ec_transfer_params` entry for the hash. An allocation its
+  session ends without committing is freed, or, where its client may still write into
+  it (the session timed out), kept out of use until that process is gone.
 - A ZMQ ROUTER on `ec.port` serves `ECXferReq` from consumer daemons. With a shared
   secret (`auth.secret_file`) a request must first prove it, where it is read and before
   anything else is done for it: a valid MAC (HMAC-SHA256 over b"ecxfer" and every other
@@ -132,7 +134,7 @@ from kvd.actors.messages import (
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.resolve import Resolver, connect
-from kvd.adapters.shm import reap_dead_creators, staging_creator_here
+from kvd.adapters.shm import pid_alive, reap_dead_creators, staging_creator_here
 from kvd.adapters.zmq_monitor import watch_disconnects
 from kvd.core.addresses import address_problem
 from kvd.core.blockpool import BlockPool
@@ -188,6 +190,13 @@ QUARANTINE_MARGIN_S: Final = 5.0
 _QUARANTINE: Final = "\0quarantine:"
 """Deadline keys of quarantined fetches (mm_hashes are the other keys)."""
 _CANCEL: Final = "\0cancel:"
+_ORPHAN: Final = "\0orphan:"
+"""Deadline keys of the next check of an orphaned allocation's client."""
+ORPHAN_CHECK_S: Final = 1.0
+"""Seconds between checks whether the client of an orphaned allocation is gone."""
+ORPHAN_UNKNOWN_S: Final = 300.0
+"""How long the blocks of an orphaned allocation whose client's pid is unknown stay out
+of use (a client that never said its pid: no check can tell when it is gone)."""
 """Timer keys of a quarantined fetch's next `ECXferCancel`."""
 EC_NONCES_MAX: Final = 1 << 18
 """Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
@@ -238,6 +247,12 @@ class _Produced:
     nbytes: int
     committed: bool = False
     params: wire.ECParams | None = None
+    session: str = ""
+    """The session that allocated it (until its commit, the allocation is that session's)."""
+    orphan_pid: int = 0
+    """Its session ended without committing it while its client may still write into
+    the blocks (it stopped pinging: frozen, starved): this pid. The blocks stay out of use
+    until that process is gone (`ORPHAN_CHECK_S`)."""
 
 
 @dataclass
@@ -453,6 +468,8 @@ class ECRouter:
                             self._unquarantine(key[len(_QUARANTINE) :], "bound")
                         elif key.startswith(_CANCEL):
                             self._send_cancel(key[len(_CANCEL) :])
+                        elif key.startswith(_ORPHAN):
+                            self._check_orphan(key[len(_ORPHAN) :])
                         else:
                             self._fetch_timed_out(key)
         finally:
@@ -496,6 +513,7 @@ class ECRouter:
             else:
                 self._views[msg.agent] = msg.info
         elif isinstance(msg, SessionClosed):
+            self._drop_allocations(msg)
             for mm_hash, n in self.pins.pop(msg.session, Counter()).items():
                 for _ in range(n):
                     self._unpin_consumer(mm_hash)
@@ -512,6 +530,46 @@ class ECRouter:
             self._check_drained()
         else:
             raise TypeError(f"ecrouter got {type(msg).__name__}")
+
+    def _drop_allocations(self, msg: SessionClosed) -> None:
+        """The outputs a closed session allocated and never committed: freed (their blocks
+        pinned for its writes would otherwise stay pinned for a party that is gone, and
+        their hashes could never be allocated again), or, where its client may still write
+        into them (it stopped pinging), kept out of use until its process is gone."""
+        pool = self.prod_pool
+        if pool is None:
+            return
+        for mm_hash, p in list(self.produced.items()):
+            if p.session != msg.session or p.committed or p.orphan_pid:
+                continue
+            if msg.timed_out:
+                p.orphan_pid = msg.pid or -1
+                self._count("ec_allocations_orphaned")
+                wait = ORPHAN_CHECK_S if msg.pid else ORPHAN_UNKNOWN_S
+                self.deadlines.set(_ORPHAN + mm_hash, self.clock.now() + wait)
+                log.info("ec_allocation_orphaned", mm_hash=mm_hash, pid=msg.pid)
+                continue
+            self._free_allocation(mm_hash)
+            log.info("ec_allocation_dropped", mm_hash=mm_hash, session=msg.session)
+
+    def _check_orphan(self, mm_hash: str) -> None:
+        p = self.produced.get(mm_hash)
+        if p is None or not p.orphan_pid:
+            return
+        if p.orphan_pid > 0 and pid_alive(p.orphan_pid):
+            self.deadlines.set(_ORPHAN + mm_hash, self.clock.now() + ORPHAN_CHECK_S)
+            return
+        self._free_allocation(mm_hash)
+        log.info("ec_orphan_freed", mm_hash=mm_hash, pid=p.orphan_pid)
+
+    def _free_allocation(self, mm_hash: str) -> None:
+        pool = self.prod_pool
+        assert pool is not None
+        del self.produced[mm_hash]
+        if mm_hash in pool:
+            pool.unpin(mm_hash)
+            pool.free(mm_hash)
+        self._count("ec_allocations_dropped")
 
     def in_flight(self) -> dict[str, Any]:
         """What a drain waits for: requests this producer serves, fetches this consumer
@@ -542,7 +600,7 @@ class ECRouter:
             for key in alloc.evicted:
                 self.produced.pop(key, None)
             self._count("ec_evicted", len(alloc.evicted))
-            self.produced[m.mm_hash] = _Produced(m.nbytes)
+            self.produced[m.mm_hash] = _Produced(m.nbytes, session=req.session)
             assert self.region is not None
             req.resolve(
                 wire.ECBlocks(m.mm_hash, tuple(alloc.blocks), self.block_bytes, self.region.name)
@@ -560,6 +618,9 @@ class ECRouter:
                 raise InvalidRequest(f"commit of {m.nbytes} bytes exceeds the {p.nbytes} allocated")
             p.nbytes = m.nbytes
             p.committed = True
+            if p.orphan_pid:  # its client came back and wrote it: its bytes are intact
+                p.orphan_pid = 0
+                self.deadlines.discard(_ORPHAN + m.mm_hash)
             p.params = wire.ECParams(
                 m.mm_hash,
                 self.advertise_host,
@@ -1303,6 +1364,8 @@ class ECRouter:
             "producer": pool_stats(self.prod_pool),
             "consumer": pool_stats(self.cons_pool),
             "produced": sorted(k for k, v in self.produced.items() if v.committed)[:100],
+            "allocated": sum(1 for v in self.produced.values() if not v.committed),
+            "orphaned": sorted(k for k, v in self.produced.items() if v.orphan_pid)[:100],
             "cached": sorted(self.cached_nbytes)[:100],
             "fetching": sorted(self.fetches)[:100],
             "quarantined": sorted(self.quarantined)[:100],

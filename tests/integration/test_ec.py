@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -608,3 +609,94 @@ def test_a_drain_refuses_new_encoder_cache_transfers_and_waits_for_those_in_flig
         cons.close()
         if cons2 is not None:
             cons2.close()
+
+
+PRODUCER = """
+import sys, time
+from kvd_client.client import KvdClient
+c = KvdClient(sys.argv[1], role="scheduler", engine_id="encoder", keepalive_interval=0.2)
+c.connect()
+c.ec_allocate(sys.argv[2], 3 << 20)
+print("allocated", flush=True)
+if sys.argv[3] == "commit-on-input":  # frozen past its session, then commits (anew)
+    sys.stdin.readline()
+    c = KvdClient(sys.argv[1], role="scheduler", engine_id="encoder")
+    c.connect()
+    c.ec_commit(sys.argv[2], 3 << 20, shape=(3 << 20,), compat="kvd-test")
+    print("committed", flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_allocation_whose_producer_is_gone_is_freed_and_one_it_may_still_write_is_kept(
+    daemons: StartDaemon,
+) -> None:
+    """An output allocated (its blocks pinned for the producer engine's writes) and never
+    committed: freed when the producer's session ends with its process (killed), so its
+    blocks and its hash can be used again; kept out of use while the producer may still
+    write into it (frozen past its session: it is alive), and freed once it is killed; a
+    producer that comes back and commits it has it committed. Before, every such
+    allocation stayed pinned for good, and its hash could never be allocated again."""
+    import signal
+    import subprocess
+    import sys
+
+    e = daemons(
+        "kvd-ec-alloc",
+        ec_cfg("producer", 16 * MiB),
+        overrides={"daemon": {"client_timeout": 1.0}},
+    )
+
+    def producer(mm_hash: str, mode: str = "") -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PRODUCER, e.socket, mm_hash, mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "allocated"
+        return proc
+
+    side = ECSide(e.socket, "encoder-2")
+
+    def ec() -> dict[str, object]:
+        return side.client.status("ec")
+
+    def wait(cond: Callable[[], bool], seconds: float = 10.0) -> None:
+        end = time.monotonic() + seconds
+        while not cond():
+            assert time.monotonic() < end, ec()
+            time.sleep(0.05)
+
+    try:
+        killed = producer("img-killed")
+        assert ec()["producer"]["pinned"] == 3 and ec()["allocated"] == 1
+        killed.kill()
+        killed.wait()
+        wait(lambda: ec()["producer"]["pinned"] == 0 and ec()["allocated"] == 0)
+        side.client.ec_allocate("img-killed", 1 << 20)  # its hash can be allocated again
+
+        frozen = producer("img-frozen")
+        frozen.send_signal(signal.SIGSTOP)
+        wait(lambda: ec()["orphaned"] == ["img-frozen"])  # its session timed out
+        time.sleep(1.5)
+        assert ec()["producer"]["pinned"] >= 3  # still out of use: it may write yet
+        with pytest.raises(InvalidRequest, match="already allocated"):
+            side.client.ec_allocate("img-frozen", 1 << 20)
+        frozen.kill()
+        frozen.wait()
+        wait(lambda: ec()["orphaned"] == [] and "img-frozen" not in str(ec()["produced"]))
+
+        back = producer("img-back", "commit-on-input")
+        back.send_signal(signal.SIGSTOP)
+        wait(lambda: ec()["orphaned"] == ["img-back"])
+        back.send_signal(signal.SIGCONT)
+        assert back.stdin is not None and back.stdout is not None
+        back.stdin.write("go\n")
+        back.stdin.flush()
+        assert back.stdout.readline().strip() == "committed"
+        assert ec()["orphaned"] == [] and "img-back" in ec()["produced"]
+        back.kill()
+        back.wait()
+    finally:
+        side.close()
