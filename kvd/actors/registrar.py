@@ -830,8 +830,16 @@ class Registrar:
                 if isinstance(exc, KvdError)
                 else TransferError(f"handshake with {addr} failed: {exc}")
             )
-            self.counters["handshakes_failed"] = self.counters.get("handshakes_failed", 0) + 1
-            log.warning("peer_handshake_failed", addr=addr, error=str(err))
+            # counted, and logged rate-limited per kind of failure: an engine may name any
+            # number of peers that do not answer, and each would be a line
+            self.rejects.reject(
+                "registrar",
+                "handshakes_failed",
+                "peer_handshake_failed",
+                type(err).__name__,
+                addr=addr,
+                error=str(err),
+            )
             fut.set_exception(err)
             fut.exception()  # mark retrieved: waiters got it through callbacks
         finally:
