@@ -32,7 +32,23 @@ notification) are counted as such and withheld. The rules:
   full; any counter named `notifs_*auth*` also counts, for peers whose every message
   is authenticated).
 
-`frames` is the total, shared evenly by the four surfaces (`kvd chaos --fuzz`: 100,000).
+Then `sessions`: well-formed messages made the same way, sent by clients that said Hello
+(a scheduler, a worker, a tiers and a second scheduler session, with engine ids of their
+own, opened afresh every `SESSION_ROTATE` messages so that none times out; half the
+messages that name an engine name the session's own), so that they reach the actors
+behind the gateway (X keeps KV tiers and an EC producer for it). What
+they ask may be valid or not; nothing is predicted per message. What must hold: X never
+exits, a new client's Hello and status call are answered within `HELLO_BOUND_S` at every
+check, the good client is served meanwhile, and once the fuzzing clients are gone and the
+good client stopped, nothing of theirs is left in X: no session, region, lease, tracked
+or pending request, tier operation, lent or quarantined slot, EC allocation, orphan, pin
+or fetch. (Their first run found three bugs: pulls naming P hosts by names whose DNS
+lookups were slow held every other client's Hello for seconds, since libzmq resolved
+them in its I/O thread; EC allocations never committed stayed pinned for good after their
+session ended; a failed handshake was a log line each.)
+
+`frames` is the total, shared evenly by the four surfaces (`kvd chaos --fuzz`: 100,000);
+the sessions send `frames // 4` more.
 Meanwhile a good client is served: real push and pull transfers P -> X with every byte
 verified, interleaved with the frames. The report: frames per surface, rejections
 counted against predicted, crashes (X or P exiting), transfers verified.
@@ -70,6 +86,16 @@ SURFACES: Final = ("ipc", "side", "ec", "notif")
 WITHHELD: Final = "valid"
 """The class of a frame a well-behaved party may send: not sent."""
 BATCH: Final = 64
+SESSION_ROTATE: Final = 200
+"""Messages the fuzzing sessions send before they are opened afresh (and X is checked)."""
+HELLO_BOUND_S: Final = 2.0
+"""A new client's Hello and status call must be answered within this, during the fuzzing."""
+SESSION_ROLES: Final = (
+    ("scheduler", "fuzz-s"),
+    ("worker", "fuzz-s"),
+    ("tiers", ""),
+    ("scheduler", "fuzz-e"),
+)
 MAX_FRAME: Final = 1 << 20
 """X's daemon.max_frame_bytes."""
 
@@ -423,6 +449,128 @@ def fuzz_surface(
     return res
 
 
+def fuzz_sessions(n: int, seed: int, x: DaemonProc, seeds: list[bytes]) -> dict[str, Any]:
+    """`n` well-formed messages from clients with sessions (module docstring); the figures
+    and problems. The leftovers are checked by `session_leftovers` once the good client
+    stopped."""
+    rng = random.Random(f"{seed}/sessions")
+    kinds: Counter[str] = Counter()
+    out: dict[str, Any] = {"messages": 0, "problems": [], "slowest_hello_s": 0.0}
+    clients: list[KvdClient] = []
+
+    def reopen() -> None:
+        for c in clients:
+            c.close()
+        clients.clear()
+        for role, engine in SESSION_ROLES:
+            c = KvdClient(x.socket, role=role, engine_id=engine, timeout=10.0, keepalive_interval=0)
+            c.connect()
+            clients.append(c)
+
+    t0 = time.monotonic()
+    try:
+        reopen()
+        while out["messages"] < n:
+            msg = _decoded(mutate(rng, seeds))
+            if msg is None or isinstance(msg, (wire.Hello, wire.Goodbye)):
+                continue  # (undecodable ones: the ipc surface; these would end a session)
+            c = rng.choice(clients)
+            if c.engine_id and hasattr(msg, "engine_id") and rng.random() < 0.5:
+                # as its own engine's: past the first checks, deeper into the actors
+                msg = dataclasses.replace(msg, engine_id=c.engine_id)
+            sock = c._sock
+            assert sock is not None
+            sock.send(wire.encode(msg, rng.getrandbits(31) | 1))
+            kinds[type(msg).__name__] += 1
+            out["messages"] += 1
+            for cl in clients:  # answers and events: read, not judged
+                s = cl._sock
+                while s is not None and s.poll(0):
+                    s.recv()
+            if out["messages"] % SESSION_ROTATE == 0:
+                if x.proc.poll() is not None:
+                    out["problems"].append(f"X exited {x.proc.returncode} under session fuzzing")
+                    break
+                h0 = time.monotonic()
+                with KvdClient(x.socket, role="cli", timeout=30.0, keepalive_interval=0) as cli:
+                    cli.status()
+                took = time.monotonic() - h0
+                out["slowest_hello_s"] = max(out["slowest_hello_s"], round(took, 3))
+                if took > HELLO_BOUND_S:
+                    out["problems"].append(
+                        f"a new client's Hello and status took {took:.2f}s "
+                        f"after {out['messages']} session messages"
+                    )
+                reopen()
+    finally:
+        for c in clients:
+            c.close()
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    out["kinds"] = dict(kinds.most_common())
+    return out
+
+
+def session_leftovers(x: DaemonProc, wait: float) -> list[str]:
+    """What X still holds for the fuzzing sessions (all gone) and for the good client
+    (stopped), polled for up to `wait` seconds: empty when nothing is left."""
+    end = time.monotonic() + wait
+    while True:
+        with KvdClient(x.socket, role="cli", timeout=10.0, keepalive_interval=0) as c:
+            st, tiers, ec, leases = (
+                c.status(),
+                c.status("tiers"),
+                c.status("ec"),
+                c.status("leases"),
+            )
+        left = [
+            f"session of {s['engine_id']!r} ({s['role']})"
+            for s in st["sessions"]
+            if s["role"] != "cli" and s["engine_id"].startswith("fuzz-")
+        ]
+        left += [
+            f"region of {r['engine_id']!r}"
+            for r in st["regions"]
+            if r["engine_id"] not in ("decode", "kvd-ec")
+        ]
+        left += [
+            f"sender {k} = {v}"
+            for k, v in st["sender"].items()
+            if k in ("leases", "pending_registrations", "early_pulls", "sending") and v
+        ]
+        left += [
+            f"receiver {k} = {v}"
+            for k, v in st["receiver"].items()
+            if k in ("tracked", "receiving", "sending", "heartbeat_peers") and v
+        ]
+        left += [f"lease {x_['request_id']}" for x_ in leases["leases"]]
+        left += [f"tracked {x_['request_id']}" for x_ in leases["tracked"]]
+        host = tiers.get("host", {})
+        left += [
+            f"tiers {k} = {v}"
+            for k, v in (
+                ("ops_open", tiers.get("ops_open", 0)),
+                ("lent", host.get("lent", 0)),
+                ("quarantined", host.get("quarantined", 0)),
+            )
+            if v
+        ]
+        prod = ec.get("producer") or {}
+        left += [
+            f"EC {k} = {v}"
+            for k, v in (
+                ("allocated", ec.get("allocated", 0)),
+                ("orphaned", ec.get("orphaned")),
+                ("pinned", prod.get("pinned", 0)),
+                ("fetching", ec.get("fetching")),
+                ("quarantined", ec.get("quarantined")),
+            )
+            if v
+        ]
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.5)
+
+
 def _caught_up(
     x: DaemonProc, surface: str, before: dict[str, int], res: SurfaceResult, sender: _Sender
 ) -> None:
@@ -458,7 +606,11 @@ def run_fuzz(
     os.close(fd)
     auth = f'[auth]\nsecret_file = "{secret_file}"\n'
     common = {"daemon": {"max_frame_bytes": MAX_FRAME, "reap_leftover_segments": False}}
-    x_extra = auth + '[ec]\nrole = "producer"\nregion_bytes = 8388608\nblock_bytes = 1048576\n'
+    x_extra = (
+        auth
+        + '[ec]\nrole = "producer"\nregion_bytes = 8388608\nblock_bytes = 1048576\n'
+        + f'[tiers]\nenabled = true\nhost_bytes = 4194304\ndisk_path = "{wd / "tiers"}"\n'
+    )
     out: dict[str, Any] = {"frames": 0, "crashes": 0, "surfaces": {}, "problems": []}
     p = start_daemon(wd, "kvdf-p", auth, overrides=common, ready_timeout=120)
     x: DaemonProc | None = None
@@ -507,10 +659,21 @@ def run_fuzz(
                         out["problems"].append(f"{d.name} exited {d.proc.returncode}")
                 if out["crashes"]:
                     break
+            if not out["crashes"]:
+                s = fuzz_sessions(max(SESSION_ROTATE, frames // 4), seed, x, seeds)
+                log(f"sessions: {s['messages']} messages in {s['seconds']}s")
+                out["sessions"] = s
+                out["problems"] += s["problems"]
+                if x.proc.poll() is not None:
+                    out["crashes"] += 1
             while good.rounds < 2 and not good.errors and not out["crashes"]:
                 time.sleep(0.1)  # served during the fuzzing, not only before it
         out["good_rounds"] = good.rounds
         out["good_verified"] = good.verified
+        if "sessions" in out and x.proc.poll() is None:
+            left = session_leftovers(x, wait=45.0)
+            out["sessions"]["left"] = left
+            out["problems"] += [f"left after the fuzzing sessions: {w}" for w in left]
         if good.errors or good.rounds < 2:
             out["problems"].append(f"good client: {good.rounds} rounds, {good.errors[:3]}")
     finally:

@@ -1,10 +1,12 @@
 """Live fuzzing (`kvd.fuzz`): random and mutated frames at a running daemon's IPC
 socket, side channel and EC router, and as notifications from a rogue NIXL agent,
-while a good client's transfers go on with every byte verified.
+while a good client's transfers go on with every byte verified; then well-formed messages
+from clients with sessions, after which nothing of theirs may be left.
 
-20,000 frames here (5,000 per surface); `KVD_FUZZ_FRAMES=100000` (or `kvd chaos --fuzz`)
-for the full run. The offline classifier is checked against the decoder first: the counts the
-live run asserts rest on it.
+20,000 frames here (5,000 per surface, and 5,000 session messages);
+`KVD_FUZZ_FRAMES=100000` (or `kvd chaos --fuzz`) for the full run. The offline
+classifier is checked against the decoder first: the counts the live run asserts rest
+on it.
 """
 
 from __future__ import annotations
@@ -88,3 +90,9 @@ def test_live_fuzzing_is_rejected_and_counted_exactly_while_a_good_client_is_ser
         assert got["frames"] >= FRAMES // len(SURFACES) and got["ok"], (s, got)
         assert sum(got["predicted"].values()) >= got["frames"], (s, got)
     assert out["good_rounds"] >= 2 and out["good_verified"] >= 8
+    # clients with sessions sent well-formed messages to the actors behind the gateway:
+    # X kept answering new clients, and nothing of theirs was left once they were gone
+    s = out["sessions"]
+    assert s["messages"] >= FRAMES // 4 and not s["problems"], s
+    assert s["slowest_hello_s"] < 2.0 and s["left"] == [], s
+    assert {"Pull", "RegisterPush", "Finish", "TierPin", "ECAllocate"} <= set(s["kinds"]), s
