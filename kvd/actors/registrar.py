@@ -1241,6 +1241,7 @@ class Registrar:
                 }
                 for r in self.retired.values()
             ],
+            "resolver": self.resolver.stats(),
         }
 
 

@@ -76,6 +76,10 @@ class Resolver:
         self.lookups = 0
         self.failures = 0
 
+    def stats(self) -> dict[str, int]:
+        """Lookups made (cache misses), those that failed, names cached (`kvd status`)."""
+        return {"lookups": self.lookups, "failures": self.failures, "cached": len(self._cache)}
+
     def cached(self, host: str) -> str | None:
         """The address of `host` known now (a literal, or resolved within `ttl`)."""
         if (lit := literal(host)) is not None:
