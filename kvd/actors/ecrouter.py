@@ -382,6 +382,9 @@ class ECRouter:
         self.cached_compat: dict[str, str] = {}
         self.pins: dict[str, Counter[str]] = {}
         self.dealers: dict[tuple[str, int], zmq.asyncio.Socket] = {}
+        """Sockets to producers, by (numeric address, port)."""
+        self.dealer_of: dict[tuple[str, int], tuple[str, int]] = {}
+        """A producer as requests name it (host, port) -> its socket's key in `dealers`."""
         self._router: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.trace = engine.trace
@@ -889,7 +892,8 @@ class ECRouter:
             return
         early_s = (q.serve_by_ns - self.mono_ns()) / 1e9
         self.deadlines.set(_CANCEL + mm_hash, self.clock.now() + max(early_s, CANCEL_EVERY_S))
-        sock = self.dealers.get(q.producer)
+        key = self.dealer_of.get(q.producer)
+        sock = self.dealers.get(key) if key is not None else None
         if early_s > 0 or sock is None:
             return
         cancel = wire.ECXferCancel(mm_hash, q.nonce)
@@ -929,20 +933,24 @@ class ECRouter:
         it within the call and then wakes the task waiting in `_recv_acks` if the send
         consumed the socket's (edge-triggered) readiness. A send on a shadow socket
         would not, and acks would wait for the next wakeup (measured: fetches timed out)."""
-        sock = self.dealers.get(producer)
+        address = self.resolver.cached(producer[0])
+        if address is None:  # a name not resolved lately: first resolved, in a task
+            assert self._tg is not None
+            self._tg.start_soon(self._resolve_then_send, producer, req)
+            return
+        # one DEALER per address, not per name: a name that resolves elsewhere now (a
+        # producer restarted on another address) gets a socket to where it is
+        key = (address, producer[1])
+        sock = self.dealers.get(key)
         if sock is None:
-            address = self.resolver.cached(producer[0])
-            if address is None:  # a name: resolved first, in a task (then sent from there)
-                assert self._tg is not None
-                self._tg.start_soon(self._resolve_then_send, producer, req)
-                return
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
             connect(sock, address, producer[1])
-            self.dealers[producer] = sock
+            self.dealers[key] = sock
             assert self._tg is not None
             self._tg.start_soon(self._recv_acks, producer, sock)
+        self.dealer_of[producer] = key
         frame = wire.encode(req)
         if self.trace.on:  # before: on a busy host the thread may lose its core in the send
             self.trace.mark(req.mm_hash, "ec.request_sent")

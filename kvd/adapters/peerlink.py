@@ -99,7 +99,7 @@ class PeerLink:
     def prepare(self, agent: str, host: str, port: int) -> None:
         """Connect ahead of the first request (ZMQ_IMMEDIATE refuses sends until the
         connection is up); a host name not resolved yet is resolved first, in a task."""
-        if self.resolver.cached(host) is None:
+        if self.resolver.cached(host, stale_ok=True) is None:
             assert self._tg is not None
             self._tg.start_soon(self._prepare_resolved, agent, host, port)
             return
@@ -111,12 +111,15 @@ class PeerLink:
             self._sock(agent, host, port)
 
     def _sock(self, agent: str, host: str, port: int) -> zmq.asyncio.Socket:
-        addr = f"{host}:{port}"
+        # (`ask` resolved it just now; a `tell` follows an `ask`: an unpin after its pin)
+        address = self.resolver.cached(host, stale_ok=True)
+        if address is None:
+            raise PeerUnreachable(f"{agent} at {host}:{port}: its host name is not resolved")
+        # one socket per address, not per name: a name that resolves elsewhere now (a
+        # peer restarted on another address) gets a socket to where it is
+        addr = f"{address}:{port}"
         sock = self._socks.get(addr)
         if sock is None:
-            address = self.resolver.cached(host)
-            if address is None:  # (`ask` resolves first; a `tell` to a name not known yet)
-                raise PeerUnreachable(f"{agent} at {addr}: its host name is not resolved yet")
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)

@@ -80,12 +80,13 @@ class Resolver:
         """Lookups made (cache misses), those that failed, names cached (`kvd status`)."""
         return {"lookups": self.lookups, "failures": self.failures, "cached": len(self._cache)}
 
-    def cached(self, host: str) -> str | None:
-        """The address of `host` known now (a literal, or resolved within `ttl`)."""
+    def cached(self, host: str, *, stale_ok: bool = False) -> str | None:
+        """The address of `host` known now (a literal, or resolved within `ttl`; with
+        `stale_ok`, resolved at any time)."""
         if (lit := literal(host)) is not None:
             return lit
         got = self._cache.get(host)
-        if got is None or time.monotonic() - got[1] > self.ttl:
+        if got is None or (not stale_ok and time.monotonic() - got[1] > self.ttl):
             return None
         return got[0]
 
