@@ -477,10 +477,18 @@ def chaos(
     seed: Annotated[int, typer.Option(help="Random seed (fault moments, load).")] = 0,
     as_json: JsonOpt = False,
     fuzz: Annotated[
-        bool, typer.Option("--fuzz", help="Then fuzz a fresh daemon's every surface.")
+        bool,
+        typer.Option(
+            "--fuzz",
+            help="Then fuzz a fresh daemon's every surface, and from clients with sessions.",
+        ),
     ] = False,
     fuzz_frames: Annotated[
-        int, typer.Option(help="Frames in all with --fuzz (shared by the four surfaces).")
+        int,
+        typer.Option(
+            help="Frames in all with --fuzz (shared by the four surfaces; the sessions send "
+            "a quarter as many messages more)."
+        ),
     ] = 100_000,
     reap: Annotated[
         bool, typer.Option(help="daemon.reap_leftover_segments of the daemons (machine-wide).")
@@ -494,7 +502,8 @@ def chaos(
         ),
     ] = False,
 ) -> None:
-    """Four daemons under load while daemons and engines are killed, stopped, starved of CPU
+    """Four daemons under load (KV transfers, encoder outputs, KV tier stores and loads)
+    while daemons and engines are killed, stopped, starved of CPU
     and restarted (and, with --two-hosts, the link between them cut and slowed);
     the invariants that held, as figures (exit 1 if one broke)."""
     from kvd import netns
