@@ -235,6 +235,9 @@ class Node:
         link is cut) is tried again every `RESTART_AFTER` seconds, for up to
         `START_TRIES_S`; each failed start is counted."""
         self.harvest_stalls()
+        log = self.workdir / f"{self.name}.log"
+        if log.exists():  # kept: the start below writes a new one (a crash's reason is here)
+            log.rename(self.workdir / f"{self.name}.{self.incarnation}.log")
         last: Exception | None = None
         give_up = time.monotonic() + START_TRIES_S
         while True:
@@ -1182,7 +1185,7 @@ class Chaos:
             if rc is not None:
                 self.seen_exits.add(dp.proc.pid)
                 self.report.daemon_exits.append(
-                    f"{node.name} exited {rc} unasked:\n{dp.report(1500)}"
+                    f"{node.name} exited {rc} unasked:\n{_crash_report(dp)}"
                 )
                 node.out_since = time.monotonic()
                 if node.key == "c" and self.ec is not None:
@@ -1572,6 +1575,20 @@ class Chaos:
         }
         rep.stalls["driver"] = round(sum(b - a for a, b, _ in self.driver_stalls), 2)
         rep.failed_starts = {k: n.failed_starts for k, n in self.nodes.items() if n.failed_starts}
+
+
+def _crash_report(dp: DaemonProc) -> str:
+    """What a daemon that died printed about it: the lines before Python's fatal-error
+    dump (a native library's own reason: UCX's, NIXL's), then the dump's first thread;
+    else the log's tail. The whole log is kept as `<name>.<incarnation>.log`."""
+    try:
+        text = dp.log.read_text(errors="replace")
+    except OSError:
+        return dp.report(1500)
+    at = text.find("Fatal Python error")
+    if at < 0:
+        return dp.report(1500)
+    return text[max(0, at - 2000) : at + 600]
 
 
 def rss_flat(nodes: dict[str, Node]) -> tuple[dict[str, dict[str, Any]], bool]:
