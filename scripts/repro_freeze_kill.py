@@ -11,7 +11,9 @@ D started again. Within a round or two P aborts in its NIXL thread's `get_new_no
 UCX's `ucp_request_try_send` treats any send status other than OK, INPROGRESS and
 NO_RESOURCE as fatal: a request dispatched from a TCP endpoint's pending queue after the
 endpoint failed. `UCX_KEEPALIVE_INTERVAL=inf` does not change it; KV tier traffic is not
-needed. Under systemd the daemon is started again 2 s later; no wrong byte is served
+needed. `UCX_PROTO_ENABLE=n` (protocols v1) makes P survive only because nothing is in
+flight: v1 cannot post NIXL's WRITEs or READs over TCP at all ("Unsupported operation",
+NIXL_ERR_BACKEND on every transfer). Under systemd the daemon is started again 2 s later; no wrong byte is served
 (an abort is a kill).
 
     .venv/bin/python scripts/repro_freeze_kill.py 10             # rounds (as root)
