@@ -13,8 +13,8 @@ NO_RESOURCE as fatal: a request dispatched from a TCP endpoint's pending queue a
 endpoint failed. `UCX_KEEPALIVE_INTERVAL=inf` does not change it; KV tier traffic is not
 needed. `UCX_PROTO_ENABLE=n` (protocols v1) makes P survive only because nothing is in
 flight: v1 cannot post NIXL's WRITEs or READs over TCP at all ("Unsupported operation",
-NIXL_ERR_BACKEND on every transfer). Under systemd the daemon is started again 2 s later; no wrong byte is served
-(an abort is a kill).
+NIXL_ERR_BACKEND on every transfer). Under systemd the daemon is started again 2 s
+later; no wrong byte is served (an abort is a kill).
 
     .venv/bin/python scripts/repro_freeze_kill.py 10             # rounds (as root)
     EXTRA_ENV='{"UCX_X": "y"}' .venv/bin/python scripts/...      # with UCX settings
