@@ -45,7 +45,8 @@ or pending request, tier operation, lent or quarantined slot, EC allocation, orp
 or fetch. (Their first run found three bugs: pulls naming P hosts by names whose DNS
 lookups were slow held every other client's Hello for seconds, since libzmq resolved
 them in its I/O thread; EC allocations never committed stayed pinned for good after their
-session ended; a failed handshake was a log line each.)
+session ended; a failed handshake was a log line each. And the resolver's first version,
+on asyncio's default executor, made a stopping daemon wait for every lookup under way.)
 
 `frames` is the total, shared evenly by the four surfaces (`kvd chaos --fuzz`: 100,000);
 the sessions send `frames // 4` more.
