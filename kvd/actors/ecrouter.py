@@ -190,6 +190,7 @@ QUARANTINE_MARGIN_S: Final = 5.0
 _QUARANTINE: Final = "\0quarantine:"
 """Deadline keys of quarantined fetches (mm_hashes are the other keys)."""
 _CANCEL: Final = "\0cancel:"
+"""Timer keys of a quarantined fetch's next `ECXferCancel`."""
 _ORPHAN: Final = "\0orphan:"
 """Deadline keys of the next check of an orphaned allocation's client."""
 ORPHAN_CHECK_S: Final = 1.0
@@ -197,7 +198,6 @@ ORPHAN_CHECK_S: Final = 1.0
 ORPHAN_UNKNOWN_S: Final = 300.0
 """How long the blocks of an orphaned allocation whose client's pid is unknown stay out
 of use (a client that never said its pid: no check can tell when it is gone)."""
-"""Timer keys of a quarantined fetch's next `ECXferCancel`."""
 EC_NONCES_MAX: Final = 1 << 18
 """Nonces of served requests a producer remembers (about 70 MiB at most). Each is kept
 until its request is stale (at most twice `AUTH_WINDOW_S`): room for over 1,000
