@@ -80,7 +80,7 @@ from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, start_daemon
 from kvd.ecdemo import output_bytes
 from kvd.tiertraffic import KEYS as TIER_KEYS
-from kvd.tiertraffic import TierWorker, call_bound, key_space, tiers_overrides
+from kvd.tiertraffic import TierWorker, call_bound, key_space, tier_holdings, tiers_overrides
 from kvd.traffic import NOT_OFFERED, Traffic
 
 HOST: Final = "127.0.0.1"
@@ -1398,14 +1398,7 @@ class Chaos:
             "host evictions": host.get("evictions", 0),
             "disk reads by clients": st.get("counters", {}).get("disk_client_reads", 0),
         }
-        held = {
-            "operations open (pins, reservations)": st.get("ops_open", 0),
-            "slots lent": host.get("lent", 0),
-            "slots quarantined": host.get("quarantined", 0),
-            "pins held for peers": peer.get("pins_held", 0),
-            "peer reads": peer.get("reading", 0),
-            "disk reads": st.get("disk", {}).get("reading", 0),
-        }
+        held = tier_holdings(st)
         return [f"{node.name}: tiers {what} = {n}" for what, n in held.items() if n]
 
     def _teardown(self) -> None:

@@ -81,6 +81,7 @@ from kvd_client.errors import KvdError, RemoteProtocolError
 from kvd.actors.gateway import ROLES
 from kvd.actors.registrar import handshake_mac
 from kvd.demo import DaemonProc, Engine, make_engine, run_mode, start_daemon
+from kvd.tiertraffic import tier_holdings
 
 FIXTURES: Final = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "wire"
 SURFACES: Final = ("ipc", "side", "ec", "notif")
@@ -545,16 +546,7 @@ def session_leftovers(x: DaemonProc, wait: float) -> list[str]:
         ]
         left += [f"lease {x_['request_id']}" for x_ in leases["leases"]]
         left += [f"tracked {x_['request_id']}" for x_ in leases["tracked"]]
-        host = tiers.get("host", {})
-        left += [
-            f"tiers {k} = {v}"
-            for k, v in (
-                ("ops_open", tiers.get("ops_open", 0)),
-                ("lent", host.get("lent", 0)),
-                ("quarantined", host.get("quarantined", 0)),
-            )
-            if v
-        ]
+        left += [f"tiers {k} = {v}" for k, v in tier_holdings(tiers).items() if v]
         prod = ec.get("producer") or {}
         left += [
             f"EC {k} = {v}"

@@ -67,6 +67,22 @@ def tiers_overrides(disk_path: str, peers: str) -> dict[str, Any]:
     }
 
 
+def tier_holdings(tiers: dict[str, Any]) -> dict[str, int]:
+    """What a daemon's KV tiers hold for their clients and peers now (`kvd tiers --json`):
+    once every client is gone, each must be 0. Pins and reservations (operations open),
+    slots lent ahead of stores or quarantined for a client that may still write, pins
+    taken for peers, reads from peers or the disk under way."""
+    host, peer = tiers.get("host", {}), tiers.get("peer", {})
+    return {
+        "operations open (pins, reservations)": int(tiers.get("ops_open", 0)),
+        "slots lent": int(host.get("lent", 0)),
+        "slots quarantined": int(host.get("quarantined", 0)),
+        "pins held for peers": int(peer.get("pins_held", 0)),
+        "peer reads": int(peer.get("reading", 0)),
+        "disk reads": int(tiers.get("disk", {}).get("reading", 0)),
+    }
+
+
 def key_space(tag: str, n: int) -> list[bytes]:
     """`n` OffloadKeys (a block hash and the KV group, 4 bytes) of `tag`."""
     return [hashlib.sha256(f"{tag}/{i}".encode()).digest() + bytes(4) for i in range(n)]
