@@ -1571,9 +1571,9 @@ class Chaos:
 
 
 def _crash_report(dp: DaemonProc) -> str:
-    """What a daemon that died printed about it: the lines before Python's fatal-error
-    dump (a native library's own reason: UCX's, NIXL's), then the dump's first thread;
-    else the log's tail. The whole log is kept as `<name>.<incarnation>.log`."""
+    """What a daemon that died printed about it: the lines before a native backtrace (UCX
+    prints its reason there) or before Python's fatal-error dump, then the dump's first
+    thread; else the log's tail. The whole log is kept as `<name>.<incarnation>.log`."""
     try:
         text = dp.log.read_text(errors="replace")
     except OSError:
@@ -1581,6 +1581,9 @@ def _crash_report(dp: DaemonProc) -> str:
     at = text.find("Fatal Python error")
     if at < 0:
         return dp.report(1500)
+    native = text.rfind("==== backtrace", 0, at)  # UCX's: its reason is the line above
+    if native >= 0:
+        return text[max(0, native - 1500) : native] + text[at : at + 600]
     return text[max(0, at - 2000) : at + 600]
 
 
