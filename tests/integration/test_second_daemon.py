@@ -44,6 +44,14 @@ def serve(workdir: Path, name: str, config: str) -> tuple[int, list[dict[str, An
     return res.returncode, lines, out
 
 
+def own_config(name: str, sock: Path, side_port: int, extra: str = "") -> str:
+    """A daemon's config with a socket of its own (and `extra` TOML)."""
+    return (
+        f'[daemon]\nname = "{name}"\nsocket = "{sock}"\n[side_channel]\nport = {side_port}\n'
+        f'[log]\nformat = "json"\n{extra}'
+    )
+
+
 def unfinished_write(disk: Path) -> Path:
     """A temp file as the running daemon's disk tier leaves while it writes a block (a
     daemon that starts on this disk tier removes such files: they are leftovers of a
@@ -95,10 +103,7 @@ def test_a_second_daemon_on_the_same_disk_tier_fails_clearly_until_the_first_is_
     a = daemons("kvd-sd-b", overrides={"tiers": {"enabled": True, "disk_path": str(disk)}})
     tmp = unfinished_write(disk)
     sock = workdir / "kvd-sd-other.sock"
-    config = (
-        f'[daemon]\nname = "kvd-sd-other"\nsocket = "{sock}"\n[side_channel]\nport = 0\n'
-        f'[tiers]\nenabled = true\ndisk_path = "{disk}"\n[log]\nformat = "json"\n'
-    )
+    config = own_config("kvd-sd-other", sock, 0, f'[tiers]\nenabled = true\ndisk_path = "{disk}"\n')
     rc, lines, out = serve(workdir, "kvd-sd-other", config)
     assert rc == 1, out
     line = failed_once(lines, out, "tiers_disk_in_use")
@@ -116,10 +121,7 @@ def test_a_second_daemon_on_the_same_disk_tier_fails_clearly_until_the_first_is_
 def test_a_port_in_use_is_a_clear_start_failure(daemons: StartDaemon, workdir: Path) -> None:
     a = daemons("kvd-sd-c")
     sock = workdir / "kvd-sd-port.sock"
-    config = (
-        f'[daemon]\nname = "kvd-sd-port"\nsocket = "{sock}"\n'
-        f'[side_channel]\nport = {a.side_port}\n[log]\nformat = "json"\n'
-    )
+    config = own_config("kvd-sd-port", sock, a.side_port)
     rc, lines, out = serve(workdir, "kvd-sd-port", config)
     assert rc == 1, out
     line = failed_once(lines, out, "bind_failed")
