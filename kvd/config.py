@@ -506,6 +506,16 @@ class TransferConfig(_Section):
         le=1 << 40,
         fmt="bytes",
     )
+    pull_by: str = _opt(
+        "auto",
+        "How D's daemon moves a pull: `read` (NIXL READ of P's blocks), `write` (P's daemon "
+        "WRITEs them into D's blocks when D asks, as for a push), or `auto`: read where UCX "
+        "reads natively (both daemons on one machine with cma allowed, or both with an RDMA "
+        "device and transport), write elsewhere. Over TCP UCX emulates a READ, and UCX 1.23 "
+        "aborts the serving daemon when a reader dies with GET requests still queued at it "
+        "(kvd.core.readpath).",
+        choices=("auto", "read", "write"),
+    )
     gather_part_bytes: int = _opt(
         8 << 20,
         "On P, a push gathered into staging (see staging_bytes) is WRITten in parts of about "

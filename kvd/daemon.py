@@ -40,10 +40,11 @@ from kvd.actors.sender import Sender
 from kvd.actors.sidechannel import SideChannel
 from kvd.actors.tiers import Tiers
 from kvd.adapters import systemd
-from kvd.adapters.nixl import NixlEngine
+from kvd.adapters.nixl import NixlEngine, machine_guid, rdma_devices
 from kvd.adapters.staging import StagingArea
 from kvd.config import Config, resolve_agent_name, resolve_socket_path
 from kvd.core.peersession import Keyring
+from kvd.core.readpath import local_reach
 from kvd.core.receiver import push_hold_bound
 from kvd.core.trace import StageTrace
 from kvd.drain import Drain
@@ -129,6 +130,8 @@ class Daemon:
             reap_leftovers=cfg.daemon.reap_leftover_segments,
             trace=self.trace,
             max_frame=cfg.daemon.max_frame_bytes,
+            reach=lambda: local_reach(machine_guid(), rdma_devices(), self._ucx_tls()),
+            ucx_tls=self._ucx_tls(),
         )
         self.staging = (
             StagingArea(cfg.transfer.staging_bytes, self.engine.register, self.engine.deregister)
@@ -171,6 +174,7 @@ class Daemon:
             pending_bytes=cfg.limits.pending_bytes,
             trace=self.trace,
             staging=self.staging,
+            pull_by=cfg.transfer.pull_by,
         )
         self.ecrouter = ECRouter(
             engine=self.engine,
@@ -514,6 +518,10 @@ class Daemon:
                 log.error("cleanup_timed_out", timeout=self.cfg.daemon.shutdown_timeout)
             self.gateway.close()
             log.info("daemon_stopped", clean=ok)
+
+    def _ucx_tls(self) -> str:
+        """UCX_TLS as the agent is made with: `nixl.ucx_tls`, else the environment's."""
+        return self.cfg.nixl.ucx_tls or os.environ.get("UCX_TLS", "")
 
     async def _start_engine(self) -> None:
         """Start the NIXL agent; a backend that cannot be made (a device named in

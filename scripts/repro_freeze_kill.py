@@ -1,23 +1,24 @@
-"""Reproduce a native abort of a P daemon inside UCX (open; found by `kvd chaos
---two-hosts --seed 47 --fuzz` on 2026-11-27).
+"""Reproduce a native abort of a P daemon inside UCX (found by `kvd chaos --two-hosts
+--seed 47 --fuzz` on 2026-11-27; avoided since by pulling by WRITE, `kvd.core.readpath`).
 
 Two hosts (network namespaces, UCX over TCP on a veth: needs root), P and D daemons with
 KV traffic, then per round: P SIGSTOPped, D SIGKILLed while P is stopped, P SIGCONTed,
-D started again. Within a round or two P aborts in its NIXL thread's `get_new_notifs`
--> `ucp_worker_progress` -> `uct_tcp_iface_progress`:
+D started again. With pulls that READ (`PULL_BY=read`) P aborts in the first round or
+two, in its NIXL thread's `get_new_notifs` -> `ucp_worker_progress` ->
+`uct_tcp_iface_progress`:
 
     ucp_request.inl:356  Fatal: unexpected error: Endpoint timeout
 
-UCX's `ucp_request_try_send` treats any send status other than OK, INPROGRESS and
-NO_RESOURCE as fatal: a request dispatched from a TCP endpoint's pending queue after the
-endpoint failed. `UCX_KEEPALIVE_INTERVAL=inf` does not change it; KV tier traffic is not
-needed. `UCX_PROTO_ENABLE=n` (protocols v1) makes P survive only because nothing is in
-flight: v1 cannot post NIXL's WRITEs or READs over TCP at all ("Unsupported operation",
-NIXL_ERR_BACKEND on every transfer). Under systemd the daemon is started again 2 s
-later; no wrong byte is served (an abort is a kill).
+Over TCP UCX emulates a READ (GET requests answered by the server's UCX). The address
+of the abort is inside `ucp_get_req_handler`: `ucp_progress_get_reply` returns the send
+error of a connection that was reset (D died with its GET requests queued in P's socket)
+and `ucp_request_send` treats it as fatal. `MODES=push,layers` (no READ): no abort.
+With `transfer.pull_by = "auto"` (the default) pulls between these hosts go by P's
+WRITE and P survives every round.
 
     .venv/bin/python scripts/repro_freeze_kill.py 10             # rounds (as root)
-    EXTRA_ENV='{"UCX_X": "y"}' .venv/bin/python scripts/...      # with UCX settings
+    PULL_BY=read .venv/bin/python scripts/repro_freeze_kill.py 3  # the abort
+    EXTRA_ENV='{"UCX_X": "y"}' MODES=pull .venv/bin/python ...     # UCX settings, modes
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ PORTS = {"p": 47721, "d": 47722}
 
 def main(rounds: int) -> int:
     extra_env = json.loads(os.environ.get("EXTRA_ENV", "{}"))
+    modes = tuple(os.environ.get("MODES", ",".join(KV_MODES)).split(","))
     wd = Path(tempfile.mkdtemp(prefix="kvdr-", dir="/tmp"))
     a, b = netns.pair("kvdr", "10.81.0")
     netns.create(a, b)
@@ -51,7 +53,11 @@ def main(rounds: int) -> int:
         host = a if key == "p" else b
         over: dict[str, dict[str, Any]] = {
             "daemon": {"client_timeout": 3.0, "reap_leftover_segments": False},
-            "transfer": {"kv_lease_duration": 4.0, "peer_probe_interval": 0.5},
+            "transfer": {
+                "kv_lease_duration": 4.0,
+                "peer_probe_interval": 0.5,
+                "pull_by": os.environ.get("PULL_BY", "auto"),
+            },
             "side_channel": {"handshake_timeout": 2.0, "port": PORTS[key], "host": host.addr},
             "nixl": {"ucx_tls": "tcp"},
         }
@@ -71,9 +77,7 @@ def main(rounds: int) -> int:
         pe = kv_engine(p.socket, "prefill", 256, tp=KV_TP, workers=True)
         de = kv_engine(d.socket, "decode", 256, tp=KV_TP)
         rng = random.Random(1)
-        kv = Traffic(
-            pe, de, p.side_port, rng, window=12, max_blocks=8, modes=KV_MODES, p_host=a.addr
-        )
+        kv = Traffic(pe, de, p.side_port, rng, window=12, max_blocks=8, modes=modes, p_host=a.addr)
 
         def run_for(seconds: float) -> None:
             end = time.monotonic() + seconds

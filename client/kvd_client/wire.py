@@ -27,9 +27,12 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 9
+PROTOCOL_VERSION: Final = 10
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
-8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`)."""
+8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
+10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
+where its daemon runs and whether it reaches other hosts over RDMA (`Handshake.machine`,
+`Handshake.rdma`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -795,6 +798,13 @@ class Handshake(Record):
     nonce: Annotated[bytes, Len(16, 64)]
     timestamp: NonNegFloat
     mac: Annotated[bytes, Len(0, 64)]
+    machine: U64 = 0
+    """UCX's id of the machine the daemon runs on (0: not known): peers on one machine
+    READ each other natively (cma); `kvd.core.readpath`."""
+    rdma: bool = False
+    """The daemon's UCX may reach other hosts over an RDMA transport (a device is there
+    and `UCX_TLS` allows one): between two such daemons a READ is native, elsewhere UCX
+    emulates it over TCP and kvd pulls by P's WRITE instead."""
     """HMAC-SHA256 over the fields above when a shared secret is configured."""
 
 
@@ -827,6 +837,10 @@ class PushRegistration(Record):
     (kv_transfer_params' `remote_incarnation`; 0 = not known): a P daemon of another
     incarnation (it restarted since: the lease and the KV are gone) fails the
     registration at once, whatever view of P D held when it sent it."""
+    p_block_ids: BlockIds = ()
+    """A pull served by P's WRITE (`kvd.core.readpath`): the P blocks D's engine pulls
+    (each one P leased for the request), in the order of `block_ids`. Empty: a push, P
+    WRITEs every block it finished (their tail into D's)."""
 
 
 @message(62)

@@ -72,6 +72,9 @@ class PeerInfo:
     handshaked_at: float
     write_bound: float = 0.0
     """How long a WRITE of its may still land after its lease lapsed (0: not said)."""
+    native_reads: bool = False
+    """Our UCX READs from it natively (`kvd.core.readpath`): else a pull goes by P's WRITE
+    (`transfer.pull_by = "auto"`)."""
 
     @property
     def addr(self) -> str:

@@ -114,6 +114,7 @@ class Receiver(TransferActor):
         pending_bytes: int = 256 << 20,
         trace: StageTrace = NO_TRACE,
         staging: StagingArea | None = None,
+        pull_by: str = "auto",
     ) -> None:
         super().__init__(
             transport=transport,
@@ -126,6 +127,8 @@ class Receiver(TransferActor):
             trace=trace,
         )
         self.incarnation = incarnation
+        self.pull_by = pull_by
+        """`transfer.pull_by`: whether a pull READs or asks P to WRITE (`kvd.core.readpath`)."""
         self.staging = staging
         """Where pulls that slice heads or convert layouts READ whole chunks (None: off)."""
         self.side_listening: Callable[[str, int, float], Awaitable[bool | None]] = side_listening
@@ -347,7 +350,24 @@ class Receiver(TransferActor):
             replan: Callable[[], RequestPlan] | None = None
             # refuses a pair that cannot map, naming both sides' values
             pairs, permutes = permutes_any(remote, local, load.block_ids, load.num_tokens)
-            if load.mode == "push":
+            # a pull where UCX would emulate the READ goes by P's WRITE, as a push naming
+            # the P blocks to pull (`kvd.core.readpath`)
+            by_write = (
+                load.mode == "pull"
+                and bool(load.block_ids)
+                and (self.pull_by == "write" or (self.pull_by == "auto" and not info.native_reads))
+            )
+            if by_write:
+                # P plans the WRITE; what it would refuse is refused here first
+                plan_any(
+                    remote,
+                    load.remote_block_ids,
+                    local,
+                    load.block_ids,
+                    local_is_p=False,
+                    num_tokens=load.num_tokens,
+                )
+            if load.mode == "push" or by_write:
                 first = wire.PushRegistration(
                     request_id=load.request_id,
                     remote_request_id=load.remote_request_id,
@@ -362,6 +382,7 @@ class Receiver(TransferActor):
                     p_session=load.remote_session,
                     num_tokens=load.num_tokens,
                     p_incarnation=load.remote_incarnation,
+                    p_block_ids=load.remote_block_ids if by_write else (),
                 )
             else:
                 n = len(load.block_ids)
@@ -408,6 +429,8 @@ class Receiver(TransferActor):
         for job in permutes:
             by_group.setdefault(group_of[job.pair], []).append((locs[job.pair], job))
         transfers = len(groups)
+        if by_write:
+            self._count("pulls_by_write")
         if load.mode == "pull" and not load.block_ids:
             view = _View([], [], [], [])
         else:
@@ -422,6 +445,7 @@ class Receiver(TransferActor):
             layers=local[0].geometry.num_layers,
             incarnation=info.incarnation,
             write_bound=info.write_bound,
+            by_write=by_write,
         )
 
     async def _peer_ranks(

@@ -98,6 +98,7 @@ from kvd.core.hybrid import region_groups
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
 from kvd.core.peersession import Keyring, Party, derive_session
 from kvd.core.planner import Geometry
+from kvd.core.readpath import Reach, native_reads
 from kvd.core.receiver import MAX_WRITE_BOUND
 from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
 from kvd.core.topology import check_region
@@ -200,8 +201,14 @@ class Registrar:
         trace: StageTrace = NO_TRACE,
         keyring: Keyring | None = None,
         max_frame: int = 16 * 1024 * 1024,
+        reach: Callable[[], Reach] = Reach,
+        ucx_tls: str = "",
     ) -> None:
         self.engine = engine
+        self._reach_of = reach
+        self._reach: Reach | None = None
+        self.ucx_tls = ucx_tls
+        """UCX_TLS as the agent was made with (which READs are native, `kvd.core.readpath`)."""
         self.mailbox = mailbox
         self.clock = mailbox.clock
         self.side_host = side_host
@@ -620,6 +627,13 @@ class Registrar:
 
     # ---------------------------------------------------------------- handshakes
 
+    @property
+    def reach(self) -> Reach:
+        """What our UCX can do (`kvd.core.readpath`); known once the agent is made."""
+        if self._reach is None:
+            self._reach = self._reach_of()
+        return self._reach
+
     async def _our_handshake(self, context: bytes, nonce: bytes | None = None) -> wire.Handshake:
         assert self.canary is not None
         hs = wire.Handshake(
@@ -636,6 +650,8 @@ class Registrar:
             nonce=nonce or os.urandom(16),
             timestamp=time.time(),
             mac=b"",
+            machine=self.reach.machine,
+            rdma=self.reach.rdma,
         )
         if self.secret is not None:
             hs = replace(hs, mac=handshake_mac(self.secret, hs, context))
@@ -749,6 +765,7 @@ class Registrar:
             canary_addr=hs.canary_addr,
             canary_bytes=hs.canary_bytes,
             handshaked_at=self.clock.now(),
+            native_reads=native_reads(self.reach, Reach(hs.machine, hs.rdma), self.ucx_tls),
         )
         known.info = info
         self._late_bound = max(self._late_bound, hs.write_bound)
@@ -1194,6 +1211,7 @@ class Registrar:
                         "addr": p.info.addr,
                         "lease_duration": p.info.lease_duration,
                         "write_bound": p.info.write_bound,
+                        "native_reads": p.info.native_reads,
                         "dialed_us": p.dialed_us,
                         "regions": [
                             {
@@ -1242,6 +1260,11 @@ class Registrar:
                 for r in self.retired.values()
             ],
             "resolver": self.resolver.stats(),
+            "reach": {  # what our handshake says (`kvd.core.readpath`)
+                "machine": f"{self.reach.machine:016x}",
+                "rdma": self.reach.rdma,
+                "ucx_tls": self.ucx_tls,
+            },
         }
 
 

@@ -1103,6 +1103,43 @@ def _tune_thread() -> None:
         pass
 
 
+def machine_guid() -> int:
+    """UCX's id of this machine (`ucs_machine_guid`: its MAC address and host name), from
+    the libucs NIXL's UCX backend loaded into this process: what UCX itself compares to
+    tell peers on one machine (cma, shared memory) from those on another. 0 when no libucs
+    is loaded (no UCX agent yet) or it lacks the symbol."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {
+                line.split(maxsplit=5)[-1].strip()
+                for line in maps
+                if "/libucs" in line and ".so" in line
+            }
+    except OSError:
+        return 0
+    for path in sorted(paths):
+        if not os.path.basename(path).startswith("libucs"):
+            continue
+        try:
+            fn = ctypes.CDLL(path).ucs_machine_guid
+        except (OSError, AttributeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_uint64, []
+        return int(fn()) & 0xFFFFFFFFFFFFFFFF
+    return 0
+
+
+def rdma_devices(root: str = "/sys/class/infiniband") -> bool:
+    """Whether the host has an RDMA device (InfiniBand, RoCE, EFA: any verbs device)."""
+    try:
+        with os.scandir(root) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
+
+
 def _quietly(fn: Callable[[Any], Any], arg: Any) -> None:
     with contextlib.suppress(Exception):  # after a failure: the first error is reported
         fn(arg)

@@ -238,6 +238,9 @@ class PeerResolved:
     write_bound: float = 0.0
     """P's handshake: how long after its lease lapsed a WRITE of P's may still land (a
     held push waits at most this long for P's word; 0: P did not say, our own bound)."""
+    by_write: bool = False
+    """A pull that P serves by WRITE (`kvd.core.readpath`: UCX would emulate our READ):
+    `first` is a PushRegistration naming P's blocks, and the request goes as a push."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,10 +501,18 @@ class RecvRequest:
     write_bound: float = 0.0
     """P's, from its handshake (0: not said): see `PeerResolved.write_bound`."""
     incarnation: int = 0
+    by_write: bool = False
+    """A pull that P serves by WRITE (`PeerResolved.by_write`)."""
 
     @property
     def mode(self) -> str:
         return self.load.mode if self.load is not None else ""
+
+    @property
+    def written(self) -> bool:
+        """P WRITEs into our blocks: a push, or a pull served by WRITE (the push's states,
+        answers and holds apply); otherwise we READ."""
+        return self.mode == "push" or self.by_write
 
     @property
     def blocks(self) -> tuple[int, ...]:
@@ -655,7 +666,7 @@ class Receiver:
         if self._held_by_hb.get((req.agent, req.hb_id)) == req.request_id:
             del self._held_by_hb[(req.agent, req.hb_id)]
             if not any(
-                r.state is R.HOLDING and r.mode == "push" and r.peer == req.peer
+                r.state is R.HOLDING and r.written and r.peer == req.peer
                 for r in self.reqs.values()
             ):
                 self.rechecks.discard(req.peer)
@@ -882,7 +893,7 @@ class Receiver:
             bound_s=round(bound, 3),
         )
         self._out.append(Notify(req.agent, wire.CancelRegistration(req.hb_id)))
-        if req.mode == "push":
+        if req.written:
             self._out.append(CheckGone(req.peer, req.agent, (req.hb_id,), req.incarnation))
             self._held_by_hb[(req.agent, req.hb_id)] = req.request_id
             if req.peer not in self.rechecks:  # asked again until P answers or is gone
@@ -891,14 +902,14 @@ class Receiver:
     def _bound_of(self, req: RecvRequest) -> float:
         """How long `req` may be held: a push, by P's own settings when its handshake said
         them (P's WRITEs are what may still land); a READ, by ours."""
-        if req.mode == "push" and req.write_bound > 0:
+        if req.written and req.write_bound > 0:
             return req.write_bound
         return self.hold_bound
 
     def _recheck(self, peer: str, now: float) -> None:
         groups: dict[tuple[str, int], list[str]] = {}
         for r in self.reqs.values():
-            if r.state is R.HOLDING and r.mode == "push" and r.peer == peer:
+            if r.state is R.HOLDING and r.written and r.peer == peer:
                 groups.setdefault((r.agent, r.incarnation), []).append(r.hb_id)
         for (agent, inc), ids in groups.items():
             self._out.append(CheckGone(peer, agent, tuple(ids), inc))
@@ -926,7 +937,8 @@ class Receiver:
         req.agent, req.since, req.ranks, req.layers = ev.agent, ev.since, ev.ranks, ev.layers
         req.first, req.view, req.incarnation = ev.first, ev.view, ev.incarnation
         req.write_bound = min(ev.write_bound, MAX_WRITE_BOUND)
-        if req.mode == "push":
+        req.by_write = ev.by_write and req.mode == "pull"
+        if req.written:
             if req.aborted:
                 self._fail(
                     req, _aborted(req.abort_reason), now
@@ -1019,7 +1031,7 @@ class Receiver:
 
     def _on_read_settled(self, ev: ReadSettled, now: float) -> None:
         req = self.reqs.get(ev.request_id)
-        if req is not None and req.state is R.HOLDING and req.mode == "pull":
+        if req is not None and req.state is R.HOLDING and not req.written:
             self._release(req, "holds_released_settled", now)
 
     # ---------------------------------------------------------------- P's answers
@@ -1031,7 +1043,7 @@ class Receiver:
             held = self._held_by_hb.get((ev.agent, msg.request_id))
             if held is not None and not msg.ok:  # P's answer to a cancel, by P's id
                 req = self.reqs[held]
-        if req is None or req.agent != ev.agent or req.mode != "push":
+        if req is None or req.agent != ev.agent or not req.written:
             self._unknown_answer(ev.agent, msg.request_id, "push completion")
             return
         handler = _ON.get((req.state, PushDoneArrived))
@@ -1141,7 +1153,7 @@ class Receiver:
         for req in list(self.reqs.values()):
             if req.agent != ev.agent:
                 continue
-            if req.state is R.HOLDING and req.mode == "push":
+            if req.state is R.HOLDING and req.written:
                 self._release(req, "holds_released_gone", now)
             elif req.state in (R.REGISTERED, R.CANCELLING, R.ACKING):
                 self._fail(req, _aborted(req.abort_reason) if req.aborted else exc, now)

@@ -740,7 +740,12 @@ class Sender:
         waiting = have if have is not None else self._find(ev.request_id)
         if waiting is not None and waiting.state is not S.AWAITING:
             waiting = None
-        if ev.keep_for and waiting is not None and waiting.registration is not None:
+        if (
+            ev.keep_for
+            and waiting is not None
+            and waiting.registration is not None
+            and not waiting.registration.p_block_ids
+        ):
             self._fail_waiting(waiting, _KEPT_NOT_PUSHED, S.FAILED)  # kept blocks are pulled
             waiting = None
         freed = waiting.cost if waiting is not None else 0
@@ -992,7 +997,7 @@ class Sender:
                     )
                 )
                 return
-            self._count("push_registrations")
+            self._count("pull_registrations" if msg.p_block_ids else "push_registrations")
             waiting = SendRequest(key, S.AWAITING, now, agent=ev.agent, registration=msg)
             waiting.cost = res.adopt() if res is not None else cost
             self._add(waiting)
@@ -1007,14 +1012,14 @@ class Sender:
         self._step(req, ev, now)
 
     def _held_registered(self, req: SendRequest, ev: RegistrationArrived, now: float) -> None:
-        if req.kept:  # the next turn's P pulls kept blocks; it is not bound by this
+        if req.kept and not ev.msg.p_block_ids:  # kept blocks are pulled (READ or by WRITE)
             self._reject(ev.agent, f"a push registration for kept request {req.key!r}")
             tomb = _KEPT_NOT_PUSHED
             self._out.append(
                 Notify(ev.agent, wire.PushDone(ev.msg.request_id, 0, False, tomb.code, tomb.reason))
             )
             return
-        self._count("push_registrations")
+        self._count("pull_registrations" if ev.msg.p_block_ids else "push_registrations")
         req.agent, req.registration = ev.agent, ev.msg
         if ev.reservation is not None:
             req.cost += ev.reservation.adopt()  # it keeps D's registration too
@@ -1024,6 +1029,12 @@ class Sender:
         reg = req.registration
         assert reg is not None
         self._goto(req, S.MATCHED)
+        if reg.p_block_ids and not set(reg.p_block_ids) <= set(req.blocks):
+            # a pull by WRITE names P's blocks: only those leased for the request are sent
+            why = "the pull names blocks P did not lease for this request"
+            self._reject(req.agent, f"{why} ({req.key!r})")
+            self._fail_send(req, int(ErrorCode.INVALID), why)
+            return
         # how D's blocks take P's (block sizes may differ) is the planner's to check
         self._out.append(ResolveView(req.key, req.agent, reg))
 
@@ -1221,9 +1232,10 @@ class Sender:
         self.leases.release(req.key)  # claimed: it cannot expire under the WRITE
         reg = req.registration
         assert reg is not None
-        p_blocks = req.blocks if reg.block_ids else ()
         self._out.append(
-            PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view, req.tokens)
+            PostWrite(
+                req.key, req.agent, req.engine_id, _p_blocks(req, reg), reg, req.view, req.tokens
+            )
         )
 
     def _on_write_done(self, ev: WriteDone, now: float) -> None:
@@ -1231,9 +1243,7 @@ class Sender:
         if req is None or req.state is not S.WRITING:
             raise LocalProtocolError(f"WriteDone for {ev.key!r}, which is not writing")
         if ev.error is None:
-            self._count("sends_ok")
-            self._emit(req, wire.SendFinished(req.key))
-            self._end(req, S.DELIVERED, replace(_DONE, pushed=ev.transfers))
+            self._written(req, ev.transfers)
         elif ev.unsettled:
             # no word to D yet: its blocks may still be written; ours are still read
             self._count("writes_unsettled")
@@ -1242,6 +1252,16 @@ class Sender:
             self._timers.set(req.key, now + self.unsettled_hold)
         else:
             self._fail_send(req, int(ev.error.code), ev.error.message)
+
+    def _written(self, req: SendRequest, transfers: int) -> None:
+        """The WRITE landed: D got its PushDone(s) with the bytes."""
+        self._count("sends_ok")
+        if req.registration is not None and req.registration.p_block_ids:
+            self._count("pulls_written")
+            if req.kept:
+                self._count("kept_pulled")
+        self._emit(req, wire.SendFinished(req.key))
+        self._end(req, S.DELIVERED, replace(_DONE, pushed=transfers))
 
     def _on_write_settled(self, ev: WriteSettled, now: float) -> None:
         req = self.reqs.get(ev.key)
@@ -1252,9 +1272,7 @@ class Sender:
         self._timers.discard(req.key)
         self._count("writes_settled")
         if ev.error is None:  # it landed after all: D got its PushDone with the bytes
-            self._count("sends_ok")
-            self._emit(req, wire.SendFinished(req.key))
-            self._end(req, S.DELIVERED, replace(_DONE, pushed=ev.transfers))
+            self._written(req, ev.transfers)
         else:
             self._fail_send(req, int(ev.error.code), ev.error.message)
 
@@ -1326,7 +1344,12 @@ class Sender:
         elif req is None:
             req = self._find(ev.request_id)
         if req is None or not (
-            (req.state is S.AWAITING and req.registration is not None) or (req.state is S.STREAMING)
+            (
+                req.state is S.AWAITING
+                and req.registration is not None
+                and not req.registration.p_block_ids  # a pull by WRITE waits for the finish
+            )
+            or (req.state is S.STREAMING)
         ):
             # no registration yet (or P finished it first): P's finish writes it whole
             self._count("layers_unmatched")
@@ -1455,9 +1478,10 @@ class Sender:
         if not self._synced(req, now):
             return
         self._goto(req, S.WRITING)
-        p_blocks = req.blocks if reg.block_ids else ()
         self._out.append(
-            PostWrite(req.key, req.agent, req.engine_id, p_blocks, reg, req.view, req.tokens)
+            PostWrite(
+                req.key, req.agent, req.engine_id, _p_blocks(req, reg), reg, req.view, req.tokens
+            )
         )
 
     def _settle(self, req: SendRequest, now: float) -> None:
@@ -1614,6 +1638,14 @@ class Sender:
     def awaiting(self) -> tuple[int, int]:
         """D's push registrations and early pulls waiting for P's finish."""
         return self._awaiting_registrations, self._awaiting_pulls
+
+
+def _p_blocks(req: SendRequest, reg: wire.PushRegistration) -> tuple[int, ...]:
+    """The P blocks a WRITE sends: those a pull by WRITE names, else every block P finished
+    (D's registered blocks take their tail; none if D registered none)."""
+    if reg.p_block_ids:
+        return reg.p_block_ids
+    return req.blocks if reg.block_ids else ()
 
 
 _EXPIRED: Final = Tombstone(

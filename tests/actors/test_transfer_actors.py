@@ -127,6 +127,7 @@ def _peer(agent: str, host: str, port: int, incarnation: int, remote: RemoteRegi
         canary_addr=0,
         canary_bytes=0,
         handshaked_at=1.0,
+        native_reads=True,  # one machine: a pull READs (`world(native_reads=False)`: by WRITE)
     )
 
 
@@ -397,9 +398,12 @@ class World:
 
 
 @asynccontextmanager
-async def world() -> AsyncIterator[World]:
+async def world(native_reads: bool = True) -> AsyncIterator[World]:
+    """`native_reads=False`: D's UCX would emulate a READ from P (TCP), so D pulls by
+    P's WRITE (`transfer.pull_by = "auto"`)."""
     clock = FakeClock()
-    registrar = StubActor("registrar", clock, (P_INFO, D_INFO))
+    p_info = replace(P_INFO, native_reads=native_reads)
+    registrar = StubActor("registrar", clock, (p_info, D_INFO))
     events: Recorder[EventOut] = Recorder()
     p_port, d_port = FakePort(), FakePort()
     sender = make_sender(clock, p_port, registrar, events.add)
@@ -407,7 +411,7 @@ async def world() -> AsyncIterator[World]:
     sender.mailbox.post(LocalRegionsChanged({(P_ENGINE, 0): P_REGION}))
     sender.mailbox.post(PeerUpdated(D_AGENT, D_INFO))
     receiver.mailbox.post(LocalRegionsChanged({(D_ENGINE, 0): D_REGION}))
-    receiver.mailbox.post(PeerUpdated(P_AGENT, P_INFO))
+    receiver.mailbox.post(PeerUpdated(P_AGENT, p_info))
     async with anyio.create_task_group() as tg:
         await tg.start(registrar.run)
         await tg.start(sender.run)
@@ -738,6 +742,57 @@ async def test_d_pull_read_then_pull_done_then_ack_then_finished() -> None:
         box.post(NotifReceived(P_AGENT, wire.PullAck("d-req", True, 0, "")))
         await w.events.until(lambda evs: len(evs) == 1)
         assert w.events.items == [EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))]
+
+
+async def test_a_pull_where_ucx_would_emulate_the_read_goes_by_ps_write() -> None:
+    """Over TCP UCX emulates a READ, and a reader dying with GET requests queued at P
+    aborts P's daemon inside UCX (`kvd.core.readpath`). There D's pull is a registration
+    naming P's blocks, and P WRITEs them as for a push: no READ is ever posted."""
+    async with world(native_reads=False) as w:
+        p_box, d_box = w.sender.mailbox, w.receiver.mailbox
+        assert (
+            await client(p_box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1, 2))) == wire.Ok()
+        )
+        assert await client(d_box, D_SESSION, pull()) == wire.Ok()
+        [(peer, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
+        assert peer == P_AGENT
+        assert reg == replace(registration(), p_block_ids=(0, 1, 2))
+        assert w.d_port.transfers.items == [] and w.d_port.sent(wire.PullDone) == []
+        assert w.receiver.counters["pulls_by_write"] == 1
+
+        p_box.post(NotifReceived(D_AGENT, reg))
+        xfer = await w.p_port.wait_transfer()
+        assert (xfer.op, xfer.peer) == ("WRITE", D_AGENT)
+        assert xfer.notif == wire.PushDone("d-req", 0, True, 0, "")
+        assert _span(xfer.local) == (P_BASE + 1 * BLOCK, 2 * BLOCK)  # P's 1-2 (as the READ)...
+        assert _span(xfer.remote) == (D_BASE + 5 * BLOCK, 2 * BLOCK)  # ...into D's 5-6
+        assert w.sender.counters["pull_registrations"] == 1
+        xfer.complete()
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(P_SESSION, P_ENGINE, wire.SendFinished("p-req"))]
+
+        d_box.post(NotifReceived(P_AGENT, xfer.notif))
+        await w.events.until(lambda evs: len(evs) == 2)
+        assert w.events.items[1] == EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))
+        assert w.d_port.transfers.items == []
+
+
+async def test_p_refuses_a_pull_by_write_naming_blocks_it_did_not_lease() -> None:
+    """A READ reaches whatever P blocks D names; a pull by WRITE is checked: only blocks P
+    leased for the request are sent, anything else fails the request on both sides."""
+    async with world() as w:
+        box = w.sender.mailbox
+        assert await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1))) == wire.Ok()
+        box.post(NotifReceived(D_AGENT, replace(registration(), p_block_ids=(1, 7))))
+        [(peer, answer)] = await w.p_port.wait_sent(wire.PushDone)
+        assert peer == D_AGENT and not answer.ok and answer.code == ErrorCode.INVALID
+        assert "did not lease" in answer.reason
+        await w.events.until(lambda evs: len(evs) == 1)
+        [ev] = w.events.items
+        assert isinstance(ev.record, wire.SendFailed) and ev.record.code == ErrorCode.INVALID
+        await settle()
+        assert w.p_port.transfers.items == []
+        assert w.sender.counters["notifs_rejected"] == 1
 
 
 async def test_d_failed_read_fails_the_request_once_with_its_blocks() -> None:

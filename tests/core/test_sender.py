@@ -2703,3 +2703,74 @@ def test_a_request_naming_another_incarnation_of_this_daemon_is_refused_at_once(
     # a daemon that does not know its own incarnation judges nothing by it
     tx0 = make()
     assert tx0.handle(RegistrationArrived(D1, old), 0.0) == []
+
+
+# ------------------------------------------------------------------ pulls by WRITE
+
+
+def by_write(d_rid: str, p_rid: str, p_blocks: tuple[int, ...]) -> RegistrationArrived:
+    """D's pull of P's `p_blocks` where UCX would emulate the READ (`kvd.core.readpath`):
+    a registration naming them, which P serves by WRITE."""
+    ev = registered(d_rid, p_rid)
+    return RegistrationArrived(ev.agent, replace(ev.msg, p_block_ids=p_blocks))
+
+
+@pytest.mark.parametrize("order", ["finished-first", "pull-first"])
+def test_a_pull_by_write_sends_the_p_blocks_it_names(order: str) -> None:
+    tx = make()
+    ev = by_write("d1", "r1", (11, 12))
+    if order == "finished-first":
+        assert tx.handle(finish("r1"), 0.0) == []
+        assert tx.handle(ev, 1.0) == [ResolveView("r1", D1, ev.msg)]
+    else:
+        assert tx.handle(ev, 0.0) == []
+        # P's workers announcing layers do not start a stream: a pull waits for the finish
+        assert tx.handle(saved("r1", 1), 0.5) == []
+        assert state(tx, "r1") is S.AWAITING and tx.counters["layers_unmatched"] == 1
+        assert tx.handle(finish("r1"), 1.0) == [ResolveView("r1", D1, ev.msg)]
+    # the named blocks, not every block P finished
+    assert tx.handle(ViewResolved("r1", VIEW), 1.5) == [
+        PostWrite("r1", D1, ENGINE, (11, 12), ev.msg, VIEW)
+    ]
+    assert tx.handle(WriteDone("r1", transfers=1), 2.0) == [
+        Emit("s1", ENGINE, wire.SendFinished("r1"))
+    ]
+    assert (tx.counters["pull_registrations"], tx.counters["pulls_written"]) == (1, 1)
+    assert tx.counters.get("push_registrations", 0) == 0
+    assert_empty(tx)
+
+
+@pytest.mark.parametrize("order", ["finished-first", "pull-first"])
+def test_a_pull_by_write_naming_a_block_p_did_not_lease_fails_closed(order: str) -> None:
+    tx = make()
+    ev = by_write("d1", "r1", (12, 13))  # 13 is not the request's
+    if order == "finished-first":
+        tx.handle(finish("r1"), 0.0)
+        out = tx.handle(ev, 1.0)
+    else:
+        tx.handle(ev, 0.0)
+        out = tx.handle(finish("r1"), 1.0)
+    assert sorted(calm(out), key=str) == [
+        ("failed", "s1", "r1", INVALID),
+        ("push_done", D1, "d1", INVALID),
+    ]
+    assert not any(isinstance(e, (ResolveView, PostWrite)) for e in out)
+    assert_empty(tx)
+
+
+def test_kept_blocks_are_pulled_by_write_but_never_pushed() -> None:
+    tx = make()
+    kept = Finish("r1", ENGINE, BLOCKS, "s1", keep_for=60.0)
+    assert tx.handle(kept, 0.0) == []
+    out = tx.handle(registered("d1", "r1"), 1.0)  # a push: refused, the lease stays
+    assert calm(out) == [("push_done", D1, "d1", INVALID)]
+    assert state(tx, "r1") is S.HELD
+    ev = by_write("d2", "r1", BLOCKS)
+    assert tx.handle(ev, 2.0) == [ResolveView("r1", D1, ev.msg)]
+    (post,) = tx.handle(ViewResolved("r1", VIEW), 2.5)
+    assert isinstance(post, PostWrite) and post.p_blocks == BLOCKS
+    assert tx.handle(WriteDone("r1", transfers=1), 3.0) == [
+        Emit("s1", ENGINE, wire.SendFinished("r1"))
+    ]
+    assert tx.counters["kept_pulled"] == 1
+    assert_empty(tx)

@@ -109,16 +109,17 @@ class Pair:
     n: int = 0
 
 
-def daemon_pair(tag: str) -> Iterator[Pair]:
+def daemon_pair(tag: str, d_transfer: dict[str, Any] | None = None) -> Iterator[Pair]:
     """Start a P and a D daemon named after `tag` for a module-scoped fixture (`yield
     from`); at the end both must stop cleanly (exit 0), or the fixture fails with their
-    logs."""
+    logs. `d_transfer`: settings of D's `[transfer]` section."""
     work = Path(tempfile.mkdtemp(prefix=f"kvd{tag}-", dir="/tmp"))
     started: list[DaemonProc] = []
     try:
-        over = {"daemon": {"reap_leftover_segments": False}}
+        over: dict[str, dict[str, Any]] = {"daemon": {"reap_leftover_segments": False}}
         started.append(start_daemon(work, f"{tag}-p", overrides=over))
-        started.append(start_daemon(work, f"{tag}-d", overrides=over))
+        d_over = over | ({"transfer": d_transfer} if d_transfer else {})
+        started.append(start_daemon(work, f"{tag}-d", overrides=d_over))
         yield Pair(started[0], started[1])
     finally:
         problems = []

@@ -35,6 +35,22 @@ def pair() -> Iterator[Pair]:
     yield from daemon_pair("topo")
 
 
+@pytest.fixture(scope="module")
+def pair_by_write() -> Iterator[Pair]:
+    """D's daemon pulls by P's WRITE (`transfer.pull_by = "write"`, what `auto` does where
+    UCX would emulate a READ: between hosts without RDMA)."""
+    yield from daemon_pair("topow", d_transfer={"pull_by": "write"})
+
+
+MODES = ["push", "pull", "pull-by-write"]
+
+
+def pair_for(request: pytest.FixtureRequest, mode: str) -> Pair:
+    fixture = "pair_by_write" if mode == "pull-by-write" else "pair"
+    got: Pair = request.getfixturevalue(fixture)
+    return got
+
+
 @dataclass
 class Eng:
     """A simulated engine: a scheduler client and one worker client per rank."""
@@ -121,6 +137,7 @@ def run_case(
     d = engine(pair.d.socket, f"d{tag}", ds, spec, rng)
     permuted = d.client.status()["counters"].get("receive_permutes", 0)
     staged_before = d.client.status()["counters"].get("staged_reads", 0)
+    by_write_before = d.client.status()["counters"].get("pulls_by_write", 0)
     p_before = p.client.status()["counters"]
     try:
         free_p = list(rng.permutation(ps.num_blocks))
@@ -211,6 +228,9 @@ def run_case(
         stages = mode == "pull" and ps.tokens == ds.tokens and sliced and staging
         staged = d.client.status()["counters"].get("staged_reads", 0) - staged_before
         assert staged == (3 if stages else 0)
+        # one machine: a pull READs (`auto`); D set to `write`: P WRITEs every pull
+        by_write = d.client.status()["counters"].get("pulls_by_write", 0) - by_write_before
+        assert by_write == (3 if mode == "pull-by-write" else 0)
         if layerwise:
             pc = p.client.status()["counters"]
             grew = {
@@ -232,10 +252,10 @@ H4 = spec_of(4)
 TPS = [(a, b) for a in (1, 2, 4) for b in (1, 2, 4)]
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("p_tp", "d_tp"), TPS, ids=[f"tp{a}to{b}" for a, b in TPS])
-def test_heterogeneous_tp(pair: Pair, mode: str, p_tp: int, d_tp: int) -> None:
-    run_case(pair, H4, Side(p_tp), Side(d_tp), mode, seed=p_tp * 10 + d_tp)
+def test_heterogeneous_tp(request: pytest.FixtureRequest, mode: str, p_tp: int, d_tp: int) -> None:
+    run_case(pair_for(request, mode), H4, Side(p_tp), Side(d_tp), mode, seed=p_tp * 10 + d_tp)
 
 
 SHAPES = [
@@ -253,11 +273,14 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     ("ps", "ds"), SHAPES, ids=[f"{a.label()}_to_{b.label()}" for a, b in SHAPES]
 )
-def test_block_sizes_and_layouts(pair: Pair, mode: str, ps: Side, ds: Side) -> None:
+def test_block_sizes_and_layouts(
+    request: pytest.FixtureRequest, mode: str, ps: Side, ds: Side
+) -> None:
+    pair = pair_for(request, mode)
     run_case(pair, H4, ps, ds, mode, seed=ps.tp + 7 * ds.tp + ps.tokens, hits=1)
 
 
@@ -271,16 +294,16 @@ SPECIAL = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
     ("kind", "spec", "ps", "ds"),
     SPECIAL,
     ids=[f"{k}-{a.label()}_to_{b.label()}" for k, _, a, b in SPECIAL],
 )
 def test_mla_and_replicated_heads(
-    pair: Pair, mode: str, kind: str, spec: KvSpec, ps: Side, ds: Side
+    request: pytest.FixtureRequest, mode: str, kind: str, spec: KvSpec, ps: Side, ds: Side
 ) -> None:
-    run_case(pair, spec, ps, ds, mode, seed=len(kind) + ps.tp + ds.tp)
+    run_case(pair_for(request, mode), spec, ps, ds, mode, seed=len(kind) + ps.tp + ds.tp)
 
 
 # ------------------------------------------------------------------ refusals

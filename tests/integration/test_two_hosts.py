@@ -210,8 +210,12 @@ def test_push_pull_and_ec_cross_the_veth_over_tcp(two: Hosts) -> None:
     pe, de = _engines(hosts, "a")
     prod, cons = _ec(hosts, "a")
     rx0, _ = hosts.d.veth_bytes()
+    before = _counters(hosts.d).get("pulls_by_write", 0)
     push = _kv(hosts, "push", pe, de, 16, 1, max_blocks=8)
     pull = _kv(hosts, "pull", pe, de, 16, 2, max_blocks=8)
+    # over TCP UCX would emulate a READ (`kvd.core.readpath`): every pull that moved
+    # blocks went by P's WRITE
+    assert _counters(hosts.d).get("pulls_by_write", 0) - before >= 16
     ec = run_ec(prod, cons, 12, random.Random(3), max_bytes=4 << 20, timeout=60, name="a")
     for res in (push, pull, ec):
         _all_verified(res)

@@ -272,6 +272,8 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             nonce=bytes(range(16, 48)),
             timestamp=1_795_000_000.125,
             mac=bytes(32),
+            machine=0x1669_312D_D9B9_B7E8,
+            rdma=True,
         ),
     ),
     "PushRegistration": (
@@ -290,6 +292,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             p_session="scheduler-4242-a1b2c3d4e5f6",
             num_tokens=1 << 40,
             p_incarnation=0x8877665544332211,
+            p_block_ids=tuple(reversed(BLOCKS)),
         ),
     ),
     "Heartbeat": (0, wire.Heartbeat(request_ids=(REQ, REMOTE_REQ, "r-3"))),
