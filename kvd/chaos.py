@@ -1394,7 +1394,8 @@ class Chaos:
         self.report.tier_daemons[node.key] = {  # where the loads were served from
             "host hits": host.get("hits", 0),
             "disk hits": st.get("disk", {}).get("hits", 0),
-            "peer blocks READ": peer.get("blocks_loaded", 0),
+            "peer blocks loaded": peer.get("blocks_loaded", 0),
+            "of them inline": st.get("counters", {}).get("peer_inline_blocks", 0),
             "host evictions": host.get("evictions", 0),
             "disk reads by clients": st.get("counters", {}).get("disk_client_reads", 0),
         }

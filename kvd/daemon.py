@@ -211,6 +211,7 @@ class Daemon:
             agent_name=self.agent_name,
             incarnation=self.registrar.incarnation,
             resolver=self.registrar.resolver,
+            pull_by=cfg.transfer.pull_by,
         )
         self.notifier = Notifier(
             sender=self.sender_box,

@@ -32,7 +32,8 @@ PROTOCOL_VERSION: Final = 10
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
 10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
 where its daemon runs and whether it reaches other hosts over RDMA (`Handshake.machine`,
-`Handshake.rdma`)."""
+`Handshake.rdma`), and a tier load from a peer may ask for the blocks inline
+(`PeerTierPin.inline`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
 MAX_STR_LEN: Final = 4096
@@ -1432,6 +1433,9 @@ class PeerTierPin(Record):
     block_bytes: Annotated[int, Range(1, 1 << 34)]
     key_bytes: KeyBytes
     keys: TierKeys
+    inline: bool = False
+    """Send the blocks' bytes in the answer (`PeerTierPinned.data`) and hold nothing: where
+    the asker's UCX would emulate a READ (TCP, `kvd.core.readpath`)."""
 
 
 @message(122)
@@ -1449,6 +1453,9 @@ class PeerTierPinned(Record):
     slots: BlockIds
     checksum_kind: U16
     checksums: Annotated[bytes, Len(0, 8 * MAX_TIER_KEYS)]
+    data: Blob = b""
+    """An inline pin (`PeerTierPin.inline`): each hit's block, in key order (`op` 0:
+    nothing is held)."""
 
 
 @message(123)

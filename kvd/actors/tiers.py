@@ -48,8 +48,13 @@ peer hit answers TIER_PEER and is remembered (`PeerHints`). A load (`TierPin`) o
 key reserves a local host slot, asks that peer to pin the block (`PeerTierPin`, one per
 peer per load), READs it over NIXL straight into the slot, checks its checksum against
 the one the peer computed over the block it pinned (a mismatch is a miss, counted), and
-unpins it on the peer (`PeerTierUnpin`). The block is then promoted: kept in the local
-host tier like a stored one (`promote_on_hit`; off: freed after that load). Serving
+unpins it on the peer (`PeerTierUnpin`). Where that READ would be UCX's emulation over
+TCP (`kvd.core.readpath`: it aborts the peer if we die with READs queued at it), the load
+asks for the blocks inline instead (`PeerTierPin.inline`): the peer copies the pinned
+blocks into its answer (what fits in a frame; the rest of a batch are misses) and unpins
+them at once; we copy them into our slots and check them the same way. The block is then
+promoted: kept in the local host tier like a stored one (`promote_on_hit`; off: freed
+after that load). Serving
 peers: a peer's lookup is answered from the local tiers only (never forwarded); a peer's
 pins are an operation of the session `\0peer:<agent>`, dropped by its unpin, after
 `tiers.peer_pin_timeout`, and at once when the registrar forgets that peer or sees it
@@ -80,7 +85,7 @@ import secrets
 import struct
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import anyio
@@ -147,6 +152,11 @@ from kvd.logs import RejectLog
 
 log = structlog.get_logger("kvd.tiers", actor="tiers")
 
+MAX_INLINE: Final = 8 << 20
+"""The most block bytes one inline answer carries (`wire.PeerTierPinned.data`'s bound)."""
+INLINE_OVERHEAD: Final = 1 << 20
+"""Frame room kept for the rest of an inline answer (slots, checksums, sealing)."""
+
 POOL_PREFIX: Final = "kvd-tiers-"
 GENS_SUFFIX: Final = "-gens"
 LOCK_NAME: Final = ".lock"
@@ -201,6 +211,13 @@ class _PeerLoaded:
     op: Op
     agent: str
     results: list[tuple[int, TierKey, int, bool, str]]
+
+
+@dataclass
+class _Unpin:
+    """Notice from a task serving a peer's inline pin: its blocks were copied, free them."""
+
+    op: int
 
 
 @dataclass
@@ -327,6 +344,30 @@ def scan_disk(
     return good, bad, leftovers
 
 
+def _fit(slots: tuple[int, ...], most: int) -> tuple[int, ...]:
+    """The slots with hits past the first `most` turned into misses (an inline answer
+    carries at most `most` blocks)."""
+    out, n = [], 0
+    for s in slots:
+        if s >= 0:
+            n += 1
+            if n > most:
+                s = wire.SLOT_HELD
+        out.append(s)
+    return tuple(out)
+
+
+def _inline_problem(ans: wire.PeerTierPinned, inline: bool, slot_bytes: int) -> str | None:
+    """What is wrong with an answer's inline part (None: nothing)."""
+    hits = sum(s >= 0 for s in ans.slots)
+    if inline and ans.op:
+        return f"an inline answer holds operation {ans.op} open"
+    want = hits * slot_bytes if inline else 0
+    if len(ans.data) != want:
+        return f"{len(ans.data)} bytes of blocks inline, not {want}"
+    return None
+
+
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -347,9 +388,15 @@ class Tiers:
         agent_name: str = "",
         incarnation: int = 0,
         resolver: Resolver | None = None,
+        pull_by: str = "auto",
     ) -> None:
         self.engine = engine
         self.registrar = registrar
+        self.pull_by = pull_by
+        """`transfer.pull_by`: where a READ from a peer would be emulated (TCP), a load asks
+        for the blocks inline (`PeerTierPin.inline`) instead (`kvd.core.readpath`)."""
+        self.inline_budget = max(0, min(MAX_INLINE, max_frame - INLINE_OVERHEAD))
+        """Bytes of blocks one inline answer may carry (both sides cap it)."""
         self.agent_name = agent_name or engine.name
         self.incarnation = incarnation
         self.link = PeerLink(
@@ -552,6 +599,9 @@ class Tiers:
             self._peers_answered(msg)
         elif isinstance(msg, _PeerLoaded):
             self._peer_loaded(msg)
+        elif isinstance(msg, _Unpin):
+            if self.ops.get(msg.op) is not None:  # (released meanwhile: the peer is gone)
+                self._release(msg.op)
         elif isinstance(msg, PeerUpdated):
             self._peer_updated(msg)
         elif isinstance(msg, _PeerDialed):
@@ -1161,12 +1211,30 @@ class Tiers:
         if reads:
             self.peer_reading += len(reads)
             assert self._tg is not None
-            self._tg.start_soon(self._peer_load, op, info, reads)
+            per = self.inline_budget // self.slot_bytes if self._inline(info) else 0
+            if per:  # each answer carries at most `per` blocks
+                for at in range(0, len(reads), per):
+                    self._tg.start_soon(self._peer_load, op, info, reads[at : at + per], True)
+            else:
+                self._tg.start_soon(self._peer_load, op, info, reads, False)
+
+    def _inline(self, info: PeerInfo) -> bool:
+        """Whether a load from this peer asks for the blocks inline: where our READ from it
+        would be UCX's emulation (`kvd.core.readpath`), which aborts the peer if we die
+        with READs queued at it. A block too large for one answer is READ all the same
+        (counted as `tiers_peer_read_emulated`)."""
+        if self.pull_by == "read" or (self.pull_by == "auto" and info.native_reads):
+            return False
+        if self.slot_bytes > self.inline_budget:
+            self._count("tiers_peer_read_emulated")
+            return False
+        return True
 
     async def _peer_load(
-        self, op: Op, info: PeerInfo, reads: list[tuple[int, TierKey, int]]
+        self, op: Op, info: PeerInfo, reads: list[tuple[int, TierKey, int]], inline: bool
     ) -> None:
-        """Pin on the peer, READ into our slots, check, unpin (always posts its notice)."""
+        """Pin on the peer, READ into our slots (or copy the blocks its answer carries:
+        `inline`), check, unpin (always posts its notice)."""
         results: list[tuple[int, TierKey, int, bool, str]] = []
         pinned: wire.PeerTierPinned | None = None
         try:
@@ -1178,6 +1246,7 @@ class Tiers:
                 self.slot_bytes,
                 kb,
                 b"".join(k[1] for _, k, _ in reads),
+                inline=inline,
             )
             try:
                 ans = await self.link.ask(
@@ -1196,12 +1265,17 @@ class Tiers:
             )
             if isinstance(ans, wire.PeerTierPinned):
                 pinned = ans
+                if why is None:
+                    why = _inline_problem(ans, inline, self.slot_bytes)
             if why is not None:
                 self._bad_answer(info.agent, why)
                 results = [(i, k, s, False, why) for i, k, s in reads]
                 return
             assert pinned is not None
-            results = await self._peer_read(info, reads, pinned)
+            if inline:
+                results = await anyio.to_thread.run_sync(self._copy_inline, reads, pinned)
+            else:
+                results = await self._peer_read(info, reads, pinned)
         finally:
             if pinned is not None and pinned.op:  # (op 0: nothing was opened there)
                 self.link.tell(
@@ -1241,6 +1315,25 @@ class Tiers:
             return out + [(i, k, s, False, f"read: {exc.message}") for _, (i, k, s) in hits]
         checked = await anyio.to_thread.run_sync(self._check_peer_sums, hits, ans)
         return out + checked
+
+    def _copy_inline(
+        self, reads: list[tuple[int, TierKey, int]], ans: wire.PeerTierPinned
+    ) -> list[tuple[int, TierKey, int, bool, str]]:
+        """An inline answer's blocks into our slots (ours alone: nothing else writes them,
+        and an answer that came too late was dropped), each checked against its checksum."""
+        assert self.pool is not None
+        sb = self.slot_bytes
+        hits = [(j, r) for j, r in enumerate(reads) if ans.slots[j] >= 0]
+        data = memoryview(ans.data)
+        for n, (_, (_, _, s)) in enumerate(hits):
+            self.pool.buf[s * sb : (s + 1) * sb] = data[n * sb : (n + 1) * sb]
+        self._count("tiers_peer_inline_blocks", len(hits))
+        out = [
+            (i, k, s, False, "a miss on the peer")
+            for j, (i, k, s) in enumerate(reads)
+            if ans.slots[j] < 0
+        ]
+        return out + self._check_peer_sums(hits, ans)
 
     def _check_peer_sums(
         self, hits: list[tuple[int, tuple[int, TierKey, int]]], ans: wire.PeerTierPinned
@@ -1421,9 +1514,31 @@ class Tiers:
             return
         assert isinstance(got, wire.TierSlots)
         probe = self._pinned(0, (), b"")
+        if isinstance(req.msg, wire.PeerTierPin) and req.msg.inline:
+            # the blocks go in the answer (copied while pinned), and nothing stays pinned
+            slots = _fit(got.slots, self.inline_budget // self.slot_bytes)
+            try:
+                sums, data = await anyio.to_thread.run_sync(
+                    self._peer_copy, probe.checksum_kind, slots, keys
+                )
+            finally:
+                self.mailbox.post(_Unpin(got.op))
+            self._count("tiers_peer_bytes_out", len(data))
+            self._count("tiers_peer_inline_served", sum(s >= 0 for s in slots))
+            req.resolve(replace(self._pinned(0, slots, sums), data=data))
+            return
         sums = await anyio.to_thread.run_sync(self._peer_sums, probe.checksum_kind, got.slots, keys)
         self._count("tiers_peer_bytes_out", sum(s >= 0 for s in got.slots) * self.slot_bytes)
         req.resolve(self._pinned(got.op, got.slots, sums))
+
+    def _peer_copy(
+        self, kind: int, slots: tuple[int, ...], keys: list[TierKey]
+    ) -> tuple[bytes, bytes]:
+        """The checksums of the pinned blocks, and their bytes (hits, in key order)."""
+        assert self.pool is not None
+        sb = self.slot_bytes
+        data = b"".join(bytes(self.pool.buf[s * sb : (s + 1) * sb]) for s in slots if s >= 0)
+        return self._peer_sums(kind, slots, keys), data
 
     def _peer_sums(self, kind: int, slots: tuple[int, ...], keys: list[TierKey]) -> bytes:
         assert self.pool is not None

@@ -131,6 +131,46 @@ def test_peer_hit_loaded_over_nixl_verified_and_promoted(daemons: StartDaemon) -
     assert "peer" in table and "peers asked pb" in table and "blocks loaded 4" in table
 
 
+def test_peer_hits_come_inline_where_a_read_would_be_emulated(daemons: StartDaemon) -> None:
+    """Where our UCX would emulate a READ from the peer (TCP: a reader dying with READs
+    queued at a stopped peer aborts the peer inside UCX, `kvd.core.readpath`), a load asks
+    for the blocks inline: they come in the pin's answer, nothing stays pinned on the
+    peer, and every byte is checked. `transfer.pull_by = "write"` makes one machine act
+    so; an answer carries what fits in a frame, the rest in more answers (the asker's
+    frames) or as misses (the peer's)."""
+    write = {"transfer": {"pull_by": "write"}}
+    b = daemons("pb", overrides=tiers_cfg())
+    store(b, list(range(8)))
+    # A's frames hold 3 blocks of inline data: its 5-key load goes as two answers
+    small = {"daemon": {"max_frame_bytes": (1 << 20) + 3 * BB + 1024}}
+    a = daemons("pa", overrides={**asker_cfg(b), **write, **small})
+    wait_asked(a, 1)
+    with TierClient(a.socket, NS, BB) as c:
+        assert c.batch_lookup([key(i) for i in range(10)]) == [True] * 8 + [False] * 2
+        assert load_check(c, [3, 9, 0, 7, 1, 5]) == [True, False, True, True, True, True]
+        s = c.stats()
+        assert s["peer"]["blocks_loaded"] == 5 and s["peer"]["bad_answers"] == 0
+        assert s["counters"]["peer_inline_blocks"] == 5
+        assert s["counters"].get("peer_checksum_mismatch", 0) == 0
+        assert load_check(c, [0, 1, 3, 5, 7]) == [True] * 5  # promoted: local hits now
+    sb = tiers_json(b)
+    assert sb["counters"]["peer_inline_served"] == 5 and sb["peer"]["bytes_out"] == 5 * BB
+    assert sb["peer"]["pins_held"] == 0 and sb["ops_open"] == 0  # nothing held for a READ
+
+    # a peer whose frames hold 2 blocks answers 2 of each batch, the rest as misses
+    b2 = daemons(
+        "pb2", overrides={**tiers_cfg(), "daemon": {"max_frame_bytes": (1 << 20) + 2 * BB}}
+    )
+    store(b2, list(range(20, 26)))
+    a2 = daemons("pa2", overrides={**asker_cfg(b2), **write})
+    wait_asked(a2, 1)
+    with TierClient(a2.socket, NS, BB) as c:
+        assert c.batch_lookup([key(i) for i in range(20, 26)]) == [True] * 6
+        got = load_check(c, list(range(20, 24)))
+        assert got == [True, True, False, False]
+    wait_for(lambda: tiers_json(b2)["ops_open"] == 0)
+
+
 def test_local_hit_wins_and_peers_picked_deterministically(daemons: StartDaemon) -> None:
     b = daemons("pb", overrides=tiers_cfg())
     c_ = daemons("pc", overrides=tiers_cfg())

@@ -525,6 +525,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             block_bytes=65536,
             key_bytes=2,
             keys=b"k1k2",
+            inline=True,
         ),
     ),
     "PeerTierPinned": (
@@ -537,6 +538,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             slots=(3, -1),
             checksum_kind=1,
             checksums=(1 << 63).to_bytes(8, "little") + bytes(8),
+            data=bytes(range(256)) * 4,
         ),
     ),
     "PeerTierUnpin": (68, wire.PeerTierUnpin(agent_name="kvd-node-β", op=9)),
