@@ -351,22 +351,13 @@ class Receiver(TransferActor):
             # refuses a pair that cannot map, naming both sides' values
             pairs, permutes = permutes_any(remote, local, load.block_ids, load.num_tokens)
             # a pull where UCX would emulate the READ goes by P's WRITE, as a push naming
-            # the P blocks to pull (`kvd.core.readpath`)
+            # the P blocks to pull (`kvd.core.readpath`); P plans it (as for a push: how
+            # D's blocks take P's is checked there, and a refusal answers the registration)
             by_write = (
                 load.mode == "pull"
                 and bool(load.block_ids)
                 and (self.pull_by == "write" or (self.pull_by == "auto" and not info.native_reads))
             )
-            if by_write:
-                # P plans the WRITE; what it would refuse is refused here first
-                plan_any(
-                    remote,
-                    load.remote_block_ids,
-                    local,
-                    load.block_ids,
-                    local_is_p=False,
-                    num_tokens=load.num_tokens,
-                )
             if load.mode == "push" or by_write:
                 first = wire.PushRegistration(
                     request_id=load.request_id,
