@@ -300,6 +300,9 @@ class Env:
     d_cli: KvdClient
     p_pid: int = 0
     d_pid: int = 0
+    dw_socket: str = ""
+    """A second D daemon that pulls by P's WRITE (`transfer.pull_by = "write"`: what D does
+    where UCX would emulate a READ); "" = none."""
 
     def transfers(self, side: str, request_id: str) -> dict[str, Any]:
         """The daemon's record of a finished transfer (descriptors, bytes, duration)."""

@@ -98,7 +98,7 @@ class ControlConfig:
 
 def steps(cfg: ControlConfig) -> int:
     """Progress steps of `run`, and the runner's idle measurement."""
-    return _batches(cfg.requests) + _batches(cfg.pull_requests) + 2 + 2 + 3 + 1
+    return _batches(cfg.requests) + 2 * _batches(cfg.pull_requests) + 2 + 2 + 3 + 1
 
 
 def _batches(n: int) -> int:
@@ -127,6 +127,24 @@ def setup(env: Env, cfg: ControlConfig) -> CtlPair:
         raise
     fill_pattern(p, 7)
     return CtlPair(p, d, cfg)
+
+
+def pull_by_write(
+    env: Env, pair: CtlPair, cfg: ControlConfig, rng: random.Random, progress: Progress
+) -> list[float]:
+    """The same pulls from P, by a D daemon that has P WRITE them (`transfer.pull_by =
+    "write"`, as between hosts where UCX would emulate the READ): what that costs beside
+    a READ, measured side by side (empty when the bench has no such daemon)."""
+    if not env.dw_socket:
+        return []
+    lay = kvlayout.block_major(cfg.pool_blocks, cfg.num_layers, cfg.chunk_bytes)
+    dw = make_side(env.dw_socket, "ctl-dw", lay, kvlayout.region_bytes(lay))
+    try:
+        other = CtlPair(pair.p, dw, cfg)
+        measure(env, other, "pull", 50, rng)  # warm up (handshake, first transfers)
+        return measure(env, other, "pull", cfg.pull_requests, rng, progress)
+    finally:
+        dw.close()
 
 
 def measure(
@@ -395,6 +413,7 @@ def run(
     measure(env, pair, "pull", 50, rng)
     push = measure(env, pair, "push", cfg.requests, rng, progress)
     pull = measure(env, pair, "pull", cfg.pull_requests, rng, progress)
+    by_write = pull_by_write(env, pair, cfg, rng, progress)
     idle_drain = drain_idle(pair, cfg.drain_calls)
     progress("control plane: idle drain_events")
     busy = drain_busy(env, pair, cfg.busy_bursts, cfg.busy_requests, rng)
@@ -413,6 +432,7 @@ def run(
         "request_bytes": cfg.request_bytes,
         "push": summary_ms(push, cdf=True),
         "pull": summary_ms(pull, cdf=True),
+        **({"pull_by_write": summary_ms(by_write)} if by_write else {}),
         "raw_notif_rtt": summary_ms(floor),
         "zmq_rtt": summary_ms(zmq_rtt),
         "handoff_to_thread": summary_ms(to_thread),

@@ -476,6 +476,7 @@ def control_table(ctl: dict[str, Any]) -> Table:
     for key, label in (
         ("push", "push: D register -> RecvFinished"),
         ("pull", "pull: D pull -> RecvFinished"),
+        ("pull_by_write", "pull by P's WRITE (pull_by = write): D pull -> RecvFinished"),
         ("raw_notif_rtt", "floor: raw NIXL notification round trip"),
         ("zmq_rtt", "floor: ZMQ IPC round trip (client <-> asyncio ROUTER)"),
         ("handoff_to_thread", "bare hand-off: event loop -> thread (as to NIXL's)"),

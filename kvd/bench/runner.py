@@ -58,6 +58,9 @@ def process_tree(quick: bool) -> Iterator[Env]:
         started.append(p)
         d = start_daemon(workdir, f"kvdb-d-{tag}", ec_d, overrides=traced)
         started.append(d)
+        by_write: dict[str, dict[str, Any]] = {**traced, "transfer": {"pull_by": "write"}}
+        dw = start_daemon(workdir, f"kvdb-dw-{tag}", "", overrides=by_write)
+        started.append(dw)
         peer = RawPeerProcess(f"kvdb-rawpeer-{tag}")
         raw = RawInitiator(f"kvdb-rawinit-{tag}", peer)
         p_cli, d_cli = status_client(p.socket), status_client(d.socket)
@@ -74,6 +77,7 @@ def process_tree(quick: bool) -> Iterator[Env]:
             d_cli,
             p.proc.pid,
             d.proc.pid,
+            dw.socket,
         )
         control.switch_trace(env, False)
         yield env

@@ -106,6 +106,8 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
         cdf = ctl[mode]["cdf_ms"]  # the sorted sample the latency chart is drawn from
         assert cdf == sorted(cdf) and 2 <= len(cdf) <= min(ctl[mode]["n"], 200)
         assert cdf[-1] == ctl[mode]["max_ms"]
+    by_write = ctl["pull_by_write"]  # the same pulls by a D that has P WRITE them
+    assert by_write["n"] == ctl["pull"]["n"] and 0 < by_write["p50_ms"] <= by_write["p99_ms"]
     floor = ctl["raw_notif_rtt"]  # raw NIXL's notification round trip, the floor
     assert floor["n"] > 0 and 0 < floor["p50_ms"] <= floor["p99_ms"]
     zmq_rtt = ctl["zmq_rtt"]  # a ZMQ IPC round trip to an asyncio ROUTER, the other floor
