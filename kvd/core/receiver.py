@@ -20,6 +20,8 @@ States (`RecvState`; `TRANSITIONS` lists every allowed move, `_ON` the handlers)
                  refused the first unheard (a notification from an agent it did not
                  know at that moment, or beyond its byte bound), and P ignores a repeat
                  of the registration it holds
+                 (A pull by P's WRITE, `PeerResolved.by_write`, goes REGISTERING and
+                 REGISTERED as a push does: its registration names P's blocks.)
     READING      pull: our READ of P's blocks is in flight
     ACKING       pull: PullDone sent; P acknowledges only if its lease still held
     CANCELLING   aborted while registered: P was told; waiting for its last word

@@ -55,7 +55,11 @@ Rules it keeps:
 - A closing session is answered (`SessionEnded`) once none of its requests is WRITING.
 - Kept blocks (bidirectional KV) are only pulled: a push registration for them is
   refused (PushDone failed), and their lease ends at its fixed deadline whatever the
-  heartbeats (counted as `heartbeats_on_kept`).
+  heartbeats (counted as `heartbeats_on_kept`). A pull by WRITE is a pull.
+- A pull by WRITE (a registration naming P's blocks, `p_block_ids`: D's UCX would emulate
+  its READ, `kvd.core.readpath`) is served as a push of exactly those blocks, only if each
+  is one P leased for the request (else the request fails on both sides, INVALID); it
+  never streams by layer (it waits for P's finish).
 - Drain (`StartDrain`, the daemon going out of service): no new lease is granted. A
   `finished` during the drain fails at once (SendFailed to P's engine; a tombstone that
   refuses D's registration or pull at once, so D recomputes), registrations and pulls
