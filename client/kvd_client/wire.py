@@ -31,8 +31,8 @@ PROTOCOL_VERSION: Final = 10
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
 10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
-where its daemon runs and whether it reaches other hosts over RDMA (`Handshake.machine`,
-`Handshake.rdma`), and a tier load from a peer may ask for the blocks inline
+where its daemon runs and how its UCX may READ (`Handshake.machine`, `Handshake.rdma`,
+`Handshake.cma`), and a tier load from a peer may ask for the blocks inline
 (`PeerTierPin.inline`)."""
 DEFAULT_MAX_FRAME: Final = 16 * 1024 * 1024
 MAX_ID_LEN: Final = 512
@@ -806,6 +806,9 @@ class Handshake(Record):
     """The daemon's UCX may reach other hosts over an RDMA transport (a device is there
     and `UCX_TLS` allows one): between two such daemons a READ is native, elsewhere UCX
     emulates it over TCP and kvd pulls by P's WRITE instead."""
+    cma: bool = False
+    """The daemon's `UCX_TLS` allows `cma`: two daemons on one machine READ natively only
+    if both do."""
     """HMAC-SHA256 over the fields above when a shared secret is configured."""
 
 

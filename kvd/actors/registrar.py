@@ -652,6 +652,7 @@ class Registrar:
             mac=b"",
             machine=self.reach.machine,
             rdma=self.reach.rdma,
+            cma=self.reach.cma,
         )
         if self.secret is not None:
             hs = replace(hs, mac=handshake_mac(self.secret, hs, context))
@@ -765,7 +766,7 @@ class Registrar:
             canary_addr=hs.canary_addr,
             canary_bytes=hs.canary_bytes,
             handshaked_at=self.clock.now(),
-            native_reads=native_reads(self.reach, Reach(hs.machine, hs.rdma), self.ucx_tls),
+            native_reads=native_reads(self.reach, Reach(hs.machine, hs.rdma, hs.cma)),
         )
         known.info = info
         self._late_bound = max(self._late_bound, hs.write_bound)
@@ -1263,6 +1264,7 @@ class Registrar:
             "reach": {  # what our handshake says (`kvd.core.readpath`)
                 "machine": f"{self.reach.machine:016x}",
                 "rdma": self.reach.rdma,
+                "cma": self.reach.cma,
                 "ucx_tls": self.ucx_tls,
             },
         }

@@ -59,6 +59,8 @@ class Reach:
     """UCX's machine id (`ucs_machine_guid`: MAC address and host name); 0 = not known."""
     rdma: bool = False
     """An RDMA device is there and UCX_TLS allows an RDMA transport."""
+    cma: bool = False
+    """UCX_TLS allows `cma` (both daemons on one machine must, for a native READ)."""
 
 
 def allows(ucx_tls: str, transports: frozenset[str], groups: frozenset[str] = frozenset()) -> bool:
@@ -74,21 +76,26 @@ def allows(ucx_tls: str, transports: frozenset[str], groups: frozenset[str] = fr
 
 
 def local_reach(machine: int, rdma_devices: bool, ucx_tls: str) -> Reach:
-    """This daemon's `Reach` from the facts of its host."""
-    return Reach(machine, rdma_devices and allows(ucx_tls, RDMA_TRANSPORTS, RDMA_GROUPS))
+    """This daemon's `Reach` from the facts of its host and its UCX_TLS."""
+    return Reach(
+        machine,
+        rdma=rdma_devices and allows(ucx_tls, RDMA_TRANSPORTS, RDMA_GROUPS),
+        cma=allows(ucx_tls, frozenset({"cma"}), CMA_GROUPS),
+    )
 
 
-def native_reads(mine: Reach, theirs: Reach, ucx_tls: str) -> bool:
-    """Whether UCX READs natively from the peer: on one machine with `cma` allowed, or
-    between two daemons that both reach other hosts over RDMA. Anything not known to be
-    native is taken as emulated (a pull by WRITE costs about what a READ does)."""
+def native_reads(mine: Reach, theirs: Reach) -> bool:
+    """Whether UCX READs natively from the peer: on one machine with `cma` allowed on both
+    sides, or between two daemons that both reach other hosts over RDMA. Anything not
+    known to be native is taken as emulated (a pull by WRITE costs about what a READ
+    does)."""
     if mine.machine and mine.machine == theirs.machine:
-        return allows(ucx_tls, frozenset({"cma"}), CMA_GROUPS)
+        return mine.cma and theirs.cma
     return mine.rdma and theirs.rdma
 
 
-def pull_by_write(setting: PullBy, mine: Reach, theirs: Reach, ucx_tls: str) -> bool:
+def pull_by_write(setting: PullBy, mine: Reach, theirs: Reach) -> bool:
     """Whether a pull from this peer goes by P's WRITE (`transfer.pull_by`)."""
     if setting == "auto":
-        return not native_reads(mine, theirs, ucx_tls)
+        return not native_reads(mine, theirs)
     return setting == "write"

@@ -7,8 +7,8 @@ import pytest
 from kvd.adapters.nixl import rdma_devices
 from kvd.core.readpath import Reach, allows, local_reach, native_reads, pull_by_write
 
-HERE = Reach(machine=0x1234, rdma=False)
-ELSEWHERE = Reach(machine=0x5678, rdma=False)
+HERE = Reach(machine=0x1234, rdma=False, cma=True)
+ELSEWHERE = Reach(machine=0x5678, rdma=False, cma=True)
 
 
 @pytest.mark.parametrize(
@@ -40,36 +40,37 @@ def test_ucx_tls_says_which_transports_may_be_used(tls: str, cma: bool, rdma: bo
     assert allows(tls, RDMA_TRANSPORTS, RDMA_GROUPS) is rdma
 
 
-def test_one_machine_reads_natively_unless_cma_is_excluded() -> None:
-    assert native_reads(HERE, HERE, "")
-    assert not native_reads(HERE, HERE, "tcp")  # UCX emulates the READ over loopback TCP
-    assert not pull_by_write("auto", HERE, HERE, "")
-    assert pull_by_write("auto", HERE, HERE, "tcp")
+def test_one_machine_reads_natively_unless_cma_is_excluded_on_either_side() -> None:
+    no_cma = Reach(0x1234, False, cma=False)  # UCX_TLS=tcp: UCX emulates over loopback TCP
+    assert native_reads(HERE, HERE)
+    assert not native_reads(HERE, no_cma) and not native_reads(no_cma, HERE)
+    assert not pull_by_write("auto", HERE, HERE)
+    assert pull_by_write("auto", HERE, no_cma)
 
 
 def test_between_hosts_only_rdma_on_both_sides_reads_natively() -> None:
-    rdma_here, rdma_there = Reach(0x1234, True), Reach(0x5678, True)
-    assert not native_reads(HERE, ELSEWHERE, "")  # TCP: emulated
-    assert not native_reads(rdma_here, ELSEWHERE, "")  # the peer has no RDMA: TCP
-    assert native_reads(rdma_here, rdma_there, "")
-    assert pull_by_write("auto", HERE, ELSEWHERE, "")
-    assert not pull_by_write("auto", rdma_here, rdma_there, "")
+    rdma_here, rdma_there = Reach(0x1234, True, True), Reach(0x5678, True, True)
+    assert not native_reads(HERE, ELSEWHERE)  # TCP: emulated (cma needs one machine)
+    assert not native_reads(rdma_here, ELSEWHERE)  # the peer has no RDMA: TCP
+    assert native_reads(rdma_here, rdma_there)
+    assert pull_by_write("auto", HERE, ELSEWHERE)
+    assert not pull_by_write("auto", rdma_here, rdma_there)
 
 
 def test_an_unknown_machine_is_never_taken_for_this_one() -> None:
-    unknown = Reach(0, False)
-    assert not native_reads(unknown, unknown, "")
+    unknown = Reach(0, False, True)
+    assert not native_reads(unknown, unknown)
 
 
 def test_the_setting_overrides_auto() -> None:
-    assert pull_by_write("write", HERE, HERE, "")
-    assert not pull_by_write("read", HERE, ELSEWHERE, "tcp")
+    assert pull_by_write("write", HERE, HERE)
+    assert not pull_by_write("read", HERE, ELSEWHERE)
 
 
 def test_local_reach_needs_a_device_and_an_allowed_transport(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    assert local_reach(7, True, "") == Reach(7, True)
-    assert local_reach(7, True, "tcp") == Reach(7, False)
-    assert local_reach(7, False, "rc") == Reach(7, False)
+    assert local_reach(7, True, "") == Reach(7, True, True)
+    assert local_reach(7, True, "tcp") == Reach(7, False, False)
+    assert local_reach(7, False, "rc,cma") == Reach(7, False, True)
     assert not rdma_devices(str(tmp_path / "none"))
     (tmp_path / "mlx5_0").mkdir()
     assert rdma_devices(str(tmp_path))

@@ -274,6 +274,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             mac=bytes(32),
             machine=0x1669_312D_D9B9_B7E8,
             rdma=True,
+            cma=True,
         ),
     ),
     "PushRegistration": (
