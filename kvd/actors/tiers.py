@@ -1274,6 +1274,7 @@ class Tiers:
             assert pinned is not None
             if inline:
                 results = await anyio.to_thread.run_sync(self._copy_inline, reads, pinned)
+                self._count("tiers_peer_inline_blocks", sum(s >= 0 for s in pinned.slots))
             else:
                 results = await self._peer_read(info, reads, pinned)
         finally:
@@ -1327,7 +1328,6 @@ class Tiers:
         data = memoryview(ans.data)
         for n, (_, (_, _, s)) in enumerate(hits):
             self.pool.buf[s * sb : (s + 1) * sb] = data[n * sb : (n + 1) * sb]
-        self._count("tiers_peer_inline_blocks", len(hits))
         out = [
             (i, k, s, False, "a miss on the peer")
             for j, (i, k, s) in enumerate(reads)
