@@ -59,6 +59,7 @@ from kvd.actors.transfers import (
 )
 from kvd.adapters.nixl import PeerDisconnected, PeerUnknown, Unsettled
 from kvd.adapters.staging import StagingArea
+from kvd.core import readpath
 from kvd.core import receiver as proto
 from kvd.core.hybrid import is_hybrid, permutes_any, plan_any
 from kvd.core.planner import Permute, RequestPlan, check_logical, permute_chunks
@@ -356,7 +357,7 @@ class Receiver(TransferActor):
             by_write = (
                 load.mode == "pull"
                 and bool(load.block_ids)
-                and (self.pull_by == "write" or (self.pull_by == "auto" and not info.native_reads))
+                and readpath.by_write(self.pull_by, info.native_reads)
             )
             if load.mode == "push" or by_write:
                 first = wire.PushRegistration(

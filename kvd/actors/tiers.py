@@ -132,6 +132,7 @@ from kvd.adapters.peerlink import PeerLink
 from kvd.adapters.resolve import Resolver
 from kvd.adapters.shm import pid_alive, reap_dead_creators, staging_creator_here
 from kvd.config import TiersConfig
+from kvd.core import readpath
 from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
 from kvd.core.tiers import (
@@ -1223,7 +1224,7 @@ class Tiers:
         would be UCX's emulation (`kvd.core.readpath`), which aborts the peer if we die
         with READs queued at it. A block too large for one answer is READ all the same
         (counted as `tiers_peer_read_emulated`)."""
-        if self.pull_by == "read" or (self.pull_by == "auto" and info.native_reads):
+        if not readpath.by_write(self.pull_by, info.native_reads):
             return False
         if self.slot_bytes > self.inline_budget:
             self._count("tiers_peer_read_emulated")

@@ -20,9 +20,7 @@ Pure: the facts come from `kvd.adapters.nixl.local_reach` and the peer's handsha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
-
-PullBy = Literal["auto", "read", "write"]
+from typing import Final
 
 RDMA_TRANSPORTS: Final = frozenset(
     {
@@ -94,8 +92,8 @@ def native_reads(mine: Reach, theirs: Reach) -> bool:
     return mine.rdma and theirs.rdma
 
 
-def pull_by_write(setting: PullBy, mine: Reach, theirs: Reach) -> bool:
-    """Whether a pull from this peer goes by P's WRITE (`transfer.pull_by`)."""
-    if setting == "auto":
-        return not native_reads(mine, theirs)
-    return setting == "write"
+def by_write(setting: str, native: bool) -> bool:
+    """Whether a READ from a peer is replaced (a pull by P's WRITE, a tier load inline):
+    `transfer.pull_by` = `write` always, `read` never, `auto` where the READ would not be
+    native (`native_reads`)."""
+    return setting == "write" or (setting == "auto" and not native)

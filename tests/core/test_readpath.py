@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvd.adapters.nixl import rdma_devices
-from kvd.core.readpath import Reach, allows, local_reach, native_reads, pull_by_write
+from kvd.core.readpath import Reach, allows, by_write, local_reach, native_reads
 
 HERE = Reach(machine=0x1234, rdma=False, cma=True)
 ELSEWHERE = Reach(machine=0x5678, rdma=False, cma=True)
@@ -44,8 +44,8 @@ def test_one_machine_reads_natively_unless_cma_is_excluded_on_either_side() -> N
     no_cma = Reach(0x1234, False, cma=False)  # UCX_TLS=tcp: UCX emulates over loopback TCP
     assert native_reads(HERE, HERE)
     assert not native_reads(HERE, no_cma) and not native_reads(no_cma, HERE)
-    assert not pull_by_write("auto", HERE, HERE)
-    assert pull_by_write("auto", HERE, no_cma)
+    assert not by_write("auto", native_reads(HERE, HERE))
+    assert by_write("auto", native_reads(HERE, no_cma))
 
 
 def test_between_hosts_only_rdma_on_both_sides_reads_natively() -> None:
@@ -53,8 +53,8 @@ def test_between_hosts_only_rdma_on_both_sides_reads_natively() -> None:
     assert not native_reads(HERE, ELSEWHERE)  # TCP: emulated (cma needs one machine)
     assert not native_reads(rdma_here, ELSEWHERE)  # the peer has no RDMA: TCP
     assert native_reads(rdma_here, rdma_there)
-    assert pull_by_write("auto", HERE, ELSEWHERE)
-    assert not pull_by_write("auto", rdma_here, rdma_there)
+    assert by_write("auto", native_reads(HERE, ELSEWHERE))
+    assert not by_write("auto", native_reads(rdma_here, rdma_there))
 
 
 def test_an_unknown_machine_is_never_taken_for_this_one() -> None:
@@ -63,8 +63,7 @@ def test_an_unknown_machine_is_never_taken_for_this_one() -> None:
 
 
 def test_the_setting_overrides_auto() -> None:
-    assert pull_by_write("write", HERE, HERE)
-    assert not pull_by_write("read", HERE, ELSEWHERE)
+    assert by_write("write", native=True) and not by_write("read", native=False)
 
 
 def test_local_reach_needs_a_device_and_an_allowed_transport(tmp_path) -> None:  # type: ignore[no-untyped-def]
