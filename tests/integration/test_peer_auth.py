@@ -238,7 +238,12 @@ def capture(t: Trio) -> tuple[bytes, bytes]:
         return echoes[0] if echoes else None
 
     fake.send(t.p, wire.encode(wire.Probe(nonce, False)))
-    return hb, eventually(echo, "P's probe echo")
+    try:
+        return hb, eventually(echo, "P's probe echo")
+    except AssertionError as exc:  # seen once under a loaded parallel run: say why
+        raise AssertionError(
+            f"{exc}; P's counters {counters(t.p)}\nP's log:\n{t.p.report(6000)}"
+        ) from None
 
 
 def _is_echo(fake: FakePeer, p: DaemonProc, raw: bytes, nonce: int) -> bool:
