@@ -3,6 +3,7 @@ gets no more than that share, every thread of it, until it is released."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -54,29 +55,31 @@ def shares_until(pids: tuple[int, int], cpu: float, most: float) -> tuple[float,
             return used[0] / wall, used[1] / wall
 
 
-@pytest.fixture
-def spinner() -> Iterator[subprocess.Popen[bytes]]:
-    why = cpulimit.unavailable()
-    if why is not None:
-        pytest.skip(f"CPU limits: {why}")
+@contextlib.contextmanager
+def _spinning() -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, "-c", SPIN])
     try:
         yield proc
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def spinner() -> Iterator[subprocess.Popen[bytes]]:
+    why = cpulimit.unavailable()
+    if why is not None:
+        pytest.skip(f"CPU limits: {why}")
+    with _spinning() as proc:
+        yield proc
 
 
 @pytest.fixture
 def control() -> Iterator[subprocess.Popen[bytes]]:
     """A spinner never limited: what a free one gets over the same window (the VM's vCPUs
     may be taken by its host for a while, for every process alike)."""
-    proc = subprocess.Popen([sys.executable, "-c", SPIN])
-    try:
+    with _spinning() as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_limited_process_gets_its_share_and_no_more(
