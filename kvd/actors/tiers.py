@@ -398,6 +398,7 @@ class Tiers:
         for the blocks inline (`PeerTierPin.inline`) instead (`kvd.core.readpath`)."""
         self.inline_budget = max(0, min(MAX_INLINE, max_frame - INLINE_OVERHEAD))
         """Bytes of blocks one inline answer may carry (both sides cap it)."""
+        self._warned_large = False
         self.agent_name = agent_name or engine.name
         self.incarnation = incarnation
         self.link = PeerLink(
@@ -1097,13 +1098,34 @@ class Tiers:
             agents |= set(self.peer_view)
         return [self.peer_view[a] for a in sorted(agents) if a in self.peer_view]
 
+    def _loadable(self, info: PeerInfo) -> bool:
+        """Whether we can load this peer's blocks without a READ UCX would emulate: a
+        block larger than an inline answer holds, from a peer we cannot READ natively,
+        is never asked for (its keys stay misses: the engine recomputes them)."""
+        if self.slot_bytes <= self.inline_budget or not readpath.by_write(
+            self.pull_by, info.native_reads
+        ):
+            return True
+        self._count("tiers_peer_skipped_emulated")
+        if not self._warned_large:
+            self._warned_large = True
+            log.warning(
+                "tiers_peer_block_too_large_inline",
+                peer=info.agent,
+                block_bytes=self.slot_bytes,
+                inline_budget=self.inline_budget,
+                hint="a READ from this peer would be emulated (TCP); raise "
+                "daemon.max_frame_bytes above the block size plus 1 MiB to load inline",
+            )
+        return False
+
     def _lookup_with_peers(
         self, req: ClientRequest, m: wire.TierLookup, keys: list[TierKey], found: bytes
     ) -> None:
         """Answer now when every key hit locally or no peer is asked; else ask the peers
         for the misses (one batch each) in a task, and answer from its notice."""
         miss = [i for i, f in enumerate(found) if f == wire.TIER_MISS]
-        peers = self._asked_peers() if miss else []
+        peers = [info for info in self._asked_peers() if self._loadable(info)] if miss else []
         if not peers:
             req.resolve(wire.TierFound(found))
             return
@@ -1186,9 +1208,10 @@ class Tiers:
         host = self.host
         info = self.peer_view.get(agent)
         assert host is not None
-        if info is None:
+        if info is None or not self._loadable(info):  # (its view changed since it was asked)
             self._count("tiers_peer_load_failed", len(idxs))
             return
+        inline = readpath.by_write(self.pull_by, info.native_reads)
         reads: list[tuple[int, TierKey, int]] = []
         for i in idxs:
             k = op.keys[i]
@@ -1212,24 +1235,15 @@ class Tiers:
         if reads:
             self.peer_reading += len(reads)
             assert self._tg is not None
-            per = self.inline_budget // self.slot_bytes if self._inline(info) else 0
-            if per:  # each answer carries at most `per` blocks
-                for at in range(0, len(reads), per):
-                    self._tg.start_soon(self._peer_load, op, info, reads[at : at + per], True)
-            else:
+            if not inline:
                 self._tg.start_soon(self._peer_load, op, info, reads, False)
-
-    def _inline(self, info: PeerInfo) -> bool:
-        """Whether a load from this peer asks for the blocks inline: where our READ from it
-        would be UCX's emulation (`kvd.core.readpath`), which aborts the peer if we die
-        with READs queued at it. A block too large for one answer is READ all the same
-        (counted as `tiers_peer_read_emulated`)."""
-        if not readpath.by_write(self.pull_by, info.native_reads):
-            return False
-        if self.slot_bytes > self.inline_budget:
-            self._count("tiers_peer_read_emulated")
-            return False
-        return True
+                return
+            # Our READ from this peer would be UCX's emulation (`kvd.core.readpath`), which
+            # aborts the peer if we die with READs queued at it: the blocks come inline,
+            # each answer carrying at most `per` of them.
+            per = self.inline_budget // self.slot_bytes
+            for at in range(0, len(reads), per):
+                self._tg.start_soon(self._peer_load, op, info, reads[at : at + per], True)
 
     async def _peer_load(
         self, op: Op, info: PeerInfo, reads: list[tuple[int, TierKey, int]], inline: bool

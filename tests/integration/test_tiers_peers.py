@@ -170,6 +170,20 @@ def test_peer_hits_come_inline_where_a_read_would_be_emulated(daemons: StartDaem
         assert got == [True, True, False, False]
     wait_for(lambda: tiers_json(b2)["ops_open"] == 0)
 
+    # an asker whose frames cannot hold one block never asks such a peer (a READ would be
+    # emulated): the peer's keys are misses, recomputed by the engine, and nothing is READ
+    served = tiers_json(b)["counters"]["peer_served_lookups"]
+    tiny = {"daemon": {"max_frame_bytes": (1 << 20) + BB - 1}}
+    a3 = daemons("pa3", overrides={**asker_cfg(b), **write, **tiny})
+    wait_asked(a3, 1)
+    with TierClient(a3.socket, NS, BB) as c:
+        assert c.batch_lookup([key(i) for i in range(4)]) == [False] * 4
+        s = c.stats()
+        assert s["counters"]["peer_skipped_emulated"] == 1
+        assert s["peer"]["blocks_loaded"] == 0
+    assert tiers_json(b)["counters"]["peer_served_lookups"] == served  # never asked
+    assert "tiers_peer_block_too_large_inline" in a3.log.read_text()
+
 
 def test_local_hit_wins_and_peers_picked_deterministically(daemons: StartDaemon) -> None:
     b = daemons("pb", overrides=tiers_cfg())
