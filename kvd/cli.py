@@ -279,7 +279,10 @@ def ping(
     as_json: JsonOpt = False,
     timeout: Annotated[float, typer.Option(help="Seconds for the whole check.")] = 5.0,
 ) -> None:
-    """Handshake with a peer, round-trip a notification, READ its canary and check the bytes."""
+    """Handshake with a peer, round-trip a notification, move its canary and check the bytes.
+
+    The canary is READ where that READ is native, and WRITTEN by the peer where UCX would
+    emulate the READ (TCP: `canary_by`), as pulls go."""
     from kvd.ops import fail
 
     host, _, port = peer.rpartition(":")

@@ -132,6 +132,7 @@ class Daemon:
             max_frame=cfg.daemon.max_frame_bytes,
             reach=lambda: local_reach(machine_guid(), rdma_devices(), self._ucx_tls()),
             ucx_tls=self._ucx_tls(),
+            pull_by=cfg.transfer.pull_by,
         )
         self.staging = (
             StagingArea(cfg.transfer.staging_bytes, self.engine.register, self.engine.deregister)

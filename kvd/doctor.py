@@ -17,7 +17,7 @@ them together. What is checked:
   within 2 minutes; `kvd trace` measures offsets itself).
 - Peers (`--peer HOST:PORT`, and those a running daemon knows): a TCP connect to the side
   channel with a short timeout, and, through the running daemon, `kvd ping` (handshake,
-  notification round trip, canary READ).
+  notification round trip, the peer's canary moved and checked).
 """
 
 from __future__ import annotations
@@ -309,7 +309,8 @@ def check_peer(
         name,
         "ok",
         f"{ping.get('agent', '?')}: handshake {ping.get('handshake_ms', 0):.1f} ms, "
-        f"notification {ping.get('notif_rtt_ms', 0):.1f} ms, canary READ ok",
+        f"notification {ping.get('notif_rtt_ms', 0):.1f} ms, "
+        f"canary {str(ping.get('canary_by', 'read')).upper()} ok",
     )
 
 

@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 10
+PROTOCOL_VERSION: Final = 11
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
 10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
@@ -923,10 +923,18 @@ class RegionDropped(Record):
 @message(68)
 @dataclasses.dataclass(frozen=True)
 class Probe(Record):
-    """Notification round trip (liveness, `kvd ping`). reply=False asks for an echo."""
+    """Notification round trip (liveness, `kvd ping`). reply=False asks for an echo.
+
+    A request with `canary_bytes` asks the peer to WRITE that much of its canary (at most
+    `CANARY_BYTES`) to `canary_addr` in the asker's registered scratch, the echo riding
+    the WRITE's notification: `kvd ping`'s byte check where the asker's READ would be
+    UCX's emulation (TCP, `kvd.core.readpath`). An echo says in `canary_bytes` how much
+    it wrote."""
 
     nonce: U64
     reply: bool
+    canary_addr: U64 = 0
+    canary_bytes: Annotated[int, Range(0, 1 << 20)] = 0
 
 
 @message(69)

@@ -93,6 +93,7 @@ from kvd.adapters.shm import (
     reap_segments,
     staging_creator_here,
 )
+from kvd.core import readpath
 from kvd.core.addresses import address_problem
 from kvd.core.hybrid import region_groups
 from kvd.core.peerauth import AUTH_WINDOW_S, message_mac
@@ -108,6 +109,9 @@ from kvd.logs import RejectLog
 log = structlog.get_logger("kvd.registrar", actor="registrar")
 
 CANARY_BYTES: Final = 64 * 1024
+MAX_CANARY_WRITES: Final = 4
+"""Canary WRITEs for peers' pings under way at once; a probe beyond is refused, counted."""
+CANARY_WRITE_TIMEOUT: Final = 10.0
 CLOCK_SAMPLES: Final = 5
 """Clock exchanges per measurement (the first also opens the TCP connection)."""
 MAX_LATE_S: Final = MAX_WRITE_BOUND
@@ -203,8 +207,16 @@ class Registrar:
         max_frame: int = 16 * 1024 * 1024,
         reach: Callable[[], Reach] = Reach,
         ucx_tls: str = "",
+        pull_by: str = "auto",
     ) -> None:
         self.engine = engine
+        self.pull_by = pull_by
+        """`transfer.pull_by`: `kvd ping` asks for the peer's canary by its WRITE where our
+        READ would be emulated (`kvd.core.readpath`), as pulls do."""
+        self._canary_writes = 0
+        self._scratch_lock = anyio.Lock()
+        """One ping at a time uses the scratch its canary lands in."""
+        """Canary WRITEs we are making for peers' pings (at most `MAX_CANARY_WRITES`)."""
         self._reach_of = reach
         self._reach: Reach | None = None
         self.ucx_tls = ucx_tls
@@ -1157,13 +1169,46 @@ class Registrar:
             if fut is not None and not fut.done():
                 fut.set_result(time.perf_counter())
             return
+        if msg.probe.canary_bytes:
+            if self._canary_writes >= MAX_CANARY_WRITES:
+                self.rejects.reject(
+                    "registrar", "notifs_rejected", "probe_rejected", "busy", peer=msg.agent
+                )
+                return
+            self._canary_writes += 1
+            assert self._tg is not None
+            self._tg.start_soon(self._write_canary, msg.agent, msg.probe)
+            return
         try:
             await self.engine.send_notif(msg.agent, wire.encode(wire.Probe(msg.probe.nonce, True)))
         except KvdError as exc:
             log.warning("probe_echo_failed", peer=msg.agent, error=exc.message)
 
+    async def _write_canary(self, agent: str, probe: wire.Probe) -> None:
+        """WRITE our canary to a pinger's scratch, the echo riding the WRITE's notification
+        (NIXL refuses an address the pinger did not register)."""
+        try:
+            n = min(probe.canary_bytes, CANARY_BYTES)
+            assert self.canary is not None
+            echo = wire.encode(wire.Probe(probe.nonce, True, 0, n))
+            local, remote = _descs(self.canary.addr, n), _descs(probe.canary_addr, n)
+            await self.engine.transfer("WRITE", local, remote, agent, echo, CANARY_WRITE_TIMEOUT, n)
+        except KvdError as exc:
+            self.rejects.reject(
+                "registrar",
+                "probe_echo_failed",
+                "probe_echo_failed",
+                type(exc).__name__,
+                peer=agent,
+                error=exc.message,
+            )
+        finally:
+            self._canary_writes -= 1
+
     async def _ping(self, cmd: PingPeerCmd) -> None:
         result: dict[str, Any] = {"peer": f"{cmd.host}:{cmd.port}", "ok": False}
+        asked: list[int] = []  # our probes' nonces, forgotten however the ping ends
+        locked = False
         try:
             with anyio.fail_after(cmd.timeout):
                 t0 = time.perf_counter()
@@ -1173,17 +1218,35 @@ class Registrar:
                 nonce = int.from_bytes(os.urandom(8), "little")
                 fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
                 self._probes[nonce] = fut
+                asked.append(nonce)
                 t1 = time.perf_counter()
                 await self.engine.send_notif(info.agent, wire.encode(wire.Probe(nonce, False)))
                 t2 = await fut
                 result["notif_rtt_ms"] = (t2 - t1) * 1e3
                 n = min(info.canary_bytes, CANARY_BYTES)
                 assert self.scratch is not None
+                await self._scratch_lock.acquire()
+                locked = True
                 self.scratch.view()[:n] = b"\0" * n
-                local = _descs(self.scratch.addr, n)
-                remote = _descs(info.canary_addr, n)
                 t3 = time.perf_counter()
-                await self.engine.transfer("READ", local, remote, info.agent, b"", cmd.timeout, n)
+                if readpath.by_write(self.pull_by, info.native_reads):
+                    # Our READ would be UCX's emulation, which aborts the peer if we die
+                    # with it queued there: the peer WRITEs its canary, its echo after it.
+                    result["canary_by"] = "write"
+                    nonce = int.from_bytes(os.urandom(8), "little")
+                    fut = asyncio.get_running_loop().create_future()
+                    self._probes[nonce] = fut
+                    asked.append(nonce)
+                    ask = wire.Probe(nonce, False, self.scratch.addr, n)
+                    await self.engine.send_notif(info.agent, wire.encode(ask))
+                    await fut
+                else:
+                    result["canary_by"] = "read"
+                    local = _descs(self.scratch.addr, n)
+                    remote = _descs(info.canary_addr, n)
+                    await self.engine.transfer(
+                        "READ", local, remote, info.agent, b"", cmd.timeout, n
+                    )
                 result["read_ms"] = (time.perf_counter() - t3) * 1e3
                 result["read_bytes"] = n
                 got = bytes(self.scratch.view()[:n])
@@ -1193,6 +1256,11 @@ class Registrar:
             result["error"] = f"timed out after {cmd.timeout}s"
         except KvdError as exc:
             result["error"] = exc.message
+        finally:
+            for nonce in asked:
+                self._probes.pop(nonce, None)
+            if locked:
+                self._scratch_lock.release()
         cmd.resolve(result)
 
     async def _ensure_peer_now(self, host: str, port: int) -> PeerInfo:
@@ -1261,6 +1329,8 @@ class Registrar:
                 for r in self.retired.values()
             ],
             "resolver": self.resolver.stats(),
+            "pings_waiting": len(self._probes),
+            "canary_writes": self._canary_writes,
             "reach": {  # what our handshake says (`kvd.core.readpath`)
                 "machine": f"{self.reach.machine:016x}",
                 "rdma": self.reach.rdma,

@@ -118,9 +118,15 @@ def finish(rid: str, blocks: tuple[int, ...] = BLOCKS, session: str = "s1") -> F
 
 
 def reg(
-    d_rid: str, p_rid: str = "", *, blocks: tuple[int, ...] = (7, 8), p_session: str = ""
+    d_rid: str,
+    p_rid: str = "",
+    *,
+    blocks: tuple[int, ...] = (7, 8),
+    p_session: str = "",
+    p_blocks: tuple[int, ...] = (),
 ) -> wire.PushRegistration:
-    """D's registration of its request `d_rid`, naming P's id `p_rid` ("" = D does not know it)."""
+    """D's registration of its request `d_rid`, naming P's id `p_rid` ("" = D does not know
+    it); `p_blocks`: a pull by WRITE naming P's blocks."""
     return wire.PushRegistration(
         request_id=d_rid,
         remote_request_id=p_rid,
@@ -133,6 +139,7 @@ def reg(
         incarnation=9,
         generations=(1,),
         p_session=p_session,
+        p_block_ids=p_blocks,
     )
 
 
@@ -1579,6 +1586,11 @@ class MResync:
     """Timers due at the same time fire in the order they were set (the machine's rule)."""
 
 
+def _streams(r: wire.PushRegistration | None) -> bool:
+    """A registration P streams layers for: a push's (a pull by WRITE waits for the finish)."""
+    return r is not None and not r.p_block_ids
+
+
 class SenderModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -1698,6 +1710,9 @@ class SenderModel(RuleBasedStateMachine):
     def _match(self, m: MReq) -> None:
         assert m.reg is not None
         m.state = S.MATCHED
+        if m.reg.p_block_ids and not set(m.reg.p_block_ids) <= set(m.blocks):
+            self._fail_send(m, INVALID)  # a pull by WRITE may name only leased blocks
+            return
         self.expect.append(ResolveView(m.key, m.agent, m.reg))
 
     def _deliver_pull(self, m: MReq, agent: str, msg: wire.PullDone) -> None:
@@ -1719,7 +1734,7 @@ class SenderModel(RuleBasedStateMachine):
             return
         assert m.reg is not None
         m.state, m.lease = S.WRITING, None
-        p_blocks = m.blocks if m.reg.block_ids else ()
+        p_blocks = m.reg.p_block_ids or (m.blocks if m.reg.block_ids else ())
         self.expect.append(PostWrite(m.key, m.agent, ENGINE, p_blocks, m.reg, m.view))
 
     def _matched_ready(self, agent: str) -> list[MReq]:
@@ -2077,6 +2092,7 @@ class SenderModel(RuleBasedStateMachine):
         nblocks=st.sampled_from((0, 1, 2)),
         p_session=st.sampled_from(P_SESSIONS),
         again=st.sampled_from((False, False, False, True)),
+        by_write=st.sampled_from(((), (), (), (10, 11), (10,), (12, 99))),
     )
     def d_registers(
         self,
@@ -2087,13 +2103,17 @@ class SenderModel(RuleBasedStateMachine):
         nblocks: int,
         p_session: str,
         again: bool,
+        by_write: tuple[int, ...],
     ) -> None:
+        """D registers for a push, or (`by_write`: the P blocks it was told) pulls by P's
+        WRITE where its READ would be emulated: P's blocks it names must be leased."""
         base = self._base(letter, late)
         if base in self.d_asked and not again:
             return
         self.d_asked.add(base)
         p, d = p_of(base), d_of(base)
-        msg = reg(d, p if named else "", blocks=tuple(range(50, 50 + nblocks)), p_session=p_session)
+        blocks = tuple(range(50, 50 + (len(by_write) if by_write else nblocks)))
+        msg = reg(d, p if named else "", blocks=blocks, p_session=p_session, p_blocks=by_write)
         self.registrations.add((agent, msg))
         key = p if named else d
         m = self.live.get(base)
@@ -2348,7 +2368,7 @@ class SenderModel(RuleBasedStateMachine):
         m = self.live.get(base)
         if m is not None and m.key != p and p in self.tombs:
             pass  # a late notice for P's request that ended: never revives it
-        elif m is not None and m.state is S.AWAITING and m.reg is not None:
+        elif m is not None and m.state is S.AWAITING and _streams(m.reg):
             m.key, m.state, m.blocks = p, S.STREAMING, blocks
             m.stream = MStream(blocks, saved=layers)
             self.seq += 1
@@ -2365,7 +2385,7 @@ class SenderModel(RuleBasedStateMachine):
         return [
             m
             for m in self.live.values()
-            if (m.state is S.AWAITING and m.reg is not None) or m.state is S.STREAMING
+            if (m.state is S.AWAITING and _streams(m.reg)) or m.state is S.STREAMING
         ]
 
     @precondition(lambda self: bool(self._streamable()))

@@ -52,7 +52,7 @@ from kvd_client.shm import SharedRegion, unique_name
 from zmq.utils.monitor import recv_monitor_message
 
 from kvd.actors.ecrouter import EC_XFER_CONTEXT
-from kvd.actors.registrar import handshake_mac
+from kvd.actors.registrar import canary_pattern, handshake_mac
 from kvd.adapters.nixl_import import nixl_api
 from kvd.core.peerauth import message_mac
 from kvd.core.peersession import AuthRefusal, Keyring, Party, derive_session
@@ -1942,6 +1942,21 @@ def test_a_probe_from_an_agent_that_never_handshook_is_refused_not_echoed(
             seen.extend(wire.decode(raw)[1] for raw in msgs)
         assert seen == [], seen  # the friend's echo came after any the rogue could get
         assert any(r.get("event") == "probe_rejected" for r in log_records(x))
+
+        # a probe asking for the canary by WRITE (`kvd ping` where a READ would be
+        # emulated): the canary lands in the asker's registered memory, the echo after it
+        friend.buf[:64] = 0
+        ask = wire.Probe(43, False, friend.buf.ctypes.data, 64)
+        friend.send_bare(x, wire.encode(ask))
+        echo = friend.wait_for(lambda m: isinstance(m, wire.Probe) and m.nonce == 43, "canary")
+        assert echo == wire.Probe(43, True, 0, 64)
+        assert bytes(friend.buf[:64]) == canary_pattern(x.name)[:64]
+        # one naming memory the asker never registered: refused by NIXL, counted, no echo
+        friend.send_bare(x, wire.encode(wire.Probe(44, False, 4096, 64)))
+        eventually(lambda: counters(x).get("probe_echo_failed", 0) == 1, "the failed WRITE")
+        friend.send_bare(x, wire.encode(wire.Probe(45, False)))
+        friend.wait_for(lambda m: isinstance(m, wire.Probe) and m.nonce == 45, "a later echo")
+        assert not any(isinstance(m, wire.Probe) and m.nonce == 44 for _, m in friend.inbox)
     finally:
         assert x.stop() == 0
         friend.side.close()

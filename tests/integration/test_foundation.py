@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -62,6 +63,7 @@ def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: P
         result = json.loads(ping.stdout)
         assert result["ok"] is True
         assert result["canary_match"] is True
+        assert result["canary_by"] == "read"  # one machine: UCX READs natively (cma)
         assert result["agent"] == "kvd-b"
         assert result["read_bytes"] > 0 and result["notif_rtt_ms"] > 0
 
@@ -96,6 +98,48 @@ def test_two_daemons_ping_status_and_clean_exit(daemons: StartDaemon, workdir: P
     assert seg not in shm_segments()
     pids = {str(a.proc.pid), str(b.proc.pid)}
     assert not {n for n in shm_segments() if any(f"-{pid}-" in n for pid in pids)}
+
+
+def test_ping_by_write_where_a_read_would_be_emulated(daemons: StartDaemon) -> None:
+    """Where our UCX would emulate the canary READ (TCP: a reader dying with a READ queued
+    at a stopped peer aborts the peer), the peer WRITEs its canary, the echo after it."""
+    a = daemons("kvd-a", '[transfer]\npull_by = "write"\n')
+    b = daemons("kvd-b")
+    for _ in range(2):  # the scratch is wiped before each
+        ping = kvd("ping", f"127.0.0.1:{b.side_port}", "--socket", a.socket, "--json")
+        assert ping.returncode == 0, ping.stdout + ping.stderr
+        result = json.loads(ping.stdout)
+        assert result["ok"] is True and result["canary_match"] is True, result
+        assert result["canary_by"] == "write" and result["read_bytes"] == 64 * 1024
+    st = json.loads(kvd("status", "--json", "--socket", b.socket).stdout)
+    assert st["counters"].get("probe_echo_failed", 0) == 0
+
+
+def test_a_ping_to_a_frozen_peer_times_out_and_leaves_nothing_waiting(
+    daemons: StartDaemon,
+) -> None:
+    """A ping whose echo never comes (the peer SIGSTOPped after the handshake) fails at
+    its timeout and forgets its probe: before, it stayed, and the NIXL thread polled at
+    its short cap for good (the daemon never idled deeply again)."""
+    a = daemons("kvd-a", '[transfer]\npull_by = "write"\n')
+    b = daemons("kvd-b")
+    assert kvd("ping", f"127.0.0.1:{b.side_port}", "--socket", a.socket).returncode == 0
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        res = kvd("ping", f"127.0.0.1:{b.side_port}", "--socket", a.socket, "--json",
+                  "--timeout", "1.5")  # fmt: skip
+        assert res.returncode == 1 and "timed out" in json.loads(res.stdout)["error"], res
+        reg = json.loads(kvd("status", "--json", "--socket", a.socket).stdout)["registrar"]
+        assert reg["pings_waiting"] == 0
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    # b, woken, answers the late probe with a late echo (dropped) and then pings again
+    ping = json.loads(
+        kvd("ping", f"127.0.0.1:{b.side_port}", "--socket", a.socket, "--json").stdout
+    )
+    assert ping["ok"] is True and ping["canary_by"] == "write", ping
+    reg = json.loads(kvd("status", "--json", "--socket", b.socket).stdout)["registrar"]
+    assert reg["canary_writes"] == 0
 
 
 def test_ping_unreachable_peer_fails_cleanly(daemons: StartDaemon) -> None:

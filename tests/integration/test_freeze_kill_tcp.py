@@ -129,3 +129,7 @@ def test_a_p_daemon_frozen_while_d_dies_survives_pulls_over_tcp(pair: _Pair) -> 
     # the pulls went by P's WRITE: D's daemon over TCP never READs from P
     assert pulls_by_write > 0
     assert _counter(p, "pull_registrations") > 0
+    # so does `kvd ping`'s canary check: P WRITEs its canary, the echo after it
+    with KvdClient(pair.daemons["d"].socket, role="cli", keepalive_interval=0) as c:
+        ping = c.ping_peer(pair.hosts["p"].addr, p.side_port, 10.0)
+    assert ping["ok"] is True and ping["canary_by"] == "write", ping

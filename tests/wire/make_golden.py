@@ -333,7 +333,12 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             mac=bytes(range(32)),
         ),
     ),
-    "Probe": (0, wire.Probe(nonce=(1 << 64) - 2, reply=True)),
+    "Probe": (
+        0,
+        wire.Probe(
+            nonce=(1 << 64) - 2, reply=False, canary_addr=(1 << 47) + 64, canary_bytes=65536
+        ),
+    ),
     "Resync": (0, wire.Resync(nonce=0x0102030405060708)),
     "ResyncAck": (0, wire.ResyncAck(nonce=(1 << 64) - 1)),
     "TraceQuery": (
