@@ -1433,8 +1433,10 @@ class Tiers:
             self.hints.forget_peer(msg.agent)
             for addr in [a for a, g in self.configured.items() if g == msg.agent]:
                 del self.configured[addr]
+            self.link.forget(msg.agent)  # (ZMQ would redial its address for good)
         else:
             self.peer_view[msg.agent] = msg.info
+            self.link.forget(msg.agent, keep=(msg.info.host, msg.info.port))  # moved?
             if self.cfg.ask_known_peers or msg.agent in self.configured.values():
                 self.link.prepare(msg.agent, msg.info.host, msg.info.port)
         if held is not None and (msg.info is None or msg.info.incarnation != held):
@@ -1891,6 +1893,7 @@ class Tiers:
             "configured": [f"{h}:{p}" for h, p in self.cfg.peer_addrs],
             "ask_known_peers": self.cfg.ask_known_peers,
             "asked": [p.agent for p in self._asked_peers()],
+            "sockets": self.link.sockets(),
             "lookups": c.get("tiers_peer_lookups", 0),
             "hits": c.get("tiers_peer_hits", 0),
             "misses": c.get("tiers_peer_misses", 0),

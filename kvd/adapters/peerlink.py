@@ -1,7 +1,9 @@
 """Peer link: request/reply to peer daemons' side channels, for the tiers actor.
 
-One ZMQ DEALER per peer address, kept open (ZMQ reconnects by itself when the peer
-restarts), with ZMQ_IMMEDIATE: a message is queued only on a completed connection, so a
+One ZMQ DEALER per peer (agent and address), kept open while the peer is known there
+(ZMQ reconnects by itself when the peer restarts; `forget` closes the sockets of a peer
+forgotten or moved to another address, which ZMQ would otherwise redial for good), with
+ZMQ_IMMEDIATE: a message is queued only on a completed connection, so a
 request to a peer that is down fails at once (`PeerUnreachable`) instead of waiting in a
 queue for its timeout. A reader task per socket matches replies to requests by their
 correlation id; a reply nobody waits for any more (its request timed out) goes to
@@ -23,6 +25,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -49,6 +52,13 @@ class PeerUnreachable(TransferError):
     """No connection to the peer (or no session key with it yet): nothing was sent."""
 
 
+@dataclass
+class _Conn:
+    sock: zmq.asyncio.Socket
+    reader: anyio.CancelScope
+    """Its reader task's scope: cancelled before the socket is closed."""
+
+
 class PeerLink:
     def __init__(
         self,
@@ -70,8 +80,9 @@ class PeerLink:
         self.on_late = on_late
         self.counters = counters
         self.rejects = rejects
-        self._socks: dict[str, zmq.asyncio.Socket] = {}
-        """By "host:port"."""
+        self._socks: dict[tuple[str, str], _Conn] = {}
+        """By (agent, "address:port"): a reply is taken as the agent's that the socket is
+        for (and, with a secret, only sealed under its key)."""
         self._waiting: dict[int, tuple[str, asyncio.Future[wire.Record]]] = {}
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -88,8 +99,9 @@ class PeerLink:
             self.close()
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
+        for conn in self._socks.values():
+            conn.reader.cancel()
+            conn.sock.close(0)
         self._socks.clear()
         for _, fut in self._waiting.values():
             if not fut.done():
@@ -110,6 +122,26 @@ class PeerLink:
             await self.resolver.resolve(host, PREPARE_RESOLVE_S)
             self._sock(agent, host, port)
 
+    def sockets(self) -> int:
+        """Sockets open to peers (`kvd tiers`)."""
+        return len(self._socks)
+
+    def forget(self, agent: str, keep: tuple[str, int] | None = None) -> int:
+        """Close `agent`'s sockets but the one to `keep` (its host and port now; None: all,
+        the peer is gone). Requests waiting on them end at their timeouts. Returns how
+        many were closed (counted as `tiers_peer_sockets_closed`)."""
+        kept = None
+        if keep is not None:
+            address = self.resolver.cached(keep[0], stale_ok=True)
+            kept = f"{address}:{keep[1]}" if address is not None else None
+        gone = [k for k in self._socks if k[0] == agent and k[1] != kept]
+        for k in gone:
+            conn = self._socks.pop(k)
+            conn.reader.cancel()
+            conn.sock.close(0)
+            self._count("tiers_peer_sockets_closed")
+        return len(gone)
+
     def _sock(self, agent: str, host: str, port: int) -> zmq.asyncio.Socket:
         # (`ask` resolved it just now; a `tell` follows an `ask`: an unpin after its pin)
         address = self.resolver.cached(host, stale_ok=True)
@@ -118,18 +150,18 @@ class PeerLink:
         # one socket per address, not per name: a name that resolves elsewhere now (a
         # peer restarted on another address) gets a socket to where it is
         addr = f"{address}:{port}"
-        sock = self._socks.get(addr)
-        if sock is None:
+        conn = self._socks.get((agent, addr))
+        if conn is None:
             sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, self.frame_cap)
             sock.setsockopt(zmq.SNDHWM, 1024)
             connect(sock, address, port)
-            self._socks[addr] = sock
+            conn = self._socks[(agent, addr)] = _Conn(sock, anyio.CancelScope())
             assert self._tg is not None
-            self._tg.start_soon(self._read, agent, addr, sock)
-        return sock
+            self._tg.start_soon(self._read, agent, conn)
+        return conn.sock
 
     def _frame(self, agent: str, msg: wire.Record, corr: int) -> bytes:
         if self.keyring is None:
@@ -188,10 +220,10 @@ class PeerLink:
             return False
         return True
 
-    async def _read(self, agent: str, addr: str, sock: zmq.asyncio.Socket) -> None:
-        with contextlib.suppress(zmq.ZMQError):
+    async def _read(self, agent: str, conn: _Conn) -> None:
+        with conn.reader, contextlib.suppress(zmq.ZMQError):
             while True:
-                frame = await sock.recv()
+                frame = await conn.sock.recv()
                 got = self._decode(agent, frame)
                 if got is None:
                     continue

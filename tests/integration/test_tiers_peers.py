@@ -185,6 +185,33 @@ def test_peer_hits_come_inline_where_a_read_would_be_emulated(daemons: StartDaem
     assert "tiers_peer_block_too_large_inline" in a3.log.read_text()
 
 
+def test_a_peer_restarted_at_another_address_is_asked_there_and_its_old_socket_closed(
+    daemons: StartDaemon,
+) -> None:
+    """A peer restarted under its name at another address (a new port here; a new pod IP
+    in a cluster): once its handshake says where it is, the asker talks to it there and
+    closes its socket to the old address, which ZMQ would otherwise redial for good."""
+    b = daemons("pb", overrides=tiers_cfg())
+    store(b, [0, 1])
+    a = daemons("pa", overrides=asker_cfg(b, ask_known_peers=True))
+    wait_asked(a, 1)
+    with TierClient(a.socket, NS, BB) as c:
+        assert c.batch_lookup([key(0), key(1)]) == [True, True]
+        assert load_check(c, [0, 1]) == [True, True]
+        assert c.stats()["peer"]["sockets"] == 1
+    old_port = b.side_port
+    assert b.stop() == 0
+    # the same name at another port, dialing A (its own configured peer) as it starts
+    b2 = daemons("pb", overrides=tiers_cfg(peers=f"127.0.0.1:{a.side_port}"))
+    assert b2.side_port != old_port
+    store(b2, [2, 3])
+    wait_for(lambda: tiers_json(a)["counters"].get("peer_sockets_closed", 0) == 1)
+    with TierClient(a.socket, NS, BB) as c:
+        assert c.batch_lookup([key(2), key(3)]) == [True, True]
+        assert load_check(c, [2, 3]) == [True, True]
+        assert c.stats()["peer"]["sockets"] == 1  # to the new address only
+
+
 def test_local_hit_wins_and_peers_picked_deterministically(daemons: StartDaemon) -> None:
     b = daemons("pb", overrides=tiers_cfg())
     c_ = daemons("pc", overrides=tiers_cfg())
