@@ -738,6 +738,13 @@ class ECConfig(_Section):
         "Seconds a consumer waits for a producer's transfer (XferAck) before failing it.",
         gt=0,
     )
+    producer_socket_idle: float = _opt(
+        300.0,
+        "Seconds a consumer keeps its socket to a producer that no fetch needs and that "
+        "it sent nothing on (then closed: a producer restarted at another address is "
+        "not redialed for good; the next fetch from it opens another).",
+        gt=0,
+    )
     cache_blocks_reserve: int = _opt(
         0,
         "Blocks of the EC region that a consumer's cache of loaded encodings leaves free "

@@ -189,6 +189,7 @@ class Daemon:
             region_bytes=cfg.ec.region_bytes,
             block_bytes=cfg.ec.block_bytes,
             xfer_timeout=cfg.ec.xfer_timeout,
+            dealer_idle=cfg.ec.producer_socket_idle,
             settle_timeout=cfg.transfer.transfer_timeout,
             side_host=cfg.side_channel.advertised_host,
             side_port_ref=lambda: self.side.port,

@@ -193,6 +193,8 @@ _CANCEL: Final = "\0cancel:"
 """Timer keys of a quarantined fetch's next `ECXferCancel`."""
 _ORPHAN: Final = "\0orphan:"
 """Deadline keys of the next check of an orphaned allocation's client."""
+_SWEEP: Final = "\0sweep"
+"""Timer key of the next look for sockets to producers idle for `dealer_idle`."""
 ORPHAN_CHECK_S: Final = 1.0
 """Seconds between checks whether the client of an orphaned allocation is gone."""
 ORPHAN_UNKNOWN_S: Final = 300.0
@@ -292,6 +294,7 @@ class ECRouter:
         region_bytes: int,
         block_bytes: int,
         xfer_timeout: float,
+        dealer_idle: float = 300.0,
         settle_timeout: float,
         side_host: str,
         side_port_ref: Callable[[], int],
@@ -385,6 +388,14 @@ class ECRouter:
         """Sockets to producers, by (numeric address, port)."""
         self.dealer_of: dict[tuple[str, int], tuple[str, int]] = {}
         """A producer as requests name it (host, port) -> its socket's key in `dealers`."""
+        self.dealer_idle = dealer_idle
+        """`ec.producer_socket_idle`: a socket to a producer that no fetch or quarantine
+        needs and that sent nothing for this long is closed (a producer restarted at
+        another address is never named again, and ZMQ would redial the old one for good);
+        the next fetch from there opens another."""
+        self.dealer_used: dict[tuple[str, int], float] = {}
+        """When each socket in `dealers` last sent (daemon time)."""
+        self._dealer_readers: dict[tuple[str, int], anyio.CancelScope] = {}
         self._router: zmq.asyncio.Socket | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self.trace = engine.trace
@@ -473,6 +484,8 @@ class ECRouter:
                             self._send_cancel(key[len(_CANCEL) :])
                         elif key.startswith(_ORPHAN):
                             self._check_orphan(key[len(_ORPHAN) :])
+                        elif key == _SWEEP:
+                            self._sweep_dealers()
                         else:
                             self._fetch_timed_out(key)
         finally:
@@ -948,9 +961,13 @@ class ECRouter:
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame)
             connect(sock, address, producer[1])
             self.dealers[key] = sock
+            scope = self._dealer_readers[key] = anyio.CancelScope()
             assert self._tg is not None
-            self._tg.start_soon(self._recv_acks, producer, sock)
+            self._tg.start_soon(self._recv_acks, producer, sock, scope)
+            if _SWEEP not in self.deadlines:
+                self.deadlines.set(_SWEEP, self.clock.now() + self.dealer_idle)
         self.dealer_of[producer] = key
+        self.dealer_used[key] = self.clock.now()
         frame = wire.encode(req)
         if self.trace.on:  # before: on a busy host the thread may lose its core in the send
             self.trace.mark(req.mm_hash, "ec.request_sent")
@@ -983,7 +1000,34 @@ class ECRouter:
         else:
             self._send_req(producer, req)
 
-    async def _recv_acks(self, producer: tuple[str, int], sock: zmq.asyncio.Socket) -> None:
+    def _sweep_dealers(self) -> None:
+        """Close the sockets to producers that no fetch or quarantine needs and that sent
+        nothing for `dealer_idle` (`ec_dealers_closed`)."""
+        now = self.clock.now()
+        producers = [f.producer for f in self.fetches.values()]
+        producers += [q.producer for q in self.quarantined.values()]
+        needed = {self.dealer_of.get(p) for p in producers}
+        for key in list(self.dealers):
+            if key in needed or now - self.dealer_used.get(key, now) < self.dealer_idle:
+                continue
+            self._dealer_readers.pop(key).cancel()
+            self.dealers.pop(key).close(0)
+            self.dealer_used.pop(key, None)
+            for p in [p for p, k in self.dealer_of.items() if k == key]:
+                del self.dealer_of[p]
+            self._count("ec_dealers_closed")
+        if self.dealers:
+            self.deadlines.set(_SWEEP, now + self.dealer_idle / 4)
+
+    async def _recv_acks(
+        self, producer: tuple[str, int], sock: zmq.asyncio.Socket, scope: anyio.CancelScope
+    ) -> None:
+        with scope:
+            await self._recv_acks_until_closed(producer, sock)
+
+    async def _recv_acks_until_closed(
+        self, producer: tuple[str, int], sock: zmq.asyncio.Socket
+    ) -> None:
         while True:
             await anyio.lowlevel.checkpoint()  # a ready frame is received without suspending
             frame = await sock.recv()
@@ -1376,6 +1420,7 @@ class ECRouter:
             "orphaned": sorted(k for k, v in self.produced.items() if v.orphan_pid)[:100],
             "cached": sorted(self.cached_nbytes)[:100],
             "fetching": sorted(self.fetches)[:100],
+            "producer_sockets": len(self.dealers),
             "quarantined": sorted(self.quarantined)[:100],
             "hits": self.hits,
             "client_hits": self.client_hits,

@@ -81,6 +81,32 @@ def test_both_roles_in_one_daemon(daemons: StartDaemon) -> None:
         sb.close()
 
 
+def test_an_idle_socket_to_a_producer_is_closed_and_the_next_fetch_opens_another(
+    daemons: StartDaemon,
+) -> None:
+    """A consumer closes its socket to a producer that no fetch needs once it has sent
+    nothing on it for `ec.producer_socket_idle` (a producer restarted at another address
+    is never named again, and ZMQ would redial the old one for good); the next fetch from
+    that producer opens another and gets every byte."""
+    e = daemons("kvd-enc", ec_cfg("producer", 16 * MiB))
+    c = daemons("kvd-con", ec_cfg("consumer", 16 * MiB) + "producer_socket_idle = 0.5\n")
+    prod, cons = ECSide(e.socket, "encoder"), ECSide(c.socket, "consumer")
+    try:
+        res = run_ec(prod, cons, 4, random.Random(5), max_bytes=MiB)
+        assert (res.verified, res.failed) == (4, 0)
+        deadline = time.monotonic() + 10.0
+        while cons.client.status("ec")["producer_sockets"] != 0:
+            assert time.monotonic() < deadline, "the idle socket was never closed"
+            time.sleep(0.1)
+        assert cons.client.status()["counters"]["ec_dealers_closed"] == 1
+        res = run_ec(prod, cons, 4, random.Random(6), max_bytes=MiB, unique=4, name="again")
+        assert (res.verified, res.failed) == (4, 0) and res.local_hits < 4  # (fetched)
+        assert cons.client.status("ec")["producer_sockets"] == 1
+    finally:
+        prod.close()
+        cons.close()
+
+
 def _raw_xfer(port: int, frame: bytes, timeout_ms: int = 5000) -> wire.ECXferAck | None:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
