@@ -131,8 +131,14 @@ def load(
     )
 
 
-def first_of(ld: Load) -> wire.Record:
-    """What the actor would resolve as the message that starts the transfer."""
+def first_of(ld: Load, *, by_write: bool = False) -> wire.Record:
+    """What the actor would resolve as the message that starts the transfer (`by_write`:
+    a pull P serves by WRITE, its registration naming P's blocks)."""
+    if by_write:
+        assert ld.mode == "pull" and ld.block_ids
+        reg = first_of(replace(ld, mode="push"))
+        assert isinstance(reg, wire.PushRegistration)
+        return replace(reg, p_block_ids=ld.remote_block_ids)
     if ld.mode == "push":
         return wire.PushRegistration(
             request_id=ld.request_id,
@@ -1277,6 +1283,9 @@ class ReceiverModel(RuleBasedStateMachine):
         self.aborted: set[str] = set()
         self.mode: dict[str, str] = {}
         self.pull_blocks: dict[str, tuple[int, ...]] = {}
+        self.by_write: dict[str, bool] = {}
+        """Pulls P serves by WRITE (chosen at their first resolution, kept after: the
+        model's peers do not move between machines)."""
         self.ranks: dict[str, int] = {}
         self.pushed_ok: dict[str, set[int]] = {}
         self.read_ok: set[str] = set()
@@ -1287,6 +1296,11 @@ class ReceiverModel(RuleBasedStateMachine):
         self.ok = True
 
     # ------------------------------------------------------------ the reference
+
+    def _written(self, rid: str) -> bool:
+        """P WRITEs it: a push, or a pull P serves by WRITE (the push's rules, but for
+        layers: P never streams a pull)."""
+        return self.mode[rid] == "push" or self.by_write.get(rid, False)
 
     def _live_at(self, peer: str) -> list[MReq]:
         """Live requests heartbeated at `peer` (a held one is not: P's lease lapses)."""
@@ -1440,7 +1454,7 @@ class ReceiverModel(RuleBasedStateMachine):
             assert rid in self.loaded, f"{rid} was only tracked, yet an event was emitted"
             if isinstance(rec, wire.RecvFinished):
                 assert rid not in self.aborted, f"{rid} finished after an abort"
-                if self.mode[rid] == "push":
+                if self._written(rid):
                     assert set(range(self.ranks[rid])) <= self.pushed_ok.get(rid, set())
                 else:  # a pull of no blocks has nothing to READ: P's ack is all it needs
                     assert rid in self.acked_ok
@@ -1465,7 +1479,7 @@ class ReceiverModel(RuleBasedStateMachine):
                     m.hb_id
                     for m in self.live.values()
                     if m.phase is S.HOLDING
-                    and self.mode[m.rid] == "push"
+                    and self._written(m.rid)
                     and (m.peer, m.agent) == (eff.peer, eff.agent)
                 }
                 assert set(eff.hb_ids) <= held and eff.hb_ids, (eff, held)
@@ -1592,16 +1606,27 @@ class ReceiverModel(RuleBasedStateMachine):
         return op
 
     @precondition(lambda self: any(op.kind == "resolve" for op in self.ops))
-    @rule(i=st.integers(0, 7), ok=st.booleans(), ranks=st.integers(1, 2), reached=st.booleans())
-    def resolve_done(self, i: int, ok: bool, ranks: int, reached: bool) -> None:
+    @rule(
+        i=st.integers(0, 7),
+        ok=st.booleans(),
+        ranks=st.integers(1, 2),
+        reached=st.booleans(),
+        by_write=st.booleans(),
+    )
+    def resolve_done(
+        self, i: int, ok: bool, ranks: int, reached: bool, by_write: bool = False
+    ) -> None:
         op = self._take("resolve", i)
         assert op is not None and op.load is not None
         ld, m = op.load, self.live.get(op.rid)
         agent = AGENTS[ld.peer]
+        bw = ld.mode == "pull" and bool(ld.block_ids)
+        bw = bw and self.by_write.setdefault(ld.request_id, by_write)
+        first = first_of(ld, by_write=bw)
         event: Event
         if ok:
             event = PeerResolved(
-                ld.request_id, agent, self.now, ranks, first_of(ld), VIEW, layers=ML
+                ld.request_id, agent, self.now, ranks, first, VIEW, layers=ML, by_write=bw
             )
             self.ranks[ld.request_id] = ranks
         else:
@@ -1612,12 +1637,12 @@ class ReceiverModel(RuleBasedStateMachine):
                 self._fail(m, TRANSFER if m.aborted else INCOMPATIBLE)
             else:
                 m.agent, m.since, m.ranks = agent, self.now, ranks
-                if ld.mode == "push":
+                if ld.mode == "push" or bw:
                     if m.aborted:
                         self._fail(m, TRANSFER)
                     else:
                         m.phase = S.REGISTERING
-                        self.expect.append(SendFor(m.rid, agent, first_of(ld)))
+                        self.expect.append(SendFor(m.rid, agent, first))
                 elif ld.block_ids and not m.aborted:
                     m.phase = S.READING
                     self.expect.append(PostRead(m.rid, agent, VIEW))
@@ -1698,7 +1723,7 @@ class ReceiverModel(RuleBasedStateMachine):
     )
     def push_done(self, rid: str, agent: str, rank: int, ok: bool) -> None:
         m = self.live.get(rid)
-        if m is not None and m.agent == agent and m.phase in _GOOD and self.mode[rid] == "push":
+        if m is not None and m.agent == agent and m.phase in _GOOD and self._written(rid):
             self._p_answers(rid)
             if not ok and m.phase is S.HOLDING:
                 self._fail(m, m.held)  # P's word: its WRITE ended, or none was posted
@@ -1713,9 +1738,7 @@ class ReceiverModel(RuleBasedStateMachine):
         self._run(push_done(rid, rank, ok=ok, code=code, agent=agent))
 
     def _held_pushes(self) -> list[MReq]:
-        return [
-            m for m in self.live.values() if m.phase is S.HOLDING and self.mode[m.rid] == "push"
-        ]
+        return [m for m in self.live.values() if m.phase is S.HOLDING and self._written(m.rid)]
 
     @precondition(lambda self: bool(self._held_pushes()))
     @rule(i=st.integers(0, 3), ok=st.booleans())
@@ -1724,6 +1747,22 @@ class ReceiverModel(RuleBasedStateMachine):
         ms = self._held_pushes()
         m = ms[i % len(ms)]
         self.push_done(m.rid, m.agent, 0, ok)
+
+    def _pulled_by_write(self) -> list[MReq]:
+        return [
+            m
+            for m in self.live.values()
+            if m.phase in _GOOD and m.agent and self.by_write.get(m.rid, False)
+        ]
+
+    @precondition(lambda self: bool(self._pulled_by_write()))
+    @rule(i=st.integers(0, 3), ok=st.sampled_from((True, True, True, False)))
+    def p_writes_a_pull(self, i: int, ok: bool) -> None:
+        """P's WRITE of a pull it serves by WRITE lands: its PushDone, one per rank."""
+        ms = self._pulled_by_write()
+        m = ms[i % len(ms)]
+        rank = next((r for r in range(m.ranks) if r not in m.done), 0)
+        self.push_done(m.rid, m.agent, rank, ok)
 
     @rule(
         rid=st.sampled_from(RIDS),
@@ -1808,7 +1847,7 @@ class ReceiverModel(RuleBasedStateMachine):
         for m in list(self.live.values()):
             if m.agent != agent:
                 continue
-            if m.phase is S.HOLDING and self.mode[m.rid] == "push":
+            if m.phase is S.HOLDING and self._written(m.rid):
                 self._fail(m, m.held)
             elif m.phase in (S.REGISTERED, S.CANCELLING, S.ACKING):
                 self._fail(m, TRANSFER)
