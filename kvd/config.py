@@ -357,6 +357,16 @@ class SideChannelConfig(_Section):
         "requests waiting on it.",
         gt=0,
     )
+    forget_silent_peers: float = _opt(
+        600.0,
+        "Seconds a known peer may stay silent (its side channel unanswered, no "
+        "notification from it) before the daemon forgets it: its NIXL entry, its view in "
+        "every actor, the sockets to it; the next use handshakes afresh. Each peer's side "
+        "channel is asked a small clock query every tenth of this (at most every 60 s); "
+        "one that answers under another name is forgotten at once. A daemon gone for "
+        "good is otherwise remembered, and redialed, forever. 0: never.",
+        ge=0,
+    )
 
     @property
     def advertised_host(self) -> str:

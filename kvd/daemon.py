@@ -108,6 +108,9 @@ class Daemon:
             handshake_bytes=cfg.limits.handshake_bytes,
             tiers=self.tiers_box,
         )
+        self.heard: dict[str, float] = {}
+        """Agent -> when a notification of it last came (the notifier writes it, the
+        registrar reads it: `side_channel.forget_silent_peers`)."""
         self.registrar = Registrar(
             engine=self.engine,
             mailbox=self.registrar_box,
@@ -115,6 +118,8 @@ class Daemon:
             side_port_ref=lambda: self.side.port,
             lease_duration=cfg.transfer.kv_lease_duration,
             handshake_timeout=cfg.side_channel.handshake_timeout,
+            forget_silent=cfg.side_channel.forget_silent_peers,
+            heard=self.heard,
             # the adapter's settle bound is the transfer timeout (see the engines above)
             write_bound=push_hold_bound(
                 cfg.transfer.kv_lease_duration,
@@ -229,6 +234,7 @@ class Daemon:
             budget=self.sender.proto.budget,
             transport=self.engine,
             notif_bytes=cfg.limits.notif_bytes,
+            heard=self.heard,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,

@@ -83,6 +83,7 @@ class Notifier:
         budget: PendingBudget | None = None,
         transport: Transport | None = None,
         notif_bytes: int = 64 << 20,
+        heard: dict[str, float] | None = None,
     ) -> None:
         """`budget`: the sender machine's pending budget, charged here for registrations
         and pulls (None: the sender charges what it keeps, nothing bounds its mailbox);
@@ -101,6 +102,10 @@ class Notifier:
         self.clock = clock
         self.budget = budget
         self.transport = transport
+        self.heard = heard
+        """Agent -> when (our clock) a notification of it last decoded (and, with a secret,
+        proved authentic): the registrar does not forget a peer that still talks to us
+        while its side channel is silent (`side_channel.forget_silent_peers`)."""
         self.heartbeat_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
         """Heartbeats decoded and waiting for the sender."""
         self.notice_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
@@ -153,6 +158,8 @@ class Notifier:
                 error=exc.message,
             )
             return
+        if self.heard is not None:
+            self.heard[agent] = now
         try:
             if isinstance(msg, wire.Probe):
                 self.registrar.post(ProbeReceived(agent, msg))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
+import math
 import os
 import random
 import time
@@ -120,6 +121,17 @@ WATCH_INTERVAL: Final = 1.0
 """Seconds between checks of the creators of segments kept while they were alive."""
 WATCH_MAX: Final = 1024
 """Segments watched so at most (the oldest dropped: the next start reaps them)."""
+
+
+@dataclass(frozen=True)
+class _PeerSilent:
+    """The registrar to itself: the peer handshaked at `handshaked_at` has not answered
+    on its side channel for `forget_silent` seconds (`answered`: someone else answers
+    there, under `answered`)."""
+
+    agent: str
+    handshaked_at: float
+    answered: str = ""
 
 
 @dataclass(frozen=True)
@@ -208,8 +220,17 @@ class Registrar:
         reach: Callable[[], Reach] = Reach,
         ucx_tls: str = "",
         pull_by: str = "auto",
+        forget_silent: float = 0.0,
+        heard: dict[str, float] | None = None,
     ) -> None:
         self.engine = engine
+        self.forget_silent = forget_silent
+        """`side_channel.forget_silent_peers` (0: never; `_check_peers`)."""
+        self._silent_since: dict[str, float] = {}
+        """Peers whose side channel did not answer the last check: since when."""
+        self.heard = heard if heard is not None else {}
+        """The notifier's: agent -> when a notification of it last came (a peer heard
+        from within `forget_silent` is not forgotten, whatever its side channel)."""
         self.pull_by = pull_by
         """`transfer.pull_by`: `kvd ping` asks for the peer's canary by its WRITE where our
         READ would be emulated (`kvd.core.readpath`), as pulls do."""
@@ -291,6 +312,8 @@ class Registrar:
             if self.reap_leftovers:
                 tg.start_soon(self._watch_creators)
             tg.start_soon(self._free_retired)
+            if self.forget_silent > 0:
+                tg.start_soon(self._check_peers)
             task_status.started()
             async for msg in self.mailbox:
                 await self._dispatch(msg)
@@ -308,6 +331,55 @@ class Registrar:
             gone = [n for n, pid in self._watched.items() if not pid_alive(pid)]
             if gone:
                 self.mailbox.post(_CreatorsGone(tuple(gone)))
+
+    async def _check_peers(self) -> None:
+        """Ask each known peer's side channel a clock query every tenth of
+        `forget_silent` (at most every 60 s), and have the ones silent for
+        `forget_silent` forgotten (`_PeerSilent`): a daemon gone for good (a pod replaced
+        under a new name, a host retired) would otherwise stay in NIXL, in every actor's
+        view and behind sockets ZMQ redials for good. One that answers under another name
+        (its address reused) is forgotten at once. A peer handshaked again meanwhile is
+        judged afresh (the notice names the view it was about)."""
+        every = min(60.0, self.forget_silent / 10)
+        while True:
+            await anyio.sleep(every)
+            now = self.clock.now()
+            for agent in [a for a in self._silent_since if a not in self.peers]:
+                del self._silent_since[agent]
+            for agent in [a for a in self.heard if a not in self.peers]:
+                del self.heard[agent]  # (agents we do not know: nothing to judge)
+            async with anyio.create_task_group() as tg:  # (a silent one takes a timeout)
+                for agent, p in list(self.peers.items()):
+                    tg.start_soon(self._check_peer, agent, p.info, now)
+
+    async def _check_peer(self, agent: str, info: PeerInfo, now: float) -> None:
+        try:
+            answer, _ = await self._exchange(info.host, info.port, (), samples=1)
+        except Exception:  # (any failure is silence; it is logged when forgotten)
+            answer = None
+        talks = self.clock.now() - self.heard.get(agent, -math.inf) < self.forget_silent
+        if (answer is not None and answer.agent_name == agent) or (answer is None and talks):
+            self._silent_since.pop(agent, None)
+            return
+        since = self._silent_since.setdefault(agent, now)
+        if answer is not None or self.clock.now() - since >= self.forget_silent:
+            other = answer.agent_name if answer is not None else ""
+            self.mailbox.post(_PeerSilent(agent, info.handshaked_at, other))
+
+    def _peer_silent(self, msg: _PeerSilent) -> Awaitable[None] | None:
+        p = self.peers.get(msg.agent)
+        if p is None or p.info.handshaked_at != msg.handshaked_at:
+            return None  # forgotten already, or handshaked again since the check
+        self._silent_since.pop(msg.agent, None)
+        self._count("peers_forgotten_silent")
+        log.info(
+            "peer_silent_forgotten",
+            peer=msg.agent,
+            addr=p.info.addr,
+            silent_s=self.forget_silent,
+            answered_by=msg.answered or None,
+        )
+        return self._forget(msg.agent)
 
     async def _free_retired(self) -> None:
         """Unmap retired regions once their bound passed."""
@@ -378,6 +450,10 @@ class Registrar:
     async def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ClientRequest):
             await self._client(msg)
+        elif isinstance(msg, _PeerSilent):
+            forgetting = self._peer_silent(msg)
+            if forgetting is not None:
+                await forgetting
         elif isinstance(msg, _CreatorsGone):
             names = [n for n in msg.names if self._watched.pop(n, None) is not None]
             if names:

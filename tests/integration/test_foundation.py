@@ -8,9 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvd_client.client import KvdClient
+
+from kvd.demo import DaemonProc
 
 from .conftest import StartDaemon, shm_segments
 
@@ -140,6 +144,48 @@ def test_a_ping_to_a_frozen_peer_times_out_and_leaves_nothing_waiting(
     assert ping["ok"] is True and ping["canary_by"] == "write", ping
     reg = json.loads(kvd("status", "--json", "--socket", b.socket).stdout)["registrar"]
     assert reg["canary_writes"] == 0
+
+
+def _peers(d: DaemonProc) -> list[str]:
+    with KvdClient(d.socket, role="cli") as c:
+        return sorted(p["agent"] for p in c.status("peers")["peers"])
+
+
+def _wait(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_peer_gone_for_good_is_forgotten_and_the_others_kept(daemons: StartDaemon) -> None:
+    """A peer whose side channel stays silent (and that sends nothing) for
+    `side_channel.forget_silent_peers` is forgotten: before, a daemon gone for good
+    stayed known for the life of the process (NIXL entry, every actor's view, sockets
+    redialed). A peer that answers, and one frozen for less than the window, stay."""
+    side = {"side_channel": {"forget_silent_peers": 3.0, "handshake_timeout": 1.0}}
+    a = daemons("kvd-a", overrides=side)
+    b, c = daemons("kvd-b"), daemons("kvd-c")
+    for peer in (b, c):
+        assert kvd("ping", f"127.0.0.1:{peer.side_port}", "--socket", a.socket).returncode == 0
+    assert _peers(a) == ["kvd-b", "kvd-c"]
+    os.kill(c.proc.pid, signal.SIGSTOP)  # silent for less than the window: kept
+    time.sleep(1.0)
+    os.kill(c.proc.pid, signal.SIGCONT)
+    t0 = time.monotonic()
+    b.kill()
+    _wait(lambda: _peers(a) == ["kvd-c"], "kvd-b forgotten")
+    took = time.monotonic() - t0
+    assert took >= 3.0, took  # not before its silence lasted the window
+    with KvdClient(a.socket, role="cli") as cl:
+        counters = cl.status()["counters"]
+    assert counters["peers_forgotten_silent"] == 1
+    time.sleep(3.5)  # c answers every check: kept past the window
+    assert _peers(a) == ["kvd-c"]
+    ping = json.loads(
+        kvd("ping", f"127.0.0.1:{c.side_port}", "--socket", a.socket, "--json").stdout
+    )
+    assert ping["ok"] is True
 
 
 def test_ping_unreachable_peer_fails_cleanly(daemons: StartDaemon) -> None:
