@@ -163,6 +163,9 @@ class ChaosConfig:
     """Seconds the link is slowed (both ways), drawn uniformly."""
     link_mbit: tuple[float, float] = (8.0, 64.0)
     """Its rate while slowed, Mbit/s, drawn uniformly; up to `LINK_QUEUE_MS` queued."""
+    forget_silent: float = 0.0
+    """side_channel.forget_silent_peers of the daemons (0: their default, 600 s, which a
+    run never reaches). A few seconds makes link cuts and freezes forget peers mid-run."""
     workdir: Path | None = None
 
 
@@ -399,6 +402,8 @@ def make_nodes(
         },
         "side_channel": {"handshake_timeout": 2.0},
     }
+    if cfg.forget_silent > 0:
+        common["side_channel"]["forget_silent_peers"] = cfg.forget_silent
 
     def node(key: str, ec_role: str = "") -> Node:
         over = {k: dict(v) for k, v in common.items()}
@@ -761,6 +766,8 @@ class ChaosReport:
     failed_starts: dict[str, int] = field(default_factory=dict)
     """Starts of each daemon that exited before it was ready, tried again (with two hosts:
     restarted while the link was cut, UCX refuses the veth that is down)."""
+    peers_forgotten_silent: int = 0
+    """Peers the daemons forgot as silent, every incarnation (their logs' lines)."""
     workdir: str = ""
     phases_s: dict[str, float] = field(default_factory=dict)
     """Wall seconds of each phase of the run."""
@@ -842,6 +849,7 @@ class ChaosReport:
             "rss": self.rss,
             "stalls_s": self.stalls,
             "failed_starts": self.failed_starts,
+            "peers_forgotten_silent": self.peers_forgotten_silent,
             "phases_s": self.phases_s,
             "workdir": self.workdir,
             "fuzz": self.fuzz,
@@ -1569,6 +1577,10 @@ class Chaos:
         }
         rep.stalls["driver"] = round(sum(b - a for a, b, _ in self.driver_stalls), 2)
         rep.failed_starts = {k: n.failed_starts for k, n in self.nodes.items() if n.failed_starts}
+        rep.peers_forgotten_silent = sum(
+            path.read_bytes().count(b'"peer_silent_forgotten"')
+            for path in self.workdir.glob("*.log")
+        )
 
 
 def _crash_report(dp: DaemonProc) -> str:
@@ -1705,6 +1717,9 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     if rep.failed_starts:
         starts = ", ".join(f"{k.upper()} {v}" for k, v in rep.failed_starts.items())
         rows.append(("daemon starts that failed, tried again (as systemd does)", starts))
+    if rep.peers_forgotten_silent:
+        forgot = str(rep.peers_forgotten_silent)
+        rows.append(("peers forgotten as silent (every incarnation)", forgot))
     if rep.fuzz:
         rows.append(("frames fuzzed", f"{rep.fuzz.get('frames', 0):,}"))
         rows.append(("daemon crashes under fuzzing", str(rep.fuzz.get("crashes", 0))))

@@ -504,6 +504,15 @@ def chaos(
             "UCX over TCP; needs root); the link is cut and slowed too.",
         ),
     ] = False,
+    forget_silent_peers: Annotated[
+        float,
+        typer.Option(
+            help="side_channel.forget_silent_peers of the daemons, seconds (0: their "
+            "default, which a run never reaches; a few seconds makes cuts and freezes "
+            "forget peers mid-run).",
+            min=0.0,
+        ),
+    ] = 0.0,
 ) -> None:
     """Four daemons under load (KV transfers, encoder outputs, KV tier stores and loads)
     while daemons and engines are killed, stopped, starved of CPU
@@ -521,6 +530,7 @@ def chaos(
         reap=reap,
         fuzz_frames=fuzz_frames if fuzz else 0,
         two_hosts=two_hosts,
+        forget_silent=forget_silent_peers,
     )
     raise typer.Exit(run_chaos(cfg, as_json, err if as_json else console))
 

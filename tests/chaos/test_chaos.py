@@ -24,7 +24,15 @@ import pytest
 from rich.console import Console
 
 from kvd import cpulimit, netns
-from kvd.chaos import Chaos, ChaosConfig, ChaosReport, Node, print_report, rss_flat
+from kvd.chaos import (
+    Chaos,
+    ChaosConfig,
+    ChaosReport,
+    Node,
+    make_nodes,
+    print_report,
+    rss_flat,
+)
 
 # the chaos run kills, freezes and restarts daemons and engines, and counts what they leave
 pytestmark = pytest.mark.serial
@@ -112,6 +120,22 @@ def test_rss_flat_judges_growth_beyond_the_tolerance_only() -> None:
     assert ok and out["a"]["flat"] and out["b"]["flat"] and not out["c"]["judged"], out
     out, ok = rss_flat({"a": _node(grows)})
     assert not ok and out["a"]["flat"] is False, out
+
+
+def test_the_daemons_forget_silent_peers_as_told(tmp_path: Path) -> None:
+    """`kvd chaos --forget-silent-peers S` sets the daemons' window (0 keeps their
+    default), and the report counts the forgetting in every incarnation's log."""
+    nodes = make_nodes(tmp_path, ChaosConfig(forget_silent=4.0))
+    assert {n.overrides["side_channel"]["forget_silent_peers"] for n in nodes.values()} == {4.0}
+    nodes = make_nodes(tmp_path, ChaosConfig())
+    assert not any("forget_silent_peers" in n.overrides["side_channel"] for n in nodes.values())
+    r = ChaosReport(0, 1.0)
+    r.peers_forgotten_silent = 3
+    assert r.as_dict()["peers_forgotten_silent"] == 3
+    console = Console(width=200, record=True)
+    print_report(r, console)
+    row = next(x for x in console.export_text().splitlines() if "forgotten as silent" in x)
+    assert row.split("│")[2].strip() == "3", row
 
 
 def test_a_broken_invariant_fails_the_report() -> None:
