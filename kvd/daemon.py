@@ -46,6 +46,7 @@ from kvd.config import Config, resolve_agent_name, resolve_socket_path
 from kvd.core.peersession import Keyring
 from kvd.core.readpath import local_reach
 from kvd.core.receiver import push_hold_bound
+from kvd.core.silence import LastSigns
 from kvd.core.trace import StageTrace
 from kvd.drain import Drain
 from kvd.logs import RejectLog
@@ -108,9 +109,9 @@ class Daemon:
             handshake_bytes=cfg.limits.handshake_bytes,
             tiers=self.tiers_box,
         )
-        self.heard: dict[str, float] = {}
-        """Agent -> when a notification of it last came (the notifier writes it, the
-        registrar reads it: `side_channel.forget_silent_peers`)."""
+        self.signs = LastSigns()
+        """Peers' signs of life: the notifier notes their notifications, the registrar
+        their side channels' answers, and forgets the silent ones (`kvd.core.silence`)."""
         self.registrar = Registrar(
             engine=self.engine,
             mailbox=self.registrar_box,
@@ -119,7 +120,7 @@ class Daemon:
             lease_duration=cfg.transfer.kv_lease_duration,
             handshake_timeout=cfg.side_channel.handshake_timeout,
             forget_silent=cfg.side_channel.forget_silent_peers,
-            heard=self.heard,
+            signs=self.signs,
             # the adapter's settle bound is the transfer timeout (see the engines above)
             write_bound=push_hold_bound(
                 cfg.transfer.kv_lease_duration,
@@ -234,7 +235,7 @@ class Daemon:
             budget=self.sender.proto.budget,
             transport=self.engine,
             notif_bytes=cfg.limits.notif_bytes,
-            heard=self.heard,
+            signs=self.signs,
         )
         self.gateway = Gateway(
             socket_path=self.socket_path,

@@ -54,6 +54,7 @@ from kvd.actors.transfers import Transport
 from kvd.core.limits import PendingBudget, Reservation, SharedBudget, message_cost, record_cost
 from kvd.core.peersession import AuthRefusal, Keyring
 from kvd.core.ratelimit import RateLimiter
+from kvd.core.silence import LastSigns
 from kvd.core.trace import NO_TRACE, StageTrace, trace_key
 from kvd.logs import RejectLog
 
@@ -83,7 +84,7 @@ class Notifier:
         budget: PendingBudget | None = None,
         transport: Transport | None = None,
         notif_bytes: int = 64 << 20,
-        heard: dict[str, float] | None = None,
+        signs: LastSigns | None = None,
     ) -> None:
         """`budget`: the sender machine's pending budget, charged here for registrations
         and pulls (None: the sender charges what it keeps, nothing bounds its mailbox);
@@ -102,10 +103,10 @@ class Notifier:
         self.clock = clock
         self.budget = budget
         self.transport = transport
-        self.heard = heard
-        """Agent -> when (our clock) a notification of it last decoded (and, with a secret,
-        proved authentic): the registrar does not forget a peer that still talks to us
-        while its side channel is silent (`side_channel.forget_silent_peers`)."""
+        self.signs = signs
+        """Where every notification that decoded (and, with a secret, proved authentic) is
+        noted as its agent's sign of life: the registrar does not forget a peer that
+        still talks to us while its side channel is silent (`kvd.core.silence`)."""
         self.heartbeat_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
         """Heartbeats decoded and waiting for the sender."""
         self.notice_bytes = SharedBudget(notif_bytes, name="limits.notif_bytes")
@@ -158,8 +159,8 @@ class Notifier:
                 error=exc.message,
             )
             return
-        if self.heard is not None:
-            self.heard[agent] = now
+        if self.signs is not None:
+            self.signs.note(agent, now)
         try:
             if isinstance(msg, wire.Probe):
                 self.registrar.post(ProbeReceived(agent, msg))

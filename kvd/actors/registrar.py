@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
-import math
 import os
 import random
 import time
@@ -102,6 +101,7 @@ from kvd.core.peersession import Keyring, Party, derive_session
 from kvd.core.planner import Geometry
 from kvd.core.readpath import Reach, native_reads
 from kvd.core.receiver import MAX_WRITE_BOUND
+from kvd.core.silence import LastSigns
 from kvd.core.timeline import ClockOffset, best, check_answer, estimate, make_query
 from kvd.core.topology import check_region
 from kvd.core.trace import NO_TRACE, Found, StageTrace
@@ -221,16 +221,14 @@ class Registrar:
         ucx_tls: str = "",
         pull_by: str = "auto",
         forget_silent: float = 0.0,
-        heard: dict[str, float] | None = None,
+        signs: LastSigns | None = None,
     ) -> None:
         self.engine = engine
         self.forget_silent = forget_silent
         """`side_channel.forget_silent_peers` (0: never; `_check_peers`)."""
-        self._silent_since: dict[str, float] = {}
-        """Peers whose side channel did not answer the last check: since when."""
-        self.heard = heard if heard is not None else {}
-        """The notifier's: agent -> when a notification of it last came (a peer heard
-        from within `forget_silent` is not forgotten, whatever its side channel)."""
+        self.signs = signs if signs is not None else LastSigns()
+        """Peers' signs of life (shared with the notifier, which notes their
+        notifications; we note their side channels' answers: `kvd.core.silence`)."""
         self.pull_by = pull_by
         """`transfer.pull_by`: `kvd ping` asks for the peer's canary by its WRITE where our
         READ would be emulated (`kvd.core.readpath`), as pulls do."""
@@ -343,26 +341,22 @@ class Registrar:
         every = min(60.0, self.forget_silent / 10)
         while True:
             await anyio.sleep(every)
-            now = self.clock.now()
-            for agent in [a for a in self._silent_since if a not in self.peers]:
-                del self._silent_since[agent]
-            for agent in [a for a in self.heard if a not in self.peers]:
-                del self.heard[agent]  # (agents we do not know: nothing to judge)
+            self.signs.retain(self.peers)
             async with anyio.create_task_group() as tg:  # (a silent one takes a timeout)
                 for agent, p in list(self.peers.items()):
-                    tg.start_soon(self._check_peer, agent, p.info, now)
+                    tg.start_soon(self._check_peer, agent, p.info)
 
-    async def _check_peer(self, agent: str, info: PeerInfo, now: float) -> None:
+    async def _check_peer(self, agent: str, info: PeerInfo) -> None:
         try:
             answer, _ = await self._exchange(info.host, info.port, (), samples=1)
         except Exception:  # (any failure is silence; it is logged when forgotten)
             answer = None
-        talks = self.clock.now() - self.heard.get(agent, -math.inf) < self.forget_silent
-        if (answer is not None and answer.agent_name == agent) or (answer is None and talks):
-            self._silent_since.pop(agent, None)
-            return
-        since = self._silent_since.setdefault(agent, now)
-        if answer is not None or self.clock.now() - since >= self.forget_silent:
+        now = self.clock.now()
+        if answer is not None and answer.agent_name == agent:
+            self.signs.note(agent, now)
+        elif answer is not None or now - self.signs.last(agent, info.handshaked_at) >= (
+            self.forget_silent
+        ):
             other = answer.agent_name if answer is not None else ""
             self.mailbox.post(_PeerSilent(agent, info.handshaked_at, other))
 
@@ -370,7 +364,6 @@ class Registrar:
         p = self.peers.get(msg.agent)
         if p is None or p.info.handshaked_at != msg.handshaked_at:
             return None  # forgotten already, or handshaked again since the check
-        self._silent_since.pop(msg.agent, None)
         self._count("peers_forgotten_silent")
         log.info(
             "peer_silent_forgotten",

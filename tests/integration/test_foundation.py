@@ -176,7 +176,9 @@ def test_a_peer_gone_for_good_is_forgotten_and_the_others_kept(daemons: StartDae
     b.kill()
     _wait(lambda: _peers(a) == ["kvd-c"], "kvd-b forgotten")
     took = time.monotonic() - t0
-    assert took >= 3.0, took  # not before its silence lasted the window
+    # not before its silence lasted the window (counted from its last answer, at most a
+    # check interval, 0.3 s, before the kill)
+    assert took >= 2.6, took
     with KvdClient(a.socket, role="cli") as cl:
         counters = cl.status()["counters"]
     assert counters["peers_forgotten_silent"] == 1
