@@ -1022,30 +1022,27 @@ class ECRouter:
     async def _recv_acks(
         self, producer: tuple[str, int], sock: zmq.asyncio.Socket, scope: anyio.CancelScope
     ) -> None:
-        with scope:
-            await self._recv_acks_until_closed(producer, sock)
-
-    async def _recv_acks_until_closed(
-        self, producer: tuple[str, int], sock: zmq.asyncio.Socket
-    ) -> None:
-        while True:
-            await anyio.lowlevel.checkpoint()  # a ready frame is received without suspending
-            frame = await sock.recv()
-            self.on_input()
-            try:
-                _, msg = wire.decode(frame, self.max_frame)
-            except RemoteProtocolError as exc:
-                self._ack_malformed(producer, type(exc).__name__, exc.message)
-                continue
-            if not isinstance(msg, wire.ECXferAck):
-                self._ack_malformed(producer, "not_an_ack", f"{type(msg).__name__} is not an ack")
-                continue
-            if self.trace.on:
-                self.trace.mark(msg.mm_hash, "ec.ack_received")
-            # Handled here, not posted to our mailbox (measured: the hop cost ~0.1 ms of a
-            # cold fetch): this task is the actor's own, on its loop, and `_fetch_done`
-            # does not await, so it never interleaves with the mailbox's handler.
-            self._fetch_done(msg)
+        with scope:  # (cancelled when the socket is swept: `_sweep_dealers`)
+            while True:
+                await anyio.lowlevel.checkpoint()  # a ready frame is received without suspending
+                frame = await sock.recv()
+                self.on_input()
+                try:
+                    _, msg = wire.decode(frame, self.max_frame)
+                except RemoteProtocolError as exc:
+                    self._ack_malformed(producer, type(exc).__name__, exc.message)
+                    continue
+                if not isinstance(msg, wire.ECXferAck):
+                    self._ack_malformed(
+                        producer, "not_an_ack", f"{type(msg).__name__} is not an ack"
+                    )
+                    continue
+                if self.trace.on:
+                    self.trace.mark(msg.mm_hash, "ec.ack_received")
+                # Handled here, not posted to our mailbox (measured: the hop cost ~0.1 ms of a
+                # cold fetch): this task is the actor's own, on its loop, and `_fetch_done`
+                # does not await, so it never interleaves with the mailbox's handler.
+                self._fetch_done(msg)
 
     def _ack_malformed(self, producer: tuple[str, int], kind: str, why: str) -> None:
         self.rejects.reject(

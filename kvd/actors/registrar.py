@@ -360,10 +360,10 @@ class Registrar:
             other = answer.agent_name if answer is not None else ""
             self.mailbox.post(_PeerSilent(agent, info.handshaked_at, other))
 
-    def _peer_silent(self, msg: _PeerSilent) -> Awaitable[None] | None:
+    async def _peer_silent(self, msg: _PeerSilent) -> None:
         p = self.peers.get(msg.agent)
         if p is None or p.info.handshaked_at != msg.handshaked_at:
-            return None  # forgotten already, or handshaked again since the check
+            return  # forgotten already, or handshaked again since the check
         self._count("peers_forgotten_silent")
         log.info(
             "peer_silent_forgotten",
@@ -372,7 +372,7 @@ class Registrar:
             silent_s=self.forget_silent,
             answered_by=msg.answered or None,
         )
-        return self._forget(msg.agent)
+        await self._forget(msg.agent)
 
     async def _free_retired(self) -> None:
         """Unmap retired regions once their bound passed."""
@@ -444,9 +444,7 @@ class Registrar:
         if isinstance(msg, ClientRequest):
             await self._client(msg)
         elif isinstance(msg, _PeerSilent):
-            forgetting = self._peer_silent(msg)
-            if forgetting is not None:
-                await forgetting
+            await self._peer_silent(msg)
         elif isinstance(msg, _CreatorsGone):
             names = [n for n in msg.names if self._watched.pop(n, None) is not None]
             if names:
