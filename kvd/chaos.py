@@ -66,7 +66,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from kvd_client import wire
@@ -99,7 +99,8 @@ RSS_WARMUP_S: Final = 5.0
 UCX set-up, first peers)."""
 RSS_TOLERANCE_KIB: Final = 24 * 1024
 """Growth allowed between the first and the last quarter of an incarnation's samples:
-`rss_flat` holds when max(last quarter) <= max(first quarter) + max(this, 10%)."""
+`rss_flat` holds when the anonymous memory's max(last quarter) <= max(first quarter) +
+max(this, 10%)."""
 DRIVER_STALL: Final = 0.3
 """A gap between two turns of the driver's loop longer than this (seconds) is a stall of
 the driver: what it drains right after waited for it, not for the daemons."""
@@ -172,6 +173,22 @@ class ChaosConfig:
 # ------------------------------------------------------------------ daemons
 
 
+class RssSample(NamedTuple):
+    """One sample of a daemon's memory (`rss_kib`)."""
+
+    incarnation: int
+    at: float
+    """monotonic time"""
+    total_kib: int
+    """VmRSS"""
+    anon_kib: int
+    """RssAnon: the heap, stacks and private mappings (what a leak of objects grows)"""
+    shmem_kib: int
+    """RssShmem: pages of shared memory the daemon mapped and touched (engines' regions,
+    its staging and tier pools): grows as a new incarnation first touches them, bounded
+    by what it maps"""
+
+
 @dataclass
 class Node:
     """One daemon, started again on the same socket and ports after each kill."""
@@ -195,8 +212,7 @@ class Node:
     bounds still hold."""
     limit: CpuLimit | None = None
     """The CPU limit it is held to now (a "starve" fault), if any."""
-    rss: list[tuple[int, float, int]] = field(default_factory=list)
-    """(incarnation, monotonic time, VmRSS KiB) samples."""
+    rss: list[RssSample] = field(default_factory=list)
     started_at: float = 0.0
     failed_starts: int = 0
     """Starts that exited before the daemon was ready (tried again, as systemd does)."""
@@ -308,9 +324,10 @@ class Node:
     def sample_rss(self) -> None:
         if self.proc is None or self.proc.proc.poll() is not None:
             return
-        kib = vm_rss_kib(self.proc.proc.pid)
+        kib = rss_kib(self.proc.proc.pid)
         if kib is not None:
-            self.rss.append((self.incarnation, time.monotonic(), kib))
+            total, anon, shmem = kib
+            self.rss.append(RssSample(self.incarnation, time.monotonic(), total, anon, shmem))
 
     def status(self, section: str = "status") -> dict[str, Any]:
         assert self.proc is not None
@@ -346,15 +363,35 @@ def start_all(nodes: list[Node]) -> None:
         raise errors[0]
 
 
-def vm_rss_kib(pid: int) -> int | None:
+def rss_kib(pid: int) -> tuple[int, int, int] | None:
+    """A process's resident memory (VmRSS), its anonymous part (RssAnon: heap, stacks,
+    private mappings) and its shared-memory part (RssShmem) in KiB; None if it is gone."""
+    got: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
+                key = line.split(":", 1)[0]
+                if key in ("VmRSS", "RssAnon", "RssShmem"):
+                    got[key] = int(line.split()[1])
+    except (OSError, ValueError):
         return None
-    return None
+    if "VmRSS" not in got:
+        return None
+    return got["VmRSS"], got.get("RssAnon", got["VmRSS"]), got.get("RssShmem", 0)
+
+
+def deleted_shm_mappings(pid: int) -> list[str]:
+    """The shared-memory files a process still maps although they were removed (`(deleted)`
+    in /proc/<pid>/maps): memory held for a segment nobody can open any more."""
+    names: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                if "/dev/shm/" in line and line.rstrip().endswith("(deleted)"):
+                    names.add(line.split("/dev/shm/", 1)[1].rsplit(" (deleted)", 1)[0])
+    except OSError:
+        return []
+    return sorted(names)
 
 
 def free_port(avoid: set[int]) -> int:
@@ -1380,6 +1417,11 @@ class Chaos:
             if node.proc is not None and (leases := node.status("leases")):
                 out += [f"{node.name}: lease {x['request_id']}" for x in leases["leases"]]
                 out += [f"{node.name}: tracked {x['request_id']}" for x in leases["tracked"]]
+            if node.proc is not None:  # memory kept for a segment that is gone
+                gone = deleted_shm_mappings(node.proc.proc.pid)
+                out += [
+                    f"{node.name}: maps removed segment {n}" for n in gone if n.startswith("kvd")
+                ]
             if key in KV_NAMES:
                 out += self._tier_leaks(node)
             if key in EC_NAMES:
@@ -1604,35 +1646,44 @@ def rss_flat(nodes: dict[str, Node]) -> tuple[dict[str, dict[str, Any]], bool]:
     """Per daemon: its longest-lived incarnation's memory, and whether it stayed flat.
 
     Samples taken in the first `RSS_WARMUP_S` seconds of an incarnation are left out; of
-    the rest, flat means the last quarter's peak exceeds the first quarter's peak by no
-    more than max(RSS_TOLERANCE_KIB, 10%). An incarnation with fewer than 8 such samples
-    is too short to judge."""
+    the rest, flat means the last quarter's peak of anonymous memory (RssAnon: the heap,
+    where a leak of objects or buffers shows) exceeds the first quarter's by no more than
+    max(RSS_TOLERANCE_KIB, 10%). Shared memory (RssShmem) is reported beside it and not
+    judged here: a new incarnation's mappings of engines' regions and its own pools become
+    resident as traffic first touches their pages, up to what it maps (a mapping kept of a
+    segment that is gone is a leak: `deleted_shm_mappings`). An incarnation with fewer
+    than 8 such samples is too short to judge."""
     out: dict[str, dict[str, Any]] = {}
     ok = True
     for key, node in nodes.items():
-        by_inc: dict[int, list[tuple[float, int]]] = {}
+        by_inc: dict[int, list[RssSample]] = {}
         starts: dict[int, float] = {}
-        for inc, t, kib in node.rss:
-            starts.setdefault(inc, t)
-            if t - starts[inc] >= RSS_WARMUP_S:
-                by_inc.setdefault(inc, []).append((t, kib))
+        for x in node.rss:
+            starts.setdefault(x.incarnation, x.at)
+            if x.at - starts[x.incarnation] >= RSS_WARMUP_S:
+                by_inc.setdefault(x.incarnation, []).append(x)
         judged = [s for s in by_inc.values() if len(s) >= 8]
         if not judged:
             out[key] = {"judged": False, "incarnations": node.incarnation}
             continue
         samples = max(judged, key=len)
         q = max(1, len(samples) // 4)
-        first = max(k for _, k in samples[:q])
-        last = max(k for _, k in samples[-q:])
+        head, tail = samples[:q], samples[-q:]
+        first = max(x.anon_kib for x in head)
+        last = max(x.anon_kib for x in tail)
         allowed = max(RSS_TOLERANCE_KIB, first // 10)
         flat = last - first <= allowed
         ok = ok and flat
         out[key] = {
             "judged": True,
             "incarnations": node.incarnation,
-            "seconds": round(samples[-1][0] - samples[0][0], 1),
-            "first_mib": round(first / 1024, 1),
-            "last_mib": round(last / 1024, 1),
+            "seconds": round(samples[-1].at - samples[0].at, 1),
+            "first_mib": round(max(x.total_kib for x in head) / 1024, 1),
+            "last_mib": round(max(x.total_kib for x in tail) / 1024, 1),
+            "anon_first_mib": round(first / 1024, 1),
+            "anon_last_mib": round(last / 1024, 1),
+            "shmem_first_mib": round(max(x.shmem_kib for x in head) / 1024, 1),
+            "shmem_last_mib": round(max(x.shmem_kib for x in tail) / 1024, 1),
             "flat": flat,
         }
     return out, ok
@@ -1726,16 +1777,25 @@ def print_report(rep: ChaosReport, console: Any) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
-    mem = Table(title="daemon memory (longest incarnation, after warm-up)")
-    for col in ("daemon", "incarnations", "seconds", "first MiB", "last MiB", "flat"):
+    mem = Table(
+        title="daemon memory (longest incarnation, after warm-up; first / last quarter's peak)"
+    )
+    cols = ("daemon", "incarnations", "seconds", "RSS MiB", "anonymous MiB", "shared MiB")
+    for col in (*cols, "flat (anonymous)"):
         mem.add_column(col)
+
+    def span(m: dict[str, Any], what: str) -> str:
+        a, b = m.get(f"{what}first_mib"), m.get(f"{what}last_mib")
+        return "-" if a is None else f"{a} / {b}"
+
     for k, m in rep.rss.items():
         mem.add_row(
             k.upper(),
             str(m["incarnations"]),
             str(m.get("seconds", "-")),
-            str(m.get("first_mib", "-")),
-            str(m.get("last_mib", "-")),
+            span(m, ""),
+            span(m, "anon_"),
+            span(m, "shmem_"),
             str(m.get("flat", "not judged")),
         )
     console.print(mem)

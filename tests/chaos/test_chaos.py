@@ -15,8 +15,12 @@ reaping on and checks the daemons removed them.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
+import secrets
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +33,8 @@ from kvd.chaos import (
     ChaosConfig,
     ChaosReport,
     Node,
+    RssSample,
+    deleted_shm_mappings,
     make_nodes,
     print_report,
     rss_flat,
@@ -102,9 +108,13 @@ def _tier_load_ran(rep: ChaosReport) -> None:
     assert rep.tier_blocks_verified > 0 and not rep.tier_wrong
 
 
-def _node(samples: list[tuple[int, float, int]]) -> Node:
+def _node(
+    samples: list[tuple[int, float, int]], shmem: Callable[[float], int] = lambda _: 0
+) -> Node:
+    """A node with made-up samples (incarnation, time, anonymous KiB) and shared memory
+    `shmem(time)` KiB beside them."""
     n = Node("x", Path("/nonexistent"), "", {})
-    n.rss = samples
+    n.rss = [RssSample(i, t, kib + shmem(t), kib, shmem(t)) for i, t, kib in samples]
     n.incarnation = max((s[0] for s in samples), default=0)
     return n
 
@@ -120,6 +130,45 @@ def test_rss_flat_judges_growth_beyond_the_tolerance_only() -> None:
     assert ok and out["a"]["flat"] and out["b"]["flat"] and not out["c"]["judged"], out
     out, ok = rss_flat({"a": _node(grows)})
     assert not ok and out["a"]["flat"] is False, out
+
+
+def test_rss_flat_judges_the_heap_not_shared_pages_first_touched() -> None:
+    """Shared pages that become resident as traffic first touches an incarnation's
+    mappings (here 40 MiB over the run) are reported, not judged; the heap is."""
+    base = 300 * 1024
+    steady = [(1, float(t), base + (t % 3) * 100) for t in range(0, 40)]
+    touched = _node(steady, shmem=lambda t: int(t) * 1024)
+    out, ok = rss_flat({"a": touched})
+    assert ok and out["a"]["flat"], out
+    assert out["a"]["last_mib"] - out["a"]["first_mib"] > 24, out  # the total grew
+    assert out["a"]["shmem_last_mib"] > out["a"]["shmem_first_mib"] + 24, out
+    grows = [(1, float(t), base + t * 2048) for t in range(0, 40)]
+    out, ok = rss_flat({"a": _node(grows, shmem=lambda t: 8 * 1024)})
+    assert not ok and out["a"]["anon_last_mib"] - out["a"]["anon_first_mib"] > 24, out
+
+
+def test_a_mapping_of_a_removed_segment_is_found(tmp_path: Path) -> None:
+    """`deleted_shm_mappings` names a shared-memory file this process maps after it was
+    removed, and only that one."""
+    name = f"kvd-test-{os.getpid()}-{secrets.token_hex(4)}"
+    kept = f"{name}-kept"
+    maps = []
+    try:
+        for n in (name, kept):
+            fd = os.open(f"/dev/shm/{n}", os.O_CREAT | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 1 << 16)
+            maps.append(mmap.mmap(fd, 1 << 16))
+            os.close(fd)
+        assert name not in deleted_shm_mappings(os.getpid())
+        os.unlink(f"/dev/shm/{name}")
+        assert name in deleted_shm_mappings(os.getpid())
+        assert kept not in deleted_shm_mappings(os.getpid())
+    finally:
+        for m in maps:
+            m.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{kept}")
+    assert name not in deleted_shm_mappings(os.getpid())
 
 
 def test_the_daemons_forget_silent_peers_as_told(tmp_path: Path) -> None:
