@@ -140,6 +140,9 @@ class ChaosConfig:
     ec_xfer_timeout: float = 4.0
     fault_gap: tuple[float, float] = (1.0, 3.0)
     """Seconds between two faults, drawn uniformly."""
+    faults: bool = True
+    """False: a soak, the same load and checks with no fault at all (each daemon one
+    incarnation, its memory judged over the whole run)."""
     freeze: tuple[float, float] = (0.3, 2.5)
     """Seconds a SIGSTOPped daemon stays stopped, drawn uniformly."""
     starve: tuple[float, float] = (1.0, 5.0)
@@ -1307,7 +1310,7 @@ class Chaos:
     def _load_and_faults(self) -> None:
         start = time.monotonic()
         end = start + self.cfg.duration
-        next_fault = start + 2.0
+        next_fault = start + 2.0 if self.cfg.faults else float("inf")
         next_sample = start
         while True:
             now = time.monotonic()

@@ -513,6 +513,14 @@ def chaos(
             min=0.0,
         ),
     ] = 0.0,
+    soak: Annotated[
+        bool,
+        typer.Option(
+            "--soak",
+            help="No faults: the same load and checks for --duration seconds, each daemon "
+            "one incarnation (its memory judged over the whole run: a leak keeps growing).",
+        ),
+    ] = False,
 ) -> None:
     """Four daemons under load (KV transfers, encoder outputs, KV tier stores and loads)
     while daemons and engines are killed, stopped, starved of CPU
@@ -531,6 +539,7 @@ def chaos(
         fuzz_frames=fuzz_frames if fuzz else 0,
         two_hosts=two_hosts,
         forget_silent=forget_silent_peers,
+        faults=not soak,
     )
     raise typer.Exit(run_chaos(cfg, as_json, err if as_json else console))
 

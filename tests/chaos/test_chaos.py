@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import random
 import secrets
 from collections import Counter
 from collections.abc import Callable
@@ -214,3 +215,34 @@ def test_a_broken_invariant_fails_the_report() -> None:
         for k, v in change.items():
             setattr(r, k, v)
         assert not r.ok and r.problems(), change
+
+
+def test_a_soak_injects_no_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvd chaos --soak` runs the load with no fault: the CLI asks for it, and the load
+    loop then never picks one (the daemons are sampled as in any run)."""
+    from typer.testing import CliRunner
+
+    import kvd.chaos
+    from kvd.cli import app
+
+    seen: list[ChaosConfig] = []
+    monkeypatch.setattr(kvd.chaos, "run_chaos", lambda cfg, *_: seen.append(cfg) or 0)
+    for args, faults in ((["--soak"], False), ([], True)):
+        got = CliRunner().invoke(app, ["chaos", "--duration", "1", *args])
+        assert got.exit_code == 0, got.output
+        assert seen.pop().faults is faults
+
+    ch = Chaos.__new__(Chaos)  # the load loop alone, on no daemon
+    ch.cfg = ChaosConfig(duration=0.3, faults=False)
+    ch.nodes = {}
+    picked: list[bool] = []
+    monkeypatch.setattr(ch, "_fault", lambda: picked.append(True) or True, raising=False)
+    for name in ("_due", "_unexpected_exits", "_step"):
+        monkeypatch.setattr(ch, name, lambda *_: None, raising=False)
+    ch._load_and_faults()
+    assert not picked
+    ch.cfg = ChaosConfig(duration=2.3, faults=True)
+    ch.first_faults = []
+    ch.rng = random.Random(0)
+    ch._load_and_faults()
+    assert picked  # (the same loop with faults picks one 2 s in)
