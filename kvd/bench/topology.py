@@ -19,6 +19,7 @@ against a memcpy of the same bytes: the conversion's cost is the difference, in 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,7 +86,7 @@ class TopoConfig:
 
 
 def steps(cfg: TopoConfig) -> int:
-    return len(TP_CONTENDERS) + cfg.reps + 1 + cfg.reps
+    return len(TP_CONTENDERS) + cfg.reps + 1 + cfg.reps + 1
 
 
 @dataclass
@@ -259,6 +260,8 @@ def run(env: Env, cfg: TopoConfig, ts: TopoSet, seed: int, progress: Progress) -
         eq_ms = equal["median_ms"]
         tp[name]["serial_bound"] = round(eq_ms / (eq_ms + loc), 3) if eq_ms else 0.0
     conv = _convert(env, cfg, ts, progress)
+    mem = copies_at_once(total, cfg.reps)
+    progress("topology: memory measured")
     return {
         "config": {
             "heads": cfg.heads,
@@ -271,6 +274,49 @@ def run(env: Env, cfg: TopoConfig, ts: TopoSet, seed: int, progress: Progress) -
         },
         "tp": tp,
         "convert": conv,
+        "memory": mem,
+    }
+
+
+def copies_at_once(nbytes: int, reps: int) -> dict[str, Any]:
+    """Whether this host's memory lets two copies overlap: two cold copies of `nbytes`
+    (numpy, which lets go of the GIL) on two threads at once, against the same two in a
+    row. A ratio near 1 means one copy already takes all the memory bandwidth: a staged
+    transfer's local pass cannot hide behind a same-host transfer (itself a copy by the
+    CPU, cma), whatever the cores; only where the transfer is a NIC's or a GPU's work."""
+    span = max(8 * nbytes, 256 << 20)  # far larger than the caches: each copy cold
+    bufs = [np.full(span, i, dtype=np.uint8) for i in range(4)]
+    rng = random.Random(5)
+
+    def copy(src: np.ndarray, dst: np.ndarray) -> None:
+        o = rng.randrange(span // nbytes) * nbytes
+        np.copyto(dst[o : o + nbytes], src[o : o + nbytes])
+
+    def in_a_row() -> float:
+        t0 = time.perf_counter()
+        copy(bufs[0], bufs[1])
+        copy(bufs[2], bufs[3])
+        return time.perf_counter() - t0
+
+    def at_once() -> float:
+        th = threading.Thread(target=copy, args=(bufs[2], bufs[3]))
+        t0 = time.perf_counter()
+        th.start()
+        copy(bufs[0], bufs[1])
+        th.join()
+        return time.perf_counter() - t0
+
+    row: list[float] = []
+    once: list[float] = []
+    for _ in range(max(5, 2 * reps)):
+        row.append(in_a_row())
+        once.append(at_once())
+    a, b = median(row), median(once)
+    return {
+        "bytes": nbytes,
+        "in_a_row_ms": round(a * 1e3, 3),
+        "at_once_ms": round(b * 1e3, 3),
+        "at_once_vs_in_a_row": round(b / a, 3) if a else 0.0,
     }
 
 

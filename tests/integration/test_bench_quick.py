@@ -179,6 +179,12 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert topo["convert"]["bytes"] >= 32 << 20
     for name in topology.CONVERT:
         _positive(topo["convert"][name]["median_ms"], f"conversion {name}")
+    mem = topo["memory"]  # two cold copies at once against in a row, on this host
+    for key in ("in_a_row_ms", "at_once_ms"):
+        _positive(mem[key], f"memory {key}")
+    assert mem["at_once_vs_in_a_row"] == pytest.approx(
+        mem["at_once_ms"] / mem["in_a_row_ms"], abs=2e-3
+    )
     lw = sc["layerwise"]
     assert lw["layers"] == 32 and lw["reps"] > 0
     for key in ("layerwise", "whole"):
@@ -194,6 +200,7 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
     assert "TP 8->4 push / equal TP" in {t["target"] for t in targets}
+    assert "TP 8->4 pull: (equal TP + its local pass) / its time" in {t["target"] for t in targets}
     assert "idle daemon CPU" in {t["target"] for t in targets}
     names = {t["target"] for t in targets}
     assert {f"control {op} {q}" for op in ("push", "pull") for q in ("p50", "p99")} <= names
