@@ -26,7 +26,6 @@ from __future__ import annotations
 from bisect import insort
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Final
 
 import numpy as np
@@ -295,17 +294,6 @@ def shifted(plan: Plan, base: int) -> Plan:
     return Plan(la, plan.remote_addrs, plan.lengths)
 
 
-def _runs(blocks: Int64Array, per_run: int) -> list[tuple[int, int]]:
-    """(start, end) positions of runs of consecutive block ids, at most `per_run` long."""
-    n = int(blocks.shape[0])
-    cuts = np.flatnonzero(np.diff(blocks) != 1) + 1
-    edges = [0, *cuts.tolist(), n]
-    out: list[tuple[int, int]] = []
-    for lo, hi in pairwise(edges):
-        out.extend((s, min(s + per_run, hi)) for s in range(lo, hi, per_run))
-    return out
-
-
 def _folded(
     inner: tuple[int, ...], src: tuple[int, ...], dst: tuple[int, ...], item: int
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]:
@@ -347,16 +335,15 @@ def scatter(slot: npt.NDArray[np.uint8], dst: npt.NDArray[np.uint8], job: Scatte
     block_bytes = job.layers * job.parts * job.tokens * job.heads * job.head_bytes
     per_run = max(1, RUN_BYTES // block_bytes)
     head0 = job.d_head * ds[4]
-    for lo, hi in _runs(job.blocks, per_run):
-        first = int(job.blocks[lo])
-        out = np.ndarray(
-            (hi - lo, *inner),
-            item,
-            buffer=dst,
-            offset=first * ds[0] + head0,
-            strides=(ds[0], *d_in),
-        )
-        out[...] = src[lo:hi]
+    # D's region as an array of blocks (those whose pattern lies inside it): the staged
+    # blocks go out through an index on the block axis, `per_run` at a time, one numpy
+    # call each, instead of one call per run of consecutive blocks (scattered blocks:
+    # one per block, 1.2 us of Python each, ~25 % of a scatter of 32 KiB pieces here)
+    reach = head0 + sum((k - 1) * x for k, x in zip(inner, d_in, strict=True)) + size
+    nblk = (dst.shape[0] - reach) // ds[0] + 1 if dst.shape[0] >= reach else 0
+    out = np.ndarray((nblk, *inner), item, buffer=dst, offset=head0, strides=(ds[0], *d_in))
+    for lo in range(0, n, per_run):
+        out[job.blocks[lo : lo + per_run]] = src[lo : lo + per_run]
 
 
 class StagingPool:
