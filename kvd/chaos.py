@@ -141,8 +141,9 @@ class ChaosConfig:
     fault_gap: tuple[float, float] = (1.0, 3.0)
     """Seconds between two faults, drawn uniformly."""
     faults: bool = True
-    """False: a soak, the same load and checks with no fault at all (each daemon one
-    incarnation, its memory judged over the whole run)."""
+    """False: a soak, the same load and checks with no fault during the load (each daemon
+    one incarnation, its memory judged over the whole run); the settle still SIGKILLs the
+    victim engines, as in every run, for the leak checks."""
     freeze: tuple[float, float] = (0.3, 2.5)
     """Seconds a SIGSTOPped daemon stays stopped, drawn uniformly."""
     starve: tuple[float, float] = (1.0, 5.0)

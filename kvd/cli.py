@@ -517,8 +517,9 @@ def chaos(
         bool,
         typer.Option(
             "--soak",
-            help="No faults: the same load and checks for --duration seconds, each daemon "
-            "one incarnation (its memory judged over the whole run: a leak keeps growing).",
+            help="No faults under the load: the same load and checks for --duration seconds, "
+            "each daemon one incarnation (its memory judged over the whole run: a leak keeps "
+            "growing); the victim engine is still SIGKILLed at the end, as in every run.",
         ),
     ] = False,
 ) -> None:
