@@ -336,6 +336,9 @@ HETERO_TP_GOAL = 0.9
 """Heterogeneous TP moves the same bytes at >= this fraction of the equal-TP rate."""
 CONVERT_GOAL = 1.5
 """A layout conversion costs at most this many memcpys of the request."""
+SATURATED = 0.85
+"""Two copies at once taking at least this share of the time of the same two in a row:
+one copy already takes this host's memory bandwidth (`copies_at_once`)."""
 PASS_BOUND_GOAL = 0.9
 """A staged heterogeneous-TP transfer takes at most 1/this of the equal-TP transfer plus
 its local pass: what kvd adds beyond the pass a host whose memory one copy saturates
@@ -428,7 +431,7 @@ def topology_table(topo: dict[str, Any]) -> Table:
             + (
                 ": one copy saturates it, so a same-host transfer (a copy by the CPU) "
                 "leaves the pass no bandwidth to overlap with"
-                if mem["at_once_vs_in_a_row"] >= 0.85
+                if mem["at_once_vs_in_a_row"] >= SATURATED
                 else ": copies can overlap here"
             )
             + ")"

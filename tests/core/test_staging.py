@@ -5,6 +5,8 @@ slot allocator hands out, frees and quarantines each slot exactly once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -178,3 +180,27 @@ def test_pool_hands_out_frees_and_quarantines_each_slot_once() -> None:
         "allocated": 4,
     }
     assert pool.alloc(10 * ALIGN) == 0  # the free ranges merged again
+
+
+def test_a_scatter_refuses_a_block_outside_d_region() -> None:
+    """A scatter naming a D block before the first or past the last of D's region raises
+    (an index on the block axis would take a negative one from the end) and writes
+    nothing of D's."""
+    spec = spec_of(8, head_size=4)
+    ps, ds = Side(tp=4, kv_layout="HND"), Side(tp=2, kv_layout="HND")
+    rng = np.random.default_rng(3)
+    p_views, _, d_views, d_bufs, _, pb, db = request_case(spec, ps, ds, 2, 2, rng)
+    rp = plan_request(p_views, pb, d_views, db, local_is_p=False)
+    staged = plan_staged(p_views, pb, d_views, db, rp.pairs, rp, always=True)
+    assert staged is not None and staged.scatters
+    job = staged.scatters[0]
+    slot = np.ones(staged.nbytes, dtype=np.uint8)
+    before = d_bufs[job.d].copy()
+    for bad in (-1, ds.num_blocks):
+        blocks = job.blocks.copy()
+        blocks[-1] = bad
+        with pytest.raises(IndexError):
+            scatter(slot, d_bufs[job.d], dataclasses.replace(job, blocks=blocks))
+        if bad < 0:
+            assert np.array_equal(d_bufs[job.d], before)
+    scatter(slot, d_bufs[job.d], job)  # the job as planned goes through
