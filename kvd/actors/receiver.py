@@ -51,6 +51,7 @@ from kvd.actors.messages import (
 )
 from kvd.actors.transfers import (
     DRAIN_LISTED,
+    Running,
     SettleWatch,
     TransferActor,
     Transport,
@@ -280,7 +281,7 @@ class Receiver(TransferActor):
         elif isinstance(eff, proto.SendFor):
             self._send_for(eff)
         elif isinstance(eff, proto.PostRead):
-            self._spawn(self._read, eff)
+            self._read(eff)
         elif isinstance(eff, proto.Beat):
             self._spawn(self._reach, eff.peer, wire.Heartbeat(eff.hb_ids), len(eff.hb_ids))
         elif isinstance(eff, proto.ProbePeer):
@@ -512,35 +513,72 @@ class Receiver(TransferActor):
 
         self.transport.post_notif(eff.agent, wire.encode(eff.record), done, rid)
 
-    async def _read(self, eff: proto.PostRead) -> None:
+    def _read(self, eff: proto.PostRead) -> None:
+        """READ a request's blocks from P. Straight into D's blocks: handed to the NIXL
+        thread in this turn of the loop (as P's WRITE: `Sender._write`), a task waiting
+        for its end; a READ that may go through a staging slot (`_staged_read`, which may
+        wait for the staging area) is carried out by a task from the start."""
         view = eff.view
         assert isinstance(view, _View)
-        direct = False
+        if view.staged is not None:
+            self._spawn(self._read_staged, eff)
+            return
         watch = SettleWatch()
         try:
-            if view.staged is None or not await self._staged_read(eff.request_id, eff.agent, view):
-                if not view.plans and view.replan is not None:  # staged whole, but no slot
-                    view.plans.extend(view.replan().plans)  # (its permutes are in the view)
-                direct = True  # straight into D's blocks
-                await self.book.run(
-                    "READ",
-                    eff.request_id,
-                    eff.agent,
-                    view.local,
-                    view.remote,
-                    view.plans,
-                    view.notifs,
-                    watch,
-                )
-                direct = False
-                jobs = [job for group in view.permutes.values() for job in group]
-                view.permutes.clear()
-                if jobs:
-                    await self._permute(jobs)
+            run = self._start_direct(eff, view, watch)
+        except KvdError as exc:
+            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
+            return
+        self._spawn(self._read_landed, eff, view, run, watch)
+
+    def _start_direct(self, eff: proto.PostRead, view: _View, watch: SettleWatch) -> Running:
+        if not view.plans and view.replan is not None:  # staged whole, but no slot
+            view.plans.extend(view.replan().plans)  # (its permutes are in the view)
+        return self.book.start(
+            "READ",
+            eff.request_id,
+            eff.agent,
+            view.local,
+            view.remote,
+            view.plans,
+            view.notifs,
+            watch,
+        )
+
+    async def _read_staged(self, eff: proto.PostRead) -> None:
+        """`_read` through a staging slot, or straight into D's blocks where it has none."""
+        view = eff.view
+        assert isinstance(view, _View)
+        if await self._staged_read_or_fail(eff, view):
+            return
+        watch = SettleWatch()
+        try:
+            run = self._start_direct(eff, view, watch)
+        except KvdError as exc:
+            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
+            return
+        await self._read_landed(eff, view, run, watch)
+
+    async def _staged_read_or_fail(self, eff: proto.PostRead, view: _View) -> bool:
+        """True once the staged READ ran (its outcome sent), or failed (outcome sent)."""
+        try:
+            if await self._staged_read(eff.request_id, eff.agent, view):
+                self._outcome(proto.ReadDone(eff.request_id))
+                return True
+        except KvdError as exc:
+            # into a staging slot (quarantined by the staging area when still in flight)
+            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
+            return True
+        return False
+
+    async def _read_landed(
+        self, eff: proto.PostRead, view: _View, run: Running, watch: SettleWatch
+    ) -> None:
+        """Waits for the end of a READ straight into D's blocks; permutes them into D's
+        token layout where the pair needs it; answers the machine."""
+        try:
+            await self.book.finish(run)
         except Unsettled as exc:
-            if not direct:  # into a staging slot (quarantined by the staging area)
-                self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
-                return
             # still in flight in UCX: it may write into our blocks, which stay held
             self._outcome(proto.ReadDone(eff.request_id, exc, unsettled=True))
             await watch.wait()
@@ -548,6 +586,14 @@ class Receiver(TransferActor):
             return
         except KvdError as exc:
             # lost under a posted READ: fail; a stale view when posting: handshake again
+            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
+            return
+        try:
+            jobs = [job for group in view.permutes.values() for job in group]
+            view.permutes.clear()
+            if jobs:
+                await self._permute(jobs)
+        except KvdError as exc:
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
             return
         self._outcome(proto.ReadDone(eff.request_id))

@@ -50,6 +50,7 @@ from kvd.actors.messages import (
 )
 from kvd.actors.transfers import (
     DRAIN_LISTED,
+    Running,
     SettleWatch,
     TransferActor,
     Transport,
@@ -298,6 +299,8 @@ class Sender(TransferActor):
                 ),
                 now,
             )
+            if self.trace.on:
+                self._mark(entry.request_id, "layers_fed")
 
     def _reject_layers(self, exc: KvdError, request_id: str = "") -> None:
         self.rejects.reject(
@@ -346,7 +349,7 @@ class Sender(TransferActor):
         elif isinstance(eff, proto.PostWrite):
             if self.trace.on:
                 self._mark(eff.key, "claimed")
-            self._spawn(self._write, eff, time.monotonic() + self.post_fence)
+            self._write(eff, time.monotonic() + self.post_fence)
         elif isinstance(eff, proto.PostLayers):
             self._layer_posts.append(eff)  # posted, coalesced, at the end of the turn
         else:
@@ -392,7 +395,12 @@ class Sender(TransferActor):
         """D's regions as its registration names them, if the view we hold fits."""
         return _fits(self.peers.get(agent), msg)
 
-    async def _write(self, eff: proto.PostWrite, post_by: float) -> None:
+    def _write(self, eff: proto.PostWrite, post_by: float) -> None:
+        """WRITE a request's blocks into D's. By the direct plans, planned and handed to
+        the NIXL thread in this turn of the loop (as `_write_layers`; the control bench's
+        stage trace had the WRITE handed over ~180 us after the turn that claimed it when
+        a task did it), a task waiting for its end; a push gathered on P first (`_gather`,
+        which may wait for the staging area) is carried out by a task from the start."""
         reg = eff.registration
         watch = SettleWatch()
         try:
@@ -413,6 +421,70 @@ class Sender(TransferActor):
                 wire.encode(wire.PushDone(reg.request_id, i, True, 0, ""))
                 for i in range(len(transfer_groups(locs, rems)))
             ]
+            if self._may_gather(local, remote, how, reg.block_ids):
+                self._spawn(self._write_gathered, eff, local, remote, how, notifs, watch, post_by)
+                return
+            if not isinstance(how, RequestPlan):  # a template, whose gather does not pay
+                how = plan_any(
+                    local, eff.p_blocks, remote, reg.block_ids, local_is_p=True, num_tokens=tokens
+                )
+            run = self.book.start(
+                "WRITE",
+                eff.key,
+                eff.agent,
+                locs,
+                rems,
+                list(how.plans),
+                notifs,
+                watch,
+                post_by=post_by,
+            )
+        except KvdError as exc:
+            self._outcome(proto.WriteDone(eff.key, exc))
+            return
+        self._spawn(self._write_landed, eff, run, watch, len(notifs))
+
+    async def _write_landed(
+        self, eff: proto.PostWrite, run: Running, watch: SettleWatch, transfers: int
+    ) -> None:
+        """Waits for the end of `_write`'s WRITE and answers the machine."""
+        try:
+            await self.book.finish(run)
+        except Unsettled as exc:
+            await self._write_unsettled(eff, exc, watch)
+            return
+        except KvdError as exc:
+            self._outcome(proto.WriteDone(eff.key, exc))
+            return
+        log.debug("push_done", request_id=eff.key, peer=eff.agent)
+        self._outcome(proto.WriteDone(eff.key, transfers=transfers))
+
+    async def _write_unsettled(
+        self, eff: proto.PostWrite, exc: Unsettled, watch: SettleWatch
+    ) -> None:
+        # still in flight in UCX: no word to D until it ends (D holds its blocks). The
+        # adapter does not say whether it landed then: it is failed (if it landed, D
+        # had its PushDone(ok) with the bytes, and this answer comes late)
+        self._outcome(proto.WriteDone(eff.key, exc, unsettled=True))
+        await watch.wait()
+        self._outcome(proto.WriteSettled(eff.key, exc))
+
+    async def _write_gathered(
+        self,
+        eff: proto.PostWrite,
+        local: list[LocalRegion],
+        remote: list[RemoteRegion],
+        how: GatherTemplate | RequestPlan,
+        notifs: list[bytes],
+        watch: SettleWatch,
+        post_by: float,
+    ) -> None:
+        """`_write` of a push that may be gathered on P: by the gather if the staging area
+        has a slot, else by the direct plans."""
+        reg = eff.registration
+        locs = [local[x.p] for x in how.pairs]
+        rems = [remote[x.d] for x in how.pairs]
+        try:
             staged = await self._gather(
                 eff.key, local, remote, how, eff.p_blocks, reg.block_ids, len(notifs)
             )
@@ -426,7 +498,7 @@ class Sender(TransferActor):
                         remote,
                         reg.block_ids,
                         local_is_p=True,
-                        num_tokens=tokens,
+                        num_tokens=_num_tokens(eff.p_tokens, reg.num_tokens),
                     )
                 await self.book.run(
                     "WRITE",
@@ -440,12 +512,7 @@ class Sender(TransferActor):
                     post_by=post_by,
                 )
         except Unsettled as exc:
-            # still in flight in UCX: no word to D until it ends (D holds its blocks). The
-            # adapter does not say whether it landed then: it is failed (if it landed, D
-            # had its PushDone(ok) with the bytes, and this answer comes late)
-            self._outcome(proto.WriteDone(eff.key, exc, unsettled=True))
-            await watch.wait()
-            self._outcome(proto.WriteSettled(eff.key, exc))
+            await self._write_unsettled(eff, exc, watch)
             return
         except KvdError as exc:
             self._outcome(proto.WriteDone(eff.key, exc))
@@ -465,14 +532,19 @@ class Sender(TransferActor):
         post_by = time.monotonic() + self.post_fence
         for effs in groups.values():
             for i in range(0, len(effs), MAX_COALESCED):
-                self._spawn(self._write_layers, effs[i : i + MAX_COALESCED], post_by)
+                self._write_layers(effs[i : i + MAX_COALESCED], post_by)
 
-    async def _write_layers(self, effs: list[proto.PostLayers], post_by: float) -> None:
+    def _write_layers(self, effs: list[proto.PostLayers], post_by: float) -> None:
         """One WRITE of several requests' layers into the same D regions (agent, and each
         region's generation): every rank pair of every request, as one NIXL transfer per
         group of pairs (`transfer_groups`), each carrying the LayersPushed that names all
         the requests' layers in it. A request whose ranks cannot be cut by layer (a
-        permute on receive, other layer counts) is answered `unsupported`, unwritten."""
+        permute on receive, other layer counts) is answered `unsupported`, unwritten.
+
+        Planned and handed to the NIXL thread in this turn of the loop (a task spawned to
+        do it would run only after what else the loop has to do: the last layer's WRITE
+        waited 110-230 us behind P's `finished` in the layer-wise bench); a task waits for
+        its end (`_layers_landed`)."""
         head = effs[0]
         try:
             local = self._local_ranks(head.engine_id)
@@ -522,13 +594,25 @@ class Sender(TransferActor):
             )
             for g in range(groups)
         ]
-        error: KvdError | None = None
         watch = SettleWatch()
         try:
             rid = f"{head.key}/l{head.first}-{head.end}"
-            await self.book.run(
+            run = self.book.start(
                 "WRITE", rid, head.agent, locs, rems, plans, notifs, watch, post_by=post_by
             )
+        except KvdError as exc:
+            for eff in going:
+                self._outcome(proto.LayersWritten(eff.key, eff.first, eff.end, exc))
+            return
+        self._spawn(self._layers_landed, going, run, watch)
+
+    async def _layers_landed(
+        self, going: list[proto.PostLayers], run: Running, watch: SettleWatch
+    ) -> None:
+        """Waits for the end of `_write_layers`' WRITE and answers each request of it."""
+        error: KvdError | None = None
+        try:
+            await self.book.finish(run)
         except Unsettled as exc:
             # still in flight in UCX: the stream must not tell D it ended (D would free
             # its blocks) until the WRITE ends; past the machine's unsettled bound it ends
@@ -601,6 +685,22 @@ class Sender(TransferActor):
         self._count("gather_templates_made" if t is not None else "gather_templates_none")
         return t
 
+    def _may_gather(
+        self,
+        local: list[LocalRegion],
+        remote: list[RemoteRegion],
+        how: RequestPlan | GatherTemplate,
+        d_blocks: tuple[int, ...],
+    ) -> bool:
+        """Whether a push may be gathered on P (`_gather`'s checks before it waits for
+        anything): host memory on both sides, a staging area, and a gather that pays."""
+        if self.staging is None or not how.pairs:
+            return False
+        if any(r.mem_type != "DRAM" for r in local) or any(r.mem_type != "DRAM" for r in remote):
+            return False
+        # decided here: no worker thread to plan a gather that cannot pay
+        return worth_gathering(_direct_descriptors(how, d_blocks), _slot_bytes(how, d_blocks))
+
     async def _gather(
         self,
         key: str,
@@ -619,19 +719,10 @@ class Sender(TransferActor):
         Returns None (nothing done: the caller WRITEs by the direct plans) where it does
         not pay, memory is not all host memory, there is no staging or no slot free."""
         staging = self.staging
-        if staging is None or not how.pairs:
+        if staging is None or not self._may_gather(local, remote, how, d_blocks):
             return None
-        if any(r.mem_type != "DRAM" for r in local) or any(r.mem_type != "DRAM" for r in remote):
-            return None
-        if isinstance(how, RequestPlan):
-            rp = how
-            direct = sum(p.descriptors for p in rp.plans)
-            nbytes = sum(p.total_bytes for p in rp.plans)  # what a gather's slot holds
-        else:
-            direct = how.per_block * len(d_blocks)
-            nbytes = how.slot_bytes(len(d_blocks))
-        if not worth_gathering(direct, nbytes):
-            return None  # decided here: no worker thread to plan a gather that cannot pay
+        nbytes = _slot_bytes(how, d_blocks)
+        direct = _direct_descriptors(how, d_blocks)
         if not await self._staging_ready(staging, key):
             return None
         pool = staging.pool
@@ -943,3 +1034,17 @@ def _bytes_of(region: LocalRegion) -> npt.NDArray[np.uint8]:
     g = region.geometry
     raw = (ctypes.c_uint8 * g.nbytes).from_address(g.base_addr)
     return np.ctypeslib.as_array(raw)
+
+
+def _slot_bytes(how: RequestPlan | GatherTemplate, d_blocks: tuple[int, ...]) -> int:
+    """What a gather's slot holds for a push planned as `how`."""
+    if isinstance(how, RequestPlan):
+        return sum(p.total_bytes for p in how.plans)
+    return how.slot_bytes(len(d_blocks))
+
+
+def _direct_descriptors(how: RequestPlan | GatherTemplate, d_blocks: tuple[int, ...]) -> int:
+    """The descriptors of a push planned as `how` written by its direct plans."""
+    if isinstance(how, RequestPlan):
+        return sum(p.descriptors for p in how.plans)
+    return how.per_block * len(d_blocks)

@@ -24,11 +24,12 @@ transport is passed the request id to record its own under (`nixl.*`).
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Protocol
 
 import anyio
@@ -119,6 +120,26 @@ class Transport(Protocol):
         `time.monotonic()`, 0 = none): the freshness fence: not posted at all
         (TransferError, nothing moved) once it has passed, e.g. after a stall between the
         decision to write and the post."""
+
+    def submit(
+        self,
+        op: str,
+        local: np.ndarray,
+        remote: np.ndarray,
+        peer: str,
+        notif: bytes,
+        timeout: float,
+        nbytes: int,
+        local_mem: str = "DRAM",
+        remote_mem: str = "DRAM",
+        trace_id: str = "",
+        settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
+    ) -> asyncio.Future[XferTiming]:
+        """`transfer` without the wait: handed to the data plane before this returns; the
+        future is what `transfer` would return or raise (it may also raise here, having
+        called `settled`: nothing was posted)."""
 
 
 class Machine(Protocol):
@@ -436,6 +457,59 @@ class TransferActor:
         raise NotImplementedError
 
 
+@dataclass
+class _Group:
+    """One NIXL transfer of a `Running` request (or, with no descriptors, its notification
+    alone)."""
+
+    nbytes: int
+    descriptors: int
+    notif: bytes
+    answer: asyncio.Future[XferTiming] | None = None
+    """The transport's answer, once handed over."""
+    error: KvdError | None = None
+    """The transport refused to post it."""
+    unposted: Callable[[], None] | None = None
+    """Called once the group is over when nothing of it was posted (the transport calls
+    the end of a posted transfer itself)."""
+
+    def settle(self) -> None:
+        done, self.unposted = self.unposted, None
+        if done is not None:
+            done()
+
+    def abandon(self) -> None:
+        """The waiting for it ended early (cancelled): nothing waits on its answer now."""
+        self.settle()
+        ans = self.answer
+        if ans is None:
+            return
+        if not ans.done():
+            ans.cancel()
+        elif not ans.cancelled():
+            ans.exception()  # retrieved: a failure nobody waits for is not logged as lost
+
+
+@dataclass
+class Running:
+    """A request's transfers handed over by `TransferBook.start`, for `finish`."""
+
+    op: str
+    rid: str
+    agent: str
+    rec: dict[str, Any]
+    total: int
+    descs: int
+    t0: float
+    post_by: float
+    trace_id: str = ""
+    groups: list[_Group] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.rid}:{self.op}"
+
+
 class TransferBook:
     """Transfers in flight from one actor, by region (see the module docstring)."""
 
@@ -485,6 +559,27 @@ class TransferBook:
         descriptors only sends its notification. `settled`: called once (on the loop) when
         nothing more of any of them can land (see `Transport.transfer`), possibly after
         this returns or raises (a transfer answered Unsettled)."""
+        await self.finish(
+            self.start(op, rid, agent, local, remote, plans, notifs, settled, post_by=post_by)
+        )
+
+    def start(
+        self,
+        op: str,
+        rid: str,
+        agent: str,
+        local: Sequence[LocalRegion],
+        remote: Sequence[RemoteRegion],
+        plans: Sequence[Plan],
+        notifs: Sequence[bytes],
+        settled: Callable[[], None] | None = None,
+        *,
+        post_by: float = 0.0,
+    ) -> Running:
+        """`run`'s first half, on the caller's turn of the loop: every group's transfer is
+        handed to the transport before this returns (a task spawned to run it would wait
+        for a later turn, behind whatever else the loop has to do). `finish` waits for
+        them. Raises a KvdError (and has called `settled`) when nothing can be posted."""
         groups = transfer_groups(local, remote)
         try:
             for loc in local:
@@ -497,7 +592,7 @@ class TransferBook:
                 settled()
             raise
         # The regions stay counted (a drain waits) until nothing more of any group can
-        # land, which for a transfer answered Unsettled is after this returns.
+        # land, which for a transfer answered Unsettled is after `finish` returns.
         left = [len(groups)]
 
         def one_ended() -> None:
@@ -510,7 +605,6 @@ class TransferBook:
                 if settled is not None:
                     settled()
 
-        ends: list[Callable[[], None]] = [one_ended] * len(groups)
         total = sum(p.total_bytes for p in plans)
         descs = sum(p.descriptors for p in plans)
         rec: dict[str, Any] = {
@@ -524,91 +618,93 @@ class TransferBook:
             "state": "in_flight",
             "started": time.time(),
         }
-        key = f"{rid}:{op}"
-        self.in_flight[key] = rec
+        run = Running(op, rid, agent, rec, total, descs, time.perf_counter(), post_by)
+        self.in_flight[run.key] = rec
         for loc, rem in zip(local, remote, strict=True):
             self.local[loc.region_id] = self.local.get(loc.region_id, 0) + 1
             self.remote[(agent, rem.region_id)] = self.remote.get((agent, rem.region_id), 0) + 1
-        t0 = time.perf_counter()
-        errors: list[KvdError] = []
-        tid = rid if self.trace.on else ""
-        if tid:
-            self.trace.mark(tid, "transfer.handed")
-        try:
-            work = [
-                (_merged(plans, local, remote, group), notif, end)
-                for group, notif, end in zip(groups, notifs, ends, strict=True)
-            ]
-            if len(work) == 1:  # one transfer: no task group (it costs a task per request)
-                merged, notif, end = work[0]
-                await self._one(op, agent, *merged, notif, errors, tid, end, post_by)
-            else:
-                async with anyio.create_task_group() as tg:
-                    for merged, notif, end in work:
-                        tg.start_soon(
-                            self._one, op, agent, *merged, notif, errors, tid, end, post_by
-                        )
-        finally:
-            if tid:
-                self.trace.mark(tid, "transfer.returned")
-            self.in_flight.pop(key, None)
-            rec["duration_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-            rec["state"] = "failed" if errors else "done"
-            self.recent.append(rec)
-        peer = self.by_peer.get(agent)
-        if peer is None:
-            peer = self.by_peer[agent] = [0, 0, 0]
-        if errors:
-            peer[2] += 1
-            raise errors[0]
-        peer[0] += 1
-        peer[1] += total
-        self._count("transfers_ok")
-        self._count("bytes_transferred", total)
-        self._count("descriptors", descs)
+        if self.trace.on:
+            run.trace_id = rid
+            self.trace.mark(rid, "transfer.handed")
+        for group, notif in zip(groups, notifs, strict=True):
+            lo, re_, nbytes, lmem, rmem = _merged(plans, local, remote, group)
+            run.groups.append(self._submit(run, lo, re_, nbytes, lmem, rmem, notif, one_ended))
+        return run
 
-    async def _one(
+    def _submit(
         self,
-        op: str,
-        agent: str,
+        run: Running,
         local: np.ndarray,
         remote: np.ndarray,
         nbytes: int,
         local_mem: str,
         remote_mem: str,
         notif: bytes,
-        errors: list[KvdError],
-        trace_id: str = "",
-        settled: Callable[[], None] | None = None,
-        post_by: float = 0.0,
-    ) -> None:
-        posted = local.shape[0] > 0
-        # the transport reports a posted transfer's end itself (the port's contract)
-        extra: dict[str, Any] = {"settled": settled} if posted and settled is not None else {}
+        settled: Callable[[], None],
+    ) -> _Group:
+        """One group's transfer handed to the transport now (or, with no descriptors, its
+        notification left for `finish` to send); a refusal to post is kept as its answer."""
+        group = _Group(nbytes, int(local.shape[0]), notif)
+        if group.descriptors == 0:
+            group.unposted = settled  # nothing is posted: called once the notification went
+            return group
         try:
-            if posted:
-                timing = await self.transport.transfer(
-                    op,
-                    local,
-                    remote,
-                    agent,
-                    notif,
-                    self.transfer_timeout,
-                    nbytes,
-                    local_mem=local_mem,
-                    remote_mem=remote_mem,
-                    trace_id=trace_id,
-                    post_by=post_by,
-                    **extra,
-                )
-                self.stats.observe(op, timing, nbytes, int(local.shape[0]))
-            elif notif:
-                await self.transport.send_notif(agent, notif, trace_id)
+            group.answer = self.transport.submit(
+                run.op,
+                local,
+                remote,
+                run.agent,
+                notif,
+                self.transfer_timeout,
+                nbytes,
+                local_mem=local_mem,
+                remote_mem=remote_mem,
+                trace_id=run.trace_id,
+                settled=settled,  # the transport reports a posted transfer's end itself
+                post_by=run.post_by,
+            )
         except KvdError as exc:
-            errors.append(exc)
+            group.error = exc  # (the transport called `settled`: nothing was posted)
+        return group
+
+    async def finish(self, run: Running) -> None:
+        """`run`'s second half: waits for every group `start` handed over; raises the
+        first failure (a KvdError)."""
+        errors: list[KvdError] = []
+        try:
+            for g in run.groups:
+                try:
+                    if g.error is not None:
+                        raise g.error
+                    if g.answer is not None:
+                        timing = await g.answer
+                        self.stats.observe(run.op, timing, g.nbytes, g.descriptors)
+                    elif g.notif:
+                        await self.transport.send_notif(run.agent, g.notif, run.trace_id)
+                except KvdError as exc:
+                    errors.append(exc)
+                finally:
+                    g.settle()
         finally:
-            if settled is not None and not posted:
-                settled()  # nothing was posted
+            for g in run.groups:  # cancelled: what was posted still settles on its own
+                g.abandon()
+            if run.trace_id:
+                self.trace.mark(run.trace_id, "transfer.returned")
+            self.in_flight.pop(run.key, None)
+            run.rec["duration_ms"] = round((time.perf_counter() - run.t0) * 1e3, 3)
+            run.rec["state"] = "failed" if errors else "done"
+            self.recent.append(run.rec)
+        peer = self.by_peer.get(run.agent)
+        if peer is None:
+            peer = self.by_peer[run.agent] = [0, 0, 0]
+        if errors:
+            peer[2] += 1
+            raise errors[0]
+        peer[0] += 1
+        peer[1] += run.total
+        self._count("transfers_ok")
+        self._count("bytes_transferred", run.total)
+        self._count("descriptors", run.descs)
 
     # ---------------------------------------------------------------- drains
 

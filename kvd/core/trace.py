@@ -224,4 +224,8 @@ def trace_key(record: object) -> str:
         or getattr(record, "d_request_id", "")
         or getattr(record, "mm_hash", "")  # an encoder output is its own request
     )
+    if not rid:  # a layer notice names its requests: keyed under the first
+        many = getattr(record, "requests", None) or getattr(record, "ranges", None)
+        if isinstance(many, tuple) and many:
+            rid = getattr(many[0], "request_id", "")
     return rid if isinstance(rid, str) else ""

@@ -42,6 +42,7 @@ from kvd.actors.messages import (
     EventOut,
     FinishNotTaken,
     HeartbeatReceived,
+    LayersAnnounced,
     LoadNotTaken,
     LocalRegion,
     LocalRegionsChanged,
@@ -249,14 +250,17 @@ class FakePort:
 
         asyncio.get_running_loop().call_soon(later)
 
-    async def transfer(
+    async def transfer(self, *args: Any, **kwargs: Any) -> XferTiming:
+        return await self.submit(*args, **kwargs)
+
+    def submit(
         self,
         op: str,
         local: np.ndarray,
         remote: np.ndarray,
         peer: str,
         notif: bytes,
-        timeout: float,  # noqa: ASYNC109 - the port's signature
+        timeout: float,
         nbytes: int,
         local_mem: str = "DRAM",
         remote_mem: str = "DRAM",
@@ -264,16 +268,22 @@ class FakePort:
         settled: Callable[[], None] | None = None,
         *,
         post_by: float = 0.0,
-    ) -> XferTiming:
+    ) -> asyncio.Future[XferTiming]:
+        """Handed over at once (as the real port: recorded before this returns); answered
+        when the test ends it."""
         record = wire.decode(notif)[1] if notif else None
         xfer = Transfer(op, peer, local.copy(), remote.copy(), record, nbytes)
         self.transfers.add(xfer)
-        try:
-            await xfer.wait()
-        finally:
-            if settled is not None:  # the fake's transfer ends with its answer
-                settled()
-        return XferTiming(0.0, 0.001)
+
+        async def answer() -> XferTiming:
+            try:
+                await xfer.wait()
+            finally:
+                if settled is not None:  # the fake's transfer ends with its answer
+                    settled()
+            return XferTiming(0.0, 0.001)
+
+        return asyncio.ensure_future(answer())
 
     def sent(self, kind: type[R]) -> list[tuple[str, R]]:
         return [(peer, r) for peer, r in self.notifs.items if isinstance(r, kind)]
@@ -543,6 +553,57 @@ async def test_p_push_lease_then_registration_then_write_then_finished() -> None
         assert peer == D_AGENT and answer.request_id == "d-other" and not answer.ok
         await settle()
         assert len(w.p_port.transfers.items) == 1 and len(w.events.items) == 1
+
+
+def watch_turns(w: World) -> list[int]:
+    """The transfers P's port holds each time P's sender ends a turn of its loop (the
+    actor's next wait for its mailbox), from now on."""
+    box = w.sender.mailbox
+    seen: list[int] = []
+    wait = box.receive_before
+
+    async def watched(deadline: float | None) -> Any:
+        seen.append(len(w.p_port.transfers.items))
+        return await wait(deadline)
+
+    box.receive_before = watched  # type: ignore[method-assign]
+    return seen
+
+
+async def test_p_write_is_handed_to_the_port_in_the_turn_that_claimed_it() -> None:
+    """Not by a task that would run only after whatever else the loop has to do."""
+    async with world() as w:
+        box = w.sender.mailbox
+        assert await client(box, P_SESSION, wire.Finish("p-req", P_ENGINE, (0, 1))) == wire.Ok()
+        seen = watch_turns(w)
+        box.post(NotifReceived(D_AGENT, registration()))
+        xfer = await w.p_port.wait_transfer()
+        await settle()
+        assert seen[0] == 1  # the turn that matched the registration posted the WRITE
+        xfer.complete()
+        await w.events.until(lambda evs: len(evs) == 1)
+        assert w.events.items == [EventOut(P_SESSION, P_ENGINE, wire.SendFinished("p-req"))]
+
+
+async def test_p_layer_write_is_handed_to_the_port_in_the_turn_of_its_notice() -> None:
+    """Layer-wise push: the WRITE of a layer a worker announced is posted at the end of the
+    turn that took the notice (the last layer's WRITE is on the request's path)."""
+    async with world() as w:
+        box = w.sender.mailbox
+        box.post(NotifReceived(D_AGENT, registration()))  # D registered before P finished
+        await settle()
+        seen = watch_turns(w)
+        saved = wire.LayersSaved(P_ENGINE, 0, 1, (wire.SavedRequest("p-req", (0, 1)),))
+        box.post(LayersAnnounced(P_SESSION, saved))
+        xfer = await w.p_port.wait_transfer()
+        await settle()
+        assert seen[0] == 1
+        assert xfer.op == "WRITE" and xfer.notif == wire.LayersPushed(
+            0, (wire.LayerRange("d-req", 0, 1),)
+        )
+        xfer.complete()
+        await settle()
+        assert len(w.p_port.transfers.items) == 1 and w.events.items == []
 
 
 async def test_p_failed_write_fails_the_request_once_and_tells_d() -> None:
@@ -1291,12 +1352,100 @@ class UnsettledPort(FakePort):
         super().__init__()
         self.ends: list[Callable[[], None]] = []
 
-    async def transfer(  # type: ignore[override]
+    def submit(  # type: ignore[override]
         self, *args: Any, settled: Callable[[], None] | None = None, **kwargs: Any
-    ) -> XferTiming:
+    ) -> asyncio.Future[XferTiming]:
         assert settled is not None  # the book always asks to hear the end
         self.ends.append(settled)
-        raise Unsettled("still in flight")
+        answer: asyncio.Future[XferTiming] = asyncio.get_running_loop().create_future()
+        answer.set_exception(Unsettled("still in flight"))
+        return answer
+
+
+def _one_block(empty: bool = False) -> Plan:
+    n = 0 if empty else 1
+    return Plan(
+        np.array([P_BASE] * n, dtype=np.int64),
+        np.array([D_BASE] * n, dtype=np.int64),
+        np.array([BLOCK] * n, dtype=np.int64),
+    )
+
+
+async def test_the_book_hands_a_transfer_over_before_start_returns() -> None:
+    """`start` posts on the caller's turn (nothing awaited); `finish` waits for the answer,
+    and the regions stay counted until the transfer ended."""
+    port = FakePort()
+    book = TransferBook(port, 1.0, {})
+    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
+    note = wire.encode(wire.PushDone("d-req", 0, True, 0, ""))
+    ended: list[bool] = []
+    run = book.start(
+        "WRITE",
+        "r",
+        D_AGENT,
+        [P_REGION],
+        [remote],
+        [_one_block()],
+        [note],
+        lambda: ended.append(True),
+    )
+    [xfer] = port.transfers.items  # handed over: no turn of the loop in between
+    assert xfer.notif == wire.PushDone("d-req", 0, True, 0, "")
+    assert book.local == {P_REGION.region_id: 1} and list(book.in_flight) == ["r:WRITE"]
+    finished = anyio.Event()
+
+    async def finish() -> None:
+        await book.finish(run)
+        finished.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(finish)
+        await settle()
+        assert not finished.is_set() and ended == []
+        xfer.complete()
+        with anyio.fail_after(WAIT):
+            await finished.wait()
+    assert ended == [True] and not any(book.local.values()) and book.in_flight == {}
+    assert book.recent[-1]["state"] == "done"
+
+
+async def test_the_book_settles_a_notification_alone_once_even_when_cancelled() -> None:
+    """A group with no descriptors posts nothing: its notification goes in `finish`, and
+    `settled` is called once, also when the wait is cancelled before it went."""
+    port = FakePort()
+    book = TransferBook(port, 1.0, {})
+    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
+    note = wire.encode(wire.PushDone("d-req", 0, True, 0, ""))
+    ended: list[bool] = []
+    run = book.start(
+        "WRITE",
+        "r",
+        D_AGENT,
+        [P_REGION],
+        [remote],
+        [_one_block(True)],
+        [note],
+        lambda: ended.append(True),
+    )
+    assert port.transfers.items == [] and ended == []
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await book.finish(run)
+    assert ended == [True] and not any(book.local.values()) and port.sent(wire.PushDone) == []
+    run = book.start(
+        "WRITE",
+        "r2",
+        D_AGENT,
+        [P_REGION],
+        [remote],
+        [_one_block(True)],
+        [note],
+        lambda: ended.append(True),
+    )
+    await book.finish(run)
+    assert ended == [True, True] and port.sent(wire.PushDone) == [
+        (D_AGENT, wire.PushDone("d-req", 0, True, 0, ""))
+    ]
 
 
 async def test_a_region_drain_waits_for_a_transfer_answered_unsettled() -> None:
