@@ -67,8 +67,7 @@ PUSH: Final[tuple[Stage, ...]] = (
     Stage("P", "nixl.notif_polled", "D -> P notification (UCX), P's NIXL thread polled it"),
     Stage("P", "notifier.routed", "P notifier: decoded, routed to the sender (loop hop)"),
     Stage("P", "sender.view_resolved", "P sender: match (MATCHED), D's regions (held view)"),
-    Stage("P", "sender.claimed", "P sender: lease claimed (WRITING), WRITE task started"),
-    Stage("P", "sender.notif_fed", "P sender: the turn that fed the registration ends"),
+    Stage("P", "sender.claimed", "P sender: lease claimed (WRITING), WRITE planned next"),
     Stage("P", "transfer.handed", "P sender: plan, WRITE handed to the NIXL thread"),
     Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
     Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
@@ -80,6 +79,12 @@ PUSH: Final[tuple[Stage, ...]] = (
         "receiver.beat_handed",
         "  off the path: D's heartbeat to P handed to NIXL",
         after="D receiver.admitted",
+    ),
+    Stage(
+        "P",
+        "sender.notif_fed",
+        "  off the path: the turn that fed D's registration ends",
+        after="P sender.claimed",
     ),
     Stage(
         "P",
@@ -100,7 +105,6 @@ PULL: Final[tuple[Stage, ...]] = (
     _SENT,
     *_ARRIVAL,
     Stage("D", "receiver.resolved", "D receiver: HANDSHAKING, P's regions, READ planned"),
-    _ADMITTED,
     Stage("D", "transfer.handed", "D receiver: machine (READING), READ to the NIXL thread"),
     Stage("D", "nixl.picked", "D NIXL thread: picks the READ up"),
     Stage("D", "nixl.posted", "D NIXL thread: descriptor lists, transfer posted"),
@@ -120,6 +124,12 @@ PULL: Final[tuple[Stage, ...]] = (
         "receiver.beat_handed",
         "  off the path: D's heartbeat to P handed to NIXL",
         after="D receiver.admitted",
+    ),
+    Stage(
+        "D",
+        "receiver.admitted",
+        "  off the path: the turn ends (bounds checked, Ok to the client)",
+        after="D receiver.resolved",
     ),
     Stage(
         "P",
