@@ -34,8 +34,18 @@ from kvd_client import layout as kvlayout
 from kvd_client import wire
 from kvd_client.client import Event, KvdClient
 
-from kvd.bench import control, zmqfloor
-from kvd.bench.common import BenchError, Env, Side, make_side, median, new_id, pct, status
+from kvd.bench import control, stages, zmqfloor
+from kvd.bench.common import (
+    BenchError,
+    Env,
+    Side,
+    Timed,
+    make_side,
+    median,
+    new_id,
+    pct,
+    status,
+)
 
 FLOOR_ROUND_TRIPS = 200
 """ZMQ IPC and raw NIXL notification round trips measured for the floor."""
@@ -53,10 +63,12 @@ class LayerwiseConfig:
     chunk_bytes: int = 8192
     """Per block, layer and K/V part: 64 blocks x 2 parts x 8 KiB = 1 MiB per layer."""
     reps: int = 12
+    traced: int = 12
+    """Layer-wise requests more, with the daemons' stage trace on (`_trace_run`)."""
 
     @classmethod
     def quick(cls) -> LayerwiseConfig:
-        return cls(reps=3)
+        return cls(reps=3, traced=3)
 
     @property
     def layer_bytes(self) -> int:
@@ -64,7 +76,7 @@ class LayerwiseConfig:
 
 
 def steps(cfg: LayerwiseConfig) -> int:
-    return 2 * (cfg.reps + 1)
+    return 2 * (cfg.reps + 1) + cfg.traced
 
 
 @dataclass
@@ -119,6 +131,12 @@ class _Waiter(threading.Thread):
 
 def _one(env: Env, cfg: LayerwiseConfig, pair: LwPair, layerwise: bool, rng: Any) -> float:
     """One simulated prefill; returns D's ready time after the last layer's compute (s)."""
+    return _timed(env, cfg, pair, layerwise, rng).seconds
+
+
+def _timed(env: Env, cfg: LayerwiseConfig, pair: LwPair, layerwise: bool, rng: Any) -> Timed:
+    """One simulated prefill, timed from the end of the last layer's compute (`call`; `sent`
+    once its notice is on its way) to D's RecvFinished (`event`)."""
     p_id, d_id = new_id("lw"), new_id("lw")
     p_blocks = [int(b) for b in rng.permutation(cfg.blocks * 2)[: cfg.blocks]]
     d_blocks = list(range(cfg.blocks))
@@ -141,13 +159,14 @@ def _one(env: Env, cfg: LayerwiseConfig, pair: LwPair, layerwise: bool, rng: Any
     waiter.start()
     chunks = pair.p.chunks  # (block, layer, part, byte)
     idx = np.array(p_blocks)
-    end = 0
+    end = sent = 0
     for layer in range(cfg.layers):
         time.sleep(cfg.compute_ms / 1e3)
         chunks[idx, layer] = src[layer].transpose(1, 0, 2)
-        end = time.monotonic_ns()
+        end = sent = time.monotonic_ns()
         if layerwise:
             pair.worker.layers_saved(layer + 1, [(p_id, p_blocks)])
+            sent = time.monotonic_ns()
     pair.p.client.finished(p_id, p_blocks)
     waiter.join(61.0)
     if not isinstance(waiter.event, wire.RecvFinished):
@@ -158,7 +177,7 @@ def _one(env: Env, cfg: LayerwiseConfig, pair: LwPair, layerwise: bool, rng: Any
     p_ev = pair.p.client.wait_events(10.0)
     if not any(isinstance(e, wire.SendFinished) for e in p_ev):
         raise BenchError(f"P's request did not end SendFinished: {p_ev!r}")
-    return (waiter.at - end) / 1e9
+    return Timed(p_id, d_id, end, sent, waiter.at)
 
 
 def _layer_write_ms(env: Env) -> list[float]:
@@ -188,6 +207,7 @@ def run(
         progress(f"layer-wise: {i + 1}/{cfg.reps} layers")
         whole.append(_one(env, cfg, pair, False, rng))
         progress(f"layer-wise: {i + 1}/{cfg.reps} whole")
+    trace = _trace_run(env, cfg, pair, rng, progress)
     one_layer = median(layer_ms) if layer_ms else float("nan")
     zmq_rtt = median(zmqfloor.round_trips(env.workdir, FLOOR_ROUND_TRIPS)) * 1e3
     notif = median(control.raw_round_trips(env, FLOOR_ROUND_TRIPS)) * 1e3
@@ -200,11 +220,37 @@ def run(
         "layerwise": _summary(lw),
         "whole": _summary(whole),
         "goal_ms": round(one_layer + 1.0, 3),
+        "trace": trace,
         "floor": {
             "zmq_rtt_p50_ms": round(zmq_rtt, 4),
             "notif_rtt_p50_ms": round(notif, 4),
             "p50_ms": round(zmq_rtt + notif / 2 + one_layer, 3),
         },
+    }
+
+
+def _trace_run(
+    env: Env, cfg: LayerwiseConfig, pair: LwPair, rng: Any, progress: Callable[[str], None]
+) -> dict[str, Any]:
+    """Where the time after the last layer goes: more layer-wise requests with both
+    daemons' stage trace on (`kvd.bench.stages.LAYERWISE`); not counted in the figures
+    above (the trace costs a little on every record)."""
+    joined: list[dict[str, int]] = []
+    for c in (env.p_cli, env.d_cli):
+        control.fetch_trace(c)  # whatever an earlier scenario left in the ring
+    for i in range(cfg.traced):
+        control.switch_trace(env, True)
+        try:
+            timed = _timed(env, cfg, pair, True, rng)
+        finally:
+            control.switch_trace(env, False)
+        records = {"P": control.fetch_trace(env.p_cli), "D": control.fetch_trace(env.d_cli)}
+        joined += stages.join([timed], stages.last_layer(records, cfg.layers))
+        progress(f"layer-wise: traced {i + 1}/{cfg.traced}")
+    return {
+        "traced": len(joined),
+        "complete": stages.complete(stages.LAYERWISE, joined),
+        "stages": stages.summarize(stages.LAYERWISE, joined),
     }
 
 

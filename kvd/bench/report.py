@@ -212,6 +212,8 @@ def print_all(console: Console, res: dict[str, Any]) -> None:
         console.print(topology_table(sc["topology"]))
     if "layerwise" in sc:
         console.print(layerwise_table(sc["layerwise"]))
+        if sc["layerwise"].get("trace", {}).get("stages"):
+            console.print(layerwise_stage_table(sc["layerwise"]))
     if "tiers" in sc:
         console.print(tiers_table(sc["tiers"]))
     if "gpu" in sc:
@@ -641,6 +643,31 @@ def layerwise_table(lw: dict[str, Any]) -> Table:
             f"{floor['zmq_rtt_p50_ms']:.3f} ms and half a NIXL notification round trip "
             f"{floor['notif_rtt_p50_ms']:.3f} ms)"
         )
+    return t
+
+
+def layerwise_stage_table(lw: dict[str, Any]) -> Table:
+    """Where a layer-wise push's time goes after its last layer (`kvd.bench.stages`)."""
+    tr = lw["trace"]
+    t = Table(
+        title=f"5b. stage trace: the last of {lw['layers']} layers, medians of {tr['traced']}"
+        " traced requests (us since the end of its compute)"
+    )
+    for col in ("stage", "what", "at", "took"):
+        t.add_column(col, justify="right" if col in ("at", "took") else "left")
+    for row in tr["stages"]:
+        seen = "" if row["n"] == tr["traced"] else f" (seen in {row['n']})"
+        t.add_row(
+            row["stage"] if row["on_path"] else f"[dim]{row['stage']}[/dim]",
+            row["label"] + seen,
+            f"{row['at_us']:,.0f}",
+            f"{row['took_us']:,.0f}",
+        )
+    t.caption = (
+        f"requests run after the figures above, with both daemons' trace on; "
+        f"{tr['complete']} of {tr['traced']} have every stage; took: since the row above "
+        "on the path, or for a dim row since the stage it names"
+    )
     return t
 
 

@@ -139,10 +139,50 @@ PULL: Final[tuple[Stage, ...]] = (
     ),
 )
 
+LAYERWISE: Final[tuple[Stage, ...]] = (
+    Stage("client", "call", "P's worker announces the last layer (layers_saved)"),
+    Stage("client", "sent", "worker: LayersSaved encoded and queued to ZMQ (IPC, one way)"),
+    Stage("P", "gateway.request", "worker -> P gateway (ZMQ IPC), frame decoded"),
+    Stage("P", "sender.layers_fed", "P sender: the notice fed to the machine (STREAMING)"),
+    Stage("P", "transfer.handed", "P sender: the turn ends, the layer's WRITE handed over"),
+    Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
+    Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
+    Stage("P", "nixl.done", "P NIXL thread: sees the WRITE (cma) complete"),
+    Stage("D", "nixl.notif_polled", "P -> D LayersPushed (UCX, with the WRITE), D polled it"),
+    *_EVENT,
+    Stage(
+        "P",
+        "transfer.returned",
+        "  off the path: P's WRITE completion back on its loop",
+        after="P nixl.done",
+    ),
+)
+"""The path of a layer-wise push after its last layer: timed from the worker's last
+`layers_saved` call, with the records of the last layer's WRITE (`last_layer`)."""
+
 STAGES: Final = {"push": PUSH, "pull": PULL}
+"""The control scenario's tables (the layer-wise scenario traces `LAYERWISE`)."""
 
 Records = Mapping[str, Sequence[Sequence[Any]]]
 """Side ("P", "D") -> its daemon's records, each [t_ns, request id, stage]."""
+
+
+def last_layer(records: Records, num_layers: int) -> dict[str, list[list[Any]]]:
+    """The records of a layer-wise push with its last layer's WRITE under the request's id:
+    a layer WRITE is recorded as `<request>/l<first>-<end>`; the one that ends at
+    `num_layers` is renamed to `<request>`, the others are dropped (the layers before
+    were written before the last one was announced)."""
+    out: dict[str, list[list[Any]]] = {}
+    tail = f"-{num_layers}"
+    for side, recs in records.items():
+        kept = out[side] = []
+        for t, rid, stage in recs:
+            base, cut, rng = str(rid).rpartition("/l")
+            if not cut:
+                kept.append([t, rid, stage])
+            elif rng.endswith(tail):
+                kept.append([t, base, stage])
+    return out
 
 
 def join(reqs: Sequence[Timed], records: Records) -> list[dict[str, int]]:

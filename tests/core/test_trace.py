@@ -8,6 +8,8 @@ import threading
 import pytest
 from kvd_client import wire
 
+from kvd.bench import stages
+from kvd.bench.common import Timed
 from kvd.core.trace import NO_TRACE, STAGES_PER_REQUEST, StageTrace, trace_key
 
 
@@ -188,3 +190,51 @@ def test_another_thread_records_into_the_table_while_requests_are_evicted() -> N
             held += 1
             assert found.records == ((1, rid, rid[0]),)
     assert held == tr.requests_held
+
+
+def test_the_layerwise_join_takes_the_last_layers_write_and_the_first_records_after_it() -> None:
+    """`kvd.bench.stages.last_layer`: the WRITE that ends at the last layer is the request's;
+    the WRITEs of the layers before and other requests' records are not; then `join`
+    counts each stage from its first record at or after the last notice."""
+    records = {
+        "P": [
+            [100, "p-1", "gateway.request"],  # layer 31's notice, before the last
+            [150, "p-1/l30-31", "nixl.done"],
+            [1000, "p-1", "gateway.request"],  # the last notice
+            [1100, "p-1/l31-32", "transfer.handed"],
+            [1200, "p-1/l30-32", "nixl.done"],  # coalesced: ends at the last layer
+            [1300, "p-1", "gateway.request"],  # the engine's finish, later
+            [1250, "p-2/l31-32", "nixl.done"],  # another request
+        ],
+        "D": [[900, "d-1", "receiver.notif_fed"], [1400, "d-1", "receiver.notif_fed"]],
+    }
+    kept = stages.last_layer(records, 32)
+    assert kept["P"] == [
+        [100, "p-1", "gateway.request"],
+        [1000, "p-1", "gateway.request"],
+        [1100, "p-1", "transfer.handed"],
+        [1200, "p-1", "nixl.done"],
+        [1300, "p-1", "gateway.request"],
+        [1250, "p-2", "nixl.done"],
+    ]
+    [times] = stages.join([Timed("p-1", "d-1", 1000, 1010, 1500)], kept)
+    assert times == {
+        "client call": 0,
+        "client sent": 10,
+        "client event": 500,
+        "P gateway.request": 0,
+        "P transfer.handed": 100,
+        "P nixl.done": 200,
+        "D receiver.notif_fed": 400,
+    }
+
+
+def test_a_layer_notice_is_keyed_under_its_first_request() -> None:
+    """A worker's `LayersSaved` and P's `LayersPushed` name their requests in a list: the
+    trace keys them under the first (P's id and D's id), so the layer-wise path is traced."""
+    saved = wire.LayersSaved(
+        "engine-p", 0, 4, (wire.SavedRequest("p-1", (0, 1)), wire.SavedRequest("p-2", (2,)))
+    )
+    pushed = wire.LayersPushed(0, (wire.LayerRange("d-1", 0, 4), wire.LayerRange("d-2", 0, 4)))
+    assert trace_key(saved) == "p-1" and trace_key(pushed) == "d-1"
+    assert trace_key(wire.Heartbeat(("a", "b"))) == ""  # many ids, none first

@@ -196,6 +196,16 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     assert fl["p50_ms"] == pytest.approx(
         lw["one_layer_write_ms"] + fl["zmq_rtt_p50_ms"] + fl["notif_rtt_p50_ms"] / 2, abs=2e-3
     )
+    # the last layer's path, from both daemons' records: every traced request has every
+    # stage (the last layer's WRITE picked out of the request's 32), in order on the path
+    lt = lw["trace"]
+    assert lt["traced"] > 0 and lt["complete"] == lt["traced"], lt
+    rows = {r["stage"]: r for r in lt["stages"]}
+    assert [r["stage"] for r in lt["stages"]] == [st.key for st in stages.LAYERWISE]
+    for st in stages.LAYERWISE:
+        assert rows[st.key]["n"] == lt["traced"], rows[st.key]
+    path = [rows[st.key]["at_us"] for st in stages.LAYERWISE if not st.after]
+    assert path[-1] > rows["P nixl.done"]["at_us"] > rows["P transfer.handed"]["at_us"] > 0
 
     targets = res["targets"]
     assert targets and all(isinstance(t["met"], bool) for t in targets)
