@@ -18,6 +18,10 @@ layer cannot go below through daemons here, whatever they do between their messa
 the layer's notice to P's daemon and D's event to its client (one ZMQ IPC round trip,
 `kvd.bench.zmqfloor`), the WRITE itself (as above) and its notification to D (half a
 raw NIXL notification round trip).
+
+Then more layer-wise requests with both daemons' stage trace on (`LayerwiseConfig.traced`,
+not counted in the figures): where the time after the last layer goes, stage by stage
+(`kvd.bench.stages.LAYERWISE`).
 """
 
 from __future__ import annotations
