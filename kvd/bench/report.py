@@ -562,14 +562,8 @@ def control_table(ctl: dict[str, Any]) -> Table:
     return t
 
 
-def stage_table(ctl: dict[str, Any], mode: str) -> Table:
-    """Where one request's time goes (`kvd.bench.stages`), and what tracing it costs."""
-    tr = ctl["trace"][mode]
-    call = "register_push" if mode == "push" else "pull"
-    t = Table(
-        title=f"2{'b' if mode == 'push' else 'c'}. stage trace: {ctl['request_bytes'] / 2**20:.0f}"
-        f" MiB {mode}, medians of {tr['traced']} traced requests (us since D's {call} call)"
-    )
+def _stage_rows(t: Table, tr: dict[str, Any]) -> None:
+    """A stage trace's rows (`kvd.bench.stages.summarize`): off-path stages dimmed."""
     for col in ("stage", "what", "at", "took"):
         t.add_column(col, justify="right" if col in ("at", "took") else "left")
     for row in tr["stages"]:
@@ -580,6 +574,17 @@ def stage_table(ctl: dict[str, Any], mode: str) -> Table:
             f"{row['at_us']:,.0f}",
             f"{row['took_us']:,.0f}",
         )
+
+
+def stage_table(ctl: dict[str, Any], mode: str) -> Table:
+    """Where one request's time goes (`kvd.bench.stages`), and what tracing it costs."""
+    tr = ctl["trace"][mode]
+    call = "register_push" if mode == "push" else "pull"
+    t = Table(
+        title=f"2{'b' if mode == 'push' else 'c'}. stage trace: {ctl['request_bytes'] / 2**20:.0f}"
+        f" MiB {mode}, medians of {tr['traced']} traced requests (us since D's {call} call)"
+    )
+    _stage_rows(t, tr)
     oh = tr["overhead"]
     cost = ctl["trace"]["mark_cost"]
     cpu_delta = oh["cpu_us_per_request_on"] - oh["cpu_us_per_request_off"]
@@ -653,16 +658,7 @@ def layerwise_stage_table(lw: dict[str, Any]) -> Table:
         title=f"5b. stage trace: the last of {lw['layers']} layers, medians of {tr['traced']}"
         " traced requests (us since the end of its compute)"
     )
-    for col in ("stage", "what", "at", "took"):
-        t.add_column(col, justify="right" if col in ("at", "took") else "left")
-    for row in tr["stages"]:
-        seen = "" if row["n"] == tr["traced"] else f" (seen in {row['n']})"
-        t.add_row(
-            row["stage"] if row["on_path"] else f"[dim]{row['stage']}[/dim]",
-            row["label"] + seen,
-            f"{row['at_us']:,.0f}",
-            f"{row['took_us']:,.0f}",
-        )
+    _stage_rows(t, tr)
     t.caption = (
         f"requests run after the figures above, with both daemons' trace on; "
         f"{tr['complete']} of {tr['traced']} have every stage; took: since the row above "

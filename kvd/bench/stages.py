@@ -56,6 +56,15 @@ _EVENT: Final = (
     Stage("client", "event", "D -> client (ZMQ IPC): RecvFinished in hand"),
 )
 
+_P_WRITE: Final = (
+    Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
+    Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
+    Stage("P", "nixl.done", "P NIXL thread: sees the WRITE (cma) complete"),
+)
+_P_RETURNED: Final = Stage(
+    "P", "transfer.returned", "  off the path: P's WRITE completion back on its loop", "P nixl.done"
+)
+
 PUSH: Final[tuple[Stage, ...]] = (
     _CALL,
     _SENT,
@@ -69,9 +78,7 @@ PUSH: Final[tuple[Stage, ...]] = (
     Stage("P", "sender.view_resolved", "P sender: match (MATCHED), D's regions (held view)"),
     Stage("P", "sender.claimed", "P sender: lease claimed (WRITING), WRITE planned next"),
     Stage("P", "transfer.handed", "P sender: plan, WRITE handed to the NIXL thread"),
-    Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
-    Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
-    Stage("P", "nixl.done", "P NIXL thread: sees the WRITE (cma) complete"),
+    *_P_WRITE,
     Stage("D", "nixl.notif_polled", "P -> D PushDone (UCX, with the WRITE), D polled it"),
     *_EVENT,
     Stage(
@@ -86,12 +93,7 @@ PUSH: Final[tuple[Stage, ...]] = (
         "  off the path: the turn that fed D's registration ends",
         after="P sender.claimed",
     ),
-    Stage(
-        "P",
-        "transfer.returned",
-        "  off the path: P's WRITE completion back on its loop",
-        after="P nixl.done",
-    ),
+    _P_RETURNED,
     Stage(
         "P",
         "gateway.event",
@@ -145,17 +147,10 @@ LAYERWISE: Final[tuple[Stage, ...]] = (
     Stage("P", "gateway.request", "worker -> P gateway (ZMQ IPC), frame decoded"),
     Stage("P", "sender.layers_fed", "P sender: the notice fed to the machine (STREAMING)"),
     Stage("P", "transfer.handed", "P sender: the turn ends, the layer's WRITE handed over"),
-    Stage("P", "nixl.picked", "P NIXL thread: picks the WRITE up"),
-    Stage("P", "nixl.posted", "P NIXL thread: descriptor lists, transfer posted"),
-    Stage("P", "nixl.done", "P NIXL thread: sees the WRITE (cma) complete"),
+    *_P_WRITE,
     Stage("D", "nixl.notif_polled", "P -> D LayersPushed (UCX, with the WRITE), D polled it"),
     *_EVENT,
-    Stage(
-        "P",
-        "transfer.returned",
-        "  off the path: P's WRITE completion back on its loop",
-        after="P nixl.done",
-    ),
+    _P_RETURNED,
 )
 """The path of a layer-wise push after its last layer: timed from the worker's last
 `layers_saved` call, with the records of the last layer's WRITE (`last_layer`)."""
