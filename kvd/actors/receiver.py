@@ -524,26 +524,29 @@ class Receiver(TransferActor):
             self._spawn(self._read_staged, eff)
             return
         watch = SettleWatch()
+        run = self._start_direct(eff, view, watch)
+        if run is not None:
+            self._spawn(self._read_landed, eff, view, run, watch)
+
+    def _start_direct(self, eff: proto.PostRead, view: _View, watch: SettleWatch) -> Running | None:
+        """The READ straight into D's blocks handed over now; None (the machine told) when
+        nothing could be posted."""
         try:
-            run = self._start_direct(eff, view, watch)
+            if not view.plans and view.replan is not None:  # staged whole, but no slot
+                view.plans.extend(view.replan().plans)  # (its permutes are in the view)
+            return self.book.start(
+                "READ",
+                eff.request_id,
+                eff.agent,
+                view.local,
+                view.remote,
+                view.plans,
+                view.notifs,
+                watch,
+            )
         except KvdError as exc:
             self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
-            return
-        self._spawn(self._read_landed, eff, view, run, watch)
-
-    def _start_direct(self, eff: proto.PostRead, view: _View, watch: SettleWatch) -> Running:
-        if not view.plans and view.replan is not None:  # staged whole, but no slot
-            view.plans.extend(view.replan().plans)  # (its permutes are in the view)
-        return self.book.start(
-            "READ",
-            eff.request_id,
-            eff.agent,
-            view.local,
-            view.remote,
-            view.plans,
-            view.notifs,
-            watch,
-        )
+            return None
 
     async def _read_staged(self, eff: proto.PostRead) -> None:
         """`_read` through a staging slot, or straight into D's blocks where it has none."""
@@ -552,12 +555,9 @@ class Receiver(TransferActor):
         if await self._staged_read_or_fail(eff, view):
             return
         watch = SettleWatch()
-        try:
-            run = self._start_direct(eff, view, watch)
-        except KvdError as exc:
-            self._outcome(proto.ReadDone(eff.request_id, exc, self._stale(eff.agent, exc)))
-            return
-        await self._read_landed(eff, view, run, watch)
+        run = self._start_direct(eff, view, watch)
+        if run is not None:
+            await self._read_landed(eff, view, run, watch)
 
     async def _staged_read_or_fail(self, eff: proto.PostRead, view: _View) -> bool:
         """True once the staged READ ran (its outcome sent), or failed (outcome sent)."""

@@ -58,7 +58,7 @@ from kvd.actors.messages import (
 from kvd.actors.notifier import Notifier
 from kvd.actors.receiver import Receiver
 from kvd.actors.sender import Sender
-from kvd.actors.transfers import TransferBook
+from kvd.actors.transfers import Running, TransferBook
 from kvd.adapters.nixl import PeerDisconnected, Unsettled, translate
 from kvd.config import Config, DaemonConfig
 from kvd.core.limits import PendingBudget, record_cost
@@ -1371,24 +1371,30 @@ def _one_block(empty: bool = False) -> Plan:
     )
 
 
+def _start_one(book: TransferBook, rid: str, empty: bool, ended: list[bool]) -> Running:
+    """P's blocks to D's in one transfer carrying a PushDone (none posted when `empty`);
+    `ended` gets True each time the book says nothing more of it can land."""
+    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
+    note = wire.encode(wire.PushDone("d-req", 0, True, 0, ""))
+    return book.start(
+        "WRITE",
+        rid,
+        D_AGENT,
+        [P_REGION],
+        [remote],
+        [_one_block(empty)],
+        [note],
+        lambda: ended.append(True),
+    )
+
+
 async def test_the_book_hands_a_transfer_over_before_start_returns() -> None:
     """`start` posts on the caller's turn (nothing awaited); `finish` waits for the answer,
     and the regions stay counted until the transfer ended."""
     port = FakePort()
     book = TransferBook(port, 1.0, {})
-    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
-    note = wire.encode(wire.PushDone("d-req", 0, True, 0, ""))
     ended: list[bool] = []
-    run = book.start(
-        "WRITE",
-        "r",
-        D_AGENT,
-        [P_REGION],
-        [remote],
-        [_one_block()],
-        [note],
-        lambda: ended.append(True),
-    )
+    run = _start_one(book, "r", False, ended)
     [xfer] = port.transfers.items  # handed over: no turn of the loop in between
     assert xfer.notif == wire.PushDone("d-req", 0, True, 0, "")
     assert book.local == {P_REGION.region_id: 1} and list(book.in_flight) == ["r:WRITE"]
@@ -1414,34 +1420,14 @@ async def test_the_book_settles_a_notification_alone_once_even_when_cancelled() 
     `settled` is called once, also when the wait is cancelled before it went."""
     port = FakePort()
     book = TransferBook(port, 1.0, {})
-    remote = RemoteRegion(9, D_GEN, D_ENGINE, 0, 1, D_GEO, COMPAT)
-    note = wire.encode(wire.PushDone("d-req", 0, True, 0, ""))
     ended: list[bool] = []
-    run = book.start(
-        "WRITE",
-        "r",
-        D_AGENT,
-        [P_REGION],
-        [remote],
-        [_one_block(True)],
-        [note],
-        lambda: ended.append(True),
-    )
+    run = _start_one(book, "r", True, ended)
     assert port.transfers.items == [] and ended == []
     with anyio.CancelScope() as scope:
         scope.cancel()
         await book.finish(run)
     assert ended == [True] and not any(book.local.values()) and port.sent(wire.PushDone) == []
-    run = book.start(
-        "WRITE",
-        "r2",
-        D_AGENT,
-        [P_REGION],
-        [remote],
-        [_one_block(True)],
-        [note],
-        lambda: ended.append(True),
-    )
+    run = _start_one(book, "r2", True, ended)
     await book.finish(run)
     assert ended == [True, True] and port.sent(wire.PushDone) == [
         (D_AGENT, wire.PushDone("d-req", 0, True, 0, ""))
