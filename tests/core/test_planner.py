@@ -14,6 +14,8 @@ from kvd.core.planner import (
     INT64_MAX,
     Geometry,
     Plan,
+    _plan_small,
+    _plan_vectorised,
     check_blocks,
     expand_logical,
     plan_per_chunk,
@@ -453,6 +455,33 @@ def test_coalescing_matches_naive_reference(src: Geometry, dst: Geometry) -> Non
         assert_same_as_naive(plan, plan_per_chunk(src, src_blocks, dst, dst_blocks))
 
 
+@pytest.mark.parametrize(("src", "dst"), [*LAYOUTS, (lm(24, parts=1), lm(40, parts=1))])
+def test_plain_python_and_numpy_plan_alike(src: Geometry, dst: Geometry) -> None:
+    """A few blocks are planned in plain Python (`_plan_small`), more with numpy: the same
+    descriptors in the same order either way, for every layout pair."""
+    rng = np.random.default_rng(11)
+    made = 0
+    for _ in range(80):
+        n = int(rng.integers(1, 10))
+        lb = rng.permutation(src.num_blocks)[:n].astype(np.int64)
+        rb = rng.permutation(dst.num_blocks)[:n].astype(np.int64)
+        if rng.random() < 0.5:  # runs on both sides
+            lb.sort()
+            rb = np.arange(n, dtype=np.int64) + int(rng.integers(0, dst.num_blocks - n + 1))
+        small = _plan_small(src, lb, dst, rb)
+        numpy_plan = _plan_vectorised(src, lb, dst, rb)
+        if small is None:
+            continue
+        made += 1
+        for a, b in ((small.local_addrs, numpy_plan.local_addrs),
+                     (small.remote_addrs, numpy_plan.remote_addrs),
+                     (small.lengths, numpy_plan.lengths)):  # fmt: skip
+            assert a.dtype == b.dtype == np.int64
+            assert a.tolist() == b.tolist()
+            assert not a.flags.writeable
+    assert made > 0  # (larger layer-major requests go to numpy alone)
+
+
 def test_whole_region_collapses_to_one_descriptor() -> None:
     for g in (bm(8), lm(8)):
         plan = plan_transfer(g, range(8), g, range(8))
@@ -489,7 +518,15 @@ def test_plans_never_leave_their_regions(
         assert len(set(np.asarray(local_blocks).tolist())) == len(local_blocks)
         if planner is plan_per_chunk:
             continue
-        assert_same_as_naive(plan, plan_per_chunk(local, local_blocks, remote, remote_blocks))
+        per_chunk = plan_per_chunk(local, local_blocks, remote, remote_blocks)
+        assert_same_as_naive(plan, per_chunk)
+        # both ways of planning, whichever plan_transfer took: the same descriptors
+        lb, rb = check_blocks(local, local_blocks), check_blocks(remote, remote_blocks)
+        if lb.shape[0]:
+            assert_same_as_naive(_plan_vectorised(local, lb, remote, rb), per_chunk)
+            small = _plan_small(local, lb, remote, rb)
+            if small is not None:
+                assert_same_as_naive(small, per_chunk)
         if local.nbytes <= 1 << 14 and remote.nbytes <= 1 << 14:
             rng = np.random.default_rng(len(local_blocks))
             src_mem = rng.integers(0, 256, local.nbytes, dtype=np.uint8)
