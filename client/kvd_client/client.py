@@ -6,6 +6,9 @@
   never blocks either; a refused request becomes a failure event for that request, so
   every announced request still ends in exactly one terminal event.
 - `drain_events` returns only events about ids this client announced.
+- What the daemon has not read yet waits in the socket's send queue, up to `SEND_QUEUE`
+  messages; a call beyond it fails at once, locally (BUSY, "send queue full"): a burst
+  is queued, and a frozen daemon costs the engine that much memory at most.
 - Setup calls (`connect`, `register_region`, `status`, `ping_peer`) wait for their reply,
   but not for a daemon that is not there: a reply slower than PROBE_AFTER checks that
   the daemon still listens, and `DaemonUnavailable` says why not (no socket, permission
@@ -92,6 +95,15 @@ REGION_RETRIES: Final = 10
 it (one try per second); the daemon then refuses the engine's requests clearly."""
 
 
+SEND_QUEUE: Final = 65_536
+"""Messages a scheduler's or worker's socket holds for a daemon that has not read them
+yet (a burst, a busy or frozen daemon; each a few hundred bytes for a request of a few
+blocks). libzmq's default, 1,000, failed the last requests of a 1,000-request burst
+while the busy daemon read it (`kvd bench --only scale`, about one run in ten)."""
+
+ABORT_RETRY_S: Final = 0.01
+"""An abort the daemon refused BUSY is sent again this long after, by a `drain_events`."""
+
 PROBE_AFTER: Final = 0.5
 """Seconds a reply may take before the client checks that the daemon still listens (and
 then every second): a reply from a dead daemon is not waited for."""
@@ -165,10 +177,11 @@ class _Phase(enum.Enum):
 
 @dataclass
 class _Pending:
-    kind: str  # "recv", "send", "ec", "other", "hello", "region"
+    kind: str  # "recv", "send", "ec", "abort", "other", "hello", "region"
     request_id: str
     block_ids: tuple[int, ...] = ()
     region: int = -1
+    side: str = ""  # an abort's
 
 
 @dataclass
@@ -210,6 +223,10 @@ class KvdClient:
         self._announced_recv: dict[str, tuple[int, ...]] = {}
         self._announced_send: set[str] = set()
         self._announced_ec: dict[str, int] = {}
+        self._aborts_refused: dict[str, str] = {}
+        """Aborts the daemon refused BUSY, by request id (its side): sent again by the
+        next `drain_events` at least `ABORT_RETRY_S` later, while the request is open."""
+        self._aborts_retry_at = 0.0
         self._regions: list[_RegionArgs] = []
         self._phase = _Phase.DOWN
         self._live_session: str | None = None
@@ -267,6 +284,7 @@ class KvdClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, self.session.encode())
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE)
         sock.connect(f"ipc://{self.socket_path}")
         self._sock = sock
         self.sessions_opened += 1
@@ -444,8 +462,30 @@ class KvdClient:
         elif p.kind == "region":
             self._region_answered(p.region, msg)
         elif isinstance(msg, wire.ErrorReply):
+            if p.kind == "abort":
+                # the daemon was too busy to take it: again later, while the request is
+                # open (the engine waits for its terminal event, which the abort hastens)
+                if msg.code == int(ErrorCode.BUSY) and self._announced(p.request_id, p.side):
+                    if not self._aborts_refused:
+                        self._aborts_retry_at = time.monotonic() + ABORT_RETRY_S
+                    self._aborts_refused[p.request_id] = p.side
+                return
             # A refused request still ends: turn the refusal into its terminal event.
             self._fail(p, msg.code, msg.message)
+
+    def _announced(self, request_id: str, side: str) -> bool:
+        if side == "send":
+            return request_id in self._announced_send
+        return request_id in self._announced_recv
+
+    def _abort_again(self) -> None:
+        """Send the aborts the daemon refused BUSY once more (`_aborts_refused`)."""
+        if time.monotonic() < self._aborts_retry_at or self._phase is not _Phase.UP:
+            return
+        refused, self._aborts_refused = self._aborts_refused, {}
+        for rid, side in refused.items():
+            if self._announced(rid, side):
+                self.abort(rid, side)
 
     def _fail(self, p: _Pending, code: int, reason: str) -> None:
         """End an announced request that the daemon refused or that was never sent."""
@@ -504,6 +544,8 @@ class KvdClient:
                 self._absorb(corr, msg)
         if self._phase is _Phase.REGISTERING:
             self._retry_regions()
+        if self._aborts_refused:
+            self._abort_again()
         out = list(self._events)
         self._events.clear()
         return out
@@ -541,6 +583,7 @@ class KvdClient:
         self._announced_recv.clear()
         self._announced_send.clear()
         self._announced_ec.clear()
+        self._aborts_refused.clear()
         self._pending.clear()
         self._phase = _Phase.DOWN
 
@@ -778,7 +821,9 @@ class KvdClient:
         return True
 
     def abort(self, request_id: str, side: str | None = None) -> None:
-        """Give up on a request; its terminal event still comes.
+        """Give up on a request; its terminal event still comes. An abort the daemon is too
+        busy to take (BUSY) is sent again by a later `drain_events`, while the request is
+        open.
 
         `side` is "send" (P: a request this client finished) or "recv" (D: one it tracked,
         registered or pulls); by default "send" if this client finished `request_id`,
@@ -787,7 +832,9 @@ class KvdClient:
             side = "send" if request_id in self._announced_send else "recv"
         if side not in ("send", "recv"):
             raise ValueError(f"side must be 'send' or 'recv', not {side!r}")
-        self._send(wire.Abort(request_id, self.engine_id, side), _Pending("other", request_id))
+        self._send(
+            wire.Abort(request_id, self.engine_id, side), _Pending("abort", request_id, side=side)
+        )
 
     # ---------------------------------------------------------------- encoder cache
 

@@ -76,6 +76,7 @@ from kvd_client.errors import (
 
 from kvd.actors.base import Clock, Mailbox, StartFailed
 from kvd.actors.messages import (
+    AbortNotTaken,
     ClientRequest,
     EventOut,
     FinishNotTaken,
@@ -99,8 +100,8 @@ CLOSED_SESSIONS: Final = 65536
 """Closed session ids remembered (answered NOT_FOUND either way; kept for `kvd status`)."""
 NOT_TAKEN_DEPTH: Final = 4
 """A finish, registration or pull refused BUSY is reported to its actor (`FinishNotTaken`,
-`LoadNotTaken`) while fewer than this many times its mailbox's size wait in it (the
-notices themselves stay bounded)."""
+`LoadNotTaken`), and an abort taken as a notice (`AbortNotTaken`), while fewer than this
+many times its mailbox's size wait in it (the notices themselves stay bounded)."""
 
 
 @dataclass
@@ -411,6 +412,12 @@ class Gateway:
         try:
             box.post(req)
         except KvdError as exc:  # Busy
+            if isinstance(msg, wire.Abort) and self._not_taken(
+                box, AbortNotTaken(s.session, msg.request_id)
+            ):
+                self._count("aborts_taken_busy")
+                self._send(ident, wire.Ok(), corr)
+                return
             self._count("ipc_busy")
             self._error(ident, corr, exc)
             if isinstance(msg, wire.Finish):
@@ -420,16 +427,21 @@ class Gateway:
             return
         req.reply.add_done_callback(lambda f: self._reply_done(ident, corr, f))
 
-    def _not_taken(self, box: Mailbox[Any], notice: FinishNotTaken | LoadNotTaken) -> None:
+    def _not_taken(
+        self, box: Mailbox[Any], notice: FinishNotTaken | LoadNotTaken | AbortNotTaken
+    ) -> bool:
         """A finish, registration or pull refused BUSY: the engine has its error, and the
         actor is told (a notice): on P, so that D's registration or pull for the request
-        fails at once; on D, so that a track of it stops heartbeating P's lease. Bounded:
+        fails at once; on D, so that a track of it stops heartbeating P's lease. An abort
+        that found the mailbox full is taken as a notice instead (answered Ok). Bounded:
         past `NOT_TAKEN_DEPTH` times the mailbox's size waiting in it, the notice is
-        dropped and counted (the request then ends at the other side's own bounds)."""
+        dropped and counted (the request then ends at the other side's own bounds; an
+        abort is answered BUSY). True if it was posted."""
         if box.depth() >= NOT_TAKEN_DEPTH * box.size:
             self._count("refusals_unrecorded")
-            return
+            return False
         box.post(notice)
+        return True
 
     def _layers_saved(self, s: _Session, msg: wire.LayersSaved) -> None:
         """A one-way notice: never answered (the worker does not wait on its forward pass);

@@ -122,6 +122,18 @@ class FinishNotTaken:
 
 
 @dataclass(frozen=True)
+class AbortNotTaken:
+    """Gateway -> sender or receiver: a client's abort found the actor's mailbox full. A
+    notice, never refused, carried out as the abort would have been: an abort sheds
+    load, and one dropped would leave the request waiting on its own bounds (a push
+    registration: `transfer.push_registration_timeout`) while the engine waits for its
+    terminal event."""
+
+    session: str
+    request_id: str
+
+
+@dataclass(frozen=True)
 class LoadNotTaken:
     """Gateway -> receiver: a client's registration or pull was refused BUSY (the
     receiver's mailbox full; its client reports RecvFailed). A notice, never refused, so

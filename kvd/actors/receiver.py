@@ -37,6 +37,7 @@ from kvd_client.errors import (
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
+    AbortNotTaken,
     ClientRequest,
     EnsurePeer,
     EventOut,
@@ -155,6 +156,8 @@ class Receiver(TransferActor):
     def _own(self, msg: Any, now: float) -> bool:
         if isinstance(msg, LoadNotTaken):
             self._drop_refused_track(msg.session, msg.request_id)
+        elif isinstance(msg, AbortNotTaken):
+            self._feed(proto.AbortRecv(msg.request_id, msg.session), now)
         elif isinstance(msg, NotifReceived):
             try:
                 self._notif(msg.agent, msg.msg, now)

@@ -35,6 +35,7 @@ from kvd_client.errors import Incompatible, InvalidRequest, KvdError, NotFound
 
 from kvd.actors.base import Mailbox
 from kvd.actors.messages import (
+    AbortNotTaken,
     ClientRequest,
     EnsurePeer,
     EventOut,
@@ -191,6 +192,8 @@ class Sender(TransferActor):
     def _own(self, msg: Any, now: float) -> bool:
         if isinstance(msg, FinishNotTaken):
             self._finish_refused(msg.request_id, msg.code, msg.error, now)
+        elif isinstance(msg, AbortNotTaken):
+            self._feed(proto.AbortSend(msg.request_id, msg.session), now)
         elif isinstance(msg, HeartbeatReceived):
             try:
                 if self._known(msg.agent, msg.msg):

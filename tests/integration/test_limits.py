@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -142,6 +143,46 @@ def test_clients_beyond_max_clients_are_refused_until_one_leaves(daemons: StartD
     finally:
         for c in (first, second, third):
             c.close()
+
+
+def test_a_burst_to_a_frozen_daemon_is_queued_not_refused(daemons: StartDaemon) -> None:
+    """5,000 registrations sent while D's daemon is frozen (SIGSTOP) wait in the client's
+    send queue: none fails locally (libzmq's default queue of 1,000 refused the tail of
+    such a burst, "send queue full"). Once the daemon runs again they and 5,000 aborts
+    arrive at once: what its receiver's mailbox cannot hold is refused BUSY, an abort
+    refused so is sent again by the client, and every request ends exactly once, within
+    seconds (a lost abort left its registration waiting for P for 480 s)."""
+    p = daemons("kvdt-lim-burstp")
+    d = daemons("kvdt-lim-burstd")
+    pe, de = engines(p, d)
+    ids = [f"cmpl-burst-{i}-{secrets.token_hex(3)}" for i in range(5000)]
+    ended: dict[str, list[Any]] = {}
+    try:
+        d.proc.send_signal(signal.SIGSTOP)
+        try:
+            for i, rid in enumerate(ids):
+                de.client.register_push(rid, [i % BLOCKS], "127.0.0.1", p.side_port)
+            local = de.client.drain_events()  # the daemon is stopped: only the client speaks
+            assert local == [], local[:3]
+        finally:
+            d.proc.send_signal(signal.SIGCONT)
+        for rid in ids:
+            de.client.abort(rid)
+        t0 = time.monotonic()
+        while len(ended) < len(ids):
+            for ev in de.client.wait_events(1.0):
+                ended.setdefault(ev.request_id, []).append(ev)
+            assert time.monotonic() - t0 < 60, f"{len(ended)} of {len(ids)} ended"
+        assert set(ended) == set(ids)
+        assert all(len(evs) == 1 for evs in ended.values())
+        reasons = [evs[0].reason for evs in ended.values() if isinstance(evs[0], wire.RecvFailed)]
+        assert len(reasons) == len(ids)  # none was pushed: P finished none of them
+        assert not [r for r in reasons if "send queue full" in r]
+        assert {r for r in reasons if "aborted" not in r} <= {"the receiver mailbox is full (1024)"}
+        served(p, pe, de)
+    finally:
+        pe.close()
+        de.close()
 
 
 def test_registrations_beyond_the_per_peer_limit_fail_on_d_at_once(daemons: StartDaemon) -> None:
