@@ -27,6 +27,7 @@ The thread is named `kvd-nixl` (`top -H`, `/proc/<pid>/task/*/comm`).
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import collections
 import contextlib
@@ -55,6 +56,8 @@ NotifSink = Callable[[str, list[bytes], int], None]
 """Called on the event loop with (peer agent name, messages, the monotonic ns at which the
 thread polled them, or 0 while the stage trace is off) for each batch."""
 
+_HAND_S: Final = 200e-6
+"""How long a hand-off to the idle NIXL thread waits for the thread to take it (`_hand`)."""
 _HOT_S: Final = 0.005
 """After activity (a command, a notification, a completion), poll every `_HOT_POLL_S`
 this long before backing off: a request's next notification usually follows within a
@@ -173,6 +176,10 @@ class NixlStats:
     transfers_failed: int = 0
     bytes_moved: int = 0
     notifs_sent: int = 0
+    hands_waited: int = 0
+    """Commands handed to the idle thread that it took before the hand-off returned."""
+    hands_late: int = 0
+    """Commands handed to the idle thread that it did not take within `_HAND_S`."""
     notifs_received: int = 0
     polls: int = 0
     inflight: int = 0
@@ -247,6 +254,8 @@ class NixlEngine:
         plain reads of the actors' tables). Set by the daemon; True keeps the old cap."""
         self._deep = False
         """The thread is pausing longer than `_max_idle` (`poke` wakes it)."""
+        self._idle_wait = False
+        """The thread waits on its command queue (`_hand`)."""
         self._ucx_tls = ucx_tls
         self._settle = settle_timeout
         """Bound on how long UCX may keep an unacknowledged operation (TCP_USER_TIMEOUT);
@@ -377,7 +386,11 @@ class NixlEngine:
                 cmds: list[Callable[[], None] | None] = []
                 try:
                     if wait > 0:
-                        cmds.append(self._cmds.get(timeout=wait))
+                        self._idle_wait = True
+                        try:
+                            cmds.append(self._cmds.get(timeout=wait))
+                        finally:
+                            self._idle_wait = False
                     else:
                         os.sched_yield()  # releases the GIL and the CPU
                         cmds.append(self._cmds.get_nowait())
@@ -662,9 +675,10 @@ class NixlEngine:
     ) -> asyncio.Future[XferTiming]:
         """Hand a WRITE or READ of Nx3 (addr, len, dev) descriptor arrays to the NIXL
         thread now (on the event loop, without waiting for a turn of it); the future is its
-        answer. Then yield the CPU: the thread, woken by the hand-off, needs the GIL to
-        post, which this thread would otherwise keep until the loop next sleeps (measured
-        on the layer-wise path here: the pick-up waited 90-350 us behind the rest of the
+        answer. An idle thread is waited for until it took the WRITE or READ (`_hand`);
+        a busy one gets the CPU yielded to it: the thread, woken by the hand-off, needs
+        the GIL to post, which this thread would otherwise keep until the loop next sleeps
+        (measured on the layer-wise path here: the pick-up waited 90-350 us behind the rest of the
         loop's turn).
 
         The answer: the seconds spent posting it, and from the start of posting to
@@ -734,8 +748,8 @@ class NixlEngine:
             else:
                 self._inflight.append(x)
 
-        self._cmds.put(run)
-        os.sched_yield()  # releases the GIL and the CPU: see above
+        if not self._hand(run):
+            os.sched_yield()  # releases the GIL and the CPU: see above
         return fut
 
     async def file_transfer(
@@ -836,7 +850,8 @@ class NixlEngine:
     ) -> None:
         """Send one notification without waiting for it: `done` is called later on the
         event loop with the error `send_notif` would raise, or with None once it was sent
-        (only if `report_ok`). No task and no future: the caller's loop goes on at once.
+        (only if `report_ok`). No task and no future: the caller's loop goes on once the
+        thread took it, if it was idle (`_hand`), else at once.
 
         A notification to a peer whose endpoint UCX failed (a link stalled past
         TCP_USER_TIMEOUT) is held, in order with the peer's later ones, while a fresh
@@ -859,7 +874,33 @@ class NixlEngine:
                 trace.mark(trace_id, "nixl.notif_picked")
             self._send_or_hold(_Notif(peer, msg, done, report_ok, time.monotonic()))
 
-        self._cmds.put(send)
+        self._hand(send)
+
+    def _hand(self, cmd: Callable[[], None]) -> bool:
+        """Queue `cmd` for the NIXL thread. If the thread is idle (waiting on the queue),
+        wait until it took the command, at most `_HAND_S`: the woken thread needs the GIL,
+        which this thread would otherwise keep until its loop next sleeps, and what the
+        loop has left to do in its turn is rarely on the request's path (measured on the
+        stage trace of `kvd bench --only control`: D's READ was picked up 190 us after
+        its hand-off, D's registration 136, P's PullAck 96; 43-52 us with the wait).
+        True if it waited (a thread that is busy polling transfers takes the command on
+        its next round: `submit` then yields the CPU instead)."""
+        if not self._idle_wait:
+            self._cmds.put(cmd)
+            return False
+        picked = _thread.allocate_lock()
+        picked.acquire()
+
+        def run() -> None:
+            picked.release()
+            cmd()
+
+        self._cmds.put(run)
+        if picked.acquire(timeout=_HAND_S):
+            self.stats.hands_waited += 1
+        else:
+            self.stats.hands_late += 1
+        return True
 
     def _seal(self, peer: str, msg: bytes) -> bytes:
         """With a keyring (a shared secret), `msg` in an envelope under our session key with
