@@ -586,8 +586,11 @@ def _steps_equal(offsets: Int64Array, step: int) -> bool:
 def _check_inside(addrs: Int64Array, lengths: Int64Array, geometry: Geometry, side: str) -> None:
     if addrs.shape[0] == 0:
         return
-    low = int(addrs.min())
-    high = int((addrs + lengths).max())
+    _check_span(int(addrs.min()), int((addrs + lengths).max()), geometry, side)
+
+
+def _check_span(low: int, high: int, geometry: Geometry, side: str) -> None:
+    """Descriptors spanning [low, high) lie inside the region."""
     if low < geometry.base_addr or high > geometry.base_addr + geometry.nbytes:
         # Unreachable for validated inputs; refuse rather than hand NIXL a wild address.
         raise KvdError(
@@ -702,8 +705,9 @@ def _plan_small(local: Geometry, lb: Int64Array, remote: Geometry, rb: Int64Arra
             la.append(a)
             ra.append(b)
             lengths.append(unit)
-    _check_inside_small(la, lengths, local, "local")
-    _check_inside_small(ra, lengths, remote, "remote")
+    for addrs, geometry, side in ((la, local, "local"), (ra, remote, "remote")):
+        high = max(a + n for a, n in zip(addrs, lengths, strict=True))
+        _check_span(min(addrs), high, geometry, side)
     return Plan(
         _frozen(np.array(la, dtype=np.int64)),
         _frozen(np.array(ra, dtype=np.int64)),
@@ -718,19 +722,6 @@ def _steps(offsets: list[int], step: int) -> bool:
 
 def _range(n: int, lstep: int, rstep: int) -> tuple[list[int], list[int]]:
     return [i * lstep for i in range(n)], [i * rstep for i in range(n)]
-
-
-def _check_inside_small(
-    addrs: list[int], lengths: list[int], geometry: Geometry, side: str
-) -> None:
-    """`_check_inside` of plain lists."""
-    low = min(addrs)
-    high = max(a + n for a, n in zip(addrs, lengths, strict=True))
-    if low < geometry.base_addr or high > geometry.base_addr + geometry.nbytes:
-        raise KvdError(
-            f"planner bug: {side} descriptors span [{low:#x}, {high:#x}) outside the region "
-            f"[{geometry.base_addr:#x}, {geometry.base_addr + geometry.nbytes:#x})"
-        )
 
 
 def plan_pieces(
