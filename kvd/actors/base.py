@@ -143,6 +143,11 @@ class Mailbox(Generic[M]):
     def depth(self) -> int:
         return self._send.statistics().current_buffer_used
 
+    @property
+    def outside(self) -> int:
+        """Outside input waiting (what `size` bounds)."""
+        return self._outside
+
     async def __aiter__(self) -> AsyncIterator[M]:
         async for msg in self._recv:
             yield self._took(msg)
