@@ -182,9 +182,10 @@ def test_bench_quick_runs_every_scenario(tmp_path: Path) -> None:
     mem = topo["memory"]  # two cold copies at once against in a row, on this host
     for key in ("in_a_row_ms", "at_once_ms"):
         _positive(mem[key], f"memory {key}")
-    assert mem["at_once_vs_in_a_row"] == pytest.approx(
-        mem["at_once_ms"] / mem["in_a_row_ms"], abs=2e-3
-    )
+    # the ratio of the two, each rounded to 3 decimals (ms) as the ratio is: within what
+    # that rounding allows (a fixed 2e-3 failed once, for copies of a few tenths of a ms)
+    a, b, h = mem["in_a_row_ms"], mem["at_once_ms"], 5e-4
+    assert (b - h) / (a + h) - h <= mem["at_once_vs_in_a_row"] <= (b + h) / (a - h) + h, mem
     lw = sc["layerwise"]
     assert lw["layers"] == 32 and lw["reps"] > 0
     for key in ("layerwise", "whole"):
