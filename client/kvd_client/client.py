@@ -462,14 +462,6 @@ class KvdClient:
         elif p.kind == "region":
             self._region_answered(p.region, msg)
         elif isinstance(msg, wire.ErrorReply):
-            if p.kind == "abort":
-                # the daemon was too busy to take it: again later, while the request is
-                # open (the engine waits for its terminal event, which the abort hastens)
-                if msg.code == int(ErrorCode.BUSY) and self._announced(p.request_id, p.side):
-                    if not self._aborts_refused:
-                        self._aborts_retry_at = time.monotonic() + ABORT_RETRY_S
-                    self._aborts_refused[p.request_id] = p.side
-                return
             # A refused request still ends: turn the refusal into its terminal event.
             self._fail(p, msg.code, msg.message)
 
@@ -488,8 +480,15 @@ class KvdClient:
                 self.abort(rid, side)
 
     def _fail(self, p: _Pending, code: int, reason: str) -> None:
-        """End an announced request that the daemon refused or that was never sent."""
-        if p.kind == "ec" and self._announced_ec.get(p.request_id, 0) > 0:
+        """End an announced request that the daemon refused or that was never sent. An
+        abort refused BUSY (by the daemon, or by a full send queue) is sent again later,
+        while its request is open: the engine waits for the terminal event it hastens."""
+        if p.kind == "abort":
+            if code == int(ErrorCode.BUSY) and self._announced(p.request_id, p.side):
+                if not self._aborts_refused:
+                    self._aborts_retry_at = time.monotonic() + ABORT_RETRY_S
+                self._aborts_refused[p.request_id] = p.side
+        elif p.kind == "ec" and self._announced_ec.get(p.request_id, 0) > 0:
             self._ec_done(p.request_id)
             self._events.append(wire.ECUnavailable(p.request_id, code, reason))
         elif p.kind == "recv" and self._announced_recv.pop(p.request_id, None) is not None:
