@@ -426,6 +426,15 @@ class NixlConfig(_Section):
         ge=10,
         le=1_000_000,
     )
+    doorbell: bool = _opt(
+        True,
+        "Bind a UDP doorbell on the side channel's address and port (`side_channel.host`, "
+        "`side_channel.port`; UDP, beside its TCP), said in the handshake: a peer rings it "
+        "after each notification to this daemon, so an idle NIXL thread (backed off up to "
+        "`poll_max_idle_us`) polls at once instead of at its next timed poll. Datagrams "
+        "are empty and never read: one that is forged or lost costs one poll, or the "
+        "timed wait. Where UDP between the daemons is filtered, nothing breaks.",
+    )
     num_threads: int = _opt(
         0,
         "`num_threads` passed to the NIXL backend (UCX worker threads); 0 = the backend's default.",

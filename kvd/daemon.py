@@ -383,7 +383,7 @@ class Daemon:
             "mailboxes": {name: box.stats() for name, box in boxes.items()}
             | {"events": self.events.stats()},
             "counters": dict(sorted(self.counters.items())),
-            "nixl": dict(self.engine.stats.__dict__),
+            "nixl": self.engine.stats_dict(),
         }
         for name, box in boxes.items():
             out[name] = await box.call(Snapshot("status"))
@@ -490,6 +490,8 @@ class Daemon:
                 # metadata a handshake carries must include it (peers READ out of it)
                 await tg.start(self.tiers.run)
                 self.side.bind()
+                if self.cfg.nixl.doorbell:  # (beside the side channel: its UDP port)
+                    self.engine.open_doorbell(self.cfg.side_channel.host, self.side.port)
                 await tg.start(self.side.run)
                 self.tiers.side_channel_listening()
                 await tg.start(self.sender.run)
@@ -569,7 +571,7 @@ class Daemon:
         sources = Sources(
             counters=self.counters,
             mailboxes=lambda: {name: box.stats() for name, box in boxes.items()},
-            nixl=lambda: dict(self.engine.stats.__dict__),
+            nixl=lambda: self.engine.stats_dict(),
             transfer_stats=[actor.book.stats for actor in sides.values()],
             failures={side: actor.failures for side, actor in sides.items()},
             in_flight=lambda: {side: len(a.book.in_flight) for side, a in sides.items()},

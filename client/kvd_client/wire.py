@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 11
+PROTOCOL_VERSION: Final = 12
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
 10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
@@ -809,6 +809,9 @@ class Handshake(Record):
     cma: bool = False
     """The daemon's `UCX_TLS` allows `cma`: two daemons on one machine READ natively only
     if both do."""
+    doorbell: bool = False
+    """The daemon wakes its NIXL thread on a UDP datagram to side_host:side_port: ring it
+    after each notification to it (`kvd.adapters.doorbell`)."""
     """HMAC-SHA256 over the fields above when a shared secret is configured."""
 
 

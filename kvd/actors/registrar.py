@@ -83,6 +83,7 @@ from kvd.actors.messages import (
     TraceCmd,
 )
 from kvd.adapters.cuda_ipc import CudaIpcRegion
+from kvd.adapters.doorbell import peer_address
 from kvd.adapters.nixl import NixlEngine
 from kvd.adapters.resolve import Resolver, connect
 from kvd.adapters.shm import (
@@ -732,6 +733,7 @@ class Registrar:
             machine=self.reach.machine,
             rdma=self.reach.rdma,
             cma=self.reach.cma,
+            doorbell=self.engine.bell is not None,
         )
         if self.secret is not None:
             hs = replace(hs, mac=handshake_mac(self.secret, hs, context))
@@ -848,6 +850,7 @@ class Registrar:
             native_reads=native_reads(self.reach, Reach(hs.machine, hs.rdma, hs.cma)),
         )
         known.info = info
+        await self._ring_at(hs, host if dialed else hs.side_host)
         self._late_bound = max(self._late_bound, hs.write_bound)
         known.dialed_us = known.dialed_us or not dialed
         self.peers[hs.agent_name] = known
@@ -1034,8 +1037,21 @@ class Registrar:
         )
         msg.resolve(None)
 
+    async def _ring_at(self, hs: wire.Handshake, host: str) -> None:
+        """Ring the peer's doorbell after our notifications to it, if it has one (at the
+        address we dialed, or the one its handshake gave), else no more."""
+        addr = None
+        if hs.doorbell:
+            try:
+                ip = await self.resolver.resolve(host, self.handshake_timeout)
+            except KvdError:
+                ip = ""
+            addr = peer_address(ip, hs.side_port) if ip else None
+        self.engine.set_peer_doorbell(hs.agent_name, addr)
+
     async def _forget(self, agent: str) -> None:
         """Drop a peer: its NIXL entry goes, the next use handshakes afresh."""
+        self.engine.set_peer_doorbell(agent, None)
         p = self.peers.pop(agent, None)
         if self.keyring is not None:
             self.keyring.forget(agent)  # its messages in flight fail from now on

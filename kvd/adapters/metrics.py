@@ -37,6 +37,8 @@ NIXL_COUNTERS: Final = (
     "notifs_sent",
     "notifs_received",
     "notifs_dropped",
+    "doorbell_rung",
+    "doorbell_wakes",
 )
 
 TIER_COUNTERS: Final = {

@@ -44,6 +44,7 @@ import structlog
 from kvd_client import wire
 from kvd_client.errors import KvdError, NotFound, Timeout, TransferError
 
+from kvd.adapters.doorbell import Commands, Doorbell
 from kvd.adapters.nixl_import import nixl_api
 from kvd.core.peersession import Keyring
 from kvd.core.stats import XferTiming
@@ -158,6 +159,8 @@ class _Xfer:
     """Its future was already answered (Unsettled); the handle is still polled."""
     settled: Callable[[], None] | None = None
     """Called on the event loop once UCX ended the transfer (nothing more of it can land)."""
+    notifies: bool = False
+    """It carries a notification for the peer (whose doorbell is rung once it is done)."""
 
 
 @dataclass(slots=True)
@@ -260,7 +263,10 @@ class NixlEngine:
         self._settle = settle_timeout
         """Bound on how long UCX may keep an unacknowledged operation (TCP_USER_TIMEOUT);
         0: UCX's default (the kernel's, ~15 minutes with tcp_retries2=15)."""
-        self._cmds: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._cmds = Commands()
+        self.bell: Doorbell | None = None
+        """This daemon's doorbell (`open_doorbell`): while backed off, the thread also
+        wakes on a datagram to it, sent by a peer after a notification to us."""
         self._mds: dict[str, list[bytes]] = {}
         """Every metadata blob loaded for each remote agent, in order (the thread's): what
         a fresh endpoint to it is made from when UCX failed the old one."""
@@ -316,6 +322,35 @@ class NixlEngine:
         thread = self._thread
         await asyncio.get_running_loop().run_in_executor(None, thread.join, 5.0)
         self._thread = None
+        if not thread.is_alive():
+            self._cmds.close()
+            if self.bell is not None:
+                self.bell.close()
+
+    def stats_dict(self) -> dict[str, Any]:
+        """The engine's statistics, with the doorbell's (`doorbell_*`; `doorbell_port` 0:
+        none)."""
+        out = dict(self.stats.__dict__)
+        bell = self.bell
+        out["doorbell_port"] = bell.port if bell is not None else 0
+        out["doorbell_peers"] = bell.peers() if bell is not None else 0
+        for key, n in (bell.stats.__dict__ if bell is not None else {}).items():
+            out[f"doorbell_{key}"] = n
+        return out
+
+    def open_doorbell(self, host: str, port: int) -> bool:
+        """Bind this daemon's doorbell on UDP host:port (the side channel's); False where
+        it cannot be (logged): peers then find our notifications at our timed polls."""
+        if self.bell is None:
+            self.bell = Doorbell.bind(host, port)
+        return self.bell is not None
+
+    def set_peer_doorbell(self, peer: str, addr: tuple[int, tuple[object, ...]] | None) -> None:
+        """Ring `peer`'s doorbell at (family, sockaddr) after each notification to it, or
+        no more (None). Without a doorbell of our own, peers are not rung either: one
+        socket does both, and a daemon that turned doorbells off sends none."""
+        if self.bell is not None:
+            self.bell.set_peer(peer, addr)
 
     def _create_agent(self) -> Any:
         if self._ucx_tls:
@@ -384,11 +419,17 @@ class NixlEngine:
                     wait = min(idle, self._idle_cap())
                 self._deep = wait > self._max_idle
                 cmds: list[Callable[[], None] | None] = []
+                rung = False
                 try:
                     if wait > 0:
                         self._idle_wait = True
                         try:
-                            cmds.append(self._cmds.get(timeout=wait))
+                            bell = self.bell
+                            if bell is not None and wait > _HOT_POLL_S:
+                                # backed off: a peer's doorbell ends the wait too
+                                rung = self._cmds.wait(wait, bell)
+                            else:
+                                cmds.append(self._cmds.get(timeout=wait))
                         finally:
                             self._idle_wait = False
                     else:
@@ -398,7 +439,7 @@ class NixlEngine:
                         cmds.append(self._cmds.get_nowait())
                 except queue.Empty:
                     pass
-                active = poked = False
+                active, poked = rung, False
                 for cmd in cmds:
                     if cmd is _noop:
                         poked = True  # input arrived: poll at the short cap, not hot
@@ -459,8 +500,11 @@ class NixlEngine:
         assert loop is not None
         polled = self.trace.now()
         rx_in, rx_out = self._rx_in, self._rx_out
+        bell, now = self.bell, time.monotonic()
         for peer, msgs in notifs.items():
             name = peer if isinstance(peer, str) else peer.decode()
+            if bell is not None:
+                bell.heard(name, now)
             self.stats.notifs_received += len(msgs)
             kept: list[bytes] = []
             size = 0
@@ -578,6 +622,8 @@ class NixlEngine:
         if exc is None:
             self._fresh.pop(x.peer, None)
             self.stats.transfers_done += 1
+            if x.notifies and self.bell is not None:
+                self.bell.ring(x.peer)  # the peer polls the WRITE's notification now
             if self.trace.on and x.trace_id:
                 self.trace.mark(x.trace_id, "nixl.done")
             done = XferTiming(x.post_s, time.monotonic() - x.started)
@@ -734,6 +780,7 @@ class NixlEngine:
             self.stats.bytes_moved += nbytes
             x = _Xfer(handle, fut, started + timeout, started, trace_id, peer)
             x.settled = settled
+            x.notifies = bool(notif)
             if trace.on and trace_id:
                 trace.mark(trace_id, "nixl.posted")
             try:
@@ -1060,6 +1107,8 @@ class NixlEngine:
             return
         self._fresh.pop(n.peer, None)
         self.stats.notifs_sent += 1
+        if self.bell is not None:
+            self.bell.ring(n.peer)
         self._answer(n, None)
 
     def _answer(self, n: _Notif, err: KvdError | None) -> None:

@@ -75,6 +75,11 @@ class ControlConfig:
     printed beside push and pull."""
     idle_window_s: float = 10.0
     """How long the idle daemon's CPU is measured."""
+    apart_requests: int = 100
+    apart_gap_s: float = 0.02
+    """Push and pull requests also measured one at a time `apart_gap_s` apart: each finds
+    the daemons idle (their NIXL threads backed off), as at a low request rate, where the
+    back-to-back figures find them warm."""
 
     @classmethod
     def quick(cls) -> ControlConfig:
@@ -89,6 +94,7 @@ class ControlConfig:
             traced_pull_requests=40,
             raw_round_trips=100,
             idle_window_s=2.0,
+            apart_requests=20,
         )
 
     @property
@@ -98,7 +104,7 @@ class ControlConfig:
 
 def steps(cfg: ControlConfig) -> int:
     """Progress steps of `run`, and the runner's idle measurement."""
-    return _batches(cfg.requests) + 2 * _batches(cfg.pull_requests) + 2 + 2 + 3 + 1
+    return _batches(cfg.requests) + 2 * _batches(cfg.pull_requests) + 2 + 2 + 3 + 1 + 2
 
 
 def _batches(n: int) -> int:
@@ -148,10 +154,18 @@ def pull_by_write(
 
 
 def measure(
-    env: Env, pair: CtlPair, mode: str, n: int, rng: random.Random, progress: Progress | None = None
+    env: Env,
+    pair: CtlPair,
+    mode: str,
+    n: int,
+    rng: random.Random,
+    progress: Progress | None = None,
+    *,
+    gap_s: float = 0.0,
 ) -> list[float]:
-    """Latency of n requests, one at a time, from D's call to D's RecvFinished (seconds)."""
-    return [t.seconds for t in timed(env, pair, mode, n, rng, progress)]
+    """Latency of n requests, one at a time (`gap_s` apart), from D's call to D's
+    RecvFinished (seconds)."""
+    return [t.seconds for t in timed(env, pair, mode, n, rng, progress, gap_s=gap_s)]
 
 
 def timed(
@@ -164,9 +178,11 @@ def timed(
     *,
     batch_size: int = BATCH,
     before_batch: Callable[[int], None] | None = None,
+    gap_s: float = 0.0,
 ) -> list[Timed]:
     """n requests, one at a time, in batches (P finishes a whole batch first);
-    `before_batch(i)` runs before the i-th batch's first request."""
+    `before_batch(i)` runs before the i-th batch's first request; `gap_s`: a pause
+    before each request (nothing else runs meanwhile)."""
     p, d, k = pair.p, pair.d, pair.cfg.blocks_per_request
     pool = range(pair.cfg.pool_blocks)
     out: list[Timed] = []
@@ -183,6 +199,8 @@ def timed(
         if before_batch is not None:
             before_batch(start // batch_size)
         for pid, did, lb, rb in batch:
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.monotonic_ns()
             if mode == "push":
                 d.client.register_push(
@@ -414,6 +432,11 @@ def run(
     push = measure(env, pair, "push", cfg.requests, rng, progress)
     pull = measure(env, pair, "pull", cfg.pull_requests, rng, progress)
     by_write = pull_by_write(env, pair, cfg, rng, progress)
+    gap = cfg.apart_gap_s
+    push_apart = measure(env, pair, "push", cfg.apart_requests, rng, gap_s=gap)
+    progress(f"control plane: push, {gap * 1e3:.0f} ms apart")
+    pull_apart = measure(env, pair, "pull", cfg.apart_requests, rng, gap_s=gap)
+    progress(f"control plane: pull, {gap * 1e3:.0f} ms apart")
     idle_drain = drain_idle(pair, cfg.drain_calls)
     progress("control plane: idle drain_events")
     busy = drain_busy(env, pair, cfg.busy_bursts, cfg.busy_requests, rng)
@@ -433,6 +456,9 @@ def run(
         "push": summary_ms(push, cdf=True),
         "pull": summary_ms(pull, cdf=True),
         **({"pull_by_write": summary_ms(by_write)} if by_write else {}),
+        "push_apart": summary_ms(push_apart),
+        "pull_apart": summary_ms(pull_apart),
+        "apart_gap_ms": round(gap * 1e3, 3),
         "raw_notif_rtt": summary_ms(floor),
         "zmq_rtt": summary_ms(zmq_rtt),
         "handoff_to_thread": summary_ms(to_thread),

@@ -514,6 +514,8 @@ def control_table(ctl: dict[str, Any]) -> Table:
         ("push", "push: D register -> RecvFinished"),
         ("pull", "pull: D pull -> RecvFinished"),
         ("pull_by_write", "pull by P's WRITE (pull_by = write): D pull -> RecvFinished"),
+        ("push_apart", f"push, {ctl.get('apart_gap_ms', 0):.0f} ms apart (the daemons idle)"),
+        ("pull_apart", f"pull, {ctl.get('apart_gap_ms', 0):.0f} ms apart (the daemons idle)"),
         ("raw_notif_rtt", "floor: raw NIXL notification round trip"),
         ("zmq_rtt", "floor: ZMQ IPC round trip (client <-> asyncio ROUTER)"),
         ("handoff_to_thread", "bare hand-off: event loop -> thread (as to NIXL's)"),

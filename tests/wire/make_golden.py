@@ -275,6 +275,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             machine=0x1669_312D_D9B9_B7E8,
             rdma=True,
             cma=True,
+            doorbell=True,
         ),
     ),
     "PushRegistration": (

@@ -105,7 +105,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 11
+    assert wire.PROTOCOL_VERSION == 12
 
 
 def test_type_ids_are_pinned() -> None:
