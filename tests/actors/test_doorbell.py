@@ -141,10 +141,11 @@ def test_an_address_that_cannot_be_bound_leaves_no_doorbell() -> None:
     assert peer_address("::1", 5)[0] == socket.AF_INET6  # type: ignore[index]
 
 
-BACK_OFF_S = 2.2
-"""An idle thread's waits double from 100 us after its last activity (0.82 s from 0.82 s
-on, 1.64 s from 1.64 s on): after this, the wait under way ends a second or more later,
-where the tests below want the thread awake within half a second."""
+BACK_OFF_S = 3.5
+"""An idle thread's waits double from 100 us after its last activity (1.64 s from 1.64 s
+on, 3.28 s from 3.28 s on): after this, the wait under way ends three seconds or more
+later, where the tests below want the thread awake within one second."""
+AWAKE_S = 1.0
 
 
 async def _backed_off_engine(tag: str) -> NixlEngine:
@@ -173,7 +174,7 @@ async def test_a_backed_off_thread_is_woken_by_the_bell_and_by_a_command() -> No
     try:
         polls = eng.stats.polls
         ringer.ring("p")
-        deadline = time.monotonic() + 0.5  # the timed wait would end a second later
+        deadline = time.monotonic() + AWAKE_S  # the timed wait would end 3 s later
         while eng.bell.stats.wakes == 0:
             assert time.monotonic() < deadline, "the doorbell did not wake the thread"
             await asyncio.sleep(0.005)
@@ -183,7 +184,7 @@ async def test_a_backed_off_thread_is_woken_by_the_bell_and_by_a_command() -> No
         await asyncio.sleep(BACK_OFF_S)  # backed off again
         assert eng._deep
         # a command handed to a thread in a doorbell wait is taken at once (the eventfd)
-        got = await asyncio.wait_for(eng.call(lambda agent: 42), 0.5)
+        got = await asyncio.wait_for(eng.call(lambda agent: 42), AWAKE_S)
         assert got == 42
     finally:
         ringer.close()

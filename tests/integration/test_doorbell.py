@@ -65,7 +65,7 @@ def test_idle_daemons_ring_each_other_and_every_byte_arrives(daemons: StartDaemo
     # D rang P after its registrations and PullDones, P rang D after its WRITEs (their
     # notifications, 0.3 s after D registered): each woke the other's backed-off thread.
     # P's PullAcks follow D's PullDones at once: D polls hot then, and is not rung.
-    assert dn["doorbell_rung"] >= 5 and pn["doorbell_wakes"] >= 5
+    assert dn["doorbell_rung"] >= 4 and pn["doorbell_wakes"] >= 4
     assert pn["doorbell_rung"] >= 2 and dn["doorbell_wakes"] >= 2
     assert pn["doorbell_skipped"] >= 2
     # (the kernel drops what overflows a socket buffer: most of the junk is drained here)
