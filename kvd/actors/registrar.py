@@ -850,7 +850,7 @@ class Registrar:
             native_reads=native_reads(self.reach, Reach(hs.machine, hs.rdma, hs.cma)),
         )
         known.info = info
-        await self._ring_at(hs, host if dialed else hs.side_host)
+        self._ring_at(hs, host if dialed else hs.side_host)
         self._late_bound = max(self._late_bound, hs.write_bound)
         known.dialed_us = known.dialed_us or not dialed
         self.peers[hs.agent_name] = known
@@ -1037,17 +1037,27 @@ class Registrar:
         )
         msg.resolve(None)
 
-    async def _ring_at(self, hs: wire.Handshake, host: str) -> None:
+    def _ring_at(self, hs: wire.Handshake, host: str) -> None:
         """Ring the peer's doorbell after our notifications to it, if it has one (at the
-        address we dialed, or the one its handshake gave), else no more."""
-        addr = None
-        if hs.doorbell:
-            try:
-                ip = await self.resolver.resolve(host, self.handshake_timeout)
-            except KvdError:
-                ip = ""
-            addr = peer_address(ip, hs.side_port) if ip else None
-        self.engine.set_peer_doorbell(hs.agent_name, addr)
+        address we dialed, or the one its handshake gave), else no more. A host name not
+        resolved yet is looked up in the background: the handshake never waits for it."""
+        ip = self.resolver.cached(host, stale_ok=True) if hs.doorbell else None
+        self.engine.set_peer_doorbell(
+            hs.agent_name, peer_address(ip, hs.side_port) if ip is not None else None
+        )
+        if hs.doorbell and ip is None and self._tg is not None:
+            self._tg.start_soon(
+                self._ring_when_resolved, hs.agent_name, hs.incarnation, host, hs.side_port
+            )
+
+    async def _ring_when_resolved(self, agent: str, incarnation: int, host: str, port: int) -> None:
+        try:
+            ip = await self.resolver.resolve(host, self.handshake_timeout)
+        except KvdError:
+            return  # (its notifications wait for its timed polls)
+        known = self.peers.get(agent)
+        if known is not None and known.incarnation == incarnation:
+            self.engine.set_peer_doorbell(agent, peer_address(ip, port))
 
     async def _forget(self, agent: str) -> None:
         """Drop a peer: its NIXL entry goes, the next use handshakes afresh."""

@@ -43,6 +43,8 @@ sent it, and polls every 100 us for 5 ms after any activity): no ring."""
 DRAIN_MAX: Final = 64
 """Datagrams drained per wake-up (the rest wait for the next)."""
 _PAYLOAD: Final = b""
+_SELECT_FDS: Final = 1024
+"""`select` takes descriptors below FD_SETSIZE only; past it, `poll` (ms resolution)."""
 
 Command = Callable[[], None] | None
 
@@ -89,11 +91,18 @@ class Commands:
     def wait(self, timeout: float, bell: Doorbell) -> bool:
         """Wait up to `timeout` seconds for a command or the bell; True if the bell rang
         (its datagrams are drained). Commands are left in the queue."""
+        fds = [self._efd, bell.fileno()]
         self._watching = True
         try:
             if not self.empty():
                 return False
-            ready, _, _ = select.select([self._efd, bell.fileno()], [], [], timeout)
+            if max(fds) < _SELECT_FDS:  # (microseconds: the back-off's short waits stay short)
+                ready, _, _ = select.select(fds, [], [], timeout)
+            else:
+                poller = select.poll()
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                ready = [fd for fd, _ in poller.poll(timeout * 1e3)]
         finally:
             self._watching = False
         if self._efd in ready:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvd.adapters import doorbell
 from kvd.adapters.doorbell import (
     DRAIN_MAX,
     HEARD_HOT_S,
@@ -189,3 +190,25 @@ async def test_a_backed_off_thread_is_woken_by_the_bell_and_by_a_command() -> No
     finally:
         ringer.close()
         await eng.close()
+
+
+def test_descriptors_past_select_s_limit_are_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A daemon with more than FD_SETSIZE descriptors open waits with `poll` instead."""
+    monkeypatch.setattr(doorbell, "_SELECT_FDS", 0)
+    bell, cmds = _bell(), Commands()
+    ringer = _ringer(bell)
+    try:
+        ringer.ring("p")
+        assert cmds.wait(5.0, bell) is True and bell.stats.drained == 1
+        timer = threading.Timer(0.05, cmds.put, (None,))
+        timer.start()
+        t0 = time.monotonic()
+        assert cmds.wait(5.0, bell) is False
+        assert time.monotonic() - t0 < 4.0, "the put did not end the wait"
+        timer.join()
+        assert cmds.get_nowait() is None
+        assert cmds.wait(0.02, bell) is False
+    finally:
+        bell.close()
+        ringer.close()
+        cmds.close()
