@@ -291,7 +291,8 @@ def check_peer(
             "fail",
             f"side channel unreachable: {connect_error}",
             "is kvd running there? across hosts its side_channel.host must not be "
-            "127.0.0.1 (bind 0.0.0.0 with advertise_host); open the TCP port in the firewall",
+            "127.0.0.1 (bind 0.0.0.0 with advertise_host); open the port in the firewall "
+            "(TCP; UDP too, for the doorbell: nixl.doorbell)",
         )
     if ping is None:
         return Check(
