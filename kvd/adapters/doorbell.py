@@ -35,8 +35,9 @@ import structlog
 
 log = structlog.get_logger("kvd.doorbell")
 
-RING_GAP_S: Final = 0.001
-"""The least time between two rings to one peer (its thread stays hot 5 ms after one)."""
+RING_GAP_S: Final = 0.004
+"""The least time between two rings to one peer: a ring wakes its thread, which then polls
+hot for 5 ms (the wake counts as activity, whether or not our notification was there)."""
 HEARD_HOT_S: Final = 0.004
 """A peer we polled a notification from this recently is polling hot (its NIXL thread
 sent it, and polls every 100 us for 5 ms after any activity): no ring."""
