@@ -53,6 +53,14 @@ def test_push_pull_ec_and_tier_peers_by_host_name(daemons: StartDaemon) -> None:
         # D resolved the name itself (libzmq got a number), once: then from its cache
         resolver = de.client.status()["registrar"]["resolver"]
         assert resolver["lookups"] >= 1 and resolver["failures"] == 0, resolver
+        # each rings the other's doorbell: D at the name it dialed (resolved), P at the
+        # name D's handshake gave (from its resolver's cache, else looked up in the
+        # background: the handshake does not wait for it)
+        assert de.client.status()["nixl"]["doorbell_peers"] == 1
+        deadline = time.monotonic() + 10
+        while pe.client.status()["nixl"]["doorbell_peers"] != 1:
+            assert time.monotonic() < deadline, "P never rang D's doorbell by its name"
+            time.sleep(0.05)
     finally:
         pe.close()
         de.close()
