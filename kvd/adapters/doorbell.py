@@ -14,9 +14,10 @@ A datagram carries nothing: it is never read, only drained, and proves nothing. 
 forged or flooded one costs the woken thread a poll: the bell is watched only while the
 thread has backed off (a hot thread polls every 100 us anyway), so a flood costs at most
 what a hot thread does. A lost one (UDP, a firewall) costs the timed poll, as without a
-doorbell. A peer is not rung where it cannot be idle: rung within `RING_GAP_S`, or
-heard from within `HEARD_HOT_S` (its thread sent us something, so it polls hot for
-5 ms after); under load, when threads stay hot, no datagram is sent at all.
+doorbell. A peer is not rung where it cannot be idle: rung or heard from within `HOT_S`
+(a ring wakes its thread, a notification from it means its thread was active: either
+way it polls hot for 5 ms after); under load, when threads stay hot, no datagram is sent
+at all.
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ import structlog
 
 log = structlog.get_logger("kvd.doorbell")
 
-RING_GAP_S: Final = 0.004
-"""The least time between two rings to one peer: a ring wakes its thread, which then polls
-hot for 5 ms (the wake counts as activity, whether or not our notification was there)."""
-HEARD_HOT_S: Final = 0.004
-"""A peer we polled a notification from this recently is polling hot (its NIXL thread
-sent it, and polls every 100 us for 5 ms after any activity): no ring."""
+HOT_S: Final = 0.004
+"""A peer rung or heard from this recently is polling hot: a ring wakes its thread, and a
+notification from it was sent by its thread; either counts as activity there, after which
+it polls every 100 us for 5 ms (whether or not our notification had arrived). No ring."""
 DRAIN_MAX: Final = 64
 """Datagrams drained per wake-up (the rest wait for the next)."""
 _PAYLOAD: Final = b""
@@ -128,8 +127,8 @@ class Doorbell:
         self._sock = sock
         self._out: dict[int, socket.socket] = {sock.family: sock}
         self._peers: dict[str, tuple[int, tuple[object, ...]]] = {}
-        self._rang: dict[str, float] = {}
-        self._heard: dict[str, float] = {}
+        self._active: dict[str, float] = {}
+        """When each peer was last rung or heard from."""
         self.stats = BellStats()
 
     @classmethod
@@ -172,8 +171,7 @@ class Doorbell:
         """Ring `peer` at (family, sockaddr) from now on, or no more (None)."""
         if addr is None:
             self._peers.pop(peer, None)
-            self._rang.pop(peer, None)
-            self._heard.pop(peer, None)
+            self._active.pop(peer, None)
         else:
             self._peers[peer] = addr
 
@@ -183,22 +181,19 @@ class Doorbell:
     def heard(self, peer: str, now: float) -> None:
         """On the NIXL thread: a notification from `peer` was polled at `now`."""
         if peer in self._peers:
-            self._heard[peer] = now
+            self._active[peer] = now
 
     def ring(self, peer: str) -> None:
         """On the NIXL thread: one datagram to `peer`'s doorbell, if it has one and may be
-        idle (not rung within `RING_GAP_S`, nor heard from within `HEARD_HOT_S`)."""
+        idle (neither rung nor heard from within `HOT_S`)."""
         target = self._peers.get(peer)
         if target is None:
             return
         now = time.monotonic()
-        if (
-            now - self._rang.get(peer, -1.0) < RING_GAP_S
-            or now - self._heard.get(peer, -1.0) < HEARD_HOT_S
-        ):
+        if now - self._active.get(peer, -1.0) < HOT_S:
             self.stats.skipped += 1
             return
-        self._rang[peer] = now
+        self._active[peer] = now
         family, addr = target
         try:
             out = self._out.get(family)

@@ -17,8 +17,7 @@ import pytest
 from kvd.adapters import doorbell
 from kvd.adapters.doorbell import (
     DRAIN_MAX,
-    HEARD_HOT_S,
-    RING_GAP_S,
+    HOT_S,
     Commands,
     Doorbell,
     peer_address,
@@ -87,18 +86,18 @@ def test_a_peer_rung_or_heard_from_lately_is_not_rung() -> None:
     ringer = _ringer(bell)
     try:
         ringer.ring("p")
-        ringer.ring("p")  # within RING_GAP_S: the peer is polling hot
+        ringer.ring("p")  # within HOT_S: the peer is polling hot
         assert (ringer.stats.rung, ringer.stats.skipped) == (1, 1)
-        time.sleep(RING_GAP_S * 2)
+        time.sleep(HOT_S * 2)
         ringer.heard("p", time.monotonic())  # it just sent us something: hot too
         ringer.ring("p")
         assert (ringer.stats.rung, ringer.stats.skipped) == (1, 2)
-        time.sleep(HEARD_HOT_S * 1.5)
+        time.sleep(HOT_S * 1.5)
         ringer.ring("p")
         assert ringer.stats.rung == 2
         ringer.ring("unknown")  # no doorbell known for it
         ringer.set_peer("p", None)
-        time.sleep(RING_GAP_S * 2)
+        time.sleep(HOT_S * 2)
         ringer.ring("p")  # forgotten
         assert ringer.stats.rung == 2
         bell.drain()
