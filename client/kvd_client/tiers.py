@@ -17,26 +17,32 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
   daemon handles a session's messages in order, and a block is visible only once put or
   committed, so only whole. A key the daemon holds already is not stored again (on the
   lent path it was copied for nothing, and its slot goes back).
-- `load`: the daemon pins the keys' slots (reading a disk-tier block into one first);
-  the client copies each block out; an unpin releases them (sent without waiting for
-  its answer). With a disk tier, a load is pinned in parts of about `PART_BYTES`,
-  pipelined: the next parts' pins are sent before a part is copied out, so the daemon
-  reads and checks disk-tier blocks while the client copies. Where the daemon lets its
-  engines read the disk tier's files (`TierOpened.disk_files`) and this client can, a
-  disk hit is not read into the pool: the daemon pins its file and the client reads it
-  straight into the destination and checks it (`kvd_client.tierfiles.read_block`: one
-  pass over the bytes instead of three); a file that cannot be read or fails its check
-  is loaded once more through the pool, where the daemon finds a bad file bad (a miss,
-  the file removed, counted).
+- `load`: a block the daemon's directory names (`kvd_client.tierdir`: the host tier's
+  READY blocks by slot, in shared memory) is copied out at once, without a round trip,
+  and kept if its slot's generation did not change meanwhile; the blocks are then named
+  to the daemon in a one-way `TierTouch` (recency, counters). Every other key (not in
+  the directory: on disk, on a peer, a miss, or a copy found stale) is pinned: the
+  daemon pins the keys' slots (reading a disk-tier block into one first); the client
+  copies each block out; an unpin releases them (sent without waiting for its answer).
+  With a disk tier, a load is pinned in parts of about `PART_BYTES`, pipelined: the next
+  parts' pins are sent before a part is copied out, so the daemon reads and checks
+  disk-tier blocks while the client copies. Where the daemon lets its engines read the disk
+  tier's files (`TierOpened.disk_files`) and this client can, a disk hit is not read
+  into the pool: the daemon pins its file and the client reads it straight into the
+  destination and checks it (`kvd_client.tierfiles.read_block`: one pass over the bytes
+  instead of three); a file that cannot be read or fails its check is loaded once more
+  through the pool, where the daemon finds a bad file bad (a miss, the file removed,
+  counted).
 A reservation or pin is held for the session only: if the client dies, its session ends
 (its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
 daemon drops its pins; one left longer than the daemon's pin timeout is dropped too.
 Nothing stays pinned for a party that is gone. A client that was only slow or frozen is
 never served wrong bytes and never writes into another block for it:
-- a load's answer names each slot's generation; the daemon bumps a slot's generation
-  (in a read-only shared-memory array) before the slot takes any new bytes, and the
-  client checks it after its copies: a block copied from a slot reused meanwhile is a
-  miss (`stale_reads`; its destination then holds those bytes, as after a bad file);
+- a load's answer (or the directory) names each slot's generation; the daemon bumps a
+  slot's generation (in a read-only shared-memory array) before the slot takes any new
+  bytes, and the client checks it after its copies: a block copied from a slot reused
+  meanwhile is a miss (`stale_reads`; its destination then holds those bytes, as after a
+  bad file);
 - a store's slots whose operation the daemon dropped before this client said it was done
   with them are not reused until it is: its commit or unpin of that operation, its next
   session (`TierOpen.prev`: every copy of the old one is over), or its process's end.
@@ -75,6 +81,7 @@ from kvd_client.errors import (
     error_from_code,
 )
 from kvd_client.shm import SHM_DIR, check_name, map_for_write
+from kvd_client.tierdir import TierDirReader, key_digest
 from kvd_client.tierfiles import can_sum64, read_block
 
 __all__ = ["TierClient"]
@@ -132,6 +139,8 @@ class TierClient:
         self._gens_mm: mmap.mmap | None = None
         self._gens: memoryview | None = None
         """The slots' generations (uint64 each), mapped read-only."""
+        self._dir: TierDirReader | None = None
+        """The host tier's directory (`kvd_client.tierdir`), mapped read-only."""
         self._ka_stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self._keepalive_s = 1.0
@@ -154,6 +163,16 @@ class TierClient:
         every load goes through the pool)."""
         self.files_read = 0
         """Disk-tier blocks read straight from their files into the destination."""
+        self.direct_loads = True
+        """Load host-tier blocks found in the daemon's directory without a round trip
+        (`kvd_client.tierdir`; off: every load is pinned)."""
+        self.direct_hits = 0
+        """Blocks loaded through the directory."""
+        self.direct_stale = 0
+        """Of the blocks copied through the directory, those whose slot was reused while
+        they were copied (loaded again the pinned way)."""
+        self.directory_unusable = 0
+        """Sessions whose directory could not be mapped (their loads were all pinned)."""
         self.stale_reads = 0
         """Blocks copied out of a slot that was reused meanwhile (this client was too slow:
         frozen, or past the pin timeout): misses, never reported loaded."""
@@ -163,6 +182,8 @@ class TierClient:
         self._files_unreadable = False
         """A file this client could not open was good for the daemon: the client cannot
         read the daemon's files (permissions, another mount namespace); it stops trying."""
+        self._session_lost = ""
+        """A session the keep-alive thread heard the daemon no longer knows."""
         self._closed = False
         try:
             with self._lock:
@@ -292,7 +313,8 @@ class TierClient:
 
     def load(self, keys: Sequence[bytes], dests: Sequence[memoryview]) -> list[bool]:
         """Per key: its block was copied into its dest (`block_bytes` long). A miss
-        leaves its dest untouched."""
+        leaves its dest untouched, unless a copy was found stale after it was made (the
+        slot was reused meanwhile): the dest then holds bytes that mean nothing."""
         if len(keys) != len(dests):
             raise InvalidRequest(f"{len(keys)} keys but {len(dests)} destinations")
         views = [_flat(d, f"dest {i}") for i, d in enumerate(dests)]
@@ -301,6 +323,8 @@ class TierClient:
                 raise InvalidRequest(f"dest {i} is read-only")
             if v.nbytes < self.block_bytes:
                 raise InvalidRequest(f"dest {i} has {v.nbytes} bytes, fewer than a block")
+        for _ in _by_length(keys):  # (the keys' lengths checked before any copy)
+            pass
         with self._lock:
             if self._sock is None:
                 self._open_session()
@@ -324,6 +348,68 @@ class TierClient:
         return info.disk_files
 
     def _load_all(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
+        """The blocks the directory names, copied without a round trip; the rest pinned
+        (`_load_pinned`)."""
+        out = [False] * len(keys)
+        rest = self._load_direct(keys, views, out)
+        if len(rest) == len(keys):
+            return self._load_pinned(keys, views)
+        if rest:
+            got = self._load_pinned([keys[i] for i in rest], [views[i] for i in rest])
+            for i, ok in zip(rest, got, strict=True):
+                out[i] = ok
+        return out
+
+    def _load_direct(
+        self, keys: Sequence[bytes], views: list[memoryview], out: list[bool]
+    ) -> list[int]:
+        """Copy out each block the directory names, then check every copied slot's
+        generation (after all the copies: the seqlock argument of `kvd_client.tierdir`);
+        a valid copy is loaded (`out`), and named to the daemon afterwards in one-way
+        `TierTouch`es. Returns the indices left for the pinned way, in order."""
+        d, pool, gens = self._dir, self._pool, self._gens
+        if d is None or pool is None or gens is None or not self.direct_loads:
+            return list(range(len(keys)))
+        if self._session_lost == self._session:  # the pinned way finds out, and reopens
+            return list(range(len(keys)))
+        sb, bb, ns = self._slot_bytes(), self.block_bytes, self.namespace
+        rest: list[int] = []
+        copied: list[tuple[int, int, int]] = []  # (index, slot, generation)
+        for j, k in enumerate(keys):
+            hit = d.lookup(key_digest(ns, k))
+            if hit is None:
+                rest.append(j)
+                continue
+            slot, gen = hit
+            views[j][:bb] = pool[slot * sb : slot * sb + bb]
+            copied.append((j, slot, gen))
+        done: list[bytes] = []
+        for (j, _, _), ok in zip(copied, _unchanged(gens, copied), strict=True):
+            if ok:
+                out[j] = True
+                done.append(keys[j])
+            else:
+                self.direct_stale += 1
+                rest.append(j)
+        if done:
+            self.direct_hits += len(done)
+            self._touch(done)
+        rest.sort()
+        return rest
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        """Name blocks loaded through the directory to the daemon (one-way `TierTouch`:
+        its recency and counters), best effort."""
+        sock = self._sock
+        if sock is None:
+            return
+        for part in _parts(keys):
+            for key_bytes, _, blob in _by_length(part):
+                msg = wire.TierTouch(self.namespace, key_bytes, blob)
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.send(wire.encode(msg, next(self._corr)), flags=zmq.NOBLOCK)
+
+    def _load_pinned(self, keys: Sequence[bytes], views: list[memoryview]) -> list[bool]:
         """`_load`, then the disk hits whose files could not be read here once more
         through the pool (the daemon reads and checks them: a bad file is a miss)."""
         failed: dict[int, str] = {}
@@ -520,8 +606,17 @@ class TierClient:
         finally:
             os.close(fd)
         self._gens = memoryview(self._gens_mm).cast("Q")
+        if opened.directory and TierDirReader.supported():
+            try:
+                self._dir = TierDirReader(opened.directory, opened.num_slots)
+            except (OSError, ValueError):
+                self._dir = None  # (every load pinned: correct, one round trip more)
+                self.directory_unusable += 1
 
     def _unmap(self) -> None:
+        if self._dir is not None:
+            self._dir.close()
+            self._dir = None
         if self._gens is not None:
             self._gens.release()
             self._gens = None
@@ -564,14 +659,21 @@ class TierClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"ipc://{self.socket_path}")
+        sent = ["", ""]  # the sessions of the last two keep-alives
         try:
             while not self._ka_stop.wait(self._keepalive_s):
                 session = self._session
+                sent = [sent[1], session]
                 if session:
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send(wire.encode(wire.KeepAlive(session)), flags=zmq.NOBLOCK)
                 while sock.poll(0):  # NOT_FOUND answers: the next call reopens
                     sock.recv()
+                    # the daemon restarted or dropped this session (where both keep-alives
+                    # that may be answered were its): loads stop using its directory,
+                    # whose blocks are right but whose pool is nobody's now
+                    if sent[0] == sent[1] == self._session:
+                        self._session_lost = sent[1]
         finally:
             sock.close(0)
 
@@ -687,6 +789,12 @@ class TierClient:
             with contextlib.suppress(zmq.ZMQError):
                 corr = next(self._corr)  # its answer is dropped as another late one
                 self._sock.send(wire.encode(wire.TierUnpin(reply.op), corr), flags=zmq.NOBLOCK)
+
+
+def _unchanged(gens: memoryview, copied: Sequence[tuple[int, int, int]]) -> list[bool]:
+    """Per (index, slot, generation) copied: whether the slot's generation is still the
+    one the copy was made under (read after every copy)."""
+    return [gens[slot] == gen for _, slot, gen in copied]
 
 
 def _check_slots(slots: Sequence[int], num_slots: int, *, files: bool = False) -> None:

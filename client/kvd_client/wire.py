@@ -27,7 +27,7 @@ import msgpack
 
 from kvd_client.errors import ErrorCode, RemoteProtocolError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 12
+PROTOCOL_VERSION: Final = 13
 """4: the handshake says how long its WRITEs may still land (`Handshake.write_bound`).
 8: an encoder-cache request names its consumer's incarnation (`ECXferReq.incarnation`).
 10: a pull may be served by P's WRITE (`PushRegistration.p_block_ids`); the handshake says
@@ -1281,6 +1281,10 @@ class TierOpened(Record):
     """The shared-memory segment of the slots' generations (one uint64 per slot, mapped
     read-only): a load checks, after copying a slot out, that its generation is still
     the one `TierSlots.gens` named (the slot was not reused meanwhile)."""
+    directory: Annotated[str, Len(0, 255)] = ""
+    """The shared-memory segment of the host tier's directory (`kvd_client.tierdir`,
+    mapped read-only): a client loads a block it finds there without a round trip and
+    names it afterwards in a `TierTouch`; "" = none (every load is pinned)."""
 
 
 @message(102)
@@ -1412,6 +1416,18 @@ class TierPut(Record):
     key_bytes: KeyBytes
     keys: TierKeys
     slots: BlockIds
+
+
+@message(113)
+@dataclasses.dataclass(frozen=True)
+class TierTouch(Record):
+    """One-way, never answered: the client loaded these keys' blocks through the
+    directory (`TierOpened.directory`), without a pin. The daemon counts them and makes
+    each the most recently used, as a pinned load would have."""
+
+    namespace: Namespace
+    key_bytes: KeyBytes
+    keys: TierKeys
 
 
 # ------------------------------------------------------------------ tiers across nodes

@@ -84,6 +84,7 @@ from kvd.actors.messages import (
     LoadNotTaken,
     PingPeerCmd,
     SessionClosed,
+    TiersTouched,
     TraceCmd,
 )
 from kvd.adapters.zmq_monitor import DisconnectWatch
@@ -397,6 +398,9 @@ class Gateway:
         if isinstance(msg, wire.LayersSaved):
             self._layers_saved(s, msg)
             return
+        if isinstance(msg, wire.TierTouch):
+            self._tiers_touched(s, msg)
+            return
         box = self._routes.get(type(msg))
         if isinstance(msg, wire.Abort):
             box = {"send": self.sender, "recv": self.receiver}.get(msg.side)
@@ -454,6 +458,18 @@ class Gateway:
             self.sender.post(LayersAnnounced(s.session, msg))
         except KvdError:
             self._count("layer_notices_dropped")
+
+    def _tiers_touched(self, s: _Session, msg: wire.TierTouch) -> None:
+        """A one-way notice: never answered (the client does not wait after its copies);
+        dropped and counted when the tiers actor is busy (only recency is lost)."""
+        if self.tiers is None:
+            why = "TierTouch to a daemon that keeps no KV tiers"
+            self._reject(s.ident, "ipc_rejected", "no_tiers", why)
+            return
+        try:
+            self.tiers.post(TiersTouched(s.session, msg))
+        except KvdError:
+            self._count("tier_touches_dropped")
 
     def _reply_done(self, ident: bytes, corr: int, fut: asyncio.Future[wire.Record]) -> None:
         if fut.cancelled():

@@ -109,6 +109,15 @@ class PeerTierRequest(Outside, Call[wire.Record]):
 
 
 @dataclass(frozen=True)
+class TiersTouched:
+    """Gateway -> tiers: a client's `TierTouch` (one-way, never answered: the blocks it
+    loaded through the directory, for the tiers' recency and counters)."""
+
+    session: str
+    msg: wire.TierTouch
+
+
+@dataclass(frozen=True)
 class FinishNotTaken:
     """Gateway -> sender: a client's finish was refused before it reached the sender (its
     mailbox was full: the engine got BUSY, its client reports SendFailed). A notice,

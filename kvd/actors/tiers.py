@@ -104,6 +104,7 @@ from kvd_client.errors import (
     TransferError,
 )
 from kvd_client.shm import SHM_DIR, SharedRegion, staging_name
+from kvd_client.tierdir import TierDirWriter, key_digest
 from kvd_client.tierfiles import (
     CHECKSUMS,
     SUFFIX,
@@ -126,6 +127,7 @@ from kvd.actors.messages import (
     PeerUpdated,
     SessionClosed,
     Snapshot,
+    TiersTouched,
 )
 from kvd.adapters.nixl import NixlEngine, PeerDisconnected, Unsettled
 from kvd.adapters.peerlink import PeerLink
@@ -160,9 +162,11 @@ INLINE_OVERHEAD: Final = 1 << 20
 
 POOL_PREFIX: Final = "kvd-tiers-"
 GENS_SUFFIX: Final = "-gens"
+"""The slots' generations: a segment named as the pool, with this suffix."""
+DIR_SUFFIX: Final = "-dir"
+"""The host tier's directory (`kvd_client.tierdir`): named as the pool, with this suffix."""
 LOCK_NAME: Final = ".lock"
 """The disk tier's lock file, at its root (`lock_disk`; block files live in subfolders)."""
-"""The slots' generations: a segment named as the pool, with this suffix."""
 DEMOTE_BATCH: Final = 64
 """Blocks written to disk in one NIXL transfer by the background demoter."""
 DISK_IO_TIMEOUT: Final = 60.0
@@ -227,6 +231,21 @@ class _PeerDialed:
 
     addr: str
     info: PeerInfo
+
+
+class _Published:
+    """`HostIndex`'s directory: its entries, by key digest, in the shared segment."""
+
+    __slots__ = ("writer",)
+
+    def __init__(self, writer: TierDirWriter) -> None:
+        self.writer = writer
+
+    def publish(self, key: TierKey, slot: int, gen: int) -> None:
+        self.writer.publish(key_digest(*key), slot, gen)
+
+    def retract(self, key: TierKey) -> None:
+        self.writer.retract(key_digest(*key))
 
 
 @dataclass
@@ -430,6 +449,9 @@ class Tiers:
         self.gens_region: SharedRegion | None = None
         self.gens: memoryview | None = None
         """The slots' generations (`HostIndex`), published read-only to clients."""
+        self.directory: TierDirWriter | None = None
+        """The READY host blocks by slot, published read-only to clients (their loads
+        without a round trip; `kvd_client.tierdir`)."""
         self.quarantine: dict[str, _Quarantine] = {}
         """Slots kept out of use for sessions whose client may still write into them."""
         self._quarantine_check = 0.0
@@ -561,6 +583,9 @@ class Tiers:
             self._disk_lock = None
 
     def _close_gens(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
+            self.directory = None
         if self.gens is not None:
             self.gens.release()
             self.gens = None
@@ -597,6 +622,8 @@ class Tiers:
                     error=exc.message,
                 )
                 msg.fail(exc)
+        elif isinstance(msg, TiersTouched):
+            self._touched(msg)
         elif isinstance(msg, _PeersAnswered):
             self._peers_answered(msg)
         elif isinstance(msg, _PeerLoaded):
@@ -669,6 +696,35 @@ class Tiers:
         else:
             self._pin(req, keys, files=m.files)
 
+    def _touched(self, msg: TiersTouched) -> None:
+        """Blocks a client loaded through the directory (`wire.TierTouch`, one-way):
+        counted as loads, and made the most recently used. Bad input is counted and
+        logged, never answered."""
+        m = msg.msg
+        opened = self.sessions.get(msg.session)
+        why = ""
+        if self.host is None or opened is None or m.namespace not in opened.namespaces:
+            why = "TierTouch before TierOpen of its namespace"
+        elif len(m.keys) % m.key_bytes or len(m.keys) // m.key_bytes > wire.MAX_TIER_KEYS:
+            why = f"keys are not a batch of at most {wire.MAX_TIER_KEYS} of {m.key_bytes} bytes"
+        if why:
+            self.rejects.reject(
+                "tiers",
+                "tiers_requests_rejected",
+                "tiers_request_rejected",
+                "InvalidRequest",
+                session=msg.session,
+                error=why,
+            )
+            return
+        assert self.host is not None
+        kb, blob, ns = m.key_bytes, m.keys, m.namespace
+        n = len(blob) // kb
+        self.host.touch([(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)])
+        self._count("tiers_direct_loads", n)
+        self._count("tiers_blocks_loaded", n)
+        self._count("tiers_host_bytes_out", n * self.slot_bytes)
+
     # ---------------------------------------------------------------- requests
 
     def _open(self, session: str, m: wire.TierOpen) -> wire.TierOpened:
@@ -703,6 +759,7 @@ class Tiers:
             self._client_files,
             self.cfg.disk_checksum != "none",
             self.gens_region.name if self.gens_region is not None else "",
+            self.directory.name if self.directory is not None else "",
         )
 
     def _new_host_index(self, block_bytes: int) -> None:
@@ -713,8 +770,9 @@ class Tiers:
         self._close_gens()
         self.gens_region = SharedRegion(f"{self.pool.name}{GENS_SUFFIX}", num_slots * 8)
         self.gens = self.gens_region.buf.cast("Q")
+        self.directory = TierDirWriter(f"{self.pool.name}{DIR_SUFFIX}", num_slots)
         self.slot_bytes = block_bytes
-        self.host = HostIndex(num_slots, self.gens)
+        self.host = HostIndex(num_slots, self.gens, _Published(self.directory))
 
     @property
     def _client_files(self) -> str:

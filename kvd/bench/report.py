@@ -825,6 +825,13 @@ def tiers_table(tr: dict[str, Any]) -> Table:
         f"{h['memcpy_gbps']:.2f}",
         f"{h['load_vs_memcpy']:.2f}x",
     )
+    if "load_pinned_gbps" in h:
+        t.add_row(
+            "  ... the same load pinned (the directory off: one round trip to the daemon)",
+            f"{h['load_pinned_gbps']:.2f}",
+            f"{h['memcpy_gbps']:.2f}",
+            f"{h['load_pinned_vs_memcpy']:.2f}x",
+        )
     if "copies_into_pool_vs_memcpy" in h:
         t.add_row(
             "  floor: the same block copies into / out of shared memory, no daemon (vs memcpy)",

@@ -173,7 +173,12 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
     dview = memoryview(dst)
     dests = [dview[i * bb : (i + 1) * bb] for i in range(n)]
     src_all = blocks[0].obj  # the one buffer the blocks are views of
-    store_t, load_t, copy_t, into_t, out_t = [], [], [], [], []
+    store_t: list[float] = []
+    load_t: list[float] = []
+    pinned_t: list[float] = []
+    copy_t: list[float] = []
+    into_t: list[float] = []
+    out_t: list[float] = []
     # the floor: the same block copies into and out of shared memory, with no daemon
     shm = SharedRegion(staging_name("bench-tier-floor"), cfg.request_bytes, populate=True)
     try:
@@ -190,12 +195,17 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 dview[:] = memoryview(src_all)
                 copy_t.append(time.perf_counter() - t0)
-                dview[:] = bytes(len(dview))
-                t0 = time.perf_counter()
-                got = c.load(keys, dests)
-                load_t.append(time.perf_counter() - t0)
-                if not all(got) or dst != src_all:
-                    raise RuntimeError("a load returned wrong bytes")
+                # the load as engines make it (through the directory where it names the
+                # blocks) and the same load pinned (one round trip), in turns
+                for direct in (True, False) if r % 2 == 0 else (False, True):
+                    dview[:] = bytes(len(dview))
+                    c.direct_loads = direct
+                    t0 = time.perf_counter()
+                    got = c.load(keys, dests)
+                    (load_t if direct else pinned_t).append(time.perf_counter() - t0)
+                    if not all(got) or dst != src_all:
+                        raise RuntimeError("a load returned wrong bytes")
+                c.direct_loads = True
                 # the same block copies into and out of a shared-memory segment (written
                 # before), with no daemon: what any path through the pool costs here
                 t0 = time.perf_counter()
@@ -219,6 +229,8 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
         "load_gbps": round(gb / ld, 2),
         "store_vs_memcpy": round(mc / st, 3),
         "load_vs_memcpy": round(mc / ld, 3),
+        "load_pinned_gbps": round(gb / median(pinned_t), 2),
+        "load_pinned_vs_memcpy": round(mc / median(pinned_t), 3),
         "copies_into_pool_vs_memcpy": round(mc / median(into_t), 3),
         "copies_out_of_pool_vs_memcpy": round(mc / median(out_t), 3),
     }

@@ -66,6 +66,14 @@ class SlotGens(Protocol):
     def __setitem__(self, i: int, v: int, /) -> None: ...
 
 
+class Directory(Protocol):
+    """Where READY host entries are published for clients' loads without a round trip
+    (`kvd_client.tierdir`): told when an entry becomes visible and when it leaves."""
+
+    def publish(self, key: TierKey, slot: int, gen: int) -> None: ...
+    def retract(self, key: TierKey) -> None: ...
+
+
 class State(enum.Enum):
     RESERVED = "reserved"
     READY = "ready"
@@ -110,15 +118,19 @@ class HostIndex:
     least recently used dirty one (whose block then leaves the tiers): where a disk tier
     takes demoted blocks, the actor writes dirty entries out (`victims`) instead."""
 
-    __slots__ = ("_clean", "_dirty", "_entries", "_free", "_gens", "_lent", "num_slots")
+    __slots__ = ("_clean", "_dir", "_dirty", "_entries", "_free", "_gens", "_lent", "num_slots")
 
-    def __init__(self, num_slots: int, gens: SlotGens | None = None) -> None:
+    def __init__(
+        self, num_slots: int, gens: SlotGens | None = None, directory: Directory | None = None
+    ) -> None:
         if num_slots <= 0:
             raise ValueError(f"num_slots must be positive, got {num_slots}")
         if gens is not None and len(gens) < num_slots:
             raise ValueError(f"{len(gens)} generation counters for {num_slots} slots")
         self.num_slots: Final = num_slots
         self._gens: SlotGens = [0] * num_slots if gens is None else gens
+        self._dir = directory
+        """Told of every READY entry that is not transient, and of its leaving."""
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # a stack: 0 first
         self._lent: set[int] = set()
         self._entries: dict[TierKey, _HostEntry] = {}
@@ -195,6 +207,7 @@ class HostIndex:
             lru = self._clean if self._clean else self._dirty
             old, _ = lru.popitem(last=False)
             e = self._entries.pop(old)
+            self._retract(old)
             victim = Evicted(old, e.slot, e.on_disk)
             slot = e.slot
         else:
@@ -210,6 +223,8 @@ class HostIndex:
         if e.state is not State.RESERVED:
             raise ValueError(f"{key!r} is not reserved")
         e.state = State.READY
+        if self._dir is not None and not e.transient:
+            self._dir.publish(key, e.slot, self._gens[e.slot])
         if not keep_pin:
             self._unpin(key, e)
 
@@ -244,6 +259,7 @@ class HostIndex:
             elif self._clean:
                 old, _ = self._clean.popitem(last=False)
                 e = self._entries.pop(old)
+                self._retract(old)
                 evicted.append(Evicted(old, e.slot, True))
                 slot = e.slot
             else:
@@ -263,6 +279,8 @@ class HostIndex:
         self._lent.discard(slot)
         self._entries[key] = _HostEntry(slot, State.READY, 0)
         self._dirty[key] = None
+        if self._dir is not None:
+            self._dir.publish(key, slot, self._gens[slot])
         return True
 
     def give_back(self, slot: int) -> None:
@@ -326,6 +344,7 @@ class HostIndex:
         while self._clean and len(out) < n:
             key, _ = self._clean.popitem(last=False)
             e = self._entries.pop(key)
+            self._retract(key)
             self._free.append(e.slot)
             out.append(Evicted(key, e.slot, True))
         return out
@@ -336,9 +355,28 @@ class HostIndex:
         if e is None or e.state is not State.READY or e.pins:
             return None
         del self._entries[key]
+        self._retract(key)
         (self._clean if e.on_disk else self._dirty).pop(key, None)
         self._free.append(e.slot)
         return Evicted(key, e.slot, e.on_disk)
+
+    def touch(self, keys: Sequence[TierKey]) -> int:
+        """Loads made without a pin (through the directory): each unpinned READY entry
+        among `keys` becomes the most recently used. Returns how many were held."""
+        n = 0
+        get, ready = self._entries.get, State.READY
+        for key in keys:
+            e = get(key)
+            if e is None or e.state is not ready:
+                continue
+            n += 1
+            if e.pins == 0:
+                (self._clean if e.on_disk else self._dirty).move_to_end(key)
+        return n
+
+    def _retract(self, key: TierKey) -> None:
+        if self._dir is not None:
+            self._dir.retract(key)
 
     def _entry(self, key: TierKey) -> _HostEntry:
         e = self._entries.get(key)

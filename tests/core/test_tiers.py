@@ -10,6 +10,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kvd_client import wire as w
+from kvd_client.shm import unique_name
+from kvd_client.tierdir import TierDirReader, TierDirWriter, key_digest
 
 from kvd.core.tiers import (
     DiskIndex,
@@ -202,15 +204,36 @@ class _Ref:
     used: int  # recency stamp when it last became unpinned and ready
 
 
+class _Directory:
+    """HostIndex's directory as the daemon's (`kvd.actors.tiers._Published`): a real
+    shared-memory directory, read back through a client's reader."""
+
+    def __init__(self, pool_slots: int) -> None:
+        self.writer = TierDirWriter(unique_name("kvd-test-dir"), pool_slots)
+        self.reader = TierDirReader(self.writer.name, pool_slots)
+
+    def publish(self, key: TierKey, slot: int, gen: int) -> None:
+        assert self.writer.publish(key_digest(*key), slot, gen)
+
+    def retract(self, key: TierKey) -> None:
+        self.writer.retract(key_digest(*key))
+
+    def close(self) -> None:
+        self.reader.close()
+        self.writer.close()
+
+
 class HostMachine(RuleBasedStateMachine):
-    """HostIndex against a reference that finds victims by scanning every entry."""
+    """HostIndex against a reference that finds victims by scanning every entry; its
+    directory read back as a client reads it."""
 
     N = 6
 
     def __init__(self) -> None:
         super().__init__()
         self.gens = [0] * self.N
-        self.h = HostIndex(self.N, self.gens)
+        self.dir = _Directory(self.N)
+        self.h = HostIndex(self.N, self.gens, self.dir)
         self.ref: dict[TierKey, _Ref] = {}
         self.lent: set[int] = set()
         self.gen = [0] * self.N  # the model's own count of each slot's new uses
@@ -373,6 +396,20 @@ class HostMachine(RuleBasedStateMachine):
             assert got is not None and got.slot == r.slot
             del self.ref[key]
 
+    @rule(ids=st.lists(st.integers(0, 11), max_size=4))
+    def touch(self, ids: list[int]) -> None:
+        """Loads through the directory: the unpinned ready ones become the newest."""
+        keys = [k(i) for i in ids]
+        held = self.h.touch(keys)
+        assert held == sum(1 for x in keys if x in self.ref and not self.ref[x].reserved)
+        for x in keys:
+            r = self.ref.get(x)
+            if r is not None and not r.reserved and r.pins == 0:
+                r.used = self._tick()
+
+    def teardown(self) -> None:
+        self.dir.close()
+
     @invariant()
     def agrees(self) -> None:
         assert len(self.h) == len(self.ref)
@@ -389,6 +426,14 @@ class HostMachine(RuleBasedStateMachine):
         probe = [k(i) for i in range(12)]
         assert self.h.ready_many(probe) == [self.h.ready(x) for x in probe]
         assert self.h.evictable == len(self._lru(True)) + len(self._lru(False))
+        # the directory names exactly the ready blocks a load may copy (not a transient
+        # one: it goes with its load), each with its slot's current generation
+        for x in probe:
+            r = self.ref.get(x)
+            want = None
+            if r is not None and not r.reserved and not r.transient:
+                want = (r.slot, self.gen[r.slot])
+            assert self.dir.reader.lookup(key_digest(*x)) == want, x
 
 
 HostMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 from kvd_client import wire
+from kvd_client.client import KvdClient
 from kvd_client.errors import ProtocolError
 from kvd_client.tierfiles import SUFFIX, TMP_SUFFIX, block_path, read_block
 from kvd_client.tiers import TierClient
@@ -662,6 +664,103 @@ def test_client_survives_a_daemon_restart(daemons: StartDaemon) -> None:
         assert load_check(c, [2]) == [True]
 
 
+def test_host_hits_load_through_the_directory_without_a_pin(daemons: StartDaemon) -> None:
+    """Host-tier hits are copied straight out of the pool through the daemon's directory:
+    right bytes, no operation opened, counted by the daemon from the client's one-way
+    TierTouch; a key not in the directory (a miss) still goes the pinned way."""
+    d = daemons("t31", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        assert c.store([key(i) for i in range(4)], [memoryview(block(i)) for i in range(4)])
+        # (a store's commit is one-way: its blocks are published once the daemon handled
+        # it, which this round trip makes sure of; before, a load takes the pinned way)
+        assert c.batch_lookup([key(i) for i in range(4)]) == [True] * 4
+        assert load_check(c, [0, 1, 2, 3, 9]) == [True] * 4 + [False]
+        assert c.direct_hits == 4 and c.direct_stale == 0
+        st = c.stats()  # (a round trip after the touch: the daemon handled it)
+        assert st["counters"]["direct_loads"] == 4
+        assert st["counters"]["blocks_loaded"] == 4
+        assert st["host"]["bytes_out"] == 4 * BB
+        assert st["ops_open"] == 0
+        c.direct_loads = False  # the pinned way: the same bytes, one round trip
+        assert load_check(c, [2, 3]) == [True, True]
+        assert c.direct_hits == 4
+        st = c.stats()
+        assert st["counters"]["direct_loads"] == 4
+        assert st["counters"]["blocks_loaded"] == 6
+
+
+def test_a_load_through_the_directory_keeps_its_block_recent(daemons: StartDaemon) -> None:
+    """A block loaded without a pin is still a use: the daemon makes it the most recently
+    used (TierTouch), so eviction takes the block nobody loaded."""
+    d = daemons("t32", overrides=tiers_cfg(host_bytes=4 * BB))
+    with TierClient(d.socket, NS, BB) as c:
+        for i in range(4):  # stored oldest first: 0, 1, 2, 3
+            assert c.store([key(i)], [memoryview(block(i))]) == [True]
+        assert c.batch_lookup([key(0)]) == [True]  # (the one-way commits handled)
+        assert load_check(c, [0]) == [True]
+        assert c.direct_hits == 1
+        assert c.store([key(4)], [memoryview(block(4))]) == [True]  # one eviction
+        assert c.batch_lookup([key(i) for i in range(5)]) == [True, False, True, True, True]
+
+
+def test_a_killed_daemons_directory_is_left_for_the_new_daemon(daemons: StartDaemon) -> None:
+    """A daemon killed (SIGKILL: its directory is never marked closed) and started again:
+    the client hears from its keep-alives that its session is gone, stops loading through
+    the dead daemon's directory, and its next load opens a session with the new daemon
+    (whose tiers are empty: a miss, then its own blocks through its own directory)."""
+    cfg = {**tiers_cfg(), "daemon": {"client_timeout": 1.0}}
+    d = daemons("t33", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        assert c.store([key(1)], [memoryview(block(1))]) == [True]
+        assert c.batch_lookup([key(1)]) == [True]  # (the one-way commit handled)
+        assert load_check(c, [1]) == [True] and c.direct_hits == 1
+        d.kill()
+        d2 = daemons("t33", overrides=cfg)
+        _wait(lambda: c._session_lost == c._session, timeout=10)
+        assert load_check(c, [1]) == [False]
+        assert c.reopened == 1 and c.direct_hits == 1
+        assert c.store([key(2)], [memoryview(block(2))]) == [True]
+        assert c.batch_lookup([key(2)]) == [True]
+        assert load_check(c, [2]) == [True] and c.direct_hits == 2
+        assert d2.proc.poll() is None
+
+
+def test_bad_touches_are_counted_never_answered(daemons: StartDaemon) -> None:
+    """A TierTouch is one-way: one naming a namespace the session did not open, or keys
+    that are not a batch, is counted and logged, never answered; the daemon and the
+    session go on. To a daemon without tiers likewise."""
+    d = daemons("t34", overrides=tiers_cfg())
+    with TierClient(d.socket, NS, BB) as c:
+        assert c.store([key(1)], [memoryview(block(1))]) == [True]
+        assert c.batch_lookup([key(1)]) == [True]
+        sock = c._sock
+        assert sock is not None
+        for bad in (
+            wire.TierTouch(b"another-model", 36, key(1)),
+            wire.TierTouch(NS, 36, key(1) + b"x"),
+        ):
+            sock.send(wire.encode(bad, 999_999))
+        st = c.stats()  # (answered: the touches were handled before it, and not answered)
+        assert st["counters"]["requests_rejected"] == 2
+        assert st["counters"].get("direct_loads", 0) == 0
+        assert load_check(c, [1]) == [True] and c.direct_hits == 1
+        assert 999_999 not in c._replies
+    off = daemons("t35")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{off.socket}")
+    try:
+        sock.send(wire.encode(wire.Hello("tiers-raw-1", "tiers", "", -1, os.getpid(), "0"), 1))
+        assert sock.poll(5000)
+        assert isinstance(wire.decode(sock.recv())[1], wire.Welcome)
+        with KvdClient(off.socket, role="cli", timeout=5.0, keepalive_interval=0) as cli:
+            sock.send(wire.encode(wire.TierTouch(NS, 36, key(1)), 2))
+            _wait(lambda: cli.status()["counters"].get("tiers_requests_rejected", 0) == 1)
+        assert not sock.poll(100)  # never answered
+    finally:
+        sock.close(0)
+
+
 def test_pins_expire_after_pin_timeout(daemons: StartDaemon) -> None:
     from kvd_client import wire
 
@@ -725,21 +824,25 @@ def test_one_way_commit_visible_in_order_and_refusal_counted(daemons: StartDaemo
         assert load_check(other, [0, 2]) == [True, True]
 
 
-def _frozen_client(d: Any, call: str) -> subprocess.Popen[bytes]:
-    """A client process that stops itself (SIGSTOP) once the daemon answered its store's
-    or load's slots, before it copies a byte; thawed, it finishes `call`, prints what it
-    got, then makes one more call (a lookup) and exits."""
+def _frozen_client(
+    d: Any, call: str, *, direct: bool = False, at: str = "_check_slots"
+) -> subprocess.Popen[bytes]:
+    """A client process that stops itself (SIGSTOP) at the first call of `at`: by default
+    once the daemon answered its store's or load's slots, before it copies a byte; thawed,
+    it finishes `call`, prints what it got, then makes one more call (a lookup) and exits.
+    `direct`: its loads go through the directory first (`TierClient.direct_loads`)."""
     code = textwrap.dedent(
         f"""
         import hashlib, json, os, signal
         from kvd_client import tiers as T
-        {_freeze_at("_check_slots", "answered")}
+        {_freeze_at(at, "answered")}
         def key(i):
             return hashlib.sha256(f"block-{{i}}".encode()).digest() + bytes(4)
         def block(i):
             seed = hashlib.sha256({NS!r} + i.to_bytes(8, "little")).digest()
             return (seed * ({BB} // len(seed) + 1))[:{BB}]
         c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        c.direct_loads = {direct!r}
         keys = [key(0), key(1)]
         if {call!r} == "store":
             got = c.store(keys, [memoryview(block(i)) for i in range(2)])
@@ -748,7 +851,8 @@ def _frozen_client(d: Any, call: str) -> subprocess.Popen[bytes]:
             dests = [bytearray({BB}) for _ in keys]
             got = c.load(keys, [memoryview(x) for x in dests])
             sums = [hashlib.sha256(x).hexdigest() for x in dests]
-        print(json.dumps({{"got": got, "sums": sums, "stale": c.stale_reads}}), flush=True)
+        print(json.dumps({{"got": got, "sums": sums, "stale": c.stale_reads,
+                           "direct_stale": c.direct_stale}}), flush=True)
         c.batch_lookup(keys)
         print(json.dumps({{"reopened": c.reopened}}), flush=True)
         c.close()
@@ -787,6 +891,42 @@ def test_a_reader_frozen_past_its_session_never_loads_reused_slots(daemons: Star
                     assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
             assert out["got"] == [False, False]
             assert out["stale"] == 2  # its copies saw the slots' generations move on
+            assert load_check(c, ids) == [True] * 4
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def test_a_direct_reader_frozen_after_its_copies_never_loads_reused_slots(
+    daemons: StartDaemon,
+) -> None:
+    """A reader that copied two blocks through the directory (no pin, no round trip) and
+    froze before checking them: meanwhile the blocks are evicted and their slots take
+    other blocks. Thawed, its check sees the slots' generations moved on: the copies are
+    stale, the keys go the pinned way and miss; never another block's bytes loaded."""
+    cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
+    d = daemons("t30", overrides=cfg)
+    with TierClient(d.socket, NS, BB) as c:
+        assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
+    p = _frozen_client(d, "load", direct=True, at="_unchanged")
+    try:
+        with TierClient(d.socket, NS, BB) as c:
+            assert c.stats()["ops_open"] == 0  # (it pinned nothing)
+            ids = list(range(100, 104))  # fill every slot: 0 and 1 are evicted
+            assert all(c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]))
+            assert c.batch_lookup([key(0), key(1)]) == [False, False]
+            p.send_signal(signal.SIGCONT)
+            rest, _ = p.communicate(timeout=30)
+            assert p.returncode == 0
+            out = json.loads(rest.splitlines()[0])
+            want = [hashlib.sha256(block(i)).hexdigest() for i in range(2)]
+            for i, ok in enumerate(out["got"]):
+                if ok:
+                    assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
+            assert out["got"] == [False, False]
+            assert out["direct_stale"] == 2  # its copies saw the slots' generations move on
             assert load_check(c, ids) == [True] * 4
     finally:
         if p.poll() is None:

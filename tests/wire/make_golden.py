@@ -491,6 +491,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
             disk_files="/var/lib/kvd/tiers",
             disk_verify=True,
             gens="kvd-tiers-123-0a1b2c3d-gens",
+            directory="kvd-tiers-123-0a1b2c3d-dir",
         ),
     ),
     "TierLookup": (
@@ -512,6 +513,10 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     "TierPut": (
         70,
         wire.TierPut(namespace=b"compat-A", key_bytes=2, keys=b"k1k2", slots=(3, 4)),
+    ),
+    "TierTouch": (
+        71,
+        wire.TierTouch(namespace=b"compat-A", key_bytes=4, keys=b"\x00\x01\x02\x03abcd"),
     ),
     "PeerTierLookup": (
         66,

@@ -80,6 +80,7 @@ TYPE_IDS = {
     "TierGrant": 110,
     "TierGranted": 111,
     "TierPut": 112,
+    "TierTouch": 113,
     "PeerTierLookup": 120,
     "PeerTierPin": 121,
     "PeerTierPinned": 122,
@@ -105,7 +106,7 @@ REGISTERED = sorted(cls.__name__ for cls in wire.registry().values())
 
 
 def test_protocol_version() -> None:
-    assert wire.PROTOCOL_VERSION == 12
+    assert wire.PROTOCOL_VERSION == 13
 
 
 def test_type_ids_are_pinned() -> None:
