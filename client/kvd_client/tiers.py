@@ -164,10 +164,11 @@ class TierClient:
         self.files_read = 0
         """Disk-tier blocks read straight from their files into the destination."""
         self.direct_loads = True
-        """Load host-tier blocks found in the daemon's directory without a round trip
-        (`kvd_client.tierdir`; off: every load is pinned)."""
+        """Load without a round trip the host-tier blocks the daemon's directory names
+        (`kvd_client.tierdir`) and the disk-tier blocks whose files this client reads
+        (off: every load is pinned)."""
         self.direct_hits = 0
-        """Blocks loaded through the directory."""
+        """Blocks loaded without a pin (through the directory, or from their files)."""
         self.direct_stale = 0
         """Of the blocks copied through the directory, those whose slot was reused while
         they were copied (loaded again the pinned way)."""
@@ -363,15 +364,33 @@ class TierClient:
     def _load_direct(
         self, keys: Sequence[bytes], views: list[memoryview], out: list[bool]
     ) -> list[int]:
-        """Copy out each block the directory names, then check every copied slot's
-        generation (after all the copies: the seqlock argument of `kvd_client.tierdir`);
-        a valid copy is loaded (`out`), and named to the daemon afterwards in one-way
-        `TierTouch`es. Returns the indices left for the pinned way, in order."""
+        """Load what needs no round trip: the blocks the directory names, then (where
+        this client reads the disk tier's files) the blocks whose files are there; both
+        named to the daemon afterwards in one-way `TierTouch`es. Returns the indices left
+        for the pinned way, in order."""
+        rest = list(range(len(keys)))
+        if not self.direct_loads or self._session_lost == self._session:
+            return rest  # (a lost session: the pinned way finds out, and reopens)
         d, pool, gens = self._dir, self._pool, self._gens
-        if d is None or pool is None or gens is None or not self.direct_loads:
-            return list(range(len(keys)))
-        if self._session_lost == self._session:  # the pinned way finds out, and reopens
-            return list(range(len(keys)))
+        if d is not None and pool is not None and gens is not None:
+            rest = self._from_directory(keys, views, out, d, pool, gens)
+        root = self._files_root() if rest else ""
+        if root:
+            rest = self._from_files(keys, views, out, rest, root)
+        return rest
+
+    def _from_directory(
+        self,
+        keys: Sequence[bytes],
+        views: list[memoryview],
+        out: list[bool],
+        d: TierDirReader,
+        pool: memoryview,
+        gens: memoryview,
+    ) -> list[int]:
+        """Copy out each block the directory names, then check every copied slot's
+        generation (after all the copies: the argument of `kvd_client.tierdir`); a valid
+        copy is loaded. Returns the indices left, in order."""
         sb, bb, ns = self._slot_bytes(), self.block_bytes, self.namespace
         rest: list[int] = []
         copied: list[tuple[int, int, int]] = []  # (index, slot, generation)
@@ -397,15 +416,45 @@ class TierClient:
         rest.sort()
         return rest
 
-    def _touch(self, keys: Sequence[bytes]) -> None:
-        """Name blocks loaded through the directory to the daemon (one-way `TierTouch`:
-        its recency and counters), best effort."""
+    def _from_files(
+        self,
+        keys: Sequence[bytes],
+        views: list[memoryview],
+        out: list[bool],
+        todo: list[int],
+        root: str,
+    ) -> list[int]:
+        """Read each block whose disk-tier file is there straight into its destination,
+        checked (`read_block`), without a pin: a block file is immutable once renamed
+        into place, and one the daemon deletes (evicted) while it is read stays whole for
+        the reader that opened it. A file that is not there (not on disk: its
+        destination untouched) or fails (its destination then holds garbage) is left to
+        the pinned way, which tells a file gone from one this client cannot read, and a
+        bad file from a good one. Returns the indices left, in order."""
+        bb, ns, verify = self.block_bytes, self.namespace, self._info().disk_verify
+        rest: list[int] = []
+        done: list[bytes] = []
+        for j in todo:
+            if read_block(root, (ns, keys[j]), views[j][:bb], verify=verify):
+                rest.append(j)
+            else:
+                out[j] = True
+                done.append(keys[j])
+        if done:
+            self.direct_hits += len(done)
+            self.files_read += len(done)
+            self._touch(done, disk=True)
+        return rest
+
+    def _touch(self, keys: Sequence[bytes], *, disk: bool = False) -> None:
+        """Name blocks loaded without a pin to the daemon (one-way `TierTouch`: its
+        recency, promotions and counters), best effort."""
         sock = self._sock
         if sock is None:
             return
         for part in _parts(keys):
             for key_bytes, _, blob in _by_length(part):
-                msg = wire.TierTouch(self.namespace, key_bytes, blob)
+                msg = wire.TierTouch(self.namespace, key_bytes, blob, disk)
                 with contextlib.suppress(zmq.ZMQError):
                     sock.send(wire.encode(msg, next(self._corr)), flags=zmq.NOBLOCK)
 

@@ -1421,13 +1421,16 @@ class TierPut(Record):
 @message(113)
 @dataclasses.dataclass(frozen=True)
 class TierTouch(Record):
-    """One-way, never answered: the client loaded these keys' blocks through the
-    directory (`TierOpened.directory`), without a pin. The daemon counts them and makes
-    each the most recently used, as a pinned load would have."""
+    """One-way, never answered: the client loaded these keys' blocks without a pin,
+    through the directory (`TierOpened.directory`) or, `disk`, straight from the disk
+    tier's files (`TierOpened.disk_files`). The daemon counts them and makes each the
+    most recently used, as a pinned load would have (and promotes disk blocks read so,
+    with `tiers.promote_on_hit`)."""
 
     namespace: Namespace
     key_bytes: KeyBytes
     keys: TierKeys
+    disk: bool = False
 
 
 # ------------------------------------------------------------------ tiers across nodes

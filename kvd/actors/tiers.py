@@ -720,10 +720,22 @@ class Tiers:
         assert self.host is not None
         kb, blob, ns = m.key_bytes, m.keys, m.namespace
         n = len(blob) // kb
-        self.host.touch([(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)])
+        keys = [(ns, blob[i : i + kb]) for i in range(0, n * kb, kb)]
         self._count("tiers_direct_loads", n)
         self._count("tiers_blocks_loaded", n)
-        self._count("tiers_host_bytes_out", n * self.slot_bytes)
+        if not m.disk:
+            self.host.touch(keys)
+            self._count("tiers_host_bytes_out", n * self.slot_bytes)
+            return
+        if self.disk is None:
+            return  # (the client read files of a disk tier this daemon no longer has)
+        self.disk.touch(keys)
+        self._count("tiers_disk_client_reads", n)
+        self._count("tiers_disk_bytes_out", n * self.slot_bytes)
+        if self.cfg.promote_on_hit:
+            self._promote(keys)
+            self._keep_free()
+            self._retry_waiters()
 
     # ---------------------------------------------------------------- requests
 

@@ -860,6 +860,19 @@ def tiers_table(tr: dict[str, Any]) -> Table:
                 f"{d[f'read_dest_gbps_{state}']:.2f}",
                 f"{d[f'load_pool_vs_read_dest_{state}']:.2f}x",
             )
+        if f"load_pinned_vs_read_dest_{state}" in d:
+            t.add_row(
+                "  ... the same load, its files pinned first (one round trip to the daemon)",
+                "",
+                f"{d[f'read_dest_gbps_{state}']:.2f}",
+                f"{d[f'load_pinned_vs_read_dest_{state}']:.2f}x",
+            )
+            t.add_row(
+                "  floor: the same reads and checks (sum64), no daemon (vs readinto dest)",
+                "",
+                f"{d[f'read_dest_gbps_{state}']:.2f}",
+                f"{d[f'read_check_vs_read_dest_{state}']:.2f}x",
+            )
         t.add_row(
             f"  ... vs readinto one {d['block_bytes'] >> 20} MiB buffer (cache-resident)",
             "",

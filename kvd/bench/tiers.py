@@ -369,7 +369,7 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
             if not all(found):
                 raise RuntimeError(f"only {sum(found)} of {n} blocks reached the disk")
             # the request's own files, in its order (the daemon reads exactly these)
-            from kvd_client.tierfiles import block_path
+            from kvd_client.tierfiles import block_path, read_block
 
             files = [Path(block_path(str(root), (NS, k))) for k in keys]
             small = memoryview(bytearray(bb))
@@ -384,6 +384,18 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                     load()
                 finally:
                     c.read_files = True
+
+            def load_pinned() -> None:  # the same load, its files pinned (a round trip)
+                c.direct_loads = False
+                try:
+                    load()
+                finally:
+                    c.direct_loads = True
+
+            def read_check() -> None:  # the client's own reads and checks, no daemon
+                for k, dest in zip(keys, dests, strict=True):
+                    if read_block(str(root), (NS, k), dest, verify=True):
+                        raise RuntimeError("a block file failed its check")
 
             def into_one() -> None:
                 for path in files:
@@ -411,6 +423,14 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                         raise RuntimeError("a disk load through the pool returned wrong bytes")
                     if state == "warm":
                         after = c.stats()["counters"]
+                    dview[:] = bytes(len(dview))
+                    timed("load_pinned", state, files, load_pinned)
+                    if dst != src_all:
+                        raise RuntimeError("a pinned disk load returned wrong bytes")
+                    dview[:] = bytes(len(dview))
+                    timed("read_check", state, files, read_check)
+                    if dst != src_all:
+                        raise RuntimeError("a checked read returned wrong bytes")
                     dview[:] = bytes(len(dview))
                     timed("read_dest", state, files, into_dest)
                     if dst != src_all:
@@ -453,6 +473,12 @@ def _disk(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
             med[f"read_dest_{state}"] / med[f"load_pool_{state}"], 3
         )
         out[f"load_vs_read_one_{state}"] = round(med[f"read_one_{state}"] / ld, 3)
+        out[f"load_pinned_vs_read_dest_{state}"] = round(
+            med[f"read_dest_{state}"] / med[f"load_pinned_{state}"], 3
+        )
+        out[f"read_check_vs_read_dest_{state}"] = round(
+            med[f"read_dest_{state}"] / med[f"read_check_{state}"], 3
+        )
         out[f"nixl_posix_vs_read_dest_{state}"] = round(
             med[f"read_dest_{state}"] / med[f"nixl_posix_{state}"], 3
         )

@@ -482,6 +482,20 @@ class DiskIndex:
         e.readers += 1
         return True
 
+    def touch(self, keys: Sequence[TierKey]) -> int:
+        """Files clients read without a pin (`kvd_client.tiers`' direct loads): each READY
+        one with no reader becomes the most recently used. Returns how many are held."""
+        n = 0
+        get, ready = self._entries.get, State.READY
+        for key in keys:
+            e = get(key)
+            if e is None or e.state is not ready:
+                continue
+            n += 1
+            if e.readers == 0:
+                self._lru.move_to_end(key)
+        return n
+
     def unpin(self, key: TierKey) -> bool:
         """A reader is done. True: that was the last reader of a condemned file, which is
         forgotten now (delete it)."""

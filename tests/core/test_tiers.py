@@ -534,6 +534,17 @@ class DiskMachine(RuleBasedStateMachine):
         elif ready and v is not None:  # readers: condemned
             v[4] = 1
 
+    @rule(ids=st.lists(st.integers(0, 11), max_size=4))
+    def touch(self, ids: list[int]) -> None:
+        """Files read without a pin: the ready ones with no reader become the newest."""
+        keys = [k(i) for i in ids]
+        ready = [x for x in keys if x in self.ref and not self.ref[x][1] and not self.ref[x][4]]
+        assert self.d.touch(keys) == len(ready)
+        for x in ready:
+            if self.ref[x][2] == 0:
+                self.clock += 1
+                self.ref[x][3] = self.clock
+
     @invariant()
     def agrees(self) -> None:
         assert self.d.used == sum(v[0] for v in self.ref.values()) <= self.CAP

@@ -382,6 +382,7 @@ def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
         from kvd_client import tiers as T
         {_freeze_at("read_block", "reading")}
         c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        c.direct_loads = False  # (the pinned way: files the daemon named)
         keys = [{", ".join(repr(key(i)) for i in range(4))}]
         dests = [bytearray({BB}) for _ in keys]
         got = c.load(keys, [memoryview(x) for x in dests])
@@ -413,6 +414,72 @@ def test_a_reader_frozen_past_its_session_loads_right_bytes_or_misses(
                 assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
         assert out["got"] == [False] * 4
         assert out["reopened"] == 1
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait()
+
+
+def test_a_file_read_without_a_pin_stays_whole_when_evicted_meanwhile(
+    daemons: StartDaemon, workdir: Path
+) -> None:
+    """A client reading disk-tier files itself, without asking the daemon (a direct
+    load), freezes after it opened the first file and read its bytes; meanwhile the
+    disk tier evicts (deletes) all four files. Thawed, the file it had open is whole for
+    it (an open file outlives its name): that block loads with the right bytes; the
+    others are gone, go the pinned way and miss. No block with wrong bytes, no hang."""
+    root = workdir / "disk"
+    cfg = {
+        **tiers_cfg(disk_path=str(root), disk_bytes=8 * BB, low_water=0.25, promote_on_hit=False),
+        "daemon": {"client_timeout": 1.0},
+    }
+    d = _on_disk_only(daemons, "t36", cfg, 4)
+    want = [hashlib.sha256(block(i)).hexdigest() for i in range(4)]
+    code = textwrap.dedent(
+        f"""
+        import hashlib, json, os, signal
+        from kvd_client import tierfiles, tiers as T
+        real = tierfiles.read_trailer
+        stopped = []
+        def frozen(*a, **k):
+            if not stopped:
+                stopped.append(1)
+                print("read", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return real(*a, **k)
+        tierfiles.read_trailer = frozen
+        c = T.TierClient({d.socket!r}, {NS!r}, {BB}, timeout=5.0, io_timeout=10.0)
+        keys = [{", ".join(repr(key(i)) for i in range(4))}]
+        dests = [bytearray({BB}) for _ in keys]
+        got = c.load(keys, [memoryview(x) for x in dests])
+        right = [hashlib.sha256(x).hexdigest() for x in dests]
+        print(json.dumps({{"got": got, "sums": right, "direct": c.direct_hits}}), flush=True)
+        c.close()
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    paths = [Path(block_path(str(root), (NS, key(i)))) for i in range(4)]
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == b"read"
+        _wait(lambda: Path(f"/proc/{p.pid}/stat").read_text().split(")")[1].split()[0] == "T")
+        with TierClient(d.socket, NS, BB) as c:
+            assert c.stats()["ops_open"] == 0  # (it pinned nothing)
+            more = iter(range(400, 440))
+            while any(path.exists() for path in paths):
+                i = next(more)
+                assert c.store([key(i)], [memoryview(block(i))]) == [True]
+                _wait(lambda: c.stats()["host"]["demoting"] == 0)
+        p.send_signal(signal.SIGCONT)
+        rest, _ = p.communicate(timeout=30)  # (its load must end: never a hang)
+        assert p.returncode == 0
+        out = json.loads(rest.splitlines()[-1])
+        for i, ok in enumerate(out["got"]):
+            if ok:
+                assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
+        assert out["got"] == [True, False, False, False]
+        assert out["direct"] == 1
     finally:
         if p.poll() is None:
             p.send_signal(signal.SIGCONT)

@@ -516,7 +516,7 @@ GOLDEN: Final[dict[str, tuple[int, wire.Record]]] = {
     ),
     "TierTouch": (
         71,
-        wire.TierTouch(namespace=b"compat-A", key_bytes=4, keys=b"\x00\x01\x02\x03abcd"),
+        wire.TierTouch(namespace=b"compat-A", key_bytes=4, keys=b"\x00\x01\x02\x03abcd", disk=True),
     ),
     "PeerTierLookup": (
         66,
