@@ -834,9 +834,10 @@ class TiersConfig(_Section):
     disk_client_reads: bool = _opt(
         True,
         "Engines on this node read disk-tier hits straight from the block files into "
-        "their own memory and check them (one pass over the bytes; the daemon pins the "
-        "files meanwhile); they need read access to `disk_path`, else they load through "
-        "the host pool as when this is off (read into a slot, checked, copied out).",
+        "their own memory and check them (one pass over the bytes, no round trip: a file "
+        "is immutable once in place); they need read access to `disk_path`, else they "
+        "load through the host pool as when this is off (read into a slot, checked, "
+        "copied out).",
     )
     promote_on_hit: bool = _opt(
         True,
