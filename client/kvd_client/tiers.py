@@ -17,22 +17,23 @@ read-write and moves the bytes itself, so a block crosses memory once each way:
   daemon handles a session's messages in order, and a block is visible only once put or
   committed, so only whole. A key the daemon holds already is not stored again (on the
   lent path it was copied for nothing, and its slot goes back).
-- `load`: a block the daemon's directory names (`kvd_client.tierdir`: the host tier's
-  READY blocks by slot, in shared memory) is copied out at once, without a round trip,
-  and kept if its slot's generation did not change meanwhile; the blocks are then named
-  to the daemon in a one-way `TierTouch` (recency, counters). Every other key (not in
-  the directory: on disk, on a peer, a miss, or a copy found stale) is pinned: the
-  daemon pins the keys' slots (reading a disk-tier block into one first); the client
-  copies each block out; an unpin releases them (sent without waiting for its answer).
-  With a disk tier, a load is pinned in parts of about `PART_BYTES`, pipelined: the next
-  parts' pins are sent before a part is copied out, so the daemon reads and checks
-  disk-tier blocks while the client copies. Where the daemon lets its engines read the disk
-  tier's files (`TierOpened.disk_files`) and this client can, a disk hit is not read
-  into the pool: the daemon pins its file and the client reads it straight into the
-  destination and checks it (`kvd_client.tierfiles.read_block`: one pass over the bytes
-  instead of three); a file that cannot be read or fails its check is loaded once more
-  through the pool, where the daemon finds a bad file bad (a miss, the file removed,
-  counted).
+- `load`: what needs no round trip first: a block the daemon's directory names
+  (`kvd_client.tierdir`: the host tier's READY blocks by slot, in shared memory) is
+  copied out of the pool and kept if its slot's generation did not change meanwhile;
+  where the daemon lets its engines read the disk tier's files (`TierOpened.disk_files`)
+  and this client can, a block whose file is there is read straight into its destination
+  and checked (`kvd_client.tierfiles.read_block`: one pass over the bytes instead of
+  three; a file is immutable once in place, and stays whole for a reader that opened it
+  even if the daemon deletes it). Those blocks are named to the daemon in one-way
+  `TierTouch`es (recency, promotion, counters). Every other key (a miss here, on a peer,
+  a stale copy, a file that is not there or fails its check) is pinned: the daemon pins
+  the keys' slots (reading a disk-tier block into one first) or, for a disk hit this
+  client may read, the file; the client copies or reads each block; an unpin releases
+  them (sent without waiting for its answer). With a disk tier, a pinned load goes in
+  parts of about `PART_BYTES`, pipelined: the next parts' pins are sent before a part is
+  copied out, so the daemon reads and checks disk-tier blocks while the client copies. A
+  pinned file that cannot be read or fails its check is loaded once more through the
+  pool, where the daemon finds a bad file bad (a miss, the file removed, counted).
 A reservation or pin is held for the session only: if the client dies, its session ends
 (its connection is lost; a frozen client: no keep-alive for `client_timeout`) and the
 daemon drops its pins; one left longer than the daemon's pin timeout is dropped too.

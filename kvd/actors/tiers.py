@@ -25,6 +25,13 @@ the IO. Clients (`kvd_client.tiers.TierClient`) map the pool and copy bytes them
   it (`kvd_client.tierfiles`); after the unpin the daemon promotes it in the background
   (`promote_on_hit`). A file found bad while pinned so is condemned: a miss at once,
   deleted by its last reader's unpin.
+- Load without a round trip: every READY host block is published in the directory
+  (`kvd_client.tierdir`, a shared-memory table beside the pool: key digest, slot, the
+  slot's generation; `HostIndex` publishes and retracts), and a client copies what it
+  finds there (checked by the generations afterwards) and reads disk-tier files it may
+  read without a pin; it names those blocks afterwards in a one-way `TierTouch`
+  (`TiersTouched` from the gateway): they become the most recently used, disk ones are
+  promoted (`promote_on_hit`), all are counted (`tiers_direct_loads`).
 A reservation or pin belongs to an operation of the client's session: it is dropped when
 the client ends it, when the session ends (goodbye; a killed client's lost connection;
 no keep-alive for `daemon.client_timeout`: a frozen client), or after

@@ -17,7 +17,11 @@ memory): a slot's counter is bumped whenever the slot is given to a new use (a n
 entry, or lent out), before any new byte can be written into it. A load's answer names
 each slot's generation; a client that copied a slot out checks the counter afterwards,
 so a copy from a slot reused meanwhile (its pins dropped: a frozen or slow reader) is
-seen and is a miss (the seqlock argument of `kvd_client.ecindex`).
+seen and is a miss (the seqlock argument of `kvd_client.ecindex`). A `Directory` (the
+daemon's shared-memory table, `kvd_client.tierdir`) is told of every READY entry that is
+not transient, with its slot and generation, and of its leaving: clients load what it
+names without a pin, checked by the same generations; `touch` then makes such entries
+the most recently used.
 
 Lent slots belong to no key: slots `lend` gives a client ahead of its stores (it copies
 blocks in, then names their keys: `fill`), and a RESERVED entry whose writer may still
