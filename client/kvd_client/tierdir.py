@@ -31,7 +31,6 @@ index, and every load is pinned.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import mmap
 import os
@@ -39,7 +38,7 @@ import platform
 import struct
 from typing import Final
 
-from kvd_client.shm import SHM_DIR, check_name
+from kvd_client.shm import SHM_DIR, SharedRegion, check_name
 
 __all__ = ["TierDirReader", "TierDirWriter", "key_digest", "table_slots"]
 
@@ -79,21 +78,12 @@ class TierDirWriter:
     def __init__(self, name: str, pool_slots: int) -> None:
         if pool_slots <= 0:
             raise ValueError(f"pool_slots must be positive, got {pool_slots}")
-        self.name: Final = check_name(name)
         self.pool_slots: Final = pool_slots
         self.nslots: Final = table_slots(pool_slots)
-        self.path: Final = os.path.join(SHM_DIR, name)
-        size = HEADER + self.nslots * ENTRY
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o640)
-        try:
-            os.ftruncate(fd, size)
-            self._mm: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            os.unlink(self.path)
-            raise
-        os.close(fd)
-        self._buf = memoryview(self._mm)
+        self._region: SharedRegion | None = SharedRegion(name, HEADER + self.nslots * ENTRY)
+        self.name: Final = self._region.name
+        self.path: Final = self._region.path
+        self._buf = self._region.buf
         self._q = self._buf.cast("Q")
         _HEAD.pack_into(self._buf, 0, MAGIC, OPEN, self.nslots, pool_slots)
         self._at: dict[bytes, int] = {}
@@ -147,15 +137,12 @@ class TierDirWriter:
 
     def close(self) -> None:
         """Mark the directory closed (readers stop using it), unmap and unlink it."""
-        if self._mm is None:
+        if self._region is None:
             return
         self._q[1] = CLOSED
         self._q.release()
-        self._buf.release()
-        self._mm.close()
-        self._mm = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._region.close()
+        self._region = None
 
 
 class TierDirReader:

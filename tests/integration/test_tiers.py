@@ -932,55 +932,24 @@ def _frozen_client(
     return p
 
 
-def test_a_reader_frozen_past_its_session_never_loads_reused_slots(daemons: StartDaemon) -> None:
-    """A reader frozen between the daemon's answer (its pool slots) and its copies, past
-    `client_timeout`: its session ends, its pins go, and other blocks are stored in those
-    slots. Thawed, its copies see the slots changed: misses, never another block's bytes
-    reported loaded."""
-    cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
-    d = daemons("t20", overrides=cfg)
-    with TierClient(d.socket, NS, BB) as c:
-        assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
-    p = _frozen_client(d, "load")
-    try:
-        with TierClient(d.socket, NS, BB) as c:
-            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)  # its pins went
-            ids = list(range(100, 104))  # fill every slot: 0 and 1 are evicted
-            assert all(c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]))
-            assert c.batch_lookup([key(0), key(1)]) == [False, False]
-            p.send_signal(signal.SIGCONT)
-            rest, _ = p.communicate(timeout=30)
-            assert p.returncode == 0
-            out = json.loads(rest.splitlines()[0])
-            want = [hashlib.sha256(block(i)).hexdigest() for i in range(2)]
-            for i, ok in enumerate(out["got"]):
-                if ok:
-                    assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
-            assert out["got"] == [False, False]
-            assert out["stale"] == 2  # its copies saw the slots' generations move on
-            assert load_check(c, ids) == [True] * 4
-    finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-            p.wait()
-
-
-def test_a_direct_reader_frozen_after_its_copies_never_loads_reused_slots(
-    daemons: StartDaemon,
+@pytest.mark.parametrize("direct", [False, True], ids=["pinned", "directory"])
+def test_a_reader_frozen_before_its_check_never_loads_reused_slots(
+    daemons: StartDaemon, direct: bool
 ) -> None:
-    """A reader that copied two blocks through the directory (no pin, no round trip) and
-    froze before checking them: meanwhile the blocks are evicted and their slots take
-    other blocks. Thawed, its check sees the slots' generations moved on: the copies are
-    stale, the keys go the pinned way and miss; never another block's bytes loaded."""
+    """A reader frozen before it checks its copies, while the blocks are evicted and their
+    slots take other blocks. Pinned: frozen between the daemon's answer (its pool slots)
+    and its copies, past `client_timeout`, so its session ends and its pins go. Through
+    the directory: frozen after its copies (it pinned nothing). Thawed, its check sees the
+    slots' generations moved on: misses, never another block's bytes reported loaded."""
     cfg = {**tiers_cfg(host_bytes=4 * BB), "daemon": {"client_timeout": 1.0}}
-    d = daemons("t30", overrides=cfg)
+    d = daemons("t30" if direct else "t20", overrides=cfg)
     with TierClient(d.socket, NS, BB) as c:
         assert all(c.store([key(i) for i in range(2)], [memoryview(block(i)) for i in range(2)]))
-    p = _frozen_client(d, "load", direct=True, at="_unchanged")
+    at = "_unchanged" if direct else "_check_slots"
+    p = _frozen_client(d, "load", direct=direct, at=at)
     try:
         with TierClient(d.socket, NS, BB) as c:
-            assert c.stats()["ops_open"] == 0  # (it pinned nothing)
+            _wait(lambda: c.stats()["ops_open"] == 0, timeout=10)  # its pins went (or none)
             ids = list(range(100, 104))  # fill every slot: 0 and 1 are evicted
             assert all(c.store([key(i) for i in ids], [memoryview(block(i)) for i in ids]))
             assert c.batch_lookup([key(0), key(1)]) == [False, False]
@@ -993,7 +962,8 @@ def test_a_direct_reader_frozen_after_its_copies_never_loads_reused_slots(
                 if ok:
                     assert out["sums"][i] == want[i], f"block {i} loaded with wrong bytes"
             assert out["got"] == [False, False]
-            assert out["direct_stale"] == 2  # its copies saw the slots' generations move on
+            # its copies saw the slots' generations move on
+            assert out["direct_stale" if direct else "stale"] == 2
             assert load_check(c, ids) == [True] * 4
     finally:
         if p.poll() is None:
