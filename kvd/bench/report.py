@@ -819,8 +819,11 @@ def tiers_table(tr: dict[str, Any]) -> Table:
         f"{h['memcpy_gbps']:.2f}",
         f"{h['store_vs_memcpy']:.2f}x",
     )
+    direct = ""
+    if "load_direct_blocks" in h:
+        direct = f", {h['load_direct_blocks']} blocks without a pin"
     t.add_row(
-        f"host load {mib} MiB: GB/s (vs memcpy)",
+        f"host load {mib} MiB: GB/s (vs memcpy{direct})",
         f"{h['load_gbps']:.2f}",
         f"{h['memcpy_gbps']:.2f}",
         f"{h['load_vs_memcpy']:.2f}x",

@@ -179,6 +179,7 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
     copy_t: list[float] = []
     into_t: list[float] = []
     out_t: list[float] = []
+    direct_blocks = 0
     # the floor: the same block copies into and out of shared memory, with no daemon
     shm = SharedRegion(staging_name("bench-tier-floor"), cfg.request_bytes, populate=True)
     try:
@@ -200,9 +201,11 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
                 for direct in (True, False) if r % 2 == 0 else (False, True):
                     dview[:] = bytes(len(dview))
                     c.direct_loads = direct
+                    hits = c.direct_hits
                     t0 = time.perf_counter()
                     got = c.load(keys, dests)
                     (load_t if direct else pinned_t).append(time.perf_counter() - t0)
+                    direct_blocks += c.direct_hits - hits
                     if not all(got) or dst != src_all:
                         raise RuntimeError("a load returned wrong bytes")
                 c.direct_loads = True
@@ -229,6 +232,7 @@ def _host(env: Env, cfg: TiersBenchConfig) -> dict[str, Any]:
         "load_gbps": round(gb / ld, 2),
         "store_vs_memcpy": round(mc / st, 3),
         "load_vs_memcpy": round(mc / ld, 3),
+        "load_direct_blocks": f"{direct_blocks} of {n * cfg.reps}",
         "load_pinned_gbps": round(gb / median(pinned_t), 2),
         "load_pinned_vs_memcpy": round(mc / median(pinned_t), 3),
         "copies_into_pool_vs_memcpy": round(mc / median(into_t), 3),
