@@ -1735,6 +1735,15 @@ def print_report(rep: ChaosReport, console: Any) -> None:
             f"{rep.tier_blocks_verified:,} ({rep.tier_bytes_verified:,} bytes)",
         ),
         (
+            "  of them without a pin (directory, files); copies found stale",
+            "{:,}; {:,}".format(
+                *(
+                    sum(w.get("client", {}).get(k, 0) for w in rep.tiers.values())
+                    for k in ("direct_hits", "direct_stale")
+                )
+            ),
+        ),
+        (
             "KV tier calls (store, lookup and load)",
             ", ".join(
                 f"{k} {v}"

@@ -240,6 +240,13 @@ def tiers(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
         f"ahead of their stores, {host.get('quarantined', 0)} out of use until a frozen or "
         "slow client is done with them"
     )
+    directory = host.get("directory") or {}
+    if directory:
+        console.print(
+            f"directory: {directory['blocks']} blocks that engines load without a round trip "
+            f"({directory['direct_loads']} loaded so, counting blocks read from disk files; "
+            f"{directory['unpublished']} found no free entry and are loaded pinned)"
+        )
     if peer:
         console.print(
             f"peers asked {', '.join(peer['asked']) or '-'}  "

@@ -198,6 +198,8 @@ class TierWorker:
                     "commits_refused": c.commits_refused,
                     "files_read": c.files_read,
                     "files_failed": c.files_failed,
+                    "direct_hits": c.direct_hits,
+                    "direct_stale": c.direct_stale,
                 }
                 c.close()
 

@@ -1949,6 +1949,13 @@ class Tiers:
             "bytes_in": c.get("tiers_host_bytes_in", 0),
             "bytes_out": c.get("tiers_host_bytes_out", 0),
             "demoting": self.demoting,
+            # blocks clients load without a round trip; `unpublished`: blocks that found no
+            # free directory entry (their loads are pinned)
+            "directory": {
+                "blocks": len(self.directory) if self.directory is not None else 0,
+                "unpublished": self.directory.unpublished if self.directory is not None else 0,
+                "direct_loads": c.get("tiers_direct_loads", 0),
+            },
         }
         if disk is not None:
             out["disk"] = {

@@ -694,9 +694,12 @@ def test_cli_status_and_metrics(daemons: StartDaemon, workdir: Path) -> None:
     assert data["host"]["blocks"] == 3 and data["host"]["hits"] == 1
     assert data["host"]["misses"] == 1 and data["host"]["bytes_out"] == 2 * BB
     assert data["disk"]["capacity"] == 64 * BB and data["disk"]["path"] == str(root)
+    # (the lookup's round trip came after the store's one-way commit: both loads direct)
+    assert data["host"]["directory"] == {"blocks": 3, "unpublished": 0, "direct_loads": 2}
     table = subprocess.run([*run, "tiers", "--socket", d.socket], capture_output=True, check=True)
     assert b"host" in table.stdout and b"disk" in table.stdout
     assert b"lent to clients" in table.stdout
+    assert b"directory: 3 blocks" in table.stdout
     status = subprocess.run(
         [*run, "status", "--socket", d.socket, "--json"], capture_output=True, check=True
     )
