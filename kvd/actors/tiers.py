@@ -704,8 +704,9 @@ class Tiers:
             self._pin(req, keys, files=m.files)
 
     def _touched(self, msg: TiersTouched) -> None:
-        """Blocks a client loaded through the directory (`wire.TierTouch`, one-way):
-        counted as loads, and made the most recently used. Bad input is counted and
+        """Blocks a client loaded without a pin (`wire.TierTouch`, one-way): through the
+        directory, or (`disk`) from their files. Counted as loads and made the most
+        recently used; disk blocks promoted (`promote_on_hit`). Bad input is counted and
         logged, never answered."""
         m = msg.msg
         opened = self.sessions.get(msg.session)
