@@ -36,11 +36,12 @@ import mmap
 import os
 import platform
 import struct
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from kvd_client.shm import SHM_DIR, SharedRegion, check_name
 
-__all__ = ["TierDirReader", "TierDirWriter", "key_digest", "table_slots"]
+__all__ = ["TierDirReader", "TierDirWriter", "digester", "key_digest", "table_slots"]
 
 MAGIC: Final = b"KVDTDIR1"
 HEADER: Final = 64
@@ -58,6 +59,18 @@ def key_digest(namespace: bytes, key: bytes) -> bytes:
     return hashlib.blake2b(
         len(namespace).to_bytes(2, "big") + namespace + key, digest_size=16
     ).digest()
+
+
+def digester(namespace: bytes) -> Callable[[bytes], bytes]:
+    """`key_digest` under one namespace, for many keys (the namespace hashed once)."""
+    base = hashlib.blake2b(len(namespace).to_bytes(2, "big") + namespace, digest_size=16)
+
+    def digest(key: bytes) -> bytes:
+        h = base.copy()
+        h.update(key)
+        return h.digest()
+
+    return digest
 
 
 def table_slots(pool_slots: int) -> int:
@@ -204,6 +217,31 @@ class TierDirReader:
                 return None
             return slot, gen
         return None
+
+    def lookup_many(self, digests: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """`lookup` of each digest (one call for a batch: a load's)."""
+        q = self._q
+        if q is None or q[1] != OPEN:
+            return [None] * len(digests)
+        mask, buf, unpack, slots = self.nslots - 1, self._buf, _BODY.unpack_from, self.pool_slots
+        out: list[tuple[int, int] | None] = []
+        for digest in digests:
+            first = int.from_bytes(digest[:8], "little")
+            hit: tuple[int, int] | None = None
+            for i in range(PROBES):
+                e = (first + i) & mask
+                si = (HEADER + e * ENTRY) >> 3
+                s1 = q[si]
+                if s1 & 1:
+                    continue
+                d, slot, gen = unpack(buf, HEADER + e * ENTRY + 8)
+                if d != digest:
+                    continue
+                if q[si] == s1 and 0 <= slot < slots:
+                    hit = (slot, gen)
+                break
+            out.append(hit)
+        return out
 
     def close(self) -> None:
         if self._q is not None:

@@ -82,7 +82,7 @@ from kvd_client.errors import (
     error_from_code,
 )
 from kvd_client.shm import SHM_DIR, check_name, map_for_write
-from kvd_client.tierdir import TierDirReader, key_digest
+from kvd_client.tierdir import TierDirReader, digester
 from kvd_client.tierfiles import can_sum64, read_block
 
 __all__ = ["TierClient"]
@@ -142,6 +142,8 @@ class TierClient:
         """The slots' generations (uint64 each), mapped read-only."""
         self._dir: TierDirReader | None = None
         """The host tier's directory (`kvd_client.tierdir`), mapped read-only."""
+        self._digest = digester(self.namespace)
+        """A key's name in the directory."""
         self._ka_stop = threading.Event()
         self._ka_thread: threading.Thread | None = None
         self._keepalive_s = 1.0
@@ -392,11 +394,10 @@ class TierClient:
         """Copy out each block the directory names, then check every copied slot's
         generation (after all the copies: the argument of `kvd_client.tierdir`); a valid
         copy is loaded. Returns the indices left, in order."""
-        sb, bb, ns = self._slot_bytes(), self.block_bytes, self.namespace
+        sb, bb, digest = self._slot_bytes(), self.block_bytes, self._digest
         rest: list[int] = []
         copied: list[tuple[int, int, int]] = []  # (index, slot, generation)
-        for j, k in enumerate(keys):
-            hit = d.lookup(key_digest(ns, k))
+        for j, hit in enumerate(d.lookup_many([digest(k) for k in keys])):
             if hit is None:
                 rest.append(j)
                 continue

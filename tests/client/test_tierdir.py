@@ -15,6 +15,7 @@ from kvd_client.tierdir import (
     PROBES,
     TierDirReader,
     TierDirWriter,
+    digester,
     key_digest,
     table_slots,
 )
@@ -35,6 +36,8 @@ def test_digests_separate_namespaces_and_keys() -> None:
     assert key_digest(b"ab", b"c") != key_digest(b"a", b"bc")
     assert key_digest(b"m", b"k") == key_digest(b"m", b"k")
     assert len(key_digest(b"m", b"k")) == 16
+    many = digester(b"model")
+    assert [many(i.to_bytes(4, "big")) for i in range(50)] == [d(i) for i in range(50)]
     assert table_slots(1) == 64 and table_slots(16) == 64 and table_slots(17) == 128
 
 
@@ -50,6 +53,22 @@ def test_published_entries_are_read_back_and_retracted(writer: TierDirWriter) ->
         writer.retract(d(3))  # (never published: nothing happens)
         assert r.lookup(d(1)) is None and r.lookup(d(2)) == (4, 1)
         assert d(2) in writer and d(1) not in writer
+    finally:
+        r.close()
+
+
+def test_a_batch_lookup_answers_as_one_lookup_each(writer: TierDirWriter) -> None:
+    r = TierDirReader(writer.name, 8)
+    try:
+        for i in range(6):
+            writer.publish(d(i), i, 10 + i)
+        writer.retract(d(2))
+        writer._q[(HEADER + writer._at[d(4)] * ENTRY) // 8] += 1  # d(4) being rewritten
+        probe = [d(i) for i in range(8)]
+        assert r.lookup_many(probe) == [r.lookup(x) for x in probe]
+        assert r.lookup_many(probe) == [(0, 10), (1, 11), None, (3, 13), None, (5, 15)] + [None] * 2
+        writer._q[1] = CLOSED
+        assert r.lookup_many(probe) == [None] * 8
     finally:
         r.close()
 

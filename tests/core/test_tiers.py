@@ -428,12 +428,15 @@ class HostMachine(RuleBasedStateMachine):
         assert self.h.evictable == len(self._lru(True)) + len(self._lru(False))
         # the directory names exactly the ready blocks a load may copy (not a transient
         # one: it goes with its load), each with its slot's current generation
+        wants = []
         for x in probe:
             r = self.ref.get(x)
             want = None
             if r is not None and not r.reserved and not r.transient:
                 want = (r.slot, self.gen[r.slot])
             assert self.dir.reader.lookup(key_digest(*x)) == want, x
+            wants.append(want)
+        assert self.dir.reader.lookup_many([key_digest(*x) for x in probe]) == wants
 
 
 HostMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
