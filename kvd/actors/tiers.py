@@ -284,16 +284,20 @@ def pool_name() -> str:
 
 
 def pool_creator(name: str) -> int | None:
-    """The pid of the daemon that made a host pool (or its generations), when it lived in
-    our pid namespace; None for any other name."""
+    """The pid of the daemon that made a host pool (or its generations, or its directory),
+    when it lived in our pid namespace; None for any other name."""
     if not name.startswith(POOL_PREFIX):
         return None
-    return staging_creator_here(name.removesuffix(GENS_SUFFIX))
+    for suffix in (GENS_SUFFIX, DIR_SUFFIX):
+        if name.endswith(suffix):
+            return staging_creator_here(name.removesuffix(suffix))
+    return staging_creator_here(name)
 
 
 def reap_stale_pools(shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink host pools (and their generations) left by daemons that died without cleanup
-    (`kvd.adapters.shm.reap_dead_creators`). Blocking IO: run it in a worker thread."""
+    """Unlink host pools (and their generations and directories) left by daemons that died
+    without cleanup (`kvd.adapters.shm.reap_dead_creators`). Blocking IO: run it in a
+    worker thread."""
     removed = reap_dead_creators(pool_creator, shm_dir)
     for name, pid in removed.items():
         log.info("tiers_stale_pool_removed", pool=name, creator_pid=pid)

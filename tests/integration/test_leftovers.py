@@ -333,8 +333,9 @@ def test_a_dead_daemons_ec_segments_are_removed_by_name_and_pid_namespace(
 def test_a_dead_daemons_tier_pool_is_removed_by_name_and_pid_namespace(
     segments: list[str],
 ) -> None:
-    """The host pool of the KV tiers and its generations carry the daemon's pid namespace
-    and pid: at start a daemon removes those whose creator is gone (mapped or not), and
+    """The host pool of the KV tiers, its generations and its directory carry the daemon's
+    pid namespace and pid: at start a daemon removes those whose creator is gone (mapped
+    or not), and
     never a pool named in another pid namespace (a live daemon there may have the pid of
     one that is gone here: before, the pool's name held the pid alone, and a daemon
     starting in one container unlinked a live pool of a daemon in another that shared
@@ -343,11 +344,15 @@ def test_a_dead_daemons_tier_pool_is_removed_by_name_and_pid_namespace(
     pid = dead_pid()
     pool = make_file(segments, crafted("tiers", pid))
     gens = make_file(segments, pool + "-gens")
+    directory = make_file(segments, pool + "-dir")
     live = make_file(segments, crafted("tiers", os.getpid()))
+    live_dir = make_file(segments, live + "-dir")
     other_ns = make_file(segments, crafted("tiers", pid, ns=pid_namespace() + 1))
     other_ns_gens = make_file(segments, other_ns + "-gens")
+    other_ns_dir = make_file(segments, other_ns + "-dir")
     old_form = make_file(segments, f"kvd-tiers-{pid}-{os.urandom(4).hex()}")
     assert pool_creator(gens) == pid and pool_creator(old_form) is None
+    assert pool_creator(directory) == pid and pool_creator(live_dir) == os.getpid()
     mapping = MappedRegion(pool, 4096)
     try:
         mapping.view()[:4] = b"kept"
@@ -355,11 +360,12 @@ def test_a_dead_daemons_tier_pool_is_removed_by_name_and_pid_namespace(
         assert bytes(mapping.view()[:4]) == b"kept"  # the mapping outlives the name
     finally:
         mapping.close()
-    assert {pool, gens} <= removed
-    assert not ({live, other_ns, other_ns_gens, old_form} & removed)
-    for name in (pool, gens):
+    assert {pool, gens, directory} <= removed
+    kept = {live, live_dir, other_ns, other_ns_gens, other_ns_dir, old_form}
+    assert not (kept & removed)
+    for name in (pool, gens, directory):
         assert not exists(name)
-    for name in (live, other_ns, other_ns_gens, old_form):
+    for name in kept:
         assert exists(name)
 
 
