@@ -597,6 +597,29 @@ def test_restart_removes_leftovers_and_keeps_a_live_clients_segment(
             stop(p)
 
 
+def test_a_killed_tiers_daemons_pool_generations_and_directory_go_at_the_next_start(
+    daemons: StartDaemon,
+) -> None:
+    """A daemon with KV tiers killed (SIGKILL: it removes nothing) leaves its host pool,
+    the slots' generations and the directory in /dev/shm; the next daemon's start-up
+    pass removes all three (the directory was left behind once: its suffix was not
+    known to the rule)."""
+    from kvd_client.tiers import TierClient
+
+    cfg = {"daemon": REAP, "tiers": {"enabled": True, "host_bytes": 16 * 65536}}
+    d1 = daemons("kvd-tier-leftovers", overrides=cfg)
+    with TierClient(d1.socket, b"kvdt-leftovers", 65536) as c:  # the pool cut into slots
+        assert c.store([b"k" * 36], [memoryview(bytes(65536))]) == [True]
+    left = sorted(n for n in os.listdir(SHM_DIR) if pool_creator(n) == d1.proc.pid)
+    pool = min(left, key=len)
+    assert left == sorted([pool, pool + "-dir", pool + "-gens"])
+    d1.kill()
+    assert all(exists(n) for n in left)
+    d2 = daemons("kvd-tier-leftovers", overrides=cfg)  # ready: its start-up pass is done
+    assert not any(exists(n) for n in left)
+    assert d2.stop() == 0, d2.report(2000)
+
+
 def test_reaping_can_be_turned_off(daemons: StartDaemon, segments: list[str]) -> None:
     killed, _ = killed_worker_leftover(segments)
     d = daemons("kvd-noreap", overrides={"daemon": {"reap_leftover_segments": False}})
