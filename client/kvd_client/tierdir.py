@@ -34,14 +34,14 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import platform
 import struct
 from collections.abc import Callable, Sequence
 from typing import Final
 
+from kvd_client.ecindex import ECIndexReader, index_slots
 from kvd_client.shm import SHM_DIR, SharedRegion, check_name
 
-__all__ = ["TierDirReader", "TierDirWriter", "digester", "key_digest", "table_slots"]
+__all__ = ["TierDirReader", "TierDirWriter", "digester", "key_digest"]
 
 MAGIC: Final = b"KVDTDIR1"
 HEADER: Final = 64
@@ -73,14 +73,6 @@ def digester(namespace: bytes) -> Callable[[bytes], bytes]:
     return digest
 
 
-def table_slots(pool_slots: int) -> int:
-    """Entries for a pool of `pool_slots` slots: a power of two, at least four per slot."""
-    n = 64
-    while n < 4 * pool_slots:
-        n *= 2
-    return n
-
-
 def _first(digest: bytes, nslots: int) -> int:
     return int.from_bytes(digest[:8], "little") & (nslots - 1)
 
@@ -92,7 +84,7 @@ class TierDirWriter:
         if pool_slots <= 0:
             raise ValueError(f"pool_slots must be positive, got {pool_slots}")
         self.pool_slots: Final = pool_slots
-        self.nslots: Final = table_slots(pool_slots)
+        self.nslots: Final = index_slots(pool_slots)  # (four entries per slot, as the EC index)
         self._region: SharedRegion | None = SharedRegion(name, HEADER + self.nslots * ENTRY)
         self.name: Final = self._region.name
         self.path: Final = self._region.path
@@ -163,8 +155,8 @@ class TierDirReader:
 
     @staticmethod
     def supported() -> bool:
-        """Whether this CPU orders memory as the protocol needs (see the module docstring)."""
-        return platform.machine().lower() in ("x86_64", "amd64")
+        """Whether this CPU orders memory as the protocol needs (the EC index's rule)."""
+        return ECIndexReader.supported()
 
     def __init__(self, name: str, pool_slots: int) -> None:
         """Map directory `name` of a pool of `pool_slots` slots (ValueError where the

@@ -17,7 +17,6 @@ from kvd_client.tierdir import (
     TierDirWriter,
     digester,
     key_digest,
-    table_slots,
 )
 
 
@@ -38,7 +37,15 @@ def test_digests_separate_namespaces_and_keys() -> None:
     assert len(key_digest(b"m", b"k")) == 16
     many = digester(b"model")
     assert [many(i.to_bytes(4, "big")) for i in range(50)] == [d(i) for i in range(50)]
-    assert table_slots(1) == 64 and table_slots(16) == 64 and table_slots(17) == 128
+
+
+def test_the_table_has_at_least_four_entries_per_pool_slot_a_power_of_two() -> None:
+    for pool_slots, want in ((1, 64), (16, 64), (17, 128), (1000, 4096)):
+        w = TierDirWriter(unique_name("kvd-test-dir"), pool_slots)
+        try:
+            assert w.nslots == want
+        finally:
+            w.close()
 
 
 def test_published_entries_are_read_back_and_retracted(writer: TierDirWriter) -> None:
