@@ -211,7 +211,8 @@ class Traffic:
         return {"remote_incarnation": self.incarnation} if self.incarnation else {}
 
     def _d_start(self, r: Req) -> None:
-        extra = r.remote or self._inc()
+        # P's engine named, as kv_transfer_params name it: P's daemon may serve others
+        extra = {**(r.remote or self._inc()), "remote_engine_id": self.p.name}
         if r.mode in ("push", "layers"):
             self.d.client.register_push(
                 r.d_id, r.d_blocks, self.p_host, self.port, remote_request_id=r.p_id, **extra

@@ -377,7 +377,9 @@ class Receiver(TransferActor):
                     generations=tuple(r.generation for r in local),
                     p_session=load.remote_session,
                     num_tokens=load.num_tokens,
-                    p_incarnation=load.remote_incarnation,
+                    # the P this was planned against (kv_transfer_params may not say):
+                    # a repeat that reaches a P restarted since is refused there at once
+                    p_incarnation=load.remote_incarnation or info.incarnation,
                     p_block_ids=load.remote_block_ids if by_write else (),
                 )
             else:
@@ -409,7 +411,7 @@ class Receiver(TransferActor):
                     load.request_id,
                     tuple(r.generation for r in remote) if n else (),
                     load.remote_session,
-                    load.remote_incarnation,
+                    load.remote_incarnation or info.incarnation,
                 )
         except KvdError as exc:
             # P was reached and may hold a lease: the machine tells it

@@ -12,7 +12,9 @@ per-state handlers are in `_ON`):
     AWAITING  D's registration, or its pull completion, arrived before P's engine
               finished the request. Bounded: registration_timeout / lease_wait_timeout;
               a registration also ends (no word) once its D is seen restarted
-              (`PeerIncarnation`).
+              (`PeerIncarnation`), and (answered failed) once D has not heartbeated it for
+              a lease (`lease_duration`: D heartbeats what it waits for every lease/6):
+              D ended it and its cancel was lost, so nothing waits for it there.
     HELD      P's engine finished it: a lease is granted; D's heartbeats extend it. Or
               (bidirectional KV) D's engine *kept* a finished request's blocks for the
               next conversational turn: a fixed lease (`Finish.keep_for`) that no
@@ -479,6 +481,9 @@ class SendRequest:
     """WRITING: its WRITE was answered Unsettled with this error (it may still run)."""
     kept: bool = False
     """Blocks D kept for the next turn (a fixed lease; pulled only)."""
+    heard: float = 0.0
+    """AWAITING a registration: when D last showed it still waits for it (the
+    registration, a repeat of it, a heartbeat naming it; our own stall counts too)."""
 
 
 _RESYNC: Final = "\0resync:"
@@ -568,7 +573,7 @@ class Sender:
             if key.startswith(_RESYNC):
                 self._resync_timed_out(key[len(_RESYNC) :], now)
             elif (req := self.reqs.get(key)) is not None and req.state is S.AWAITING:
-                self._wait_timed_out(req, now)
+                self._wait_due_now(req, now)
             elif req is not None and req.state is S.STREAMING:
                 self._stream_timed_out(req, now)
             elif req is not None and req.state is S.WRITING and req.unsettled is not None:
@@ -1004,8 +1009,9 @@ class Sender:
             self._count("pull_registrations" if msg.p_block_ids else "push_registrations")
             waiting = SendRequest(key, S.AWAITING, now, agent=ev.agent, registration=msg)
             waiting.cost = res.adopt() if res is not None else cost
+            waiting.heard = now
             self._add(waiting)
-            self._timers.set(key, now + self.registration_timeout)
+            self._timers.set(key, self._wait_due(waiting))
             return
         if self._foreign(req, ev.agent, "registration"):
             why = "this request is bound to another peer"
@@ -1049,6 +1055,7 @@ class Sender:
             # D repeats a registration it has no answer to yet (the first may have been
             # lost): we have it, the answer follows when the request is done
             self._count("registrations_repeated")
+            req.heard = max(req.heard, now)
             return
         self._reject(ev.agent, f"a second registration for request {req.key!r}")
         why = "another registration already holds this request"
@@ -1059,8 +1066,14 @@ class Sender:
         )
 
     def _on_heartbeat(self, ev: HeartbeatArrived, now: float) -> None:
-        keys = [k for i in ev.request_ids if (k := self.leases.find(i)) is not None]
-        if unknown := len(ev.request_ids) - len(keys):
+        keys: list[str] = []
+        unknown = 0
+        for i in ev.request_ids:
+            if (k := self.leases.find(i)) is not None:
+                keys.append(k)
+            elif not self._heard_waiting(i, ev.agent, now):
+                unknown += 1
+        if unknown:
             self._count("heartbeat_unknown_ids", unknown)
         mine = []
         for k in keys:
@@ -1076,6 +1089,25 @@ class Sender:
         if foreign := len(keys) - len(mine):
             self._count("heartbeats_foreign", foreign)
             self._reject(ev.agent, f"heartbeat for {foreign} lease(s) bound to another peer")
+
+    def _heard_waiting(self, request_id: str, agent: str, now: float) -> bool:
+        """A heartbeat for a registration still AWAITING P's finish: D still waits for it
+        (only its own D's heartbeat says so)."""
+        req = self._find(request_id)
+        if req is None or req.state is not S.AWAITING or req.registration is None:
+            return False
+        if req.agent != agent:
+            return False  # not known to that peer (counted unknown)
+        req.heard = max(req.heard, now)
+        self._count("heartbeats_on_waiting")
+        return True
+
+    def _wait_due(self, req: SendRequest) -> float:
+        """When an AWAITING request must next be looked at: its wait's end, or (for a
+        registration) a lease after D last showed it still waits."""
+        if req.registration is None:
+            return req.since + self.lease_wait_timeout
+        return min(req.since + self.registration_timeout, req.heard + self.lease_duration)
 
     def _foreign(self, req: SendRequest, agent: str, what: str) -> bool:
         """Whether `req` is bound to another peer than `agent` (then refused, counted)."""
@@ -1335,6 +1367,9 @@ class Sender:
     def _on_stalled(self, ev: Stalled, now: float) -> None:
         self.stall_epoch += 1
         self._log("warning", "resync_after_stall", epoch=self.stall_epoch)
+        for req in self.reqs.values():  # stalled, we heard nobody: D gets a lease from now
+            if req.state is S.AWAITING and req.registration is not None:
+                req.heard = max(req.heard, now)
 
     def _on_regions(self, ev: RegionsChanged, now: float) -> None:
         self.generations = dict(ev.generations)
@@ -1594,6 +1629,29 @@ class Sender:
         self._push_failed(req, _EXPIRED.code, _EXPIRED.reason)
         self._end(req, S.EXPIRED, _EXPIRED)
 
+    def _wait_due_now(self, req: SendRequest, now: float) -> None:
+        if req.registration is None or now >= req.since + self.registration_timeout:
+            self._wait_timed_out(req, now)
+        elif now >= req.heard + self.lease_duration:
+            self._abandoned(req, now)
+        else:  # heard from D since: looked at again a lease after that
+            self._timers.set(req.key, self._wait_due(req))
+
+    def _abandoned(self, req: SendRequest, now: float) -> None:
+        """D stopped heartbeating a registration that waits for P's finish: it ended the
+        request (its cancel lost on the way, or sent to a P it took for this one) or is
+        cut off for longer than a lease. Answered failed (a D still there recomputes);
+        P's finish of it, if it comes, ends at once: nobody would take the blocks."""
+        self._count("registrations_abandoned")
+        self._log(
+            "info",
+            "registration_abandoned",
+            request_id=req.key,
+            peer=req.agent,
+            silent_s=round(now - req.heard, 3),
+        )
+        self._fail_waiting(req, _ABANDONED, S.FAILED)
+
     def _wait_timed_out(self, req: SendRequest, now: float) -> None:
         if req.early_pull is not None:
             why = f"no lease for this request within {self.lease_wait_timeout}s"
@@ -1675,6 +1733,11 @@ _DONE: Final = Tombstone(int(ErrorCode.INVALID), "the request was already delive
 _DRAINING: Final = Tombstone(
     int(ErrorCode.SHUTTING_DOWN),
     "P's kvd daemon is draining (going out of service): it grants no new leases",
+    refuses_finish=True,
+)
+_ABANDONED: Final = Tombstone(
+    int(ErrorCode.TIMEOUT),
+    "D did not heartbeat its registration for a lease while it waited for P's finish",
     refuses_finish=True,
 )
 _RESTARTED: Final = Tombstone(

@@ -805,6 +805,32 @@ async def test_d_pull_read_then_pull_done_then_ack_then_finished() -> None:
         assert w.events.items == [EventOut(D_SESSION, D_ENGINE, wire.RecvFinished("d-req"))]
 
 
+async def test_d_names_the_p_it_planned_against_when_the_engine_names_none() -> None:
+    """kv_transfer_params may carry no P incarnation. D's registration (and every repeat
+    of it) and its pull completion then name the incarnation of the P daemon whose
+    regions D planned against, so a P daemon that replaced it under the same agent name
+    refuses them at once instead of keeping a registration for a finish that never comes
+    (`Sender._earlier_incarnation`)."""
+    async with world() as w:
+        box = w.receiver.mailbox
+        push = replace(register_push(), remote_incarnation=0)
+        assert await client(box, D_SESSION, replace(track(), remote_incarnation=0)) == wire.Ok()
+        assert await client(box, D_SESSION, push) == wire.Ok()
+        [(_, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
+        assert reg.p_incarnation == P_INCARNATION
+        await settle()  # it was sent (D repeats it a heartbeat interval after that)
+        await w.advance(LEASE / 6 + 0.01)  # no answer yet: D repeats it
+        sent = await w.d_port.wait_sent(wire.PushRegistration, 2)
+        assert [r.p_incarnation for _, r in sent] == [P_INCARNATION, P_INCARNATION]
+
+        got = await client(box, D_SESSION, replace(pull("d-pull", "p-pull"), remote_incarnation=0))
+        assert got == wire.Ok()
+        xfer = await w.d_port.wait_transfer()
+        xfer.complete()
+        [(_, done)] = await w.d_port.wait_sent(wire.PullDone)
+        assert done.p_incarnation == P_INCARNATION
+
+
 async def test_a_pull_where_ucx_would_emulate_the_read_goes_by_ps_write() -> None:
     """Over TCP UCX emulates a READ, and a reader dying with GET requests queued at P
     aborts P's daemon inside UCX (`kvd.core.readpath`). There D's pull is a registration
@@ -988,7 +1014,9 @@ async def test_d_push_through_a_view_forgotten_meanwhile_handshakes_again_once()
         assert await client(box, D_SESSION, push) == wire.Ok()
 
         [(peer, reg)] = await w.d_port.wait_sent(wire.PushRegistration)
-        assert peer == P_AGENT and reg == replace(registration(), p_session="", p_incarnation=0)
+        # planned again against the new P, and naming it
+        inc = new_p.incarnation
+        assert peer == P_AGENT and reg == replace(registration(), p_session="", p_incarnation=inc)
         lookups = [m.refresh for m in w.registrar.got.items if isinstance(m, EnsurePeer)]
         # the first beat's lookup (the request resolved through the view the receiver holds,
         # without asking), then one fresh handshake

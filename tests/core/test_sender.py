@@ -213,6 +213,15 @@ def reason(effects: Sequence[Effect]) -> str:
     return rec.reason
 
 
+def answer(effects: Sequence[Effect]) -> str:
+    """The reason of the single failed PushDone in `effects`."""
+    (rec,) = [
+        e.record for e in effects if isinstance(e, Notify) and isinstance(e.record, wire.PushDone)
+    ]
+    assert not rec.ok
+    return rec.reason
+
+
 def state(tx: Sender, key: str) -> SendState:
     return tx.reqs[key].state
 
@@ -365,7 +374,8 @@ def test_push_registration_first() -> None:
     assert state(tx, "r1") is S.AWAITING
     assert tx.by_state()["awaiting"] == 1
     assert list(tx.held()) == []
-    assert tx.next_deadline() == REG  # the registration waits for P's finish, bounded
+    # it waits for P's finish (bounded by REG) while D heartbeats it: looked at a lease on
+    assert tx.next_deadline() == LEASE
     assert len(tx.leases) == 0
 
     assert tx.handle(finish("r1"), 2.0) == [ResolveView("r1", D1, ev.msg)]
@@ -705,7 +715,8 @@ def test_next_deadline_is_the_earliest_of_leases_waits_and_resyncs() -> None:
     tx = make()
     assert tx.next_deadline() is None
     tx.handle(finish("held"), 0.0)  # lease until 6
-    tx.handle(registered("d-reg", "reg"), 1.0)  # waits until 21
+    # waits until 21 at most; looked at a lease after D last heartbeated it (7)
+    tx.handle(registered("d-reg", "reg"), 1.0)
     assert tx.next_deadline() == LEASE
     tx.handle(pulled("early"), 2.0)  # waits until 5
     assert tx.next_deadline() == 2.0 + WAIT
@@ -716,10 +727,13 @@ def test_next_deadline_is_the_earliest_of_leases_waits_and_resyncs() -> None:
     tx.handle_timer(2.0 + WAIT)
     assert tx.next_deadline() == LEASE
     tx.handle_timer(LEASE)
+    assert tx.next_deadline() == 1.0 + LEASE
+    tx.handle(HeartbeatArrived(D1, ("reg",)), 6.5)
+    assert tx.handle_timer(1.0 + LEASE) == []  # heard at 6.5: looked at again at 12.5
     assert tx.next_deadline() == 2.9 + RESYNC
     tx.handle_timer(2.9 + RESYNC)  # fails "m", whose lease goes with it
-    assert tx.next_deadline() == 1.0 + REG
-    tx.handle_timer(1.0 + REG)
+    assert tx.next_deadline() == 6.5 + LEASE
+    tx.handle_timer(6.5 + LEASE)  # D silent for a lease: the registration ends
     assert_empty(tx)
 
 
@@ -919,6 +933,76 @@ def test_cancel_a_waiting_registration() -> None:
     out = tx.handle(finish("r1"), 2.0)
     assert calm(out) == [("failed", "s1", "r1", TRANSFER)]
     assert tx.counters["finishes_after_cancel"] == 1
+    assert_empty(tx)
+
+
+def test_a_registration_d_stopped_heartbeating_ends_a_lease_after_it_was_last_heard() -> None:
+    """D heartbeats what it waits for: a registration waiting for P's finish that D no
+    longer heartbeats (D ended the request and its cancel was lost, or went to a P it
+    took for this one) ends a lease after D was last heard, answered failed, and P's
+    finish of it later ends at once; not at the registration timeout."""
+    tx = make()
+    tx.handle(registered("cmpl-w-0-dddddddd", "cmpl-w-0-aaaaaaaa"), 0.0)
+    assert tx.handle(HeartbeatArrived(D1, ("cmpl-w-0-aaaaaaaa",)), 3.0) == []
+    assert tx.handle_timer(LEASE) == []  # heard at 3: looked at again at 9
+    assert tx.next_deadline() == 3.0 + LEASE
+    assert tx.handle(HeartbeatArrived(D1, ("cmpl-w-0-dddddddd",)), 8.0) == []  # by D's id
+    assert tx.handle_timer(3.0 + LEASE) == []
+    # another peer's heartbeat says nothing of it (counted as an unknown id)
+    assert tx.handle(HeartbeatArrived(D2, ("cmpl-w-0-aaaaaaaa",)), 12.0) == []
+    assert tx.counters["heartbeat_unknown_ids"] == 1
+    assert tx.counters["heartbeats_on_waiting"] == 2
+    assert tx.handle_timer(8.0 + LEASE - 0.01) == []
+    assert state(tx, "cmpl-w-0-aaaaaaaa") is S.AWAITING
+    out = tx.handle_timer(8.0 + LEASE)
+    assert calm(out) == [("push_done", D1, "cmpl-w-0-dddddddd", TIMEOUT)]
+    assert logs(out) == ["registration_abandoned"]
+    assert "did not heartbeat" in answer(out)
+    assert tx.counters["registrations_abandoned"] == 1
+    assert_empty(tx)
+    out = tx.handle(finish("cmpl-w-0-aaaaaaaa"), 15.0)  # nobody would take the blocks
+    assert calm(out) == [("failed", "s1", "cmpl-w-0-aaaaaaaa", TIMEOUT)]
+    assert_empty(tx)
+
+
+def test_a_registration_d_keeps_heartbeating_waits_until_the_registration_timeout() -> None:
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    t = 0.0
+    while t + LEASE / 6 < REG:
+        t += LEASE / 6
+        tx.handle(HeartbeatArrived(D1, ("r1",)), t)
+        assert tx.handle_timer(t) == []
+    tx.handle(registered("d1", "r1"), REG - 0.5)  # D's repeat of it counts as a sign too
+    assert state(tx, "r1") is S.AWAITING
+    out = tx.handle_timer(REG)
+    assert calm(out) == [("push_done", D1, "d1", TIMEOUT)]
+    assert "did not finish the request" in answer(out)
+    assert tx.counters.get("registrations_abandoned", 0) == 0
+
+
+def test_our_stall_gives_a_waiting_registration_a_lease_from_its_end() -> None:
+    """Frozen, we heard nobody: a registration is judged silent only a lease after our
+    stall (the actor feeds the stall before the timers that came due during it)."""
+    tx = make()
+    tx.handle(registered("d1", "r1"), 0.0)
+    tx.handle(Stalled(), 10.0)
+    assert tx.handle_timer(10.0) == []
+    assert state(tx, "r1") is S.AWAITING
+    tx.handle(HeartbeatArrived(D1, ("r1",)), 12.0)
+    assert tx.handle_timer(16.0) == []
+    assert calm(tx.handle_timer(18.0)) == [("push_done", D1, "d1", TIMEOUT)]
+
+
+def test_a_registration_repeated_to_a_restarted_p_is_refused_at_once() -> None:
+    """D names the P incarnation it planned against; a repeat of it that reaches the P
+    daemon that came up since (same agent name) is refused at once, never kept."""
+    tx = make(incarnation=0x2222)
+    msg = replace(reg("d1", "r1"), p_incarnation=0x1111)
+    out = tx.handle(RegistrationArrived(D1, msg), 0.0)
+    assert calm(out) == [("push_done", D1, "d1", TRANSFER)]
+    assert "restarted" in answer(out)
+    assert tx.counters["requests_of_another_incarnation"] == 1
     assert_empty(tx)
 
 
@@ -1384,7 +1468,7 @@ def test_matching_unmatched_registrations_expire_in_arrival_order() -> None:
     """The matcher's `registrations_older_than` fed a watchdog; the Sender times each
     registration out itself, `registration_timeout` after it arrived, earliest first, also
     when arrivals were stamped out of order."""
-    tx = make()
+    tx = make(lease_duration=2 * REG)  # D's silence is judged only after the waits
     for i in range(5):
         tx.handle(registered(f"d{i}", f"r{i}"), float(i))
     tx.handle(CancelArrived(D1, "r1"), 4.0)
@@ -1555,6 +1639,11 @@ class MReq:
     wait_seq: int = 0
     unsettled: float | None = None
     """WRITING: its WRITE was answered Unsettled; P's engine is answered at this time."""
+    heard: float = 0.0
+    """AWAITING a registration: when D last showed it still waits for it."""
+    look: float | None = None
+    """AWAITING a registration: when the machine looks at it next (its wait's end, or a
+    lease after D was last heard when it was last looked at: a heartbeat moves no timer)."""
 
 
 NL: Final = 3
@@ -1812,9 +1901,16 @@ class SenderModel(RuleBasedStateMachine):
                 self._emit(m, "failed", TIMEOUT)
                 self._end(m, S.FAILED, MTomb(TIMEOUT, by_base=False), settled=False)
         for m in list(self.live.values()):
-            if m.state is S.AWAITING and m.wait is not None and m.wait <= now:
-                code = NOT_FOUND if m.pull is not None else TIMEOUT
-                self._fail_waiting(m, MTomb(code, refuses=True), S.FAILED)
+            if m.state is S.AWAITING and m.reg is not None and m.look is not None:
+                if m.look > now:
+                    continue
+                assert m.wait is not None
+                if now >= m.wait or now >= m.heard + LEASE:  # timed out, or D silent
+                    self._fail_waiting(m, MTomb(TIMEOUT, refuses=True), S.FAILED)
+                else:
+                    m.look = min(m.wait, m.heard + LEASE)
+            elif m.state is S.AWAITING and m.wait is not None and m.wait <= now:
+                self._fail_waiting(m, MTomb(NOT_FOUND, refuses=True), S.FAILED)
         # a stream's wait and a re-sync's deadline both touch a stream: in the machine's order
         due: list[tuple[float, int, str, Any]] = [
             (m.wait, m.wait_seq, "wait", m)
@@ -1941,7 +2037,7 @@ class SenderModel(RuleBasedStateMachine):
         assert leases == {m.key: m.lease for m in self.live.values() if m.lease is not None}
         dues = [m.lease for m in self.live.values() if m.lease is not None]
         dues += [
-            m.wait
+            m.look if m.state is S.AWAITING and m.reg is not None else m.wait
             for m in self.live.values()
             if m.state in (S.AWAITING, S.STREAMING) and m.wait is not None
         ]
@@ -2125,7 +2221,16 @@ class SenderModel(RuleBasedStateMachine):
                 self.expect.append(("push_done", agent, d, tomb.code))
             elif tomb is None:
                 wait = self.now + REG
-                self.live[base] = MReq(base, key, S.AWAITING, agent=agent, reg=msg, wait=wait)
+                self.live[base] = MReq(
+                    base,
+                    key,
+                    S.AWAITING,
+                    agent=agent,
+                    reg=msg,
+                    wait=wait,
+                    heard=self.now,
+                    look=min(wait, self.now + LEASE),
+                )
         elif m.agent and m.agent != agent:
             self.expect.append(("push_done", agent, d, AUTH))  # bound to another peer
         elif m.state is S.HELD:
@@ -2133,7 +2238,9 @@ class SenderModel(RuleBasedStateMachine):
             self._match(m)
         elif m.reg != msg:
             self.expect.append(("push_done", agent, d, INVALID))  # a duplicate
-        # (the same registration again from its D: a repeat, ignored)
+        elif m.state is S.AWAITING:
+            m.heard = self.now  # a repeat from its D: it still waits
+        # (the same registration again from its D in another state: a repeat, ignored)
         self._run(RegistrationArrived(agent, msg))
 
     @rule(
@@ -2224,7 +2331,10 @@ class SenderModel(RuleBasedStateMachine):
         bases = [self._base(x, False) for x in letters]
         for b in bases:
             m = self.live.get(b)
-            if m is not None and m.lease is not None:
+            if m is not None and m.state is S.AWAITING and m.reg is not None:
+                if m.agent == agent:
+                    m.heard = self.now  # D still waits for its registration
+            elif m is not None and m.lease is not None:
                 if not m.agent:
                     m.agent = agent  # the first peer to speak for a lease holds it
                 if m.agent == agent:
@@ -2420,6 +2530,9 @@ class SenderModel(RuleBasedStateMachine):
         if generation == 0:
             self.epoch += 1
             self.stalls += 1
+            for m in self.live.values():  # nobody was heard while we were stalled
+                if m.state is S.AWAITING and m.reg is not None:
+                    m.heard = self.now
             self._run(Stalled())
             return
         self.region_changes += 1

@@ -258,6 +258,43 @@ def test_p_daemon_restarted_by_systemd_fails_d_push_requests_within_5s(
     assert pd2.proc.poll() is None
 
 
+def test_registrations_of_a_d_daemon_killed_for_good_end_a_lease_after_its_last_beat(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """D's daemon is SIGKILLed (and not restarted) while its push registrations wait at
+    P for P's engine to finish the requests. Nothing will cancel them and no new D
+    incarnation will show up: P ends them a lease after D's last heartbeat (not at its
+    480 s registration timeout), and P's engine finishing them afterwards gets SendFailed
+    at once, its blocks back, with no lease left behind."""
+    lease = {"transfer": {"kv_lease_duration": 3.0}}
+    pd, dd = daemons("kvd-p", overrides=lease), daemons("kvd-d", overrides=lease)
+    p, d = engine(pd, "prefill"), engine(dd, "decode")
+    engines.append(p)  # D's engine goes with its daemon (its client would wait for it)
+    waiting = [rid_pair(f"orphan{i}") for i in range(3)]
+    for i, (_, p_id, d_id) in enumerate(waiting):
+        d.client.track(d_id, HOST, pd.side_port, remote_request_id=p_id)
+        d.client.register_push(d_id, [i], HOST, pd.side_port, remote_request_id=p_id)
+    wait_until(
+        lambda: p.client.status()["sender"]["pending_registrations"] == 3, 5.0, "registrations"
+    )
+    dd.kill()
+    t_kill = time.monotonic()
+    wait_until(
+        lambda: p.client.status()["sender"]["pending_registrations"] == 0, 10.0, "P ending them"
+    )
+    assert time.monotonic() - t_kill < 3.0 + 2.0  # a lease after the last beat, and a turn
+    assert counter(p, "registrations_abandoned") == 3
+    p_ev = Events(p.client)
+    for i, (_, p_id, _) in enumerate(waiting):
+        p.client.finished(p_id, [10 + i])
+    got = p_ev.wait([p_id for _, p_id, _ in waiting], 5.0)
+    assert all(isinstance(e, wire.SendFailed) for e in got.values()), got
+    assert p_leases(p) == set()
+    d.client.timeout = 1.0
+    with contextlib.suppress(Exception):
+        d.close()
+
+
 def test_pull_naming_a_dead_incarnation_fails_before_reading(
     daemons: StartDaemon, engines: list[Engine]
 ) -> None:
