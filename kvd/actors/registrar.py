@@ -6,6 +6,14 @@
   the two ends of a transfer); one without is refused, so no region is exempt from the
   transfer actors' compat check. Before a region is unmapped, peers are told to drop it (side
   channel, with a reply) and transfers touching it drain; only then is it deregistered.
+  A region dropped because its session ended or its client asked is dropped in the
+  background (`dropping`): it leaves our actors' view and the handshakes at once, and the
+  registrar goes on serving meanwhile. Waiting there for a slow peer's reply would hold
+  up every registration and handshake of the daemon for up to `handshake_timeout` per
+  region, and two daemons dropping regions at the same moment (an engine pair exiting
+  together) would each wait for the other's reply until it timed out: the peer's side
+  channel answers a drop notice only once its registrar has taken it in. A region of the
+  same shared-memory segment registered again waits for the drop of the old one.
 - Peers: one handshake per peer daemon (not per rank), cached; concurrent requests for
   the same peer wait on one handshake and all get its result; a failure is reported to
   every waiter and not cached. Optional HMAC authentication with a shared secret.
@@ -142,6 +150,21 @@ class _CreatorsGone:
     names: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class _SessionDropped:
+    """The registrar to itself: every region of the closed session is gone."""
+
+    closed: SessionClosed
+    segments: tuple[str, ...]
+    """Its shared-memory segments (to judge as leftovers if its client went away)."""
+
+
+async def _answer_when_set(req: ClientRequest, done: anyio.Event) -> None:
+    """A client's deregistration is answered once its region is gone."""
+    await done.wait()
+    req.resolve(wire.Ok())
+
+
 def canary_pattern(agent_name: str, nbytes: int = CANARY_BYTES) -> bytes:
     """The bytes a daemon's canary holds: derived from its agent name, so a reader can check."""
     return random.Random(f"kvd-canary:{agent_name}").randbytes(nbytes)
@@ -165,6 +188,16 @@ class _Region:
     nixl_md: bytes
     base_addr: int
     nbytes: int
+
+
+@dataclass
+class _Dropping:
+    """A region being dropped: out of `regions`, not yet deregistered."""
+
+    region: _Region
+    done: anyio.Event = field(default_factory=anyio.Event)
+    started: bool = False
+    """A drop of it is under way (the background one, or shutdown's after it was cut)."""
 
 
 @dataclass
@@ -259,6 +292,8 @@ class Registrar:
         self.reap_leftovers = reap_leftovers
         self.trace = trace
         self.regions: dict[int, _Region] = {}
+        self.dropping: dict[int, _Dropping] = {}
+        """Regions being dropped in the background (`_begin_drop`)."""
         self.retired: dict[int, _Retired] = {}
         """Dropped regions whose addresses are kept for late bytes (`_retire`)."""
         self._retired_wake = anyio.Event()
@@ -424,7 +459,9 @@ class Registrar:
     async def cleanup(self) -> None:
         """Shielded shutdown: tell peers, deregister everything, retire the regions (the
         process's end unmaps them)."""
-        for rid in list(self.regions):
+        for d in self.dropping.values():
+            d.started = False  # its background drop was cut short with the rest
+        for rid in [*self.dropping, *self.regions]:
             try:
                 await self._drop_region(rid, notify_peers=True, drain=False, notify_timeout=1.0)
             except Exception as exc:
@@ -473,19 +510,26 @@ class Registrar:
             assert self._tg is not None
             self._tg.start_soon(self._trace_request, msg)
         elif isinstance(msg, SessionClosed):
+            drops: list[anyio.Event] = []
             segments = []
             for rid, r in list(self.regions.items()):
                 if r.view.session == msg.session:
                     log.info("region_released_with_session", region_id=rid, session=msg.session)
-                    await self._drop_region(rid, notify_peers=True, drain=True)
+                    done = self._begin_drop(rid)
+                    if done is not None:
+                        drops.append(done)
                     if r.view.mem_type == "DRAM":
                         segments.append(r.view.name)
-            msg.resolve(None)
-            if segments and msg.client_gone and self.reap_leftovers:
+            assert self._tg is not None
+            self._tg.start_soon(self._session_dropped, msg, drops, tuple(segments))
+        elif isinstance(msg, _SessionDropped):
+            c = msg.closed
+            c.resolve(None)
+            if msg.segments and c.client_gone and self.reap_leftovers:
                 # Retired now (a decoy took their place): our mapping no longer keeps
                 # them. Awaited: no registration of ours can map one of them while they
                 # are judged.
-                await self._reap(segments, "session_end", msg.session)
+                await self._reap(list(msg.segments), "session_end", c.session)
         elif isinstance(msg, PeerLost):
             p = self.peers.get(msg.agent)
             if p is not None and p.dialed_us and msg.endpoint:
@@ -511,8 +555,9 @@ class Registrar:
                 r = self.regions.get(m.region_id)
                 if r is None or r.view.session != req.session:
                     raise NotFound(f"no region {m.region_id} owned by this session")
-                await self._drop_region(m.region_id, notify_peers=True, drain=True)
-                req.resolve(wire.Ok())
+                done = self._begin_drop(m.region_id)
+                assert done is not None and self._tg is not None
+                self._tg.start_soon(_answer_when_set, req, done)
             else:
                 raise TypeError(f"registrar got {type(m).__name__}")
         except KvdError as exc:
@@ -543,6 +588,10 @@ class Registrar:
                 raise InvalidRequest(
                     f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}"
                 )
+        for d in list(self.dropping.values()):
+            if d.region.view.name == m.name:  # the same memory: only once the old one went
+                with anyio.move_on_after(2 * self.handshake_timeout + 1.0):
+                    await d.done.wait()
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
         check_region(m.compat, m.layout, m.tp_size, m.tp_rank)  # a KV spec must fit the layout
         region_groups(0, m.nbytes, m.layout, m.groups, m.tp_size, m.tp_rank)  # hybrid: groups
@@ -599,12 +648,46 @@ class Registrar:
         self._publish_regions()
         return wire.RegionRegistered(rid, view.generation)
 
-    async def _drop_region(
-        self, rid: int, *, notify_peers: bool, drain: bool, notify_timeout: float | None = None
-    ) -> None:
-        r = self.regions.get(rid)
+    def _begin_drop(self, rid: int) -> anyio.Event | None:
+        """Drop region `rid` in the background (peers told, transfers drained, then
+        deregistered: `_drop_region`); it leaves our actors' view and what handshakes
+        show at once. The event is set once it is gone; None if there is no such region."""
+        d = self.dropping.get(rid)
+        if d is not None:
+            return d.done
+        r = self.regions.pop(rid, None)
         if r is None:
+            return None
+        d = self.dropping[rid] = _Dropping(r)
+        self._publish_regions()
+        assert self._tg is not None
+        self._tg.start_soon(self._drop_region, rid, True, True)
+        return d.done
+
+    async def _session_dropped(
+        self, msg: SessionClosed, drops: list[anyio.Event], segments: tuple[str, ...]
+    ) -> None:
+        """The session's regions are gone: its close is answered (and its segments judged)
+        on the registrar's own loop."""
+        for done in drops:
+            await done.wait()
+        self.mailbox.post(_SessionDropped(msg, segments))
+
+    async def _drop_region(
+        self, rid: int, notify_peers: bool, drain: bool, notify_timeout: float | None = None
+    ) -> None:
+        d = self.dropping.get(rid)
+        if d is None:
+            r0 = self.regions.pop(rid, None)
+            if r0 is None:
+                return
+            d = self.dropping[rid] = _Dropping(r0)
+            self._publish_regions()
+        elif d.started:  # under way (in the background): its end is this one's
+            await d.done.wait()
             return
+        d.started = True
+        r = d.region
         # 1. peers first: they must never address this generation again.
         if notify_peers and self.peers:
             notice = wire.RegionDropped(self.engine.name, rid, r.view.generation, time.time(), b"")
@@ -618,12 +701,12 @@ class Registrar:
         if drain:
             with anyio.move_on_after(self.handshake_timeout):
                 await self._drain_local(rid)
-        del self.regions[rid]
-        self._publish_regions()
         # 3. only now deregister, and retire its memory (late bytes may still come).
         try:
             await self.engine.deregister(r.reg)
         finally:
+            del self.dropping[rid]
+            d.done.set()
             self._retire(rid, r)
         self.counters["regions_dropped"] = self.counters.get("regions_dropped", 0) + 1
         log.info("region_dropped", region_id=rid, generation=r.view.generation)
@@ -1410,6 +1493,7 @@ class Registrar:
                 }
                 for r in self.regions.values()
             ],
+            "dropping": sorted(self.dropping),
             "peers": len(self.peers),
             "retired": [
                 {
