@@ -589,7 +589,12 @@ class Registrar:
                     f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}"
                 )
         for d in list(self.dropping.values()):
-            if d.region.view.name == m.name:  # the same memory: only once the old one went
+            v = d.region.view
+            if m.kind == "shm":
+                same = v.mem_type == "DRAM" and v.name == m.name
+            else:  # (an IPC handle is opened once per process: the rank's old one first)
+                same = v.mem_type == "VRAM" and (v.engine_id, v.tp_rank) == (m.engine_id, m.tp_rank)
+            if same:  # the same memory: only once the old one went
                 with anyio.move_on_after(2 * self.handshake_timeout + 1.0):
                     await d.done.wait()
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory

@@ -19,8 +19,9 @@ from typing import Any
 
 import pytest
 from kvd_client import wire
+from kvd_client.client import KvdClient
 
-from kvd.demo import DaemonProc, Engine, make_engine
+from kvd.demo import DEMO_COMPAT, DaemonProc, Engine, make_engine
 
 from .conftest import StartDaemon
 
@@ -135,3 +136,36 @@ def test_two_daemons_dropping_regions_at_once_do_not_wait_for_each_other(
     )
     took = time.monotonic() - t0
     assert took < TIMEOUT / 2, took
+
+
+def test_the_same_segment_registered_again_waits_for_its_old_regions_drop(
+    daemons: StartDaemon, engines: list[Engine]
+) -> None:
+    """A client's session ends while a peer is frozen; the segment it registered is
+    registered again at once by a new session (a client that lost its session and came
+    back). The same memory is never registered twice at once: the new registration
+    waits for the old region's drop, which waits for the frozen peer (or the timeout),
+    then succeeds; the region is then live under its new id."""
+    pd, dd = pair(daemons, engines)
+    p = engines[0]
+    src = engine(pd, "reused")  # owns the segment; its regions go with its session
+    seg, lay = src.regions[0], src.layout
+    before = dropped(p)
+    dd.proc.send_signal(signal.SIGSTOP)
+    thawed = threading.Timer(1.0, lambda: dd.proc.send_signal(signal.SIGCONT))
+    try:
+        src.client.close()  # the session ends; the segment stays (its owner lives on)
+        wait_until(lambda: p.client.status()["registrar"]["dropping"], 2.0, "the drop")
+        thawed.start()
+        t0 = time.monotonic()
+        with KvdClient(pd.socket, role="scheduler", engine_id="reused") as again:
+            again.register_region(seg, layout=lay, tp_rank=0, tp_size=1, compat=DEMO_COMPAT)
+            took = time.monotonic() - t0
+            assert took > 0.5, took  # it waited for the old one's drop (D thawed at 1 s)
+            assert dropped(p) == before + 1
+            regions = p.client.status()["regions"]
+            assert [r["name"] for r in regions if r["engine_id"] == "reused"] == [seg.name]
+    finally:
+        thawed.cancel()
+        dd.proc.send_signal(signal.SIGCONT)
+        seg.close()
