@@ -126,6 +126,10 @@ def status(socket: SocketOpt = None, as_json: JsonOpt = False) -> None:
             ],
         )
     )
+    dropping = (data.get("registrar") or {}).get("dropping") or []
+    if dropping:  # gone from the table above; not yet deregistered
+        ids = ", ".join(str(i) for i in dropping)
+        console.print(f"regions being dropped (peers told, transfers draining): {ids}")
     console.print(_table("peers", data["peers"], ["agent", "addr", "lease_duration", "age_s"]))
     limits = [{"name": k, **v} for k, v in data["limits"].items()]
     console.print(_table("limits", limits, ["name", "limit", "used", "peak", "refused"]))

@@ -12,6 +12,8 @@ registrar has taken it in.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -58,9 +60,11 @@ def engines() -> Iterator[list[Engine]]:
         e.close()
 
 
-def pair(daemons: StartDaemon, engines: list[Engine]) -> tuple[DaemonProc, DaemonProc]:
+def pair(
+    daemons: StartDaemon, engines: list[Engine], timeout: float = TIMEOUT
+) -> tuple[DaemonProc, DaemonProc]:
     """P and D daemons that know each other (one push went from P to D)."""
-    cfg: dict[str, Any] = {"side_channel": {"handshake_timeout": TIMEOUT}}
+    cfg: dict[str, Any] = {"side_channel": {"handshake_timeout": timeout}}
     pd, dd = daemons("kvd-p", overrides=cfg), daemons("kvd-d", overrides=cfg)
     p, d = engine(pd, "prefill"), engine(dd, "decode")
     engines += [p, d]
@@ -84,8 +88,8 @@ def test_a_frozen_peer_does_not_hold_up_registrations_while_a_region_drops(
 ) -> None:
     """D's daemon is frozen: P's drop of an exiting engine's region waits for D's reply
     (until `handshake_timeout`), but another engine registers on P meanwhile at once, and
-    P shows the region as dropping; it goes once D answers."""
-    pd, dd = pair(daemons, engines)
+    P shows the region as dropping (`kvd status` too); it goes once D answers."""
+    pd, dd = pair(daemons, engines, timeout=3 * TIMEOUT)  # (room for the CLI's start)
     p = engines[0]
     doomed = engine(pd, "doomed")
     before = dropped(p)
@@ -101,9 +105,14 @@ def test_a_frozen_peer_does_not_hold_up_registrations_while_a_region_drops(
         regions = p.client.status()["regions"]
         assert {r["engine_id"] for r in regions} == {"prefill", "newcomer"}
         assert dropped(p) == before  # D has not answered: not deregistered yet
+        (rid,) = p.client.status()["registrar"]["dropping"]
+        cli = [sys.executable, "-m", "kvd", "status", "-s", pd.socket]
+        text = subprocess.run(cli, capture_output=True, text=True, timeout=60).stdout
+        assert f"regions being dropped (peers told, transfers draining): {rid}" in text
+        assert dropped(p) == before
     finally:
         dd.proc.send_signal(signal.SIGCONT)
-    wait_until(lambda: dropped(p) == before + 1, TIMEOUT + 5.0, "the region dropped")
+    wait_until(lambda: dropped(p) == before + 1, 5.0, "the region dropped")
     assert p.client.status()["registrar"]["dropping"] == []
 
 
