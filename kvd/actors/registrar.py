@@ -159,6 +159,14 @@ class _SessionDropped:
     """Its shared-memory segments (to judge as leftovers if its client went away)."""
 
 
+@dataclass(frozen=True)
+class _AfterDrop:
+    """The registrar to itself: a registration that waited for the drop of a region
+    over the same memory (taken now, whatever became of that drop)."""
+
+    req: ClientRequest
+
+
 async def _answer_when_set(req: ClientRequest, done: anyio.Event) -> None:
     """A client's deregistration is answered once its region is gone."""
     await done.wait()
@@ -481,6 +489,8 @@ class Registrar:
     async def _dispatch(self, msg: Any) -> None:
         if isinstance(msg, ClientRequest):
             await self._client(msg)
+        elif isinstance(msg, _AfterDrop):
+            await self._client(msg.req, waited=True)
         elif isinstance(msg, _PeerSilent):
             await self._peer_silent(msg)
         elif isinstance(msg, _CreatorsGone):
@@ -546,10 +556,15 @@ class Registrar:
         else:
             raise TypeError(f"registrar got {type(msg).__name__}")
 
-    async def _client(self, req: ClientRequest) -> None:
+    async def _client(self, req: ClientRequest, *, waited: bool = False) -> None:
         m = req.msg
         try:
             if isinstance(m, wire.RegisterRegion):
+                old = None if waited else self._dropping_same(m)
+                if old is not None:  # the same memory: taken again once the old one went
+                    assert self._tg is not None
+                    self._tg.start_soon(self._after_drop, req, old.done)
+                    return
                 req.resolve(await self._register(req.session, m))
             elif isinstance(m, wire.DeregisterRegion):
                 r = self.regions.get(m.region_id)
@@ -588,15 +603,6 @@ class Registrar:
                 raise InvalidRequest(
                     f"engine {m.engine_id!r} rank {m.tp_rank} already has region {r.view.region_id}"
                 )
-        for d in list(self.dropping.values()):
-            v = d.region.view
-            if m.kind == "shm":
-                same = v.mem_type == "DRAM" and v.name == m.name
-            else:  # (an IPC handle is opened once per process: the rank's old one first)
-                same = v.mem_type == "VRAM" and (v.engine_id, v.tp_rank) == (m.engine_id, m.tp_rank)
-            if same:  # the same memory: only once the old one went
-                with anyio.move_on_after(2 * self.handshake_timeout + 1.0):
-                    await d.done.wait()
         geometry_of(0, m.nbytes, m.layout)  # validate before touching memory
         check_region(m.compat, m.layout, m.tp_size, m.tp_rank)  # a KV spec must fit the layout
         region_groups(0, m.nbytes, m.layout, m.groups, m.tp_size, m.tp_rank)  # hybrid: groups
@@ -668,6 +674,26 @@ class Registrar:
         assert self._tg is not None
         self._tg.start_soon(self._drop_region, rid, True, True)
         return d.done
+
+    def _dropping_same(self, m: wire.RegisterRegion) -> _Dropping | None:
+        """A region being dropped over the memory `m` would register (the same shm
+        segment; for CUDA IPC, the rank's region, as a handle is opened once per process):
+        peers may still write into it until they replied."""
+        for d in self.dropping.values():
+            v = d.region.view
+            if m.kind == "shm":
+                if v.mem_type == "DRAM" and v.name == m.name:
+                    return d
+            elif v.mem_type == "VRAM" and (v.engine_id, v.tp_rank) == (m.engine_id, m.tp_rank):
+                return d
+        return None
+
+    async def _after_drop(self, req: ClientRequest, done: anyio.Event) -> None:
+        """`req` again, on the registrar's loop, once the drop it waits for ended (its
+        bound: the drop's own, peers' replies and the drain)."""
+        with anyio.move_on_after(2 * self.handshake_timeout + 1.0):
+            await done.wait()
+        self.mailbox.post(_AfterDrop(req))
 
     async def _session_dropped(
         self, msg: SessionClosed, drops: list[anyio.Event], segments: tuple[str, ...]

@@ -154,27 +154,42 @@ def test_the_same_segment_registered_again_waits_for_its_old_regions_drop(
     registered again at once by a new session (a client that lost its session and came
     back). The same memory is never registered twice at once: the new registration
     waits for the old region's drop, which waits for the frozen peer (or the timeout),
-    then succeeds; the region is then live under its new id."""
+    then succeeds; the region is then live under its new id. Meanwhile the registrar
+    serves others: another engine registers at once."""
     pd, dd = pair(daemons, engines)
     p = engines[0]
     src = engine(pd, "reused")  # owns the segment; its regions go with its session
     seg, lay = src.regions[0], src.layout
     before = dropped(p)
+    again = KvdClient(pd.socket, role="scheduler", engine_id="reused")
+    took: list[float] = []
+
+    def register_again() -> None:
+        t0 = time.monotonic()
+        again.register_region(seg, layout=lay, tp_rank=0, tp_size=1, compat=DEMO_COMPAT)
+        took.append(time.monotonic() - t0)
+
+    taker = threading.Thread(target=register_again)
     dd.proc.send_signal(signal.SIGSTOP)
-    thawed = threading.Timer(1.0, lambda: dd.proc.send_signal(signal.SIGCONT))
     try:
         src.client.close()  # the session ends; the segment stays (its owner lives on)
         wait_until(lambda: p.client.status()["registrar"]["dropping"], 2.0, "the drop")
-        thawed.start()
+        again.connect()
+        taker.start()
+        time.sleep(0.3)  # its registration waits behind the drop
+        assert took == []
         t0 = time.monotonic()
-        with KvdClient(pd.socket, role="scheduler", engine_id="reused") as again:
-            again.register_region(seg, layout=lay, tp_rank=0, tp_size=1, compat=DEMO_COMPAT)
-            took = time.monotonic() - t0
-            assert took > 0.5, took  # it waited for the old one's drop (D thawed at 1 s)
-            assert dropped(p) == before + 1
-            regions = p.client.status()["regions"]
-            assert [r["name"] for r in regions if r["engine_id"] == "reused"] == [seg.name]
+        engines.append(engine(pd, "bystander"))
+        assert time.monotonic() - t0 < TIMEOUT / 2
+        assert took == [] and dropped(p) == before
+        dd.proc.send_signal(signal.SIGCONT)  # D answers: the drop ends, then the registration
+        taker.join(TIMEOUT + 5.0)
+        assert len(took) == 1 and took[0] > 0.3, took
+        assert dropped(p) == before + 1
+        regions = p.client.status()["regions"]
+        assert [r["name"] for r in regions if r["engine_id"] == "reused"] == [seg.name]
     finally:
-        thawed.cancel()
         dd.proc.send_signal(signal.SIGCONT)
+        taker.join(TIMEOUT + 5.0)
+        again.close()
         seg.close()
