@@ -280,9 +280,9 @@ def test_registrations_of_a_d_daemon_killed_for_good_end_a_lease_after_its_last_
     dd.kill()
     t_kill = time.monotonic()
     wait_until(
-        lambda: p.client.status()["sender"]["pending_registrations"] == 0, 10.0, "P ending them"
+        lambda: p.client.status()["sender"]["pending_registrations"] == 0, 15.0, "P ending them"
     )
-    assert time.monotonic() - t_kill < 3.0 + 2.0  # a lease after the last beat, and a turn
+    assert time.monotonic() - t_kill < 3.0 + 4.0  # a lease after the last beat (not 480 s)
     assert counter(p, "registrations_abandoned") == 3
     p_ev = Events(p.client)
     for i, (_, p_id, _) in enumerate(waiting):
