@@ -735,6 +735,12 @@ class Registrar:
         # 3. only now deregister, and retire its memory (late bytes may still come).
         try:
             await self.engine.deregister(r.reg)
+        except KvdError as exc:
+            # Retired all the same: peers were told and our transfers drained, and what
+            # NIXL may still hold registered then points at the decoy. One region's
+            # failure must not take the daemon down (this runs in the registrar's tasks).
+            self._count("regions_deregister_failed")
+            log.error("region_deregister_failed", region_id=rid, error=exc.message)
         finally:
             del self.dropping[rid]
             d.done.set()
