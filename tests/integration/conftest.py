@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +27,32 @@ from typing import Any
 
 import pytest
 
-from kvd.demo import DaemonProc, start_daemon
+from kvd.demo import DaemonProc, Engine, start_daemon
 
 StartDaemon = Callable[..., DaemonProc]
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    """`pred()`'s first true value within `timeout` seconds (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    """Simulated engines a test made (append them): closed at teardown, before the
+    daemons stop."""
+    made: list[Engine] = []
+    yield made
+    for e in made:
+        e.client.timeout = 2.0
+        e.close()
 
 
 @pytest.fixture

@@ -9,9 +9,6 @@ D's request fails naming both values, and P's lease ends (by expiry: D never tel
 from __future__ import annotations
 
 import secrets
-import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +20,7 @@ from kvd_client.shm import SharedRegion, unique_name
 
 from kvd.demo import Engine, make_engine, pattern
 
-from .conftest import StartDaemon
+from .conftest import StartDaemon, wait_until
 
 HOST = "127.0.0.1"
 SENTINEL = 0xA5
@@ -45,17 +42,6 @@ def compat_of(model: str) -> str:
 
 P_COMPAT = compat_of("org/model-a")
 D_COMPAT = compat_of("org/model-b")
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
-        time.sleep(0.02)
 
 
 def wait_terminal(client: KvdClient, rid: str, kinds: tuple[type, ...], timeout: float) -> Event:

@@ -16,16 +16,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import pytest
 from kvd_client import wire
 from kvd_client.client import KvdClient
 
 from kvd.demo import DEMO_COMPAT, DaemonProc, Engine, make_engine
 
-from .conftest import StartDaemon
+from .conftest import StartDaemon, wait_until
 
 HOST = "127.0.0.1"
 TIMEOUT = 4.0
@@ -36,28 +34,8 @@ def engine(d: DaemonProc, name: str, tp: int = 1) -> Engine:
     return make_engine(d.socket, name, num_blocks=16, num_layers=2, chunk_bytes=4096, tp=tp)
 
 
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def dropped(e: Engine) -> int:
     return int(e.client.status()["counters"].get("regions_dropped", 0))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.client.timeout = 2.0
-        e.close()
 
 
 def pair(

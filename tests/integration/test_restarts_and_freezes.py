@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from kvd import cpulimit
 from kvd.cpulimit import CpuLimit
 from kvd.demo import DaemonProc, Engine, make_engine, pattern
 
-from .conftest import StartDaemon
+from .conftest import StartDaemon, wait_until
 from .ports import restart_port
 from .traffic import Traffic, judged_gone
 
@@ -56,15 +56,6 @@ def remove_segments_of(pid: int) -> None:
 
 def counter(eng: Engine, key: str) -> int:
     return int(eng.client.status()["counters"].get(key, 0))
-
-
-@pytest.fixture
-def engines() -> Iterator[list[Engine]]:
-    made: list[Engine] = []
-    yield made
-    for e in made:
-        e.client.timeout = 2.0
-        e.close()
 
 
 # ------------------------------------------------------------------ item 1: P daemon frozen
@@ -149,17 +140,6 @@ class Events:
 
     def when(self, rid: str) -> float:
         return self.seen[rid][0]
-
-
-def wait_until(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {got!r})")
-        time.sleep(0.02)
 
 
 def d_holds(eng: Engine) -> tuple[int, int]:
