@@ -666,14 +666,21 @@ class Registrar:
         d = self.dropping.get(rid)
         if d is not None:
             return d.done
+        d = self._take(rid)
+        if d is None:
+            return None
+        assert self._tg is not None
+        self._tg.start_soon(self._drop_region, rid, True, True)
+        return d.done
+
+    def _take(self, rid: int) -> _Dropping | None:
+        """Region `rid` out of `regions` and our actors' view, into `dropping`."""
         r = self.regions.pop(rid, None)
         if r is None:
             return None
         d = self.dropping[rid] = _Dropping(r)
         self._publish_regions()
-        assert self._tg is not None
-        self._tg.start_soon(self._drop_region, rid, True, True)
-        return d.done
+        return d
 
     def _dropping_same(self, m: wire.RegisterRegion) -> _Dropping | None:
         """A region being dropped over the memory `m` would register (the same shm
@@ -707,14 +714,10 @@ class Registrar:
     async def _drop_region(
         self, rid: int, notify_peers: bool, drain: bool, notify_timeout: float | None = None
     ) -> None:
-        d = self.dropping.get(rid)
+        d = self.dropping.get(rid) or self._take(rid)
         if d is None:
-            r0 = self.regions.pop(rid, None)
-            if r0 is None:
-                return
-            d = self.dropping[rid] = _Dropping(r0)
-            self._publish_regions()
-        elif d.started:  # under way (in the background): its end is this one's
+            return
+        if d.started:  # under way (in the background): its end is this one's
             await d.done.wait()
             return
         d.started = True
